@@ -1,0 +1,1677 @@
+#!/usr/bin/env python3
+"""oharness-sync: a self-hosted sync server for OHarness, in one file.
+
+OHarness clients mirror session transcripts, artifact revisions and session
+metadata to a sync server (session sync: an append-only feed per owner and
+project, with push, pull and long-poll), and reconcile Markdown memory notes
+through it (memory sync: a manifest with compare-and-swap on ETags).
+This module speaks protocol version 1, as used by OHarness 0.5.x, and needs
+nothing but Python 3.9 or newer and its standard library.
+
+Usage:
+    python3 oharness_sync.py --data DIR [--host 127.0.0.1] [--port 8787] ...
+    python3 oharness_sync.py token issue  --data DIR --principal ID [--team ID]...
+    python3 oharness_sync.py token list   --data DIR
+    python3 oharness_sync.py token revoke --data DIR TOKEN_ID
+
+The module reads top-down: constants and limits; errors; pure validation and
+hashing; authentication; storage (feeds, tokens); the HTTP layer; the command
+line; main.
+"""
+
+import argparse
+import array
+import errno
+import hashlib
+import hmac
+import http.server
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+import urllib.parse
+import zlib
+
+try:
+    import fcntl
+except ImportError:  # Windows: the data-dir lock falls back to msvcrt
+    fcntl = None
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
+
+__version__ = "0.1.0"
+
+# ---------------------------------------------------------------------------
+# Constants and limits
+# ---------------------------------------------------------------------------
+
+PROTOCOL_VERSION = 1
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8787
+
+MAX_SAFE_INTEGER = 2 ** 53 - 1
+MAX_ENTRY_ID_LENGTH = 1024          # a record's session and id strings
+MAX_JSON_DEPTH = 200                # deeper request JSON is refused with 400
+
+MAX_PUSH_BYTES = 8 * 1024 * 1024
+MAX_PUSH_RECORDS = 500
+MAX_PUSH_SESSIONS = 500
+MAX_PULL_LIMIT = 500
+MAX_WAIT_SECONDS = 30
+
+REQUEST_SECONDS = 30.0              # headers and body of one request, in total
+IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed
+SEND_SECONDS = 30.0                 # one answer must leave within this time
+DEFAULT_MAX_CONNECTIONS = 2000
+LISTEN_BACKLOG = 512
+THREAD_STACK_BYTES = 512 * 1024     # a thousand parked long-polls fit a 32-bit Pi
+TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
+
+LOCAL_TOKEN_PREFIX = "ohs_"
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+class ApiError(Exception):
+    """An answer other than 200 for a session route: a status and a short text."""
+
+    def __init__(self, status, text, headers=()):
+        super().__init__(text)
+        self.status = status
+        self.text = text
+        self.headers = list(headers)
+
+    def payload(self):
+        return {"error": self.text}
+
+
+class BadRequest(ApiError):
+    def __init__(self, text):
+        super().__init__(400, text)
+
+
+class TooLarge(ApiError):
+    def __init__(self, text):
+        super().__init__(413, text)
+
+
+class AuthError(Exception):
+    """The bearer token is missing, malformed, unknown, expired or badly signed (answers 401)."""
+
+
+class AuthUnavailable(Exception):
+    """The identity service could not be asked (answers 502 auth_unavailable)."""
+
+
+class StorageError(Exception):
+    """The disk refused a write; nothing of the request was kept."""
+
+
+class FeedDamaged(Exception):
+    """A feed file has a damaged line in the middle; the feed is refused until repaired."""
+
+
+class UsageError(Exception):
+    """A command-line problem: printed as one line, exit code 2."""
+
+
+# ---------------------------------------------------------------------------
+# Validation and encoding (pure functions)
+# ---------------------------------------------------------------------------
+
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+RESERVED_IDS = frozenset({"__proto__", "constructor", "prototype"})
+
+
+def is_valid_id(value):
+    """True for an id the protocol allows: [A-Za-z0-9_-]{1,128}, not a JavaScript prototype name."""
+    return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None and value not in RESERVED_IDS
+
+
+def as_safe_int(value):
+    """The value as a non-negative safe integer, or None.
+
+    Booleans are not numbers; an integral float such as 12.0 counts as 12.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        if not value.is_integer():
+            return None
+        value = int(value)
+    if isinstance(value, int) and 0 <= value <= MAX_SAFE_INTEGER:
+        return value
+    return None
+
+
+def is_entry_id(value):
+    """A record's session or id: a non-empty string of at most 1024 characters."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_ENTRY_ID_LENGTH
+
+
+def _refuse_constant(name):
+    raise ValueError("%s is not JSON" % name)
+
+
+def _finite_float(text):
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError("number out of range")
+    return value
+
+
+_ESCAPED_QUOTE_OR_BACKSLASH = re.compile(r'\\[\\"]')
+_JSON_STRING = re.compile(r'"[^"]*"')
+_NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_too_deep(text, limit=MAX_JSON_DEPTH):
+    """True when arrays and objects in text nest deeper than limit.
+
+    Checked before json.loads, whose C parser recurses on a small thread stack.
+    """
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    brackets = _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", _ESCAPED_QUOTE_OR_BACKSLASH.sub("", text)))
+    depth = 0
+    for char in brackets:
+        depth += 1 if char in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+def decode_json(data):
+    """Parse request bytes as strict JSON (UTF-8, no NaN or Infinity, bounded nesting).
+
+    Raises ValueError with a short reason.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("body is not valid UTF-8") from None
+    if json_too_deep(text):
+        raise ValueError("JSON is nested too deeply")
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError):
+        raise ValueError("body is not valid JSON") from None
+
+
+def encode_json(value):
+    """Compact JSON as UTF-8 bytes; lone surrogates are written as \\uXXXX escapes."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+def record_key(session, record_id):
+    """The dedupe key of a record: 128 bits of BLAKE2b over (session, id), as an int.
+
+    A compact int instead of the two strings keeps a million keys in about 85 MB.
+    """
+    material = json.dumps([session, record_id]).encode("ascii")
+    return int.from_bytes(hashlib.blake2b(material, digest_size=16).digest(), "big")
+
+
+def metadata_wins(new_stamp, old_stamp):
+    """Last-writer-wins on (gen, updatedAt): a higher gen wins, then a higher updatedAt."""
+    return old_stamp is None or new_stamp > old_stamp
+
+
+class PushRecord:
+    """A validated record: its dedupe key and its canonical JSON bytes."""
+    __slots__ = ("key", "event")
+
+    def __init__(self, key, event):
+        self.key = key
+        self.event = event
+
+
+class PushSession:
+    """Validated session metadata: its id, (gen, updatedAt) and canonical JSON bytes."""
+    __slots__ = ("session_id", "stamp", "event")
+
+    def __init__(self, session_id, stamp, event):
+        self.session_id = session_id
+        self.stamp = stamp
+        self.event = event
+
+
+class PushRequest:
+    """A whole validated push: project, team (or None), records and session entries."""
+    __slots__ = ("project", "team", "records", "sessions")
+
+    def __init__(self, project, team, records, sessions):
+        self.project = project
+        self.team = team
+        self.records = records
+        self.sessions = sessions
+
+
+def _entry_list(doc, name, limit):
+    entries = doc.get(name)
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise BadRequest("%s must be an array" % name)
+    if len(entries) > limit:
+        raise TooLarge("more than %d %s in one push" % (limit, name))
+    return entries
+
+
+def validate_record(record, index):
+    """Check one pushed record; return a PushRecord with exactly the protocol's fields."""
+    where = "records[%d]" % index
+    if not isinstance(record, dict):
+        raise BadRequest("%s is not an object" % where)
+    session, record_id, device = record.get("session"), record.get("id"), record.get("device")
+    if not is_entry_id(session):
+        raise BadRequest("%s.session must be a non-empty string of at most %d characters" % (where, MAX_ENTRY_ID_LENGTH))
+    if not is_entry_id(record_id):
+        raise BadRequest("%s.id must be a non-empty string of at most %d characters" % (where, MAX_ENTRY_ID_LENGTH))
+    if not isinstance(device, str):
+        raise BadRequest("%s.device must be a string" % where)
+    seq, at = as_safe_int(record.get("seq")), as_safe_int(record.get("at"))
+    if seq is None:
+        raise BadRequest("%s.seq must be a non-negative safe integer" % where)
+    if at is None:
+        raise BadRequest("%s.at must be a non-negative safe integer" % where)
+    if "body" not in record:
+        raise BadRequest("%s.body is missing" % where)
+    event = {"session": session, "id": record_id, "seq": seq, "device": device, "at": at, "body": record["body"]}
+    return PushRecord(record_key(session, record_id), encode_json(event))
+
+
+def validate_session_entry(entry, index):
+    """Check one session metadata entry; return a PushSession with exactly the pushed fields."""
+    where = "sessions[%d]" % index
+    if not isinstance(entry, dict):
+        raise BadRequest("%s is not an object" % where)
+    session_id = entry.get("id")
+    if not isinstance(session_id, str) or not session_id:
+        raise BadRequest("%s.id must be a non-empty string" % where)
+    gen, updated_at = as_safe_int(entry.get("gen")), as_safe_int(entry.get("updatedAt"))
+    if gen is None:
+        raise BadRequest("%s.gen must be a non-negative safe integer" % where)
+    if updated_at is None:
+        raise BadRequest("%s.updatedAt must be a non-negative safe integer" % where)
+    event = {"id": session_id, "gen": gen, "updatedAt": updated_at}
+    if "deleted" in entry:
+        if not isinstance(entry["deleted"], bool):
+            raise BadRequest("%s.deleted must be a boolean" % where)
+        event["deleted"] = entry["deleted"]
+    if "body" in entry:
+        event["body"] = entry["body"]
+    return PushSession(session_id, (gen, updated_at), encode_json(event))
+
+
+def validate_push(doc):
+    """Check a whole push body before anything is written; return a PushRequest.
+
+    Unknown fields are ignored, a top-level device included.
+    """
+    if not isinstance(doc, dict):
+        raise BadRequest("body must be a JSON object")
+    project = doc.get("project")
+    if not is_valid_id(project):
+        raise BadRequest("project must be an id of 1 to 128 characters [A-Za-z0-9_-]")
+    team = doc.get("team")
+    if team is not None and not isinstance(team, str):
+        raise BadRequest("team must be a string")
+    records = _entry_list(doc, "records", MAX_PUSH_RECORDS)
+    sessions = _entry_list(doc, "sessions", MAX_PUSH_SESSIONS)
+    return PushRequest(
+        project, team,
+        [validate_record(record, i) for i, record in enumerate(records)],
+        [validate_session_entry(entry, i) for i, entry in enumerate(sessions)],
+    )
+
+
+_DECIMAL = re.compile(r"[0-9]+")
+_SIGNED_DECIMAL = re.compile(r"-?[0-9]+")
+
+
+def parse_cursor(text):
+    """The `since` query value: a decimal non-negative safe integer; missing means 0."""
+    if text is None:
+        return 0
+    if not _DECIMAL.fullmatch(text) or len(text) > 16 or int(text) > MAX_SAFE_INTEGER:
+        raise BadRequest("since must be a non-negative integer cursor")
+    return int(text)
+
+
+def parse_clamped(text, name, low, high, default):
+    """An integer query value clamped to low..high; missing gives default, a non-integer 400."""
+    if text is None:
+        return default
+    if not _SIGNED_DECIMAL.fullmatch(text):
+        raise BadRequest("%s must be an integer" % name)
+    if len(text) > 18:  # far outside any range: clamp by sign without converting
+        return low if text.startswith("-") else high
+    return max(low, min(high, int(text)))
+
+
+def encode_name(value):
+    """A file name for an id, reversible and safe on case-insensitive disks.
+
+    Lower-case letters, digits and '-' stay; '_' becomes '__' and an upper-case
+    letter X becomes '_x', so 'Alice' and 'alice' stay two different files.
+    """
+    out = []
+    for char in value:
+        if char == "_":
+            out.append("__")
+        elif "A" <= char <= "Z":
+            out.append("_" + char.lower())
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def decode_name(name):
+    """The id that encode_name turned into name."""
+    out, i = [], 0
+    while i < len(name):
+        char = name[i]
+        if char == "_" and i + 1 < len(name):
+            nxt = name[i + 1]
+            out.append("_" if nxt == "_" else nxt.upper())
+            i += 2
+        else:
+            out.append(char)
+            i += 1
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------
+# Authentication: one small verifier per token kind
+# ---------------------------------------------------------------------------
+
+class Identity:
+    """Who a verified token speaks for: a principal id, its teams, and whether it is anonymous."""
+    __slots__ = ("principal", "teams", "anonymous")
+
+    def __init__(self, principal, teams=(), anonymous=False):
+        self.principal = principal
+        self.teams = frozenset(teams)
+        self.anonymous = anonymous
+
+    def __eq__(self, other):
+        return isinstance(other, Identity) and (self.principal, self.teams, self.anonymous) == (
+            other.principal, other.teams, other.anonymous)
+
+    def __repr__(self):
+        return "Identity(%r, %r, %r)" % (self.principal, sorted(self.teams), self.anonymous)
+
+
+_BEARER = re.compile(r"Bearer +([\x21-\x7e]+) *", re.IGNORECASE)
+
+
+def bearer_token(header):
+    """The token of an `Authorization: Bearer <token>` header; AuthError when there is none."""
+    match = _BEARER.fullmatch(header or "")
+    if match is None:
+        raise AuthError("missing or malformed bearer token")
+    return match.group(1)
+
+
+def token_hash(token):
+    """Lowercase hex SHA-256 of a token: the only form in which tokens are stored."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def split_local_token(token):
+    """(token id, whole token) of a local token `ohs_<12 hex id>_<secret>`, or None."""
+    if not token.startswith(LOCAL_TOKEN_PREFIX):
+        return None
+    token_id, sep, secret = token[len(LOCAL_TOKEN_PREFIX):].partition("_")
+    if not sep or not re.fullmatch(r"[0-9a-f]{12}", token_id) or len(secret) < 16:
+        return None
+    return token_id
+
+
+class LocalTokenVerifier:
+    """Verifies opaque tokens issued by `token issue` against the hashed token file.
+
+    The file is looked at (one stat) at most once a second, so a running server
+    honours new and revoked tokens without a restart. A file that cannot be read
+    or parsed keeps the last good set in force: a 401 must never be spurious.
+    """
+
+    def __init__(self, tokens, clock=time.time, log=None):
+        self.tokens = tokens
+        self.clock = clock
+        self.log = log or (lambda message: None)
+        self._lock = threading.Lock()
+        self._checked = float("-inf")
+        self._version = None
+        self._records = {}
+
+    def _refresh(self):
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked < TOKEN_RELOAD_SECONDS:
+                return
+            self._checked = now
+            version = self.tokens.version()
+            if version == self._version:
+                return
+            try:
+                records = self.tokens.read()
+            except (OSError, ValueError) as exc:
+                self.log("token file unreadable, keeping the previous tokens: %s" % exc)
+                return
+            self._records = {record["id"]: record for record in records}
+            self._version = version
+
+    def verify(self, token):
+        token_id = split_local_token(token)
+        if token_id is None:
+            raise AuthError("unknown token")
+        self._refresh()
+        record = self._records.get(token_id)
+        presented = token_hash(token)
+        stored = record["hash"] if record else "0" * 64
+        if not hmac.compare_digest(presented, stored) or record is None:
+            raise AuthError("unknown or revoked token")
+        expires = record.get("expires")
+        if expires is not None and self.clock() * 1000 >= expires:
+            raise AuthError("token expired")
+        return Identity(record["principal"], record.get("teams", ()))
+
+
+class Authenticator:
+    """Chooses the verifier for a bearer token by its kind.
+
+    Local tokens start with `ohs_`; JWTs have three dot-separated parts.
+    """
+
+    def __init__(self, local, jwt=None):
+        self.local = local
+        self.jwt = jwt
+
+    def identify(self, header):
+        """The Identity for an Authorization header; AuthError for any unusable token."""
+        token = bearer_token(header)
+        if token.startswith(LOCAL_TOKEN_PREFIX):
+            return self.local.verify(token)
+        if self.jwt is not None and token.count(".") == 2:
+            return self.jwt.verify(token)
+        raise AuthError("unknown token")
+
+
+# ---------------------------------------------------------------------------
+# Storage: files, the data-dir lock, tokens
+# ---------------------------------------------------------------------------
+
+def sync_file(fd):
+    """Make the bytes written to fd durable (fdatasync where there is one)."""
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+    else:
+        os.fsync(fd)
+
+
+def sync_dir(path):
+    """Make a directory's entries (a new or renamed file) durable; a no-op where unsupported."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path):
+    """Create path and its missing parents, syncing each parent so the new entries survive a crash."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
+        sync_dir(os.path.dirname(directory))
+
+
+def write_all(fd, data):
+    """os.write until every byte is written."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def write_atomically(path, data):
+    """Replace path with data: temporary file, fsync, rename, fsync of the directory."""
+    directory = os.path.dirname(path)
+    temporary = "%s.tmp-%s" % (path, secrets.token_hex(4))
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            write_all(fd, data)
+            sync_file(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    sync_dir(directory)
+
+
+def lock_exclusively(fd):
+    """Take an exclusive lock on an open file without waiting; False when another process holds it."""
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:  # pragma: no cover - Windows
+            import msvcrt
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+    except OSError:
+        return False
+    return True
+
+
+class DataDirLock:
+    """One server per data directory: an exclusive lock on DIR/server.lock, held while serving."""
+
+    def __init__(self, data_dir):
+        self.path = os.path.join(data_dir, "server.lock")
+        self.fd = None
+
+    def acquire(self):
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        if not lock_exclusively(fd):
+            os.close(fd)
+            raise UsageError("another oharness-sync server is already using %s" % os.path.dirname(self.path))
+        os.ftruncate(fd, 0)
+        os.write(fd, b"%d\n" % os.getpid())
+        self.fd = fd
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class TokenStore:
+    """Local opaque tokens, kept in DIR/tokens.json only as SHA-256 hashes.
+
+    Each record: id (12 hex, not secret), hash, principal, teams, name, created
+    and expires (Unix ms or null). The file is replaced atomically; the command
+    line serialises its read-modify-write with DIR/tokens.lock.
+    """
+
+    FILE_NAME = "tokens.json"
+
+    def __init__(self, data_dir, clock=time.time):
+        self.path = os.path.join(data_dir, self.FILE_NAME)
+        self.lock_path = os.path.join(data_dir, "tokens.lock")
+        self.clock = clock
+
+    def version(self):
+        """Something that changes whenever the file is replaced: (inode, mtime, size), or None."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def read(self):
+        """All token records; [] when there is no file. ValueError when the file is damaged."""
+        try:
+            with open(self.path, "rb") as f:
+                doc = json.loads(f.read().decode("utf-8"))
+        except FileNotFoundError:
+            return []
+        records = doc.get("tokens") if isinstance(doc, dict) else None
+        if not isinstance(records, list) or not all(map(self._well_formed, records)):
+            raise ValueError("%s is not a token file" % self.path)
+        return records
+
+    @staticmethod
+    def _well_formed(record):
+        return (isinstance(record, dict)
+                and isinstance(record.get("id"), str) and re.fullmatch(r"[0-9a-f]{12}", record["id"]) is not None
+                and isinstance(record.get("hash"), str) and re.fullmatch(r"[0-9a-f]{64}", record["hash"]) is not None
+                and is_valid_id(record.get("principal"))
+                and isinstance(record.get("teams"), list) and all(map(is_valid_id, record["teams"]))
+                and (record.get("expires") is None or as_safe_int(record["expires"]) is not None))
+
+    def _update(self, change):
+        """Apply change(records) under the command-line lock and write the file atomically."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            while not lock_exclusively(fd):
+                time.sleep(0.05)
+            records = self.read()
+            result = change(records)
+            write_atomically(self.path, encode_json({"version": 1, "tokens": records}) + b"\n")
+            return result
+        finally:
+            os.close(fd)
+
+    def issue(self, principal, teams=(), name="", expires_days=None):
+        """Create a token; return (token, record). The token itself is never stored."""
+        token_id = secrets.token_hex(6)
+        token = "%s%s_%s" % (LOCAL_TOKEN_PREFIX, token_id, secrets.token_urlsafe(32))
+        now_ms = int(self.clock() * 1000)
+        record = {
+            "id": token_id, "hash": token_hash(token), "principal": principal,
+            "teams": sorted(set(teams)), "name": name, "created": now_ms,
+            "expires": None if expires_days is None else now_ms + int(expires_days * 86400000),
+        }
+        self._update(lambda records: records.append(record))
+        return token, record
+
+    def revoke(self, token_id):
+        """Remove a token by id; False when there is no such token."""
+        def change(records):
+            kept = [record for record in records if record["id"] != token_id]
+            removed = len(kept) != len(records)
+            records[:] = kept
+            return removed
+        return self._update(change)
+
+
+# ---------------------------------------------------------------------------
+# Storage: session feeds
+# ---------------------------------------------------------------------------
+#
+# One append-only file per (owner, project). Each line is one event:
+#
+#   {"n":7,"k":"r","h":"<32 hex dedupe key>","e":<record>,"c":"<crc32>"}
+#   {"n":8,"k":"s","e":<session metadata>,"c":"<crc32>"}
+#
+# n is the event number (the cursor), k the kind, e the event exactly as it is
+# answered to a pull, c the CRC-32 of every byte before `,"c":`. A pull copies
+# the bytes of e without parsing them; a start-up reads n, k and h, and parses
+# only the (few) session events.
+
+_LINE_HEAD = re.compile(rb'\{"n":([0-9]{1,16}),"k":"([rs])"(?:,"h":"([0-9a-f]{32})")?,"e":')
+_LINE_TAIL = b',"c":"'
+_TAIL_LENGTH = 17  # ,"c":"XXXXXXXX"}\n
+
+
+def feed_line(number, kind, event, key=None):
+    """One feed line for an event; kind is b"r" (record, with its key) or b"s" (session metadata)."""
+    if key is None:
+        content = b'{"n":%d,"k":"%s","e":%s' % (number, kind, event)
+    else:
+        content = b'{"n":%d,"k":"%s","h":"%032x","e":%s' % (number, kind, key, event)
+    return b'%s,"c":"%08x"}\n' % (content, zlib.crc32(content))
+
+
+def parse_feed_line(line):
+    """(number, kind, key or None, event bytes) of a feed line; ValueError when it is damaged."""
+    if not line.endswith(b'"}\n') or line[-_TAIL_LENGTH:-11] != _LINE_TAIL:
+        raise ValueError("incomplete or malformed line")
+    content = line[:-_TAIL_LENGTH]
+    checksum = line[-11:-3]
+    if re.fullmatch(rb"[0-9a-f]{8}", checksum) is None or int(checksum, 16) != zlib.crc32(content):
+        raise ValueError("checksum mismatch")
+    head = _LINE_HEAD.match(content)
+    if head is None or (head.group(2) == b"r") != (head.group(3) is not None):
+        raise ValueError("malformed line")
+    key = int(head.group(3), 16) if head.group(3) else None
+    return int(head.group(1)), head.group(2), key, content[head.end():]
+
+
+def split_events(data):
+    """The (records, sessions) event bytes of a run of whole feed lines, without parsing JSON."""
+    records, sessions = [], []
+    for line in data.split(b"\n")[:-1]:
+        event = line[line.find(b',"e":') + 5:1 - _TAIL_LENGTH]
+        if line[line.find(b',"k":"') + 6] == 0x72:  # b"r"
+            records.append(event)
+        else:
+            sessions.append(event)
+    return records, sessions
+
+
+class Page:
+    """What a pull answers: events after a cursor, split into records and sessions."""
+    __slots__ = ("cursor", "records", "sessions", "more")
+
+    def __init__(self, cursor, records=(), sessions=(), more=False):
+        self.cursor = cursor
+        self.records = records
+        self.sessions = sessions
+        self.more = more
+
+    def to_json(self):
+        return b'{"cursor":%d,"records":[%s],"sessions":[%s],"more":%s}' % (
+            self.cursor, b",".join(self.records), b",".join(self.sessions), b"true" if self.more else b"false")
+
+
+class _Batch:
+    """One push's new lines, waiting for the group commit that makes them durable."""
+    __slots__ = ("lines", "keys", "undo_meta", "state", "error")
+
+    def __init__(self):
+        self.lines = []
+        self.keys = []
+        self.undo_meta = []
+        self.state = "pending"
+        self.error = None
+
+
+class Feed:
+    """One (owner, project) feed: its file, and the index a start-up rebuilds from it.
+
+    In memory: the durable event count, each event's byte offset, the dedupe keys
+    of its records and the winning (gen, updatedAt) of each session. Pushes to a
+    feed share fsyncs (group commit): a push queues its lines, then whoever holds
+    the flush lock writes every queued line with one write and one fsync.
+    """
+
+    def __init__(self, path, log):
+        self.path = path
+        self.log = log
+        self.lock = threading.Lock()           # guards everything below
+        self.changed = threading.Condition()   # parked long-polls wait here
+        self._load_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self.loaded = False
+        self.damage = None                     # "file:line: reason" once a damaged line is found
+        self.count = 0                         # durable events, the last cursor
+        self.offsets = array.array("Q", [0])   # offsets[i]: where event i+1 starts
+        self.keys = set()
+        self.meta = {}
+        self.next_number = 1
+        self.pending = []
+        self.fd = None
+
+    # -- loading -----------------------------------------------------------
+
+    def ensure_loaded(self):
+        if not self.loaded:
+            with self._load_lock:
+                if not self.loaded and self.damage is None:
+                    self._load()
+        if self.damage is not None:
+            raise FeedDamaged(self.damage)
+
+    def _load(self):
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            self.loaded = True
+            return
+        with f:
+            offset = 0
+            for line_number, line in enumerate(f, 1):
+                try:
+                    number, kind, key, event = parse_feed_line(line)
+                    if number != self.count + 1:
+                        raise ValueError("event number %d where %d was expected" % (number, self.count + 1))
+                    if kind == b"s":
+                        session = json.loads(event)
+                        self.meta[session["id"]] = (session["gen"], session["updatedAt"])
+                    else:
+                        self.keys.add(key)
+                except (ValueError, KeyError, TypeError) as exc:
+                    if f.read(1):
+                        self.damage = "%s:%d: %s" % (self.path, line_number, exc)
+                        self.log("feed refused: %s" % self.damage)
+                        return
+                    self._cut_tail(offset, line_number)
+                    break
+                offset += len(line)
+                self.count += 1
+                self.offsets.append(offset)
+        self.next_number = self.count + 1
+        self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        self.loaded = True
+
+    def _cut_tail(self, offset, line_number):
+        """Cut a torn or damaged last line, left by a crash or power cut, off the file."""
+        with open(self.path, "r+b") as f:
+            f.truncate(offset)
+            sync_file(f.fileno())
+        self.log("cut a torn last line off %s (line %d)" % (self.path, line_number))
+
+    # -- appending ---------------------------------------------------------
+
+    def append(self, records, sessions):
+        """Add new records and winning metadata; return (cursor, accepted) once durable."""
+        self.ensure_loaded()
+        batch = _Batch()
+        with self.lock:
+            number = self.next_number
+            for record in records:
+                if record.key in self.keys:
+                    continue
+                self.keys.add(record.key)
+                batch.keys.append(record.key)
+                batch.lines.append(feed_line(number, b"r", record.event, record.key))
+                number += 1
+            for entry in sessions:
+                old = self.meta.get(entry.session_id)
+                if not metadata_wins(entry.stamp, old):
+                    continue
+                self.meta[entry.session_id] = entry.stamp
+                batch.undo_meta.append((entry.session_id, old))
+                batch.lines.append(feed_line(number, b"s", entry.event))
+                number += 1
+            self.next_number = number
+            if not batch.lines and not self.pending:
+                return self.count, 0
+            # Even an empty batch waits: what it found duplicate may still be in flight.
+            self.pending.append(batch)
+        self._commit(batch)
+        return self.count, len(batch.lines)
+
+    def _commit(self, batch):
+        with self._flush_lock:
+            if batch.state == "pending":
+                self._flush()
+        if batch.state == "failed":
+            raise StorageError(batch.error)
+
+    def _flush(self):
+        with self.lock:
+            group, self.pending = self.pending, []
+        lines = [line for queued in group for line in queued.lines]
+        try:
+            if lines:
+                self._write(b"".join(lines))
+        except OSError as exc:
+            with self.lock:
+                failed = group + self.pending
+                self.pending = []
+                self._undo(failed, "storage failure: %s" % (exc.strerror or exc))
+            self.log("push to %s failed: %s" % (self.path, exc))
+            return
+        with self.lock:
+            offset = self.offsets[-1]
+            for line in lines:
+                offset += len(line)
+                self.offsets.append(offset)
+            self.count += len(lines)
+            for queued in group:
+                queued.state = "done"
+        with self.changed:
+            self.changed.notify_all()
+
+    def _undo(self, batches, reason):
+        """Forget queued batches whose write failed, newest first; they all answer 500."""
+        for queued in reversed(batches):
+            for session_id, old in reversed(queued.undo_meta):
+                if old is None:
+                    del self.meta[session_id]
+                else:
+                    self.meta[session_id] = old
+            self.keys.difference_update(queued.keys)
+            queued.state, queued.error = "failed", reason
+        self.next_number = self.count + 1
+
+    def _write(self, data):
+        """Append data and fsync it; on failure, cut the file back to its durable end."""
+        created = self.fd is None
+        if created:
+            make_dirs(os.path.dirname(self.path))
+            self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        durable_end = self.offsets[-1]
+        try:
+            write_all(self.fd, data)
+            sync_file(self.fd)
+            if created:
+                sync_dir(os.path.dirname(self.path))
+        except OSError:
+            try:
+                os.ftruncate(self.fd, durable_end)
+                if created:
+                    os.close(self.fd)
+                    self.fd = None
+                    os.unlink(self.path)
+            except OSError as exc:
+                self.damage = "%s: a failed write could not be undone (%s); restart the server" % (self.path, exc)
+            raise
+
+    # -- reading -----------------------------------------------------------
+
+    def read(self, since, limit):
+        """The Page of at most limit events after cursor since."""
+        self.ensure_loaded()
+        with self.lock:
+            count = self.count
+            if since >= count:
+                return Page(since)
+            end = min(count, since + limit)
+            start, stop = self.offsets[since], self.offsets[end]
+            fd = self.fd
+        chunks, position = [], start
+        while position < stop:
+            chunk = os.pread(fd, stop - position, position)
+            if not chunk:
+                raise StorageError("%s is shorter than its index" % self.path)
+            chunks.append(chunk)
+            position += len(chunk)
+        records, sessions = split_events(b"".join(chunks))
+        return Page(end, records, sessions, end < count)
+
+    def wait(self, since, seconds, stopping):
+        """Sleep until an event after since is durable, stopping is set, or seconds pass."""
+        deadline = time.monotonic() + seconds
+        with self.changed:
+            while self.count <= since and not stopping.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self.changed.wait(remaining)
+
+    def wake(self):
+        with self.changed:
+            self.changed.notify_all()
+
+
+class FeedStore:
+    """All feeds under DIR/feeds, loaded lazily on first use.
+
+    An owner is ("u", principal) for a personal feed or ("t", team) for a team
+    feed: two namespaces, so a principal and a team with one id never meet.
+    """
+
+    def __init__(self, data_dir, log=None):
+        self.root = os.path.join(data_dir, "feeds")
+        self.log = log or (lambda message: None)
+        self.stopping = threading.Event()
+        self._feeds = {}
+        self._lock = threading.Lock()
+
+    def owner_dir(self, owner):
+        kind, owner_id = owner
+        return os.path.join(self.root, "%s-%s" % (kind, encode_name(owner_id)))
+
+    def feed(self, owner, project, create=False):
+        """The Feed of (owner, project); None when it has no file and create is false.
+
+        create=True makes an in-memory feed only: its file appears with its first event.
+        """
+        path = os.path.join(self.owner_dir(owner), "p-%s.jsonl" % encode_name(project))
+        with self._lock:
+            feed = self._feeds.get(path)
+            if feed is None and (create or os.path.exists(path)):
+                feed = self._feeds[path] = Feed(path, self.log)
+            return feed
+
+    def push(self, owner, project, records, sessions):
+        """Append a validated push; (cursor, accepted). A push that adds nothing creates nothing."""
+        return self.feed(owner, project, create=True).append(records, sessions)
+
+    def pull(self, owner, project, since, limit, wait=0):
+        """A Page after since; with wait > 0 an empty answer first waits for a push."""
+        feed = self.feed(owner, project, create=wait > 0)
+        if feed is None:
+            return Page(since)
+        page = feed.read(since, limit)
+        if not page.records and not page.sessions and wait > 0 and not self.stopping.is_set():
+            feed.wait(since, wait, self.stopping)
+            page = feed.read(since, limit)
+        return page
+
+    def projects(self, owner):
+        """The sorted project ids with a non-empty feed for owner."""
+        try:
+            entries = list(os.scandir(self.owner_dir(owner)))
+        except FileNotFoundError:
+            return []
+        names = []
+        for entry in entries:
+            name = entry.name
+            if name.startswith("p-") and name.endswith(".jsonl") and entry.stat().st_size > 0:
+                names.append(decode_name(name[2:-6]))
+        return sorted(names)
+
+    def stop(self):
+        """Answer every parked long-poll now (shutdown)."""
+        self.stopping.set()
+        with self._lock:
+            feeds = list(self._feeds.values())
+        for feed in feeds:
+            feed.wake()
+
+
+# ---------------------------------------------------------------------------
+# The HTTP layer: requests and answers, the route table, the handlers
+# ---------------------------------------------------------------------------
+
+class Response:
+    """An answer: status, JSON body bytes, extra headers, and whether to close the connection."""
+    __slots__ = ("status", "body", "headers", "close")
+
+    def __init__(self, status, body, headers=(), close=False):
+        self.status = status
+        self.body = body
+        self.headers = list(headers)
+        self.close = close
+
+
+def json_response(status, value, headers=()):
+    return Response(status, encode_json(value), headers)
+
+
+class Request:
+    """What a handler sees of one HTTP request. The body is read only when asked for."""
+
+    def __init__(self, method, path, query, headers, read_body):
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.read_body = read_body  # read_body(limit, error) -> bytes; error(status, text) makes the exception
+        self.principal = None       # for the access log, once a token was verified
+
+    def param(self, name):
+        """A query parameter's value, None when absent; 400 when it is given twice."""
+        values = self.query.get(name)
+        if values is None:
+            return None
+        if len(values) > 1:
+            raise BadRequest("%s is given more than once" % name)
+        return values[0]
+
+
+def session_error(status, text):
+    return ApiError(status, text)
+
+
+class SyncApp:
+    """The protocol: routes to thin handlers that parse, call storage and answer."""
+
+    def __init__(self, feeds, auth, log=None):
+        self.feeds = feeds
+        self.auth = auth
+        self.log = log or (lambda message: None)
+
+    ROUTES = {
+        "/v1/health": {"GET": "health"},
+        "/v1/projects": {"GET": "projects"},
+        "/v1/push": {"POST": "push"},
+        "/v1/pull": {"GET": "pull"},
+    }
+
+    def handle(self, request):
+        """Route a request and turn every expected failure into its answer."""
+        methods = self.ROUTES.get(request.path)
+        if methods is None:
+            return json_response(404, {"error": "unknown route"})
+        handler = methods.get(request.method)
+        if handler is None:
+            return json_response(405, {"error": "method not allowed"}, [("Allow", ", ".join(sorted(methods)))])
+        try:
+            return getattr(self, handler)(request)
+        except ApiError as exc:
+            return json_response(exc.status, exc.payload(), exc.headers)
+        except FeedDamaged as exc:
+            self.log("refused a damaged feed: %s" % exc)
+            return json_response(500, {"error": "this feed is damaged; the server log names the file and line"})
+        except StorageError as exc:
+            self.log("storage failure: %s" % exc)
+            return json_response(500, {"error": "storage failure; nothing was stored"})
+
+    # -- session sync ------------------------------------------------------
+
+    def session_identity(self, request):
+        try:
+            identity = self.auth.identify(request.headers.get("Authorization"))
+        except AuthError as exc:
+            raise ApiError(401, str(exc), [("WWW-Authenticate", "Bearer")]) from None
+        request.principal = identity.principal
+        return identity
+
+    @staticmethod
+    def feed_owner(identity, team):
+        """The personal feed without a team; a team's feed only if the token lists it (else 403)."""
+        if team is None:
+            return ("u", identity.principal)
+        if team not in identity.teams:
+            raise ApiError(403, "this token is not a member of that team")
+        return ("t", team)
+
+    def health(self, request):
+        return Response(200, b'{"ok":true}')
+
+    def projects(self, request):
+        identity = self.session_identity(request)
+        owner = self.feed_owner(identity, request.param("team"))
+        return json_response(200, {"projects": self.feeds.projects(owner)})
+
+    def push(self, request):
+        identity = self.session_identity(request)
+        body = request.read_body(MAX_PUSH_BYTES, session_error)
+        try:
+            doc = decode_json(body)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        push = validate_push(doc)
+        owner = self.feed_owner(identity, push.team)
+        cursor, accepted = self.feeds.push(owner, push.project, push.records, push.sessions)
+        return Response(200, b'{"cursor":%d,"accepted":%d}' % (cursor, accepted))
+
+    def pull(self, request):
+        identity = self.session_identity(request)
+        project = request.param("project")
+        if not is_valid_id(project):
+            raise BadRequest("project must be an id of 1 to 128 characters [A-Za-z0-9_-]")
+        owner = self.feed_owner(identity, request.param("team"))
+        since = parse_cursor(request.param("since"))
+        limit = parse_clamped(request.param("limit"), "limit", 1, MAX_PULL_LIMIT, MAX_PULL_LIMIT)
+        wait = parse_clamped(request.param("wait"), "wait", 0, MAX_WAIT_SECONDS, 0)
+        page = self.feeds.pull(owner, project, since, limit, wait)
+        return Response(200, page.to_json())
+
+
+class Watchdog:
+    """Closes connections whose request has not fully arrived in time.
+
+    A per-receive socket timeout is not enough: a client sending one byte a
+    second never trips it. One thread checks every deadline twice a second.
+    """
+
+    def __init__(self, log):
+        self.log = log
+        self._deadlines = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, sock, seconds):
+        with self._lock:
+            self._deadlines[sock] = time.monotonic() + seconds
+
+    def disarm(self, sock):
+        with self._lock:
+            self._deadlines.pop(sock, None)
+
+    def _run(self):
+        while not self._stopped.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                late = [sock for sock, deadline in self._deadlines.items() if deadline <= now]
+                for sock in late:
+                    del self._deadlines[sock]
+            for sock in late:
+                self.log("closed a connection whose request took longer than %d s" % REQUEST_SECONDS)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def stop(self):
+        self._stopped.set()
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request arrived."""
+
+
+class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
+    """HTTP/1.1 transport: reads one request at a time, hands it to the app, writes one answer.
+
+    Every method reaches the app (so an unknown one is a 405, never http.server's
+    501), and each answer leaves in one send with TCP_NODELAY set.
+    """
+
+    protocol_version = "HTTP/1.1"
+    server_version = "oharness-sync/" + __version__
+    disable_nagle_algorithm = True
+
+    def handle_one_request(self):
+        sock = self.connection
+        try:
+            sock.settimeout(IDLE_SECONDS)
+            if not self.rfile.peek(1):
+                self.close_connection = True
+                return
+        except OSError:
+            self.close_connection = True
+            return
+        self.server.watchdog.arm(sock, REQUEST_SECONDS)
+        try:
+            self._handle_request()
+        except (ClientGone, ConnectionError, socket.timeout):
+            self.close_connection = True
+        except OSError:
+            self.close_connection = True
+        finally:
+            self.server.watchdog.disarm(sock)
+
+    def _handle_request(self):
+        self.raw_requestline = self.rfile.readline(65537)
+        if not self.raw_requestline:
+            raise ClientGone()
+        if len(self.raw_requestline) > 65536:
+            self.requestline, self.request_version, self.command = "", "", ""
+            self.send_error(414, "request line too long")
+            return
+        if not self.parse_request():
+            return
+        started = time.monotonic()
+        self.server.begin_request()
+        try:
+            self._answer(started)
+        finally:
+            self.server.end_request()
+
+    def _answer(self, started):
+        path, _, query = self.path.partition("?")
+        self._body_pending = self._declares_body()
+        if not self._body_pending:
+            self.server.watchdog.disarm(self.connection)
+        request = Request(self.command, path, urllib.parse.parse_qs(query, keep_blank_values=True),
+                          self.headers, self._read_body)
+        try:
+            response = self.server.app.handle(request)
+        except (ClientGone, ConnectionError, socket.timeout):
+            raise
+        except Exception as exc:  # never a stack trace to the client or the log
+            self.server.log("internal error on %s %s: %s: %s" % (self.command, path, type(exc).__name__, exc))
+            response = json_response(500, {"error": "internal server error"})
+        self._send(response)
+        self.server.log_access(self.command, path, response.status, started, request.principal)
+
+    def _declares_body(self):
+        if self.headers.get("Transfer-Encoding") is not None:
+            return True
+        length = self.headers.get("Content-Length")
+        return length is not None and length.strip() != "0"
+
+    def _read_body(self, limit, error):
+        """The request body, at most limit bytes; error(status, text) builds what is raised."""
+        if not self._body_pending:
+            return b""
+        encoding = self.headers.get("Transfer-Encoding")
+        length = self.headers.get("Content-Length")
+        if encoding is not None:
+            if encoding.strip().lower() != "chunked" or length is not None:
+                raise error(400, "unsupported Transfer-Encoding")
+            body = self._read_chunked(limit, error)
+        else:
+            if not _DECIMAL.fullmatch(length.strip()):
+                raise error(400, "bad Content-Length")
+            size = int(length)
+            if size > limit:
+                raise error(413, "request body is larger than %d bytes" % limit)
+            body = self.rfile.read(size)
+            if len(body) < size:
+                raise ClientGone()
+        self._body_pending = False
+        self.server.watchdog.disarm(self.connection)
+        return body
+
+    def _read_chunked(self, limit, error):
+        chunks, total = [], 0
+        while True:
+            line = self.rfile.readline(1024)
+            if not line.endswith(b"\n"):
+                raise ClientGone()
+            size_text = line.split(b";", 1)[0].strip()
+            if not re.fullmatch(rb"[0-9A-Fa-f]{1,8}", size_text):
+                raise error(400, "bad chunk size")
+            size = int(size_text, 16)
+            if size == 0:
+                break
+            total += size
+            if total > limit:
+                raise error(413, "request body is larger than %d bytes" % limit)
+            chunk = self.rfile.read(size)
+            if len(chunk) < size or self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                raise ClientGone()
+            chunks.append(chunk)
+        while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+            pass  # trailer fields are ignored
+        return b"".join(chunks)
+
+    def _send(self, response):
+        """Write status line, headers and body with one send."""
+        close = response.close or self._body_pending or self.server.stopping.is_set()
+        lines = ["HTTP/1.1 %d %s" % (response.status, http.server.BaseHTTPRequestHandler.responses.get(
+            response.status, ("Unknown",))[0]),
+                 "Content-Type: application/json",
+                 "Content-Length: %d" % len(response.body)]
+        lines.extend("%s: %s" % header for header in response.headers)
+        if close:
+            lines.append("Connection: close")
+            self.close_connection = True
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        self.connection.settimeout(SEND_SECONDS)
+        self.wfile.write(head if self.command == "HEAD" else head + response.body)
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (bad request line, bad headers) as JSON, closing the connection."""
+        self._body_pending = True
+        self._send(Response(code, encode_json({"error": message or "bad request"}), close=True))
+
+    def log_message(self, format, *args):
+        pass  # the server writes its own access log
+
+
+class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """A threaded HTTP server with a connection cap, a request watchdog and a quiet error path."""
+
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None, access_log=None):
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.app = app
+        self.max_connections = max_connections
+        self.log = log or (lambda message: None)
+        self.access_log = access_log
+        self.stopping = threading.Event()
+        self.connections = 0
+        self._count_lock = threading.Lock()
+        self.busy = 0                          # requests being answered, for a graceful stop
+        self._idle = threading.Condition()
+        self.watchdog = Watchdog(self.log)
+        super().__init__(address, SyncRequestHandler)
+
+    @property
+    def url(self):
+        host, port = self.server_address[:2]
+        return "http://%s:%d" % ("[%s]" % host if ":" in host else host, port)
+
+    def log_access(self, method, path, status, started, principal):
+        if self.access_log is not None:
+            self.access_log("%s %s %d %.1fms %s" % (
+                method, path, status, (time.monotonic() - started) * 1000, principal or "-"))
+
+    def begin_request(self):
+        with self._idle:
+            self.busy += 1
+
+    def end_request(self):
+        with self._idle:
+            self.busy -= 1
+            if self.busy == 0:
+                self._idle.notify_all()
+
+    def wait_idle(self, seconds):
+        """Wait until no request is being answered (in-flight pushes finish before exit)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.busy == 0, seconds)
+
+    def process_request(self, request, client_address):
+        with self._count_lock:
+            full = self.connections >= self.max_connections
+            if not full:
+                self.connections += 1
+        if full:
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            with self._count_lock:
+                self.connections -= 1
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._count_lock:
+                self.connections -= 1
+
+    def _refuse(self, sock):
+        """Past the connection cap: a 503 JSON answer rather than a hang."""
+        body = b'{"error":"server is at its connection limit; try again shortly"}'
+        try:
+            sock.settimeout(0.05)
+            try:
+                sock.recv(65536)  # read what was sent, so closing does not reset the answer away
+            except OSError:
+                pass
+            sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        except OSError:
+            pass
+        self.shutdown_request(sock)
+
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, (ConnectionError, socket.timeout)):
+            self.log("connection error: %s: %s" % (type(exc).__name__, exc))
+
+    def server_close(self):
+        self.watchdog.stop()
+        super().server_close()
+
+
+# ---------------------------------------------------------------------------
+# The command line: serve, token
+# ---------------------------------------------------------------------------
+
+class Log:
+    """Lines on stderr: events always, the access log unless --quiet. Never a token."""
+
+    def __init__(self, stream=None, quiet=False):
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        self._lock = threading.Lock()
+
+    def __call__(self, message):
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with self._lock:
+            try:
+                self.stream.write("%s %s\n" % (stamp, message))
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    def access(self, line):
+        if not self.quiet:
+            self(line)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line and exit code 2, through UsageError."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections=DEFAULT_MAX_CONNECTIONS,
+                 log=None):
+    """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
+    log = log or Log(quiet=True)
+    tokens = TokenStore(data_dir)
+    auth = Authenticator(LocalTokenVerifier(tokens, log=log))
+    app = SyncApp(FeedStore(data_dir, log), auth, log)
+    return SyncServer((host, port), app, max_connections, log, log.access)
+
+
+def raise_open_file_limit():
+    """Raise the soft open-file limit to the hard one, so a thousand parked long-polls fit."""
+    if resource is None:
+        return
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft == resource.RLIM_INFINITY or soft >= target:
+            return
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        pass
+
+
+def is_loopback(host):
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def open_data_dir(path):
+    """Create the data dir if missing; UsageError when it cannot be used."""
+    data_dir = os.path.abspath(path)
+    try:
+        make_dirs(data_dir)
+        probe = os.path.join(data_dir, ".write-test")
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError("cannot use data dir %s: %s" % (data_dir, exc.strerror or exc)) from None
+    return data_dir
+
+
+def serve_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py", description="Serve OHarness session sync.")
+    parser.add_argument("--data", required=True, metavar="DIR", help="data directory (created if missing)")
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
+    parser.add_argument("--quiet", action="store_true", help="no access log")
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise UsageError("--port must be 0..65535")
+    if args.max_connections < 1:
+        raise UsageError("--max-connections must be at least 1")
+    data_dir = open_data_dir(args.data)
+    lock = DataDirLock(data_dir)
+    lock.acquire()
+    log = Log(quiet=args.quiet)
+    raise_open_file_limit()
+    threading.stack_size(THREAD_STACK_BYTES)
+    try:
+        server = build_server(data_dir, args.host, args.port, args.max_connections, log)
+    except OSError as exc:
+        raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, exc.strerror or exc)) from None
+    print("oharness-sync listening on %s" % server.url, flush=True)
+    if not is_loopback(args.host):
+        log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for localhost, "
+            "127.0.0.1 and [::1]: put TLS in front of this server" % args.host)
+    run_until_signalled(server)
+    lock.release()
+    return 0
+
+
+def run_until_signalled(server):
+    """Serve until SIGTERM or SIGINT, then stop gracefully: parked long-polls answer at once,
+    in-flight pushes finish, and the process exits 0."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    threading.excepthook = lambda hook_args: server.log(
+        "thread error: %s: %s" % (hook_args.exc_type.__name__, hook_args.exc_value))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="accept")
+    thread.start()
+    while not stop.wait(0.5):
+        pass
+    server.stopping.set()
+    server.shutdown()
+    server.app.feeds.stop()
+    server.wait_idle(10.0)
+    server.server_close()
+
+
+def token_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py token", description="Manage local bearer tokens.")
+    commands = parser.add_subparsers(dest="action", required=True)
+    issue = commands.add_parser("issue", help="issue a token and print it on stdout")
+    issue.add_argument("--data", required=True, metavar="DIR")
+    issue.add_argument("--principal", required=True, metavar="ID")
+    issue.add_argument("--team", action="append", default=[], metavar="ID")
+    issue.add_argument("--name", default="", metavar="LABEL")
+    issue.add_argument("--expires-days", type=float, metavar="N")
+    listing = commands.add_parser("list", help="list tokens (never the tokens themselves)")
+    listing.add_argument("--data", required=True, metavar="DIR")
+    revoke = commands.add_parser("revoke", help="revoke a token by its id")
+    revoke.add_argument("--data", required=True, metavar="DIR")
+    revoke.add_argument("token_id", metavar="TOKEN_ID")
+    for sub in (issue, listing, revoke):
+        sub.error = parser.error
+    args = parser.parse_args(argv)
+    tokens = TokenStore(open_data_dir(args.data))
+    try:
+        if args.action == "issue":
+            return issue_token(tokens, args)
+        if args.action == "list":
+            return list_tokens(tokens)
+        if not tokens.revoke(args.token_id):
+            print("no token with id %s" % args.token_id, file=sys.stderr)
+            return 1
+        print("revoked token %s" % args.token_id, file=sys.stderr)
+        return 0
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def issue_token(tokens, args):
+    for value in [args.principal] + args.team:
+        if not is_valid_id(value):
+            raise UsageError("%r is not a valid id ([A-Za-z0-9_-], 1 to 128 characters)" % value)
+    if args.expires_days is not None and not args.expires_days > 0:
+        raise UsageError("--expires-days must be positive")
+    token, record = tokens.issue(args.principal, args.team, args.name, args.expires_days)
+    print(token, flush=True)
+    print("issued token %s for principal %s" % (record["id"], record["principal"]), file=sys.stderr)
+    return 0
+
+
+def format_ms(value):
+    if value is None:
+        return "never"
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(value / 1000))
+
+
+def list_tokens(tokens):
+    rows = [("ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED", "EXPIRES")]
+    for record in tokens.read():
+        rows.append((record["id"], record["principal"], ",".join(record["teams"]) or "-",
+                     record.get("name") or "-", format_ms(record.get("created")), format_ms(record.get("expires"))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+COMMANDS = {"serve": serve_command, "token": token_command}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]](argv[1:])
+        return serve_command(argv)
+    except UsageError as exc:
+        print("oharness-sync: error: %s" % exc, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
