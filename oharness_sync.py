@@ -880,9 +880,10 @@ class Feed:
                 batch.lines.append(feed_line(number, b"s", entry.event))
                 number += 1
             self.next_number = number
-            if not batch.lines and not self.pending:
+            if not batch.lines and number == self.count + 1:
                 return self.count, 0
-            # Even an empty batch waits: what it found duplicate may still be in flight.
+            # Even an empty batch waits when events are in flight: what it found
+            # duplicate may be among them, and may yet fail.
             self.pending.append(batch)
         self._commit(batch)
         return self.count, len(batch.lines)
