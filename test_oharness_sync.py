@@ -797,5 +797,145 @@ class LongPollTest(ServerCase):
         self.assertEqual([line for line in self.log_lines if "error" in line.lower()], [])
 
 
+# ---------------------------------------------------------------------------
+# Durability: the server as a subprocess
+# ---------------------------------------------------------------------------
+
+class DurabilityTest(unittest.TestCase):
+    def setUp(self):
+        self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.data_dir, True)
+        self.token, _ = sync.TokenStore(self.data_dir).issue("alice")
+
+    def test_every_answered_push_survives_sigkill_exactly_once(self):
+        server = SubprocessServer(self.data_dir)
+        answered, stop = [], threading.Event()
+
+        def pusher(worker):
+            n = 0
+            while not stop.is_set():
+                records = [record(session="w%d" % worker, record_id="r%d-%d" % (n, k)) for k in range(3)]
+                try:
+                    answer = http_request(server.url, "POST", "/v1/push", {"project": "p", "records": records},
+                                          self.token, timeout=5)
+                except (OSError, http.client.HTTPException):
+                    return
+                if answer.status == 200:
+                    answered.extend((r["session"], r["id"]) for r in records)
+                n += 1
+
+        workers = [threading.Thread(target=pusher, args=(i,)) for i in range(6)]
+        for worker in workers:
+            worker.start()
+        time.sleep(random.uniform(0.5, 1.5))
+        server.process.kill()  # SIGKILL at a random moment, pushes in flight
+        server.stop()
+        stop.set()
+        for worker in workers:
+            worker.join(10)
+        self.assertGreater(len(answered), 30)
+
+        server = SubprocessServer(self.data_dir)
+        try:
+            events, since = [], 0
+            while True:
+                page = http_request(server.url, "GET", "/v1/pull?project=p&since=%d" % since, token=self.token).json
+                events.extend((r["session"], r["id"]) for r in page["records"])
+                since = page["cursor"]
+                if not page["more"]:
+                    break
+            self.assertEqual(len(events), len(set(events)), "a record is stored twice")
+            self.assertEqual(set(answered) - set(events), set(), "an answered push was lost")
+            self.assertEqual(since, len(events))
+            answer = http_request(server.url, "POST", "/v1/push",
+                                  {"project": "p", "records": [record(session="after", record_id="restart")]},
+                                  self.token)
+            self.assertEqual(answer.json, {"cursor": since + 1, "accepted": 1})  # numbering continues
+        finally:
+            server.stop()
+
+
+class CommandLineTest(unittest.TestCase):
+    def setUp(self):
+        self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.data_dir, True)
+
+    def run_cli(self, *args):
+        return subprocess.run([sys.executable, MODULE] + list(args), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
+
+    def test_serving_prints_one_line_and_creates_the_data_dir(self):
+        data_dir = os.path.join(self.data_dir, "new", "dir")
+        server = SubprocessServer(data_dir)
+        try:
+            self.assertRegex(server.url, r"^http://127\.0\.0\.1:\d+$")
+            self.assertNotEqual(server.url, "http://127.0.0.1:0")
+            self.assertEqual(http_request(server.url, "GET", "/v1/health").json, {"ok": True})
+            self.assertTrue(os.path.isdir(data_dir))
+        finally:
+            code, stderr = server.stop()
+        self.assertEqual(code, 0)
+        self.assertEqual(server.process.returncode, 0)
+
+    def test_a_second_server_on_one_data_dir_exits_at_once(self):
+        server = SubprocessServer(self.data_dir)
+        try:
+            result = self.run_cli("--data", self.data_dir, "--port", "0")
+            self.assertNotEqual(result.returncode, 0)
+            self.assertEqual(result.stdout, "")
+            self.assertIn("already using", result.stderr)
+            self.assertEqual(len(result.stderr.strip().splitlines()), 1)
+        finally:
+            server.stop()
+
+    def test_bad_flags_and_unusable_data_dir_exit_2_with_one_line(self):
+        blocker = os.path.join(self.data_dir, "file")
+        open(blocker, "w").close()
+        for args in (["--data", self.data_dir, "--port", "x"], ["--data", self.data_dir, "--bogus"], [],
+                     ["--data", os.path.join(blocker, "sub")], ["--data", self.data_dir, "--port", "70000"],
+                     ["token", "issue", "--data", self.data_dir, "--principal", "a/b"], ["token", "frob"]):
+            result = self.run_cli(*args)
+            self.assertEqual(result.returncode, 2, args)
+            self.assertEqual(len(result.stderr.strip().splitlines()), 1, (args, result.stderr))
+            self.assertNotIn("Traceback", result.stderr)
+
+    def test_token_issue_list_revoke(self):
+        result = self.run_cli("token", "issue", "--data", self.data_dir, "--principal", "alice",
+                              "--team", "platform", "--team", "ops", "--name", "laptop", "--expires-days", "30")
+        self.assertEqual(result.returncode, 0)
+        token = result.stdout.strip()
+        self.assertEqual(result.stdout, token + "\n")  # the token and nothing else
+        self.assertRegex(token, r"^ohs_[0-9a-f]{12}_")
+        token_id = token[4:16]
+        self.assertIn(token_id, result.stderr)
+        self.assertIn("alice", result.stderr)
+        listing = self.run_cli("token", "list", "--data", self.data_dir)
+        self.assertEqual(listing.returncode, 0)
+        self.assertIn(token_id, listing.stdout)
+        self.assertIn("ops,platform", listing.stdout)
+        self.assertIn("laptop", listing.stdout)
+        self.assertNotIn(token, listing.stdout)
+        self.assertEqual(self.run_cli("token", "revoke", "--data", self.data_dir, token_id).returncode, 0)
+        self.assertNotIn(token_id, self.run_cli("token", "list", "--data", self.data_dir).stdout)
+        self.assertEqual(self.run_cli("token", "revoke", "--data", self.data_dir, token_id).returncode, 1)
+
+    def test_sigterm_answers_parked_polls_and_exits_0(self):
+        token, _ = sync.TokenStore(self.data_dir).issue("alice")
+        server = SubprocessServer(self.data_dir)
+        results = []
+        thread = threading.Thread(target=lambda: results.append(
+            http_request(server.url, "GET", "/v1/pull?project=p&since=0&wait=30", token=token, timeout=40)))
+        thread.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        code, stderr = server.stop(signal.SIGTERM)
+        thread.join(10)
+        self.assertEqual(code, 0)
+        self.assertLess(time.monotonic() - started, 5)
+        self.assertEqual(results[0].status, 200)
+        self.assertEqual(results[0].json, {"cursor": 0, "records": [], "sessions": [], "more": False})
+        self.assertNotIn("Traceback", stderr)
+
+
 if __name__ == "__main__":
     unittest.main()
