@@ -21,11 +21,14 @@ line; main.
 
 import argparse
 import array
+import base64
 import errno
 import hashlib
 import hmac
+import http.client
 import http.server
 import json
+import math
 import os
 import re
 import secrets
@@ -35,8 +38,11 @@ import socketserver
 import sys
 import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 import zlib
+from collections import OrderedDict
 
 try:
     import fcntl
@@ -77,6 +83,16 @@ THREAD_STACK_BYTES = 512 * 1024     # a thousand parked long-polls fit a 32-bit 
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
 
 LOCAL_TOKEN_PREFIX = "ohs_"
+
+# JWTs and identity services
+LEEWAY_SECONDS = 60            # allowed clock skew for exp and nbf
+MAX_TOKEN_LENGTH = 16384       # longer bearer tokens are refused unread
+TOKEN_CACHE_SIZE = 10000       # verified tokens remembered (least recently used dropped)
+TOKEN_CACHE_MAX_AGE = 3600     # a verified token is re-checked at least hourly
+JWKS_REFETCH_INTERVAL = 60     # an unknown kid refetches a JWKS URL at most this often
+JWKS_MAX_AGE = 600             # a JWKS URL is refreshed on use once its keys are this old
+JWKS_FILE_CHECK_INTERVAL = 1   # a JWKS file's mtime is looked at most this often
+MAX_RESPONSE_BYTES = 1 << 20   # largest JWKS or user answer read from the network
 
 
 # ---------------------------------------------------------------------------
@@ -494,24 +510,635 @@ class LocalTokenVerifier:
         return Identity(record["principal"], record.get("teams", ()))
 
 
-class Authenticator:
-    """Chooses the verifier for a bearer token by its kind.
+# -- JWTs: HS256 with a shared secret, RS256 and ES256 against a JWKS -------
+#
+# Error messages never contain the token, and exceptions raised while reading
+# it are not chained (`from None`), so no part of it reaches a log.
 
-    Local tokens start with `ohs_`; JWTs have three dot-separated parts.
+
+_B64URL_PATTERN = re.compile(r"[A-Za-z0-9_-]*")
+
+
+def b64url_encode(data):
+    """Base64url without padding, as JWTs and JWKs write it."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def b64url_decode(text):
+    """Strict base64url: no padding, no other characters, canonical form only. Raises ValueError."""
+    if not isinstance(text, str) or _B64URL_PATTERN.fullmatch(text) is None or len(text) % 4 == 1:
+        raise ValueError("malformed base64url")
+    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if b64url_encode(data) != text:  # unused low bits set: not the one canonical spelling
+        raise ValueError("malformed base64url")
+    return data
+
+
+def _json_object(data, what):
+    """Parse UTF-8 JSON that must be an object; AuthError otherwise."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        raise AuthError("malformed token %s" % what) from None
+    if not isinstance(value, dict):
+        raise AuthError("token %s is not a JSON object" % what)
+    return value
+
+
+def decode_jwt(token):
+    """Split a compact JWT into (header, payload, signing_input, signature) without verifying it."""
+    if not isinstance(token, str) or not token:
+        raise AuthError("missing bearer token")
+    if len(token) > MAX_TOKEN_LENGTH:
+        raise AuthError("bearer token too long")
+    parts = token.split(".")
+    if len(parts) != 3:
+        raise AuthError("malformed token: expected three segments")
+    try:
+        header_bytes = b64url_decode(parts[0])
+        payload_bytes = b64url_decode(parts[1])
+        signature = b64url_decode(parts[2])
+    except ValueError:
+        raise AuthError("malformed token: bad base64url") from None
+    header = _json_object(header_bytes, "header")
+    payload = _json_object(payload_bytes, "payload")
+    signing_input = (parts[0] + "." + parts[1]).encode("ascii")
+    return header, payload, signing_input, signature
+
+
+# ---- signature algorithms -------------------------------------------------
+
+def verify_hs256(secret, signing_input, signature):
+    """HMAC-SHA256 check, constant time."""
+    expected = hmac.new(secret, signing_input, hashlib.sha256).digest()
+    return hmac.compare_digest(expected, signature)
+
+
+# DER prefix of DigestInfo{sha256, digest} (RFC 8017, section 9.2, note 1).
+SHA256_DIGEST_INFO = bytes.fromhex("3031300d060960864801650304020105000420")
+RSA_MIN_BITS = 2048
+RSA_MAX_BITS = 4096
+
+
+def verify_rs256(n, e, signing_input, signature):
+    """RSASSA-PKCS1-v1_5 with SHA-256 (RFC 8017, 8.2.2): rebuild the full encoding and compare."""
+    if not RSA_MIN_BITS <= n.bit_length() <= RSA_MAX_BITS:
+        return False
+    size = (n.bit_length() + 7) // 8
+    if len(signature) != size:
+        return False
+    s = int.from_bytes(signature, "big")
+    if s >= n:
+        return False
+    encoded = pow(s, e, n).to_bytes(size, "big")
+    digest_info = SHA256_DIGEST_INFO + hashlib.sha256(signing_input).digest()
+    expected = b"\x00\x01" + b"\xff" * (size - 3 - len(digest_info)) + b"\x00" + digest_info
+    return hmac.compare_digest(encoded, expected)
+
+
+# NIST P-256 (FIPS 186-4, D.1.2.3); a = -3.
+P256_P = 0xffffffff00000001000000000000000000000000ffffffffffffffffffffffff
+P256_A = P256_P - 3
+P256_B = 0x5ac635d8aa3a93e7b3ebbd55769886bc651d06b0cc53b0f63bce3c3e27d2604b
+P256_N = 0xffffffff00000000ffffffffffffffffbce6faada7179e84f3b9cac2fc632551
+P256_G = (0x6b17d1f2e12c4247f8bce6e563a440f277037d812deb33a0f4a13945d898c296,
+          0x4fe342e2fe1a7f9b8ee7eb4a7c0f9e162bce33576b315ececbb6406837bf51f5)
+
+
+def p256_on_curve(x, y):
+    """True if (x, y) is a point of P-256 (coordinates reduced, not the point at infinity)."""
+    if not (0 <= x < P256_P and 0 <= y < P256_P):
+        return False
+    return (y * y - (x * x * x + P256_A * x + P256_B)) % P256_P == 0
+
+
+# Points in Jacobian coordinates (X, Y, Z) stand for (X/Z^2, Y/Z^3); Z == 0 is infinity.
+_INFINITY = (1, 1, 0)
+
+
+def _jacobian_double(point):
+    x, y, z = point
+    p = P256_P
+    if z == 0 or y == 0:
+        return _INFINITY
+    delta = z * z % p
+    gamma = y * y % p
+    beta = x * gamma % p
+    alpha = 3 * (x - delta) * (x + delta) % p     # uses a = -3
+    x3 = (alpha * alpha - 8 * beta) % p
+    z3 = ((y + z) * (y + z) - gamma - delta) % p
+    y3 = (alpha * (4 * beta - x3) - 8 * gamma * gamma) % p
+    return (x3, y3, z3)
+
+
+def _jacobian_add(first, second):
+    x1, y1, z1 = first
+    x2, y2, z2 = second
+    p = P256_P
+    if z1 == 0:
+        return second
+    if z2 == 0:
+        return first
+    z1z1 = z1 * z1 % p
+    z2z2 = z2 * z2 % p
+    u1 = x1 * z2z2 % p
+    u2 = x2 * z1z1 % p
+    s1 = y1 * z2 * z2z2 % p
+    s2 = y2 * z1 * z1z1 % p
+    if u1 == u2:
+        return _jacobian_double(first) if s1 == s2 else _INFINITY
+    h = (u2 - u1) % p
+    r = (s2 - s1) % p
+    h2 = h * h % p
+    h3 = h * h2 % p
+    u1h2 = u1 * h2 % p
+    x3 = (r * r - h3 - 2 * u1h2) % p
+    y3 = (r * (u1h2 - x3) - s1 * h3) % p
+    z3 = h * z1 * z2 % p
+    return (x3, y3, z3)
+
+
+def _jacobian_multiply(k, point):
+    result = _INFINITY
+    for bit in bin(k)[2:]:
+        result = _jacobian_double(result)
+        if bit == "1":
+            result = _jacobian_add(result, point)
+    return result
+
+
+def verify_es256(x, y, signing_input, signature):
+    """ECDSA P-256 with SHA-256; the JOSE signature is r || s, 32 bytes each."""
+    if len(signature) != 64 or not p256_on_curve(x, y):
+        return False
+    r = int.from_bytes(signature[:32], "big")
+    s = int.from_bytes(signature[32:], "big")
+    if not (1 <= r < P256_N and 1 <= s < P256_N):
+        return False
+    e = int.from_bytes(hashlib.sha256(signing_input).digest(), "big")
+    w = pow(s, -1, P256_N)
+    u1 = e * w % P256_N
+    u2 = r * w % P256_N
+    generator = (P256_G[0], P256_G[1], 1)
+    point = _jacobian_add(_jacobian_multiply(u1, generator), _jacobian_multiply(u2, (x, y, 1)))
+    px, _, pz = point
+    if pz == 0:
+        return False
+    affine_x = px * pow(pz * pz % P256_P, -1, P256_P) % P256_P
+    return affine_x % P256_N == r
+
+
+# ---- JWKS -----------------------------------------------------------------
+
+class RsaKey:
+    """An RSA public key from a JWKS, usable for RS256."""
+    token_alg = "RS256"
+
+    def __init__(self, kid, n, e, alg=None):
+        self.kid = kid
+        self.n = n
+        self.e = e
+        self.alg = alg
+
+    def verify(self, signing_input, signature):
+        return verify_rs256(self.n, self.e, signing_input, signature)
+
+
+class EcKey:
+    """A P-256 public key from a JWKS, usable for ES256."""
+    token_alg = "ES256"
+
+    def __init__(self, kid, x, y, alg=None):
+        self.kid = kid
+        self.x = x
+        self.y = y
+        self.alg = alg
+
+    def verify(self, signing_input, signature):
+        return verify_es256(self.x, self.y, signing_input, signature)
+
+
+def _b64url_uint(value, length=None):
+    data = b64url_decode(value)
+    if length is not None and len(data) != length:
+        raise ValueError("wrong coordinate length")
+    return int.from_bytes(data, "big")
+
+
+def _parse_jwk(jwk):
+    """One JWKS entry as RsaKey or EcKey; None for a key this server does not use."""
+    if not isinstance(jwk, dict) or not isinstance(jwk.get("kid"), str):
+        return None
+    if jwk.get("use", "sig") != "sig":
+        return None
+    alg = jwk.get("alg")
+    if alg is not None and not isinstance(alg, str):
+        return None
+    try:
+        if jwk.get("kty") == "RSA":
+            n = _b64url_uint(jwk["n"])
+            e = _b64url_uint(jwk["e"])
+            if RSA_MIN_BITS <= n.bit_length() <= RSA_MAX_BITS and e >= 3 and e % 2 == 1:
+                return RsaKey(jwk["kid"], n, e, alg)
+        elif jwk.get("kty") == "EC" and jwk.get("crv") == "P-256":
+            x = _b64url_uint(jwk["x"], 32)
+            y = _b64url_uint(jwk["y"], 32)
+            if p256_on_curve(x, y):
+                return EcKey(jwk["kid"], x, y, alg)
+    except (KeyError, ValueError):
+        pass
+    return None
+
+
+def parse_jwks(obj):
+    """{"keys": [...]} -> {kid: RsaKey or EcKey}. Unusable keys are skipped; the first of a repeated kid wins.
+
+    Raises ValueError when obj is not a JWKS at all.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("keys"), list):
+        raise ValueError("not a JWKS: expected an object with a \"keys\" array")
+    keys = {}
+    for jwk in obj["keys"]:
+        key = _parse_jwk(jwk)
+        if key is not None and key.kid not in keys:
+            keys[key.kid] = key
+    return keys
+
+
+def read_jwks_file(path):
+    """Parse a JWKS file. Raises OSError or ValueError."""
+    with open(path, "rb") as handle:
+        return parse_jwks(json.loads(handle.read().decode("utf-8")))
+
+
+def fetch_jwks_url(url, timeout):
+    """GET and parse a JWKS. Raises OSError, ValueError or http.client.HTTPException."""
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read(MAX_RESPONSE_BYTES + 1)
+    if len(body) > MAX_RESPONSE_BYTES:
+        raise ValueError("JWKS too large")
+    return parse_jwks(json.loads(body.decode("utf-8")))
+
+
+class JwksSource:
+    """The public keys tokens may be signed with, from a file (path=) or a URL (url=).
+
+    A file is read at once (so a bad --jwks-file stops start-up) and re-read when
+    its mtime changes, looked at most once a second. A URL is fetched on first
+    use, refetched on an unknown kid at most once a minute, and refreshed on use
+    once its keys are JWKS_MAX_AGE old. A failed or unparsable re-read keeps the
+    last good key set.
     """
 
-    def __init__(self, local, jwt=None):
+    def __init__(self, path=None, url=None, timeout=5.0, clock=time.monotonic):
+        if (path is None) == (url is None):
+            raise ValueError("give exactly one of path and url")
+        self.path = path
+        self.url = url
+        self.timeout = timeout
+        self.clock = clock
+        self.keys = {}
+        self._lock = threading.Lock()
+        self._last_load = None     # clock() of the last fetch or file check, good or bad
+        self._loaded_at = None     # clock() of the last good fetch
+        self._file_stamp = None
+        if path is not None:
+            self._file_stamp = self._stamp()
+            self.keys = read_jwks_file(path)
+            self._last_load = clock()
+
+    def key(self, kid, alg):
+        """The key for a token's kid and alg; AuthError if there is none or it is for another alg."""
+        with self._lock:
+            self._refresh_if_due()
+            key = self._pick(kid, alg)
+            if key is None and self.url is not None and self._may_fetch():
+                self._fetch()
+                key = self._pick(kid, alg)
+        if key is None:
+            raise AuthError("no signing key for this token")
+        if key.token_alg != alg or (key.alg is not None and key.alg != alg):
+            raise AuthError("token alg does not match its key")
+        return key
+
+    def _pick(self, kid, alg):
+        if kid is not None:
+            return self.keys.get(kid)
+        candidates = [key for key in self.keys.values() if key.token_alg == alg]
+        return candidates[0] if len(candidates) == 1 else None
+
+    def _may_fetch(self):
+        return self._last_load is None or self.clock() - self._last_load >= JWKS_REFETCH_INTERVAL
+
+    def _refresh_if_due(self):
+        now = self.clock()
+        if self.path is not None:
+            if now - self._last_load >= JWKS_FILE_CHECK_INTERVAL:
+                self._last_load = now
+                self._reread_file()
+        elif self._last_load is None:  # first use
+            self._fetch()
+        elif self._loaded_at is not None and now - self._loaded_at >= JWKS_MAX_AGE and self._may_fetch():
+            self._fetch()
+
+    def _fetch(self):
+        self._last_load = self.clock()
+        try:
+            keys = fetch_jwks_url(self.url, self.timeout)
+        except Exception:  # any failure of the key service: keep the last good keys
+            return
+        self.keys = keys
+        self._loaded_at = self._last_load
+
+    def _stamp(self):
+        info = os.stat(self.path)
+        return (info.st_mtime_ns, info.st_size)
+
+    def _reread_file(self):
+        try:
+            stamp = self._stamp()
+            if stamp == self._file_stamp:
+                return
+            self._file_stamp = stamp
+            self.keys = read_jwks_file(self.path)
+        except (OSError, ValueError, RecursionError):
+            pass
+
+
+def read_secret_file(path):
+    """The HS256 secret: the file's bytes less one trailing newline. Raises ValueError if empty."""
+    with open(path, "rb") as handle:
+        secret = handle.read()
+    if secret.endswith(b"\r\n"):
+        secret = secret[:-2]
+    elif secret.endswith(b"\n"):
+        secret = secret[:-1]
+    if not secret:
+        raise ValueError("the JWT secret file is empty")
+    return secret
+
+
+# ---- verified-token cache ---------------------------------------------------
+
+class TokenCache:
+    """SHA-256 of a token -> (Identity, expires_at), least recently used dropped first."""
+
+    def __init__(self, max_entries=TOKEN_CACHE_SIZE):
+        self.max_entries = max_entries
+        self._entries = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def digest(token):
+        return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+    def get(self, token, now):
+        """The cached Identity, or None if absent or expired at `now`."""
+        digest = self.digest(token)
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                return None
+            identity, expires_at = entry
+            if now >= expires_at:
+                del self._entries[digest]
+                return None
+            self._entries.move_to_end(digest)
+            return identity
+
+    def put(self, token, identity, expires_at):
+        digest = self.digest(token)
+        with self._lock:
+            self._entries[digest] = (identity, expires_at)
+            self._entries.move_to_end(digest)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def __len__(self):
+        return len(self._entries)
+
+
+# ---- JWT verifier -----------------------------------------------------------
+
+def _number_claim(payload, name):
+    """A numeric claim (exp, nbf) or None if absent; AuthError for any other type."""
+    if name not in payload:
+        return None
+    value = payload[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AuthError("token %s is not a number" % name)
+    if isinstance(value, float) and not math.isfinite(value):  # JSON ints are always finite
+        raise AuthError("token %s is not a number" % name)
+    return value
+
+
+def _audience_matches(aud, audience):
+    if isinstance(aud, str):
+        return aud == audience
+    if isinstance(aud, list) and all(isinstance(item, str) for item in aud):
+        return audience in aud
+    return False
+
+
+class JwtVerifier:
+    """Verifies bearer JWTs: HS256 with `secret` (bytes), RS256/ES256 with `jwks` (a JwksSource).
+
+    `issuer` and `audience`, when given, must match the token's iss and aud.
+    `clock` gives the wall-clock time in seconds (for exp and nbf).
+    """
+
+    def __init__(self, secret=None, jwks=None, issuer=None, audience=None, clock=time.time):
+        if secret is None and jwks is None:
+            raise ValueError("a JWT verifier needs a secret, a JWKS, or both")
+        if secret is not None and (not isinstance(secret, bytes) or not secret):
+            raise ValueError("the JWT secret must be non-empty bytes")
+        self.secret = secret
+        self.jwks = jwks
+        self.issuer = issuer
+        self.audience = audience
+        self.clock = clock
+        self.cache = TokenCache()
+
+    def verify(self, token):
+        """The Identity a token speaks for; AuthError if it is not a valid token now."""
+        if not isinstance(token, str) or not token:
+            raise AuthError("missing bearer token")
+        now = self.clock()
+        identity = self.cache.get(token, now)
+        if identity is not None:
+            return identity
+        header, payload, signing_input, signature = decode_jwt(token)
+        self._check_signature(header, signing_input, signature)
+        identity, expires_at = self._check_claims(payload, now)
+        self.cache.put(token, identity, expires_at)
+        return identity
+
+    def _check_signature(self, header, signing_input, signature):
+        alg = header.get("alg")
+        kid = header.get("kid")
+        if kid is not None and not isinstance(kid, str):
+            raise AuthError("token kid is not a string")
+        if "crit" in header:
+            raise AuthError("token has critical header extensions")
+        if alg == "HS256":
+            if self.secret is None:
+                raise AuthError("HS256 tokens are not accepted")
+            valid = verify_hs256(self.secret, signing_input, signature)
+        elif alg in ("RS256", "ES256"):
+            if self.jwks is None:
+                raise AuthError("%s tokens are not accepted" % alg)
+            valid = self.jwks.key(kid, alg).verify(signing_input, signature)
+        else:
+            raise AuthError("unsupported token alg")
+        if not valid:
+            raise AuthError("bad token signature")
+
+    def _check_claims(self, payload, now):
+        """(Identity, cache expiry) from verified claims; AuthError if they do not hold now."""
+        exp = _number_claim(payload, "exp")
+        nbf = _number_claim(payload, "nbf")
+        if exp is not None and now >= exp + LEEWAY_SECONDS:
+            raise AuthError("token expired")
+        if nbf is not None and now + LEEWAY_SECONDS < nbf:
+            raise AuthError("token not yet valid")
+        if self.issuer is not None and payload.get("iss") != self.issuer:
+            raise AuthError("token issuer not accepted")
+        if self.audience is not None and not _audience_matches(payload.get("aud"), self.audience):
+            raise AuthError("token audience not accepted")
+        principal = payload.get("sub")
+        if not is_valid_id(principal):
+            raise AuthError("token sub is not a valid id")
+        teams = payload.get("teams", [])
+        if not isinstance(teams, list) or not all(is_valid_id(team) for team in teams):
+            raise AuthError("token teams is not an array of valid ids")
+        anonymous = payload.get("is_anonymous") is True or payload.get("role") == "anon"
+        expires_at = now + TOKEN_CACHE_MAX_AGE
+        if exp is not None:
+            expires_at = min(expires_at, exp + LEEWAY_SECONDS)
+        return Identity(principal, teams, anonymous), expires_at
+
+
+# ---- Supabase verifier --------------------------------------------------------
+
+SUPABASE_CACHE_SECONDS = 60
+_TOKEN_CHARACTERS = re.compile(r"[\x21-\x7e]+")   # printable ASCII, no spaces: safe in a header
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Refuse redirects, so the bearer token is never sent to another place."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+class SupabaseVerifier:
+    """Asks Supabase Auth who a token belongs to: GET {base_url}/auth/v1/user.
+
+    200 with a user object -> Identity(id); anonymous users, 401 and 403 -> AuthError;
+    a 200 whose id is a string but not a valid id -> AuthError; network errors,
+    time-outs, redirects, other statuses and malformed 200 bodies -> AuthUnavailable.
+    Positive answers are cached for 60 s by the token's SHA-256.
+    """
+
+    def __init__(self, base_url, anon_key, timeout=5.0, clock=time.monotonic):
+        self.user_url = base_url.rstrip("/") + "/auth/v1/user"
+        self.anon_key = anon_key
+        self.timeout = timeout
+        self.clock = clock
+        self.cache = TokenCache()
+        self._opener = urllib.request.build_opener(_NoRedirects)
+
+    def verify(self, token):
+        if not isinstance(token, str) or not token:
+            raise AuthError("missing bearer token")
+        if len(token) > MAX_TOKEN_LENGTH or _TOKEN_CHARACTERS.fullmatch(token) is None:
+            raise AuthError("malformed bearer token")
+        now = self.clock()
+        identity = self.cache.get(token, now)
+        if identity is not None:
+            return identity
+        identity = self._identity_from(self._ask(token))
+        self.cache.put(token, identity, now + SUPABASE_CACHE_SECONDS)
+        return identity
+
+    def _ask(self, token):
+        """The body of a 200 answer; AuthError on 401/403, AuthUnavailable otherwise."""
+        request = urllib.request.Request(self.user_url, headers={
+            "Authorization": "Bearer " + token,
+            "apikey": self.anon_key,
+            "Accept": "application/json",
+        })
+        try:
+            with self._opener.open(request, timeout=self.timeout) as response:
+                status = response.status
+                body = response.read(MAX_RESPONSE_BYTES + 1)
+        except urllib.error.HTTPError as error:
+            error.close()
+            if error.code in (401, 403):
+                raise AuthError("token rejected by the identity service") from None
+            raise AuthUnavailable("identity service answered %d" % error.code) from None
+        except (OSError, http.client.HTTPException, ValueError):
+            raise AuthUnavailable("identity service unreachable") from None
+        if status != 200 or len(body) > MAX_RESPONSE_BYTES:
+            raise AuthUnavailable("unexpected answer from the identity service")
+        return body
+
+    def _identity_from(self, body):
+        try:
+            user = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
+        except (ValueError, RecursionError):
+            raise AuthUnavailable("malformed answer from the identity service") from None
+        if not isinstance(user, dict) or not isinstance(user.get("id"), str):
+            raise AuthUnavailable("malformed answer from the identity service")
+        if not is_valid_id(user["id"]):
+            raise AuthError("user id is not a valid id")
+        if bool(user.get("is_anonymous")) or user.get("role") == "anon":
+            raise AuthError("anonymous users are not accepted")
+        return Identity(user["id"])
+
+
+class AuthNotConfigured(Exception):
+    """Memory sync has no identity verifier (--memory-auth off)."""
+
+
+class Authenticator:
+    """Chooses the verifier for a bearer token by its kind and the route family.
+
+    Session sync: local tokens start with `ohs_`; JWTs (three dot-separated parts)
+    go to the JWT verifier when one is configured. Memory sync (`memory_mode`):
+    "local" accepts the same tokens but refuses anonymous JWTs, "supabase" asks
+    a Supabase-compatible auth service, "off" refuses every memory request.
+    """
+
+    def __init__(self, local, jwt=None, memory_mode="local", supabase=None):
         self.local = local
         self.jwt = jwt
+        self.memory_mode = memory_mode
+        self.supabase = supabase
 
     def identify(self, header):
         """The Identity for an Authorization header; AuthError for any unusable token."""
-        token = bearer_token(header)
+        return self._session_identity(bearer_token(header))
+
+    def _session_identity(self, token):
         if token.startswith(LOCAL_TOKEN_PREFIX):
             return self.local.verify(token)
         if self.jwt is not None and token.count(".") == 2:
             return self.jwt.verify(token)
         raise AuthError("unknown token")
+
+    def identify_for_memory(self, header):
+        """The Identity for memory sync; AuthError, AuthUnavailable or AuthNotConfigured."""
+        token = bearer_token(header)
+        if self.memory_mode == "off":
+            raise AuthNotConfigured("memory sync is turned off on this server")
+        if self.memory_mode == "supabase":
+            return self.supabase.verify(token)
+        identity = self._session_identity(token)
+        if identity.anonymous:
+            raise AuthError("anonymous accounts cannot use memory sync")
+        return identity
 
 
 # ---------------------------------------------------------------------------
@@ -1296,8 +1923,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         except Exception as exc:  # never a stack trace to the client or the log
             self.server.log("internal error on %s %s: %s: %s" % (self.command, path, type(exc).__name__, exc))
             response = json_response(500, {"error": "internal server error"})
-        self._send(response)
         self.server.log_access(self.command, path, response.status, started, request.principal)
+        self._send(response)
 
     def _declares_body(self):
         if self.headers.get("Transfer-Encoding") is not None:
@@ -1504,13 +2131,55 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections=DEFAULT_MAX_CONNECTIONS,
-                 log=None):
+                 log=None, jwt=None, memory_mode="local", supabase=None):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
-    tokens = TokenStore(data_dir)
-    auth = Authenticator(LocalTokenVerifier(tokens, log=log))
+    auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
     app = SyncApp(FeedStore(data_dir, log), auth, log)
     return SyncServer((host, port), app, max_connections, log, log.access)
+
+
+def add_auth_flags(parser):
+    group = parser.add_argument_group("tokens")
+    group.add_argument("--jwt-secret-file", metavar="FILE", help="accept HS256 JWTs signed with this secret")
+    keys = group.add_mutually_exclusive_group()
+    keys.add_argument("--jwks-url", metavar="URL", help="accept RS256/ES256 JWTs signed by these keys")
+    keys.add_argument("--jwks-file", metavar="FILE", help="the same, from a file")
+    group.add_argument("--jwt-issuer", metavar="ISS", help="require this iss claim")
+    group.add_argument("--jwt-audience", metavar="AUD", help="require this aud claim")
+    group.add_argument("--memory-auth", choices=("local", "supabase", "off"), default="local",
+                       help="who verifies memory-sync tokens (default: local)")
+    group.add_argument("--supabase-url", metavar="URL", help="with --memory-auth supabase")
+    group.add_argument("--supabase-anon-key-file", metavar="FILE", help="with --memory-auth supabase")
+
+
+def auth_from_flags(args):
+    """(JwtVerifier or None, SupabaseVerifier or None) from the command line; UsageError when unusable."""
+    try:
+        secret = read_secret_file(args.jwt_secret_file) if args.jwt_secret_file else None
+        jwks = None
+        if args.jwks_file:
+            jwks = JwksSource(path=args.jwks_file)
+        elif args.jwks_url:
+            if not args.jwks_url.startswith(("https://", "http://")):
+                raise UsageError("--jwks-url must be an http(s) URL")
+            jwks = JwksSource(url=args.jwks_url)
+        anon_key = None
+        if args.supabase_anon_key_file:
+            anon_key = read_secret_file(args.supabase_anon_key_file).decode("utf-8").strip()
+    except (OSError, ValueError) as exc:
+        raise UsageError("cannot use a token file: %s" % (getattr(exc, "strerror", None) or exc)) from None
+    if (args.jwt_issuer or args.jwt_audience) and secret is None and jwks is None:
+        raise UsageError("--jwt-issuer and --jwt-audience need --jwt-secret-file, --jwks-url or --jwks-file")
+    jwt = None
+    if secret is not None or jwks is not None:
+        jwt = JwtVerifier(secret, jwks, args.jwt_issuer, args.jwt_audience)
+    supabase = None
+    if args.memory_auth == "supabase":
+        if not args.supabase_url or anon_key is None:
+            raise UsageError("--memory-auth supabase needs --supabase-url and --supabase-anon-key-file")
+        supabase = SupabaseVerifier(args.supabase_url, anon_key)
+    return jwt, supabase
 
 
 def raise_open_file_limit():
@@ -1552,11 +2221,13 @@ def serve_command(argv):
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
     parser.add_argument("--quiet", action="store_true", help="no access log")
+    add_auth_flags(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         raise UsageError("--port must be 0..65535")
     if args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
+    jwt, supabase = auth_from_flags(args)
     data_dir = open_data_dir(args.data)
     lock = DataDirLock(data_dir)
     lock.acquire()
@@ -1564,7 +2235,8 @@ def serve_command(argv):
     raise_open_file_limit()
     threading.stack_size(THREAD_STACK_BYTES)
     try:
-        server = build_server(data_dir, args.host, args.port, args.max_connections, log)
+        server = build_server(data_dir, args.host, args.port, args.max_connections, log,
+                              jwt, args.memory_auth, supabase)
     except OSError as exc:
         raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, exc.strerror or exc)) from None
     print("oharness-sync listening on %s" % server.url, flush=True)

@@ -6,7 +6,10 @@ Wire-level cases start a real server on port 0 (in a thread, or as a
 subprocess where a crash or a signal is part of the test).
 """
 
+import base64
 import errno
+import hashlib
+import hmac
 import http.client
 import json
 import os
@@ -20,9 +23,15 @@ import tempfile
 import threading
 import time
 import unittest
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from unittest import mock
 
 import oharness_sync as sync
+from oharness_sync import (
+    AuthError, AuthUnavailable, Identity, JwksSource, JwtVerifier, SupabaseVerifier, TokenCache,
+    b64url_decode, b64url_encode, decode_jwt, parse_jwks, read_secret_file,
+    verify_es256, verify_hs256, verify_rs256,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULE = os.path.join(HERE, "oharness_sync.py")
@@ -364,6 +373,1049 @@ class LocalTokenTest(unittest.TestCase):
         for header in (None, "", "Basic abc", "Bearer", "Bearer a b", "Bearer é"):
             with self.assertRaises(sync.AuthError, msg=header):
                 sync.bearer_token(header)
+
+
+# -- JWTs and the Supabase verifier -------------------------------------------
+# Fixtures: testdata/jwt/, made once by testdata/jwt/make_jwt_fixtures.js (node), and the
+# published RFC 7515 appendix A examples in testdata/jwt/rfc7515_vectors.json.
+
+JWT_DATA = os.path.join(TESTDATA, "jwt")
+JWKS_PATH = os.path.join(JWT_DATA, "jwks.json")
+YEAR_2100 = 4102444800
+NOW = 1700000000  # 2023-11-14, a fixed "now" for the fixture tokens
+
+
+def load_json(name):
+    with open(os.path.join(JWT_DATA, name), "rb") as handle:
+        return json.loads(handle.read().decode("utf-8"))
+
+
+TOKENS = load_json("tokens.json")
+JWKS = load_json("jwks.json")
+RFC = load_json("rfc7515_vectors.json")
+SECRET = read_secret_file(os.path.join(JWT_DATA, "hs256_secret.txt"))
+
+
+def setUpModule():
+    # Loopback requests must never go through a proxy from the environment.
+    os.environ["no_proxy"] = os.environ["NO_PROXY"] = "127.0.0.1,localhost"
+
+
+def b64u(data):
+    """Independent base64url encoder for building test tokens."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def hs256_token(payload, header=None, secret=SECRET):
+    """An HS256 token signed with `secret`; payload/header may be dicts or raw JSON text."""
+    header = {"alg": "HS256", "typ": "JWT"} if header is None else header
+    def text(value):
+        return value if isinstance(value, str) else json.dumps(value)
+    signing_input = b64u(text(header).encode()) + "." + b64u(text(payload).encode())
+    signature = hmac.new(secret, signing_input.encode(), hashlib.sha256).digest()
+    return signing_input + "." + b64u(signature)
+
+
+def uint(text):
+    return int.from_bytes(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)), "big")
+
+
+def jwk_by_kid(kid):
+    return next(key for key in JWKS["keys"] if key["kid"] == kid)
+
+
+def split(token):
+    header, payload, signature = token.split(".")
+    return (header + "." + payload).encode(), base64.urlsafe_b64decode(signature + "=" * (-len(signature) % 4))
+
+
+class FakeClock:
+    def __init__(self, now):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
+
+
+class FakeServer:
+    """An HTTP server on 127.0.0.1:0; `respond(handler)` returns (status, body bytes, headers dict)."""
+
+    def __init__(self, respond):
+        self.respond = respond
+        self.requests = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                server.requests.append((self.path, self.headers))
+                status, body, headers = server.respond(self)
+                try:
+                    self.send_response(status)
+                    for name, value in headers.items():
+                        self.send_header(name, value)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:  # the client gave up (time-out test)
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = "http://127.0.0.1:%d" % self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def closed_port():
+    """A loopback port that was bound and closed: connecting to it is refused."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+# ---------------------------------------------------------------------------
+# base64url and JWT decoding
+# ---------------------------------------------------------------------------
+
+class Base64UrlTest(unittest.TestCase):
+    def test_round_trip(self):
+        for data in [b"", b"f", b"fo", b"foo", b"\xfb\xff\xfe", bytes(range(256))]:
+            self.assertEqual(b64url_decode(b64url_encode(data)), data)
+
+    def test_encode_uses_url_alphabet_without_padding(self):
+        self.assertEqual(b64url_encode(b"\xfb\xff\xfe"), "-__-")
+        self.assertEqual(b64url_encode(b"f"), "Zg")
+
+    def test_rejects_padding(self):
+        with self.assertRaises(ValueError):
+            b64url_decode("Zg==")
+
+    def test_rejects_standard_alphabet_and_other_characters(self):
+        for text in ["+__-", "/__-", "Zm9v!", "Zm 9v", "Zm9v\n", "Zm9v.", "\u00e9A"]:
+            with self.subTest(text=text), self.assertRaises(ValueError):
+                b64url_decode(text)
+
+    def test_rejects_impossible_length(self):
+        with self.assertRaises(ValueError):
+            b64url_decode("Zm9vY")
+
+    def test_rejects_non_canonical_trailing_bits(self):
+        self.assertEqual(b64url_decode("Zg"), b"f")
+        with self.assertRaises(ValueError):
+            b64url_decode("Zh")
+
+
+class DecodeJwtTest(unittest.TestCase):
+    def test_splits_a_token(self):
+        token = hs256_token({"sub": "u1"})
+        header, payload, signing_input, signature = decode_jwt(token)
+        self.assertEqual(header, {"alg": "HS256", "typ": "JWT"})
+        self.assertEqual(payload, {"sub": "u1"})
+        self.assertEqual(signing_input, token.rsplit(".", 1)[0].encode())
+        self.assertEqual(len(signature), 32)
+
+    def assertMalformed(self, token):
+        with self.assertRaises(AuthError) as caught:
+            decode_jwt(token)
+        if isinstance(token, str) and len(token) > 3:
+            self.assertNotIn(token, str(caught.exception))
+        return caught.exception
+
+    def test_two_segments(self):
+        self.assertMalformed(hs256_token({"sub": "u1"}).rsplit(".", 1)[0])
+
+    def test_four_segments(self):
+        self.assertMalformed(hs256_token({"sub": "u1"}) + ".e30")
+
+    def test_one_segment(self):
+        self.assertMalformed("eyJhbGciOiJIUzI1NiJ9")
+
+    def test_empty_and_non_string(self):
+        self.assertMalformed("")
+        self.assertMalformed(None)
+        self.assertMalformed(b"a.b.c")
+
+    def test_padding_in_a_segment(self):
+        header, payload, signature = hs256_token({"sub": "u1"}).split(".")
+        self.assertMalformed(header + "=." + payload + "." + signature)
+        self.assertMalformed(header + "." + payload + "." + signature + "=")
+
+    def test_bad_characters_in_a_segment(self):
+        header, payload, signature = hs256_token({"sub": "u1"}).split(".")
+        self.assertMalformed(header + "." + payload.replace("e", "+", 1) + "." + signature)
+        self.assertMalformed(header + "." + payload + "." + signature[:-1] + "/")
+        self.assertMalformed(header + " ." + payload + "." + signature)
+
+    def test_malformed_json(self):
+        self.assertMalformed(b64u(b'{"alg":"HS256"') + "." + b64u(b'{"sub":"u1"}') + ".")
+        self.assertMalformed(b64u(b'{"alg":"HS256"}') + "." + b64u(b"{sub:u1}") + ".")
+
+    def test_json_that_is_not_utf8(self):
+        self.assertMalformed(b64u(b'{"alg":"HS256"}') + "." + b64u(b'{"sub":"\xff"}') + ".")
+
+    def test_nan_is_not_json(self):
+        self.assertMalformed(hs256_token('{"sub":"u1","exp":NaN}'))
+
+    def test_header_not_an_object(self):
+        self.assertMalformed(hs256_token({"sub": "u1"}, header=["HS256"]))
+        self.assertMalformed(hs256_token({"sub": "u1"}, header="null"))
+
+    def test_payload_not_an_object(self):
+        self.assertMalformed(hs256_token(["u1"]))
+        self.assertMalformed(hs256_token('"u1"'))
+        self.assertMalformed(hs256_token("42"))
+
+    def test_deeply_nested_json(self):
+        self.assertMalformed(hs256_token("[" * 5000 + "]" * 5000))
+
+    def test_too_long(self):
+        self.assertMalformed(hs256_token({"sub": "u1", "pad": "x" * 20000}))
+
+
+# ---------------------------------------------------------------------------
+# Signature functions, with the published RFC 7515 examples
+# ---------------------------------------------------------------------------
+
+class SignatureFunctionTest(unittest.TestCase):
+    def test_rfc7515_a1_hs256(self):
+        signing_input, signature = split(RFC["a1_hs256"]["token"])
+        key = b64url_decode(RFC["a1_hs256"]["jwk"]["k"])
+        self.assertTrue(verify_hs256(key, signing_input, signature))
+        self.assertFalse(verify_hs256(key + b"x", signing_input, signature))
+        self.assertFalse(verify_hs256(key, signing_input + b"x", signature))
+
+    def test_rfc7515_a2_rs256(self):
+        signing_input, signature = split(RFC["a2_rs256"]["token"])
+        jwk = RFC["a2_rs256"]["jwk"]
+        n, e = uint(jwk["n"]), uint(jwk["e"])
+        self.assertEqual(n.bit_length(), 2048)
+        self.assertTrue(verify_rs256(n, e, signing_input, signature))
+        self.assertFalse(verify_rs256(n, e, signing_input + b"x", signature))
+        self.assertFalse(verify_rs256(n, e, signing_input, signature[:-1] + bytes([signature[-1] ^ 1])))
+
+    def test_rfc7515_a3_es256(self):
+        signing_input, signature = split(RFC["a3_es256"]["token"])
+        jwk = RFC["a3_es256"]["jwk"]
+        x, y = uint(jwk["x"]), uint(jwk["y"])
+        self.assertTrue(verify_es256(x, y, signing_input, signature))
+        self.assertFalse(verify_es256(x, y, signing_input + b"x", signature))
+        self.assertFalse(verify_es256(x, y, signing_input, signature[:-1] + bytes([signature[-1] ^ 1])))
+
+    def test_fixture_rsa_4096(self):
+        jwk = jwk_by_kid("rsa-4096")
+        signing_input, signature = split(TOKENS["rs256_4096_valid_no_exp"])
+        self.assertEqual(uint(jwk["n"]).bit_length(), 4096)
+        self.assertTrue(verify_rs256(uint(jwk["n"]), uint(jwk["e"]), signing_input, signature))
+
+    def test_rs256_signature_length_must_equal_modulus_length(self):
+        jwk = RFC["a2_rs256"]["jwk"]
+        n, e = uint(jwk["n"]), uint(jwk["e"])
+        signing_input, signature = split(RFC["a2_rs256"]["token"])
+        self.assertFalse(verify_rs256(n, e, signing_input, b"\x00" + signature))
+        self.assertFalse(verify_rs256(n, e, signing_input, signature[1:]))
+
+    def test_rs256_signature_not_below_modulus(self):
+        jwk = RFC["a2_rs256"]["jwk"]
+        n, e = uint(jwk["n"]), uint(jwk["e"])
+        signing_input, signature = split(RFC["a2_rs256"]["token"])
+        for too_big in [n, 2 ** 2048 - 1]:
+            self.assertFalse(verify_rs256(n, e, signing_input, too_big.to_bytes(256, "big")))
+
+    def test_rs256_key_size_outside_2048_to_4096(self):
+        jwk = jwk_by_kid("rsa-1024")
+        signing_input, signature = split(TOKENS["rs256_1024_bit_key"])
+        self.assertFalse(verify_rs256(uint(jwk["n"]), uint(jwk["e"]), signing_input, signature))
+
+    def test_rs256_compares_the_full_encoding(self):
+        # With e = 1 the RSA map is the identity, so the test can write any encoded message.
+        n = uint(RFC["a2_rs256"]["jwk"]["n"])
+        signing_input = b"x"
+        digest = hashlib.sha256(signing_input).digest()
+        digest_info = sync.SHA256_DIGEST_INFO + digest
+
+        def encoded(body, fill=b"\xff", start=b"\x00\x01"):
+            return start + fill * (256 - 3 - len(body)) + b"\x00" + body
+
+        self.assertTrue(verify_rs256(n, 1, signing_input, encoded(digest_info)))  # control
+        self.assertFalse(verify_rs256(n, 1, signing_input, encoded(digest)))  # no DigestInfo
+        self.assertFalse(verify_rs256(n, 1, signing_input, encoded(digest_info, fill=b"\x00")))
+        self.assertFalse(verify_rs256(n, 1, signing_input, encoded(digest_info, start=b"\x00\x02")))
+        garbage_after = b"\x00\x01" + b"\xff" * 8 + b"\x00" + digest_info
+        garbage_after += b"\x00" * (256 - len(garbage_after))
+        self.assertFalse(verify_rs256(n, 1, signing_input, garbage_after))  # short padding, trailing bytes
+
+    def test_es256_r_or_s_out_of_range(self):
+        jwk = jwk_by_kid("ec-p256")
+        x, y = uint(jwk["x"]), uint(jwk["y"])
+        for name in ["es256_r_zero", "es256_s_equals_n", "es256_r_equals_n"]:
+            with self.subTest(name=name):
+                signing_input, signature = split(TOKENS[name])
+                self.assertFalse(verify_es256(x, y, signing_input, signature))
+
+    def test_es256_signature_must_be_64_bytes(self):
+        jwk = RFC["a3_es256"]["jwk"]
+        x, y = uint(jwk["x"]), uint(jwk["y"])
+        signing_input, signature = split(RFC["a3_es256"]["token"])
+        self.assertFalse(verify_es256(x, y, signing_input, signature[:63]))
+        self.assertFalse(verify_es256(x, y, signing_input, b"\x00" + signature))
+
+    def test_es256_point_must_be_on_the_curve(self):
+        jwk = RFC["a3_es256"]["jwk"]
+        x, y = uint(jwk["x"]), uint(jwk["y"])
+        signing_input, signature = split(RFC["a3_es256"]["token"])
+        self.assertFalse(verify_es256(x, y + 1, signing_input, signature))
+        self.assertFalse(verify_es256(x + sync.P256_P, y, signing_input, signature))
+
+
+# ---------------------------------------------------------------------------
+# JWKS parsing and sources
+# ---------------------------------------------------------------------------
+
+class ParseJwksTest(unittest.TestCase):
+    def test_fixture_jwks(self):
+        keys = parse_jwks(JWKS)
+        self.assertEqual(sorted(keys), ["ec-p256", "rsa-2048", "rsa-2048-rs384", "rsa-4096"])
+        self.assertIsInstance(keys["rsa-2048"], sync.RsaKey)
+        self.assertIsInstance(keys["ec-p256"], sync.EcKey)
+        self.assertEqual(keys["rsa-2048"].alg, "RS256")
+        self.assertIsNone(keys["rsa-4096"].alg)
+        self.assertEqual(keys["rsa-2048-rs384"].alg, "RS384")
+        self.assertEqual(keys["rsa-2048"].e, 65537)
+
+    def test_skips_use_other_than_sig(self):
+        self.assertNotIn("rsa-enc", parse_jwks(JWKS))
+
+    def test_skips_rsa_keys_below_2048_bits(self):
+        self.assertNotIn("rsa-1024", parse_jwks(JWKS))
+
+    def test_skips_other_curves_and_key_types(self):
+        keys = parse_jwks(JWKS)
+        self.assertNotIn("ec-p384", keys)
+        self.assertNotIn("oct-key", keys)
+
+    def test_skips_ec_point_off_the_curve(self):
+        jwk = dict(jwk_by_kid("ec-p256"), y=b64u((uint(jwk_by_kid("ec-p256")["y"]) ^ 1).to_bytes(32, "big")))
+        self.assertEqual(parse_jwks({"keys": [jwk]}), {})
+
+    def test_skips_ec_coordinates_of_wrong_length(self):
+        jwk = dict(jwk_by_kid("ec-p256"), x=b64u(b"\x00" + b64url_decode(jwk_by_kid("ec-p256")["x"])))
+        self.assertEqual(parse_jwks({"keys": [jwk]}), {})
+
+    def test_skips_keys_without_kid_or_with_bad_fields(self):
+        rsa = jwk_by_kid("rsa-2048")
+        bad = [
+            {k: v for k, v in rsa.items() if k != "kid"},
+            dict(rsa, kid=7),
+            dict(rsa, n=rsa["n"] + "="),
+            {k: v for k, v in rsa.items() if k != "e"},
+            dict(rsa, e="Ag"),  # even exponent
+            dict(rsa, alg=["RS256"]),
+            "not a key",
+        ]
+        self.assertEqual(parse_jwks({"keys": bad}), {})
+
+    def test_first_of_a_repeated_kid_wins(self):
+        first = jwk_by_kid("rsa-2048")
+        second = dict(jwk_by_kid("rsa-4096"), kid="rsa-2048")
+        self.assertEqual(parse_jwks({"keys": [first, second]})["rsa-2048"].n, uint(first["n"]))
+
+    def test_not_a_jwks(self):
+        for obj in [[], {"keys": {}}, {"key": []}, "keys", None]:
+            with self.subTest(obj=obj), self.assertRaises(ValueError):
+                parse_jwks(obj)
+
+
+class JwksFileTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        self.path = os.path.join(self.dir, "jwks.json")
+        self.clock = FakeClock(1000.0)
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def write(self, obj_or_text, mtime):
+        text = obj_or_text if isinstance(obj_or_text, str) else json.dumps(obj_or_text)
+        with open(self.path, "w") as handle:
+            handle.write(text)
+        os.utime(self.path, (mtime, mtime))
+
+    def test_missing_file_fails_at_start(self):
+        with self.assertRaises(OSError):
+            JwksSource(path=self.path)
+
+    def test_unparsable_file_fails_at_start(self):
+        self.write("{not json", 1)
+        with self.assertRaises(ValueError):
+            JwksSource(path=self.path)
+        self.write({"nokeys": []}, 2)
+        with self.assertRaises(ValueError):
+            JwksSource(path=self.path)
+
+    def test_reread_when_mtime_changes_at_most_once_a_second(self):
+        self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
+        source = JwksSource(path=self.path, clock=self.clock)
+        self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
+        with self.assertRaises(AuthError):
+            source.key("ec-p256", "ES256")
+        self.write(JWKS, 200)
+        self.clock.advance(0.5)
+        with self.assertRaises(AuthError):
+            source.key("ec-p256", "ES256")  # not looked at again within a second
+        self.clock.advance(0.5)
+        self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
+
+    def test_broken_rewrite_keeps_last_good_keys(self):
+        self.write(JWKS, 100)
+        source = JwksSource(path=self.path, clock=self.clock)
+        self.write("{broken", 200)
+        self.clock.advance(2)
+        self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
+        os.remove(self.path)
+        self.clock.advance(2)
+        self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
+
+    def test_exactly_one_of_path_and_url(self):
+        with self.assertRaises(ValueError):
+            JwksSource()
+        with self.assertRaises(ValueError):
+            JwksSource(path=JWKS_PATH, url="http://127.0.0.1:1/")
+
+
+class JwksUrlTest(unittest.TestCase):
+    def setUp(self):
+        self.status = 200
+        self.body = json.dumps({"keys": [jwk_by_kid("rsa-2048")]}).encode()
+        self.server = FakeServer(lambda handler: (self.status, self.body, {"Content-Type": "application/json"}))
+        self.url = self.server.url + "/.well-known/jwks.json"
+        self.clock = FakeClock(5000.0)
+        self.source = JwksSource(url=self.url, timeout=2.0, clock=self.clock)
+        self.verifier = JwtVerifier(jwks=self.source, clock=FakeClock(NOW))
+
+    def tearDown(self):
+        self.server.stop()
+
+    def fetches(self):
+        return len(self.server.requests)
+
+    def test_fetched_on_first_use_then_cached(self):
+        self.assertEqual(self.fetches(), 0)
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]), Identity("user_rsa2048"))
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_valid_exp_2100"]), Identity("user_rsa2048"))
+        self.assertEqual(self.fetches(), 1)
+        self.assertEqual(self.server.requests[0][0], "/.well-known/jwks.json")
+
+    def test_unknown_kid_refetches_once_a_minute(self):
+        self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"])
+        self.assertEqual(self.fetches(), 1)
+        self.body = json.dumps(JWKS).encode()  # the provider rotates in the EC key
+        self.clock.advance(61)
+        self.assertEqual(self.verifier.verify(TOKENS["es256_valid_no_exp"]), Identity("user_ec"))
+        self.assertEqual(self.fetches(), 2)
+        with self.assertRaises(AuthError):
+            self.verifier.verify(TOKENS["rs256_unknown_kid"])
+        self.assertEqual(self.fetches(), 2)  # within the minute: no refetch
+        self.clock.advance(30)
+        with self.assertRaises(AuthError):
+            self.verifier.verify(TOKENS["rs256_unknown_kid"])
+        self.assertEqual(self.fetches(), 2)
+        self.clock.advance(31)
+        with self.assertRaises(AuthError):
+            self.verifier.verify(TOKENS["rs256_unknown_kid"])
+        self.assertEqual(self.fetches(), 3)
+
+    def test_unknown_kid_just_after_the_first_fetch_waits_a_minute(self):
+        self.source.key("rsa-2048", "RS256")
+        self.body = json.dumps(JWKS).encode()
+        with self.assertRaises(AuthError):
+            self.source.key("ec-p256", "ES256")  # first fetch was just now
+        self.assertEqual(self.fetches(), 1)
+        self.clock.advance(60)
+        self.assertEqual(self.source.key("ec-p256", "ES256").kid, "ec-p256")
+        self.assertEqual(self.fetches(), 2)
+
+    def test_server_down_keeps_known_keys(self):
+        self.source.key("rsa-2048", "RS256")
+        self.server.stop()
+        self.clock.advance(61)
+        with self.assertRaises(AuthError):
+            self.verifier.verify(TOKENS["rs256_unknown_kid"])
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]), Identity("user_rsa2048"))
+        self.clock.advance(sync.JWKS_MAX_AGE + 1)  # refresh due, still down
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_valid_exp_2100"]), Identity("user_rsa2048"))
+
+    def test_unparsable_jwks_keeps_last_good_keys(self):
+        self.source.key("rsa-2048", "RS256")
+        for body in [b"<html>oops</html>", b'{"keys": 3}', b"\xff\xfe", b"[" * 100000]:
+            self.body = body
+            self.clock.advance(61)
+            with self.assertRaises(AuthError):
+                self.source.key("no-such-key", "RS256")
+            self.assertEqual(self.source.key("rsa-2048", "RS256").kid, "rsa-2048")
+        self.assertEqual(self.fetches(), 5)
+
+    def test_http_error_keeps_last_good_keys(self):
+        self.source.key("rsa-2048", "RS256")
+        self.status = 500
+        self.clock.advance(61)
+        with self.assertRaises(AuthError):
+            self.source.key("no-such-key", "RS256")
+        self.assertEqual(self.fetches(), 2)
+        self.assertEqual(self.source.key("rsa-2048", "RS256").kid, "rsa-2048")
+
+    def test_first_fetch_failing_raises_only_auth_error_and_retries_after_a_minute(self):
+        self.status = 503
+        with self.assertRaises(AuthError):
+            self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"])
+        with self.assertRaises(AuthError):
+            self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"])
+        self.assertEqual(self.fetches(), 1)
+        self.status = 200
+        self.clock.advance(61)
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]), Identity("user_rsa2048"))
+        self.assertEqual(self.fetches(), 2)
+
+    def test_old_keys_are_refreshed_on_use(self):
+        self.source.key("rsa-2048", "RS256")
+        self.body = json.dumps({"keys": [jwk_by_kid("ec-p256")]}).encode()  # rsa-2048 revoked
+        self.clock.advance(sync.JWKS_MAX_AGE)
+        with self.assertRaises(AuthError):
+            self.source.key("rsa-2048", "RS256")
+        self.assertEqual(self.fetches(), 2)
+
+    def test_unreachable_url(self):
+        source = JwksSource(url="http://127.0.0.1:%d/jwks" % closed_port(), timeout=1.0, clock=self.clock)
+        with self.assertRaises(AuthError):
+            JwtVerifier(jwks=source, clock=FakeClock(NOW)).verify(TOKENS["rs256_2048_valid_no_exp"])
+
+
+# ---------------------------------------------------------------------------
+# JwtVerifier: acceptances
+# ---------------------------------------------------------------------------
+
+def fixture_verifier(issuer=None, audience=None, clock=None):
+    return JwtVerifier(secret=SECRET, jwks=JwksSource(path=JWKS_PATH), issuer=issuer, audience=audience,
+                       clock=clock or FakeClock(NOW))
+
+
+class JwtAcceptTest(unittest.TestCase):
+    def setUp(self):
+        self.verifier = fixture_verifier()
+
+    def assertAccepted(self, name, expected):
+        self.assertEqual(self.verifier.verify(TOKENS[name]), expected)
+
+    def test_rs256_2048_without_exp(self):
+        self.assertAccepted("rs256_2048_valid_no_exp", Identity("user_rsa2048"))
+
+    def test_rs256_4096_key_without_alg_or_use(self):
+        self.assertAccepted("rs256_4096_valid_no_exp", Identity("user_rsa4096"))
+
+    def test_es256_without_exp(self):
+        self.assertAccepted("es256_valid_no_exp", Identity("user_ec"))
+
+    def test_hs256_without_exp(self):
+        self.assertAccepted("hs256_valid_no_exp", Identity("user_hs"))
+
+    def test_rs256_exp_2100(self):
+        self.assertAccepted("rs256_valid_exp_2100", Identity("user_rsa2048"))
+
+    def test_es256_exp_2100(self):
+        self.assertAccepted("es256_valid_exp_2100", Identity("user_ec"))
+
+    def test_hs256_exp_2100(self):
+        self.assertAccepted("hs256_valid_exp_2100", Identity("user_hs"))
+
+    def test_es256_without_kid_uses_the_only_ec_key(self):
+        self.assertAccepted("es256_no_kid_single_ec_key", Identity("user_ec"))
+
+    def test_teams(self):
+        self.assertAccepted("rs256_with_teams", Identity("user_rsa2048", ["team-a", "team_b"]))
+
+    def test_anonymous_by_is_anonymous(self):
+        self.assertAccepted("rs256_anonymous_is_anonymous", Identity("anon_user_1", anonymous=True))
+
+    def test_anonymous_by_role_anon(self):
+        self.assertAccepted("rs256_anonymous_role_anon", Identity("anon_user_2", anonymous=True))
+
+    def test_issuer_and_audience_when_configured(self):
+        verifier = fixture_verifier(issuer="https://issuer.example", audience="sync-server")
+        self.assertEqual(verifier.verify(TOKENS["rs256_with_issuer_and_audience"]), Identity("user_rsa2048"))
+
+    def test_audience_array(self):
+        verifier = fixture_verifier(issuer="https://issuer.example", audience="sync-server")
+        self.assertEqual(verifier.verify(TOKENS["rs256_audience_array"]), Identity("user_rsa2048"))
+
+    def test_iss_and_aud_ignored_when_not_configured(self):
+        self.assertAccepted("rs256_wrong_issuer", Identity("user_rsa2048"))
+        self.assertAccepted("rs256_wrong_audience", Identity("user_rsa2048"))
+
+    def test_empty_teams(self):
+        self.assertEqual(self.verifier.verify(hs256_token({"sub": "u1", "teams": []})), Identity("u1"))
+
+    def test_is_anonymous_false_is_not_anonymous(self):
+        token = hs256_token({"sub": "u1", "is_anonymous": False, "role": "authenticated"})
+        self.assertEqual(self.verifier.verify(token), Identity("u1"))
+
+    def test_exp_within_leeway(self):
+        token = hs256_token({"sub": "u1", "exp": NOW - 59})
+        self.assertEqual(self.verifier.verify(token), Identity("u1"))
+
+    def test_nbf_within_leeway(self):
+        token = hs256_token({"sub": "u1", "nbf": NOW + 60})
+        self.assertEqual(self.verifier.verify(token), Identity("u1"))
+
+    def test_float_exp(self):
+        self.assertEqual(self.verifier.verify(hs256_token({"sub": "u1", "exp": NOW + 0.5})), Identity("u1"))
+
+    def test_huge_integer_exp(self):
+        clock = FakeClock(NOW)
+        verifier = JwtVerifier(secret=SECRET, clock=clock)
+        token = hs256_token('{"sub":"u1","exp":1' + "0" * 400 + "}")
+        self.assertEqual(verifier.verify(token), Identity("u1"))
+        self.assertEqual(verifier.cache._entries[TokenCache.digest(token)][1], NOW + 3600)
+
+    def test_hs256_only_verifier(self):
+        verifier = JwtVerifier(secret=SECRET, clock=FakeClock(NOW))
+        self.assertEqual(verifier.verify(TOKENS["hs256_valid_no_exp"]), Identity("user_hs"))
+
+    def test_secret_file_loses_one_trailing_newline(self):
+        with open(os.path.join(JWT_DATA, "hs256_secret.txt"), "rb") as handle:
+            raw = handle.read()
+        self.assertEqual(raw, SECRET + b"\n")
+        self.assertEqual(len(SECRET), 64)
+        directory = tempfile.mkdtemp()
+        try:
+            path = os.path.join(directory, "secret")
+            for content, expected in [(b"abc\n\n", b"abc\n"), (b"abc\r\n", b"abc"), (b"abc", b"abc")]:
+                with open(path, "wb") as handle:
+                    handle.write(content)
+                self.assertEqual(read_secret_file(path), expected)
+            with open(path, "wb") as handle:
+                handle.write(b"\n")
+            with self.assertRaises(ValueError):
+                read_secret_file(path)
+        finally:
+            shutil.rmtree(directory)
+
+
+# ---------------------------------------------------------------------------
+# JwtVerifier: refusals
+# ---------------------------------------------------------------------------
+
+class JwtRefuseTest(unittest.TestCase):
+    def setUp(self):
+        self.verifier = fixture_verifier()
+
+    def assertRefused(self, token, verifier=None):
+        with self.assertRaises(AuthError) as caught:
+            (verifier or self.verifier).verify(token)
+        message = str(caught.exception)
+        for piece in token.split(".") if isinstance(token, str) else []:
+            if len(piece) > 8:
+                self.assertNotIn(piece, message)
+        return caught.exception
+
+    # time
+    def test_rs256_expired(self):
+        self.assertRefused(TOKENS["rs256_expired"])
+
+    def test_es256_expired(self):
+        self.assertRefused(TOKENS["es256_expired"])
+
+    def test_hs256_expired(self):
+        self.assertRefused(TOKENS["hs256_expired"])
+
+    def test_not_yet_valid(self):
+        self.assertRefused(TOKENS["rs256_nbf_2100"])
+
+    def test_exp_just_past_leeway(self):
+        self.assertRefused(hs256_token({"sub": "u1", "exp": NOW - 60}))
+
+    def test_nbf_just_past_leeway(self):
+        self.assertRefused(hs256_token({"sub": "u1", "nbf": NOW + 61}))
+
+    def test_exp_not_a_number(self):
+        for exp in [str(YEAR_2100), True, None, [YEAR_2100], {"t": 1}]:
+            with self.subTest(exp=exp):
+                self.assertRefused(hs256_token({"sub": "u1", "exp": exp}))
+
+    def test_nbf_not_a_number(self):
+        for nbf in ["0", False, None]:
+            with self.subTest(nbf=nbf):
+                self.assertRefused(hs256_token({"sub": "u1", "nbf": nbf}))
+
+    def test_exp_infinity_is_not_json(self):
+        self.assertRefused(hs256_token('{"sub":"u1","exp":Infinity}'))
+
+    # iss / aud
+    def test_wrong_issuer(self):
+        verifier = fixture_verifier(issuer="https://issuer.example", audience="sync-server")
+        self.assertRefused(TOKENS["rs256_wrong_issuer"], verifier)
+
+    def test_missing_issuer_when_configured(self):
+        self.assertRefused(TOKENS["rs256_2048_valid_no_exp"], fixture_verifier(issuer="https://issuer.example"))
+
+    def test_wrong_audience(self):
+        verifier = fixture_verifier(issuer="https://issuer.example", audience="sync-server")
+        self.assertRefused(TOKENS["rs256_wrong_audience"], verifier)
+
+    def test_missing_audience_when_configured(self):
+        self.assertRefused(TOKENS["rs256_2048_valid_no_exp"], fixture_verifier(audience="sync-server"))
+
+    def test_audience_of_wrong_type(self):
+        verifier = JwtVerifier(secret=SECRET, audience="sync-server", clock=FakeClock(NOW))
+        for aud in [7, ["sync-server", 7], {"sync-server": True}, None, ["other"]]:
+            with self.subTest(aud=aud):
+                self.assertRefused(hs256_token({"sub": "u1", "aud": aud}), verifier)
+
+    # sub / teams
+    def test_sub_proto(self):
+        self.assertRefused(TOKENS["rs256_sub_proto"])
+
+    def test_sub_with_slash(self):
+        self.assertRefused(TOKENS["rs256_sub_slash"])
+
+    def test_sub_missing(self):
+        self.assertRefused(TOKENS["rs256_no_sub"])
+
+    def test_sub_other_invalid(self):
+        for sub in ["", "x" * 129, 12, None, "constructor", "a b"]:
+            with self.subTest(sub=sub):
+                self.assertRefused(hs256_token({"sub": sub}))
+
+    def test_teams_with_invalid_id(self):
+        self.assertRefused(TOKENS["rs256_teams_with_invalid_id"])
+
+    def test_teams_of_wrong_type(self):
+        for teams in ["team-a", None, {"team-a": True}, [1], ["prototype"]]:
+            with self.subTest(teams=teams):
+                self.assertRefused(hs256_token({"sub": "u1", "teams": teams}))
+
+    # signatures
+    def test_tampered_payload(self):
+        self.assertRefused(TOKENS["rs256_tampered_payload"])
+
+    def test_rs256_wrong_signature(self):
+        self.assertRefused(TOKENS["rs256_wrong_signature"])
+
+    def test_es256_wrong_signature(self):
+        self.assertRefused(TOKENS["es256_wrong_signature"])
+
+    def test_hs256_wrong_secret(self):
+        self.assertRefused(TOKENS["hs256_wrong_signature"])
+
+    def test_alg_none(self):
+        self.assertRefused(TOKENS["alg_none"])
+
+    def test_alg_none_variants_and_other_algs(self):
+        for alg in ["None", "NONE", "HS512", "RS512", "PS256", "EdDSA", None, 256]:
+            with self.subTest(alg=alg):
+                self.assertRefused(hs256_token({"sub": "u1"}, header={"alg": alg}))
+        self.assertRefused(hs256_token({"sub": "u1"}, header={"typ": "JWT"}))
+
+    def test_algorithm_confusion_hs256_with_public_key_pem(self):
+        self.assertRefused(TOKENS["hs256_signed_with_rsa_public_pem"])
+
+    def test_algorithm_confusion_without_a_secret_configured(self):
+        verifier = JwtVerifier(jwks=JwksSource(path=JWKS_PATH), clock=FakeClock(NOW))
+        self.assertRefused(TOKENS["hs256_signed_with_rsa_public_pem"], verifier)
+        self.assertRefused(TOKENS["hs256_valid_no_exp"], verifier)
+
+    def test_rs256_header_with_ec_key(self):
+        self.assertRefused(TOKENS["rs256_header_signed_by_ec_key"])
+
+    def test_es256_header_with_rsa_key(self):
+        self.assertRefused(TOKENS["es256_header_with_rsa_kid"])
+
+    def test_key_alg_must_equal_token_alg(self):
+        self.assertRefused(TOKENS["rs256_key_declares_rs384"])
+
+    def test_es256_r_zero(self):
+        self.assertRefused(TOKENS["es256_r_zero"])
+
+    def test_es256_s_equals_n(self):
+        self.assertRefused(TOKENS["es256_s_equals_n"])
+
+    def test_es256_r_equals_n(self):
+        self.assertRefused(TOKENS["es256_r_equals_n"])
+
+    def test_unknown_kid(self):
+        self.assertRefused(TOKENS["rs256_unknown_kid"])
+
+    def test_no_kid_with_two_rsa_keys(self):
+        self.assertRefused(TOKENS["rs256_no_kid_two_rsa_keys"])
+
+    def test_key_with_use_enc(self):
+        self.assertRefused(TOKENS["rs256_use_enc_key"])
+
+    def test_key_below_2048_bits(self):
+        self.assertRefused(TOKENS["rs256_1024_bit_key"])
+
+    def test_rs256_without_jwks_configured(self):
+        self.assertRefused(TOKENS["rs256_2048_valid_no_exp"], JwtVerifier(secret=SECRET, clock=FakeClock(NOW)))
+
+    def test_kid_not_a_string(self):
+        self.assertRefused(hs256_token({"sub": "u1"}, header={"alg": "HS256", "kid": 1}))
+
+    def test_crit_header(self):
+        self.assertRefused(hs256_token({"sub": "u1"}, header={"alg": "HS256", "crit": ["exp"], "exp": 1}))
+
+    def test_malformed_tokens(self):
+        good = TOKENS["rs256_2048_valid_no_exp"]
+        header, payload, signature = good.split(".")
+        for token in ["", "Bearer", header + "." + payload, good + ".x", header + "=." + payload + "." + signature,
+                      header + "." + payload + "." + signature + "=", "*" + good,
+                      b64u(b"[]") + "." + payload + "." + signature, header + "." + b64u(b"{") + "." + signature]:
+            with self.subTest(token=token[:20]):
+                self.assertRefused(token)
+
+    def test_non_string_token(self):
+        for token in [None, b"abc", 3]:
+            with self.assertRaises(AuthError):
+                self.verifier.verify(token)
+
+    def test_needs_a_secret_or_jwks(self):
+        with self.assertRaises(ValueError):
+            JwtVerifier()
+        with self.assertRaises(ValueError):
+            JwtVerifier(secret=b"")
+
+
+class RfcVectorsThroughVerifierTest(unittest.TestCase):
+    """The RFC 7515 examples verify, then fail only on their 2011 exp (and their missing sub)."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        path = os.path.join(self.dir, "jwks.json")
+        with open(path, "w") as handle:
+            json.dump({"keys": [dict(RFC["a2_rs256"]["jwk"], kid="rfc-a2"),
+                                dict(RFC["a3_es256"]["jwk"], kid="rfc-a3")]}, handle)
+        self.jwks = JwksSource(path=path)
+        self.secret = b64url_decode(RFC["a1_hs256"]["jwk"]["k"])
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def check(self, token):
+        now_verifier = JwtVerifier(secret=self.secret, jwks=self.jwks)  # real time.time
+        with self.assertRaisesRegex(AuthError, "expired"):
+            now_verifier.verify(token)
+        before_exp = JwtVerifier(secret=self.secret, jwks=self.jwks, clock=FakeClock(1300819380 - 10))
+        with self.assertRaisesRegex(AuthError, "sub"):  # signature and time passed; no sub claim
+            before_exp.verify(token)
+
+    def test_a1_hs256(self):
+        self.check(RFC["a1_hs256"]["token"])
+
+    def test_a2_rs256(self):
+        self.check(RFC["a2_rs256"]["token"])
+
+    def test_a3_es256(self):
+        self.check(RFC["a3_es256"]["token"])
+
+
+# ---------------------------------------------------------------------------
+# Verified-token cache
+# ---------------------------------------------------------------------------
+
+class VerifiedTokenCacheTest(unittest.TestCase):
+    def test_second_verify_does_not_check_the_signature_again(self):
+        verifier = fixture_verifier()
+        with mock.patch("oharness_sync.verify_rs256", wraps=sync.verify_rs256) as spy:
+            first = verifier.verify(TOKENS["rs256_valid_exp_2100"])
+            second = verifier.verify(TOKENS["rs256_valid_exp_2100"])
+        self.assertEqual(first, Identity("user_rsa2048"))
+        self.assertEqual(second, first)
+        self.assertEqual(spy.call_count, 1)
+
+    def test_cached_token_refused_after_exp_plus_leeway(self):
+        clock = FakeClock(YEAR_2100 - 10)
+        verifier = fixture_verifier(clock=clock)
+        token = TOKENS["rs256_valid_exp_2100"]
+        self.assertEqual(verifier.verify(token), Identity("user_rsa2048"))
+        clock.now = YEAR_2100 + 59
+        with mock.patch("oharness_sync.verify_rs256", wraps=sync.verify_rs256) as spy:
+            self.assertEqual(verifier.verify(token), Identity("user_rsa2048"))
+            self.assertEqual(spy.call_count, 0)
+        clock.now = YEAR_2100 + 60
+        with self.assertRaises(AuthError):
+            verifier.verify(token)
+
+    def test_token_without_exp_is_rechecked_after_an_hour(self):
+        clock = FakeClock(NOW)
+        verifier = fixture_verifier(clock=clock)
+        token = TOKENS["rs256_2048_valid_no_exp"]
+        with mock.patch("oharness_sync.verify_rs256", wraps=sync.verify_rs256) as spy:
+            verifier.verify(token)
+            clock.advance(3599)
+            verifier.verify(token)
+            self.assertEqual(spy.call_count, 1)
+            clock.advance(1)
+            verifier.verify(token)
+            self.assertEqual(spy.call_count, 2)
+
+    def test_refusals_are_not_cached(self):
+        verifier = fixture_verifier()
+        with mock.patch("oharness_sync.verify_rs256", wraps=sync.verify_rs256) as spy:
+            for _ in range(2):
+                with self.assertRaises(AuthError):
+                    verifier.verify(TOKENS["rs256_wrong_signature"])
+        self.assertEqual(spy.call_count, 2)
+
+    def test_cache_is_keyed_by_sha256_and_bounded_lru(self):
+        cache = TokenCache(max_entries=2)
+        cache.put("a", Identity("a"), 100)
+        cache.put("b", Identity("b"), 100)
+        self.assertEqual(cache.get("a", 0), Identity("a"))  # "a" is now the most recent
+        cache.put("c", Identity("c"), 100)
+        self.assertEqual(len(cache), 2)
+        self.assertIsNone(cache.get("b", 0))
+        self.assertEqual(cache.get("a", 0), Identity("a"))
+        self.assertEqual(cache.get("c", 0), Identity("c"))
+        self.assertIsNone(cache.get("c", 100))
+        self.assertNotIn("a", [key for key in cache._entries])
+        self.assertIn(hashlib.sha256(b"a").digest(), cache._entries)
+
+    def test_default_bound(self):
+        self.assertEqual(fixture_verifier().cache.max_entries, 10000)
+
+
+# ---------------------------------------------------------------------------
+# Supabase verifier
+# ---------------------------------------------------------------------------
+
+USER_ID = "6a1f0c2e-4b7d-4e0a-9c3b-2f5d8e7a1b90"
+
+
+def supabase_answer(handler):
+    token = (handler.headers.get("Authorization") or "")[len("Bearer "):]
+    if token == "normal":
+        return 200, json.dumps({"id": USER_ID, "role": "authenticated", "is_anonymous": False}).encode(), {}
+    if token == "anonymous":
+        return 200, json.dumps({"id": USER_ID, "role": "authenticated", "is_anonymous": True}).encode(), {}
+    if token == "role-anon":
+        return 200, json.dumps({"id": USER_ID, "role": "anon"}).encode(), {}
+    if token == "bad-id":
+        return 200, json.dumps({"id": "a/b"}).encode(), {}
+    if token == "no-id":
+        return 200, json.dumps({"email": "x@example.com"}).encode(), {}
+    if token == "not-json":
+        return 200, b"<html>hello</html>", {}
+    if token == "array":
+        return 200, b"[]", {}
+    if token == "forbidden":
+        return 403, b'{"code":403,"error_code":"bad_jwt"}', {}
+    if token == "boom":
+        return 500, b"{}", {}
+    if token == "redirect":
+        return 302, b"", {"Location": "http://127.0.0.1:%d/elsewhere" % handler.server.server_address[1]}
+    if token == "slow":
+        time.sleep(0.8)
+        return 200, json.dumps({"id": USER_ID}).encode(), {}
+    return 401, b'{"code":401,"msg":"invalid JWT"}', {}
+
+
+class SupabaseVerifierTest(unittest.TestCase):
+    def setUp(self):
+        self.server = FakeServer(supabase_answer)
+        self.clock = FakeClock(100.0)
+        self.verifier = SupabaseVerifier(self.server.url + "/", "anon-key-123", timeout=2.0, clock=self.clock)
+
+    def tearDown(self):
+        self.server.stop()
+
+    def test_normal_user(self):
+        self.assertEqual(self.verifier.verify("normal"), Identity(USER_ID))
+        path, headers = self.server.requests[0]
+        self.assertEqual(path, "/auth/v1/user")
+        self.assertEqual(headers.get("Authorization"), "Bearer normal")
+        self.assertEqual(headers.get("apikey"), "anon-key-123")
+
+    def test_anonymous_user_refused(self):
+        with self.assertRaises(AuthError):
+            self.verifier.verify("anonymous")
+
+    def test_role_anon_refused(self):
+        with self.assertRaises(AuthError):
+            self.verifier.verify("role-anon")
+
+    def test_401(self):
+        with self.assertRaises(AuthError):
+            self.verifier.verify("revoked")
+
+    def test_403(self):
+        with self.assertRaises(AuthError):
+            self.verifier.verify("forbidden")
+
+    def test_500(self):
+        with self.assertRaises(AuthUnavailable):
+            self.verifier.verify("boom")
+
+    def test_redirect_is_not_followed(self):
+        with self.assertRaises(AuthUnavailable):
+            self.verifier.verify("redirect")
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_time_out(self):
+        verifier = SupabaseVerifier(self.server.url, "anon-key-123", timeout=0.3, clock=self.clock)
+        started = time.monotonic()
+        with self.assertRaises(AuthUnavailable):
+            verifier.verify("slow")
+        self.assertLess(time.monotonic() - started, 0.75)
+
+    def test_connection_refused(self):
+        verifier = SupabaseVerifier("http://127.0.0.1:%d" % closed_port(), "anon-key-123", timeout=1.0)
+        with self.assertRaises(AuthUnavailable):
+            verifier.verify("normal")
+
+    def test_malformed_200_body(self):
+        for token in ["not-json", "array", "no-id"]:
+            with self.subTest(token=token), self.assertRaises(AuthUnavailable):
+                self.verifier.verify(token)
+
+    def test_200_with_invalid_id_is_auth_error(self):
+        with self.assertRaises(AuthError):
+            self.verifier.verify("bad-id")
+
+    def test_missing_or_unsendable_token_never_reaches_the_server(self):
+        for token in ["", None, "two words", "line\r\nX-Evil: 1", "x" * 20000]:
+            with self.subTest(token=str(token)[:12]), self.assertRaises(AuthError):
+                self.verifier.verify(token)
+        self.assertEqual(self.server.requests, [])
+
+    def test_positive_answer_cached_for_60_seconds(self):
+        self.assertEqual(self.verifier.verify("normal"), Identity(USER_ID))
+        self.clock.advance(59)
+        self.assertEqual(self.verifier.verify("normal"), Identity(USER_ID))
+        self.assertEqual(len(self.server.requests), 1)
+        self.clock.advance(1)
+        self.assertEqual(self.verifier.verify("normal"), Identity(USER_ID))
+        self.assertEqual(len(self.server.requests), 2)
+
+    def test_refusals_not_cached(self):
+        for _ in range(2):
+            with self.assertRaises(AuthError):
+                self.verifier.verify("revoked")
+        self.assertEqual(len(self.server.requests), 2)
+
+    def test_cache_is_bounded(self):
+        self.assertEqual(self.verifier.cache.max_entries, 10000)
+
+
+if __name__ == "__main__":
+    unittest.main()
 
 
 # ---------------------------------------------------------------------------
@@ -719,6 +1771,36 @@ class TenancyTest(ServerCase):
         self.assertEqual(self.request("GET", "/v1/projects", token=upper).json, {"projects": ["Proj", "proj"]})
         names = [os.path.relpath(path, self.data_dir) for path in self.feed_files()]
         self.assertEqual(len({name.lower() for name in names}), 3, names)
+
+
+class JwtOnTheWireTest(ServerCase):
+    """Session sync with --jwt-secret-file and --jwks-file: the fixture tokens on a real server."""
+
+    def setUp(self):
+        self.server_options = {"jwt": JwtVerifier(SECRET, JwksSource(path=JWKS_PATH))}
+        super().setUp()
+
+    def test_hs256_rs256_and_es256_tokens_are_accepted_with_their_principal(self):
+        for name in ("hs256_valid_no_exp", "rs256_2048_valid_no_exp", "rs256_4096_valid_no_exp",
+                     "es256_valid_exp_2100"):
+            token = TOKENS[name]
+            self.assertAnswer(self.push(token, "jwt", [record(record_id=name)]), 200, {"cursor": 1, "accepted": 1})
+            sub = json.loads(b64url_decode(token.split(".")[1]))["sub"]
+            self.assertEqual(self.request("GET", "/v1/projects", token=token).json, {"projects": ["jwt"]}, sub)
+
+    def test_teams_come_from_the_teams_claim(self):
+        token = TOKENS["rs256_with_teams"]
+        teams = json.loads(b64url_decode(token.split(".")[1]))["teams"]
+        self.assertAnswer(self.push(token, "p", [record()], team=teams[0]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(token, "p", [record()], team="not-" + teams[0]), 403)
+
+    def test_bad_tokens_are_401_with_www_authenticate(self):
+        for name in ("alg_none", "hs256_signed_with_rsa_public_pem", "rs256_expired", "rs256_nbf_2100",
+                     "rs256_tampered_payload", "es256_r_zero", "rs256_unknown_kid", "rs256_sub_proto"):
+            answer = self.pull(TOKENS[name], "p")
+            self.assertAnswer(answer, 401)
+            self.assertEqual(answer.headers.get("www-authenticate"), "Bearer", name)
+        self.assertEqual(self.feed_files(), [])
 
 
 class LongPollTest(ServerCase):
