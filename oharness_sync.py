@@ -41,6 +41,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 import zlib
 from collections import OrderedDict
 
@@ -84,6 +85,14 @@ TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the to
 
 LOCAL_TOKEN_PREFIX = "ohs_"
 
+# Memory sync
+MEMORY_QUOTA = {"maxNotes": 5000, "maxChanges": 500, "maxNoteBytes": 131072, "tombstoneDays": 90}
+MAX_MEMORY_BODY = 4 * 1024 * 1024       # a larger request body is refused with 413 before it is read
+MAX_SNAPSHOT_BYTES = 16 * 1024 * 1024   # the entries of a full snapshot, as JSON
+MANIFEST_CACHE_SIZE = 256               # scopes whose parsed manifest stays in memory
+GARBAGE_AGE_SECONDS = 3600              # an unreferenced revision is kept this long before it is removed
+DAY_MS = 24 * 60 * 60 * 1000
+
 # JWTs and identity services
 LEEWAY_SECONDS = 60            # allowed clock skew for exp and nbf
 MAX_TOKEN_LENGTH = 16384       # longer bearer tokens are refused unread
@@ -120,6 +129,22 @@ class BadRequest(ApiError):
 class TooLarge(ApiError):
     def __init__(self, text):
         super().__init__(413, text)
+
+
+class MemoryApiError(Exception):
+    """An answer other than 200 for a memory route: a status and a stable machine-readable code."""
+
+    def __init__(self, status, code, text=None):
+        super().__init__(text or code)
+        self.status = status
+        self.code = code
+        self.text = text
+
+    def payload(self):
+        body = {"code": self.code}
+        if self.text:
+            body["error"] = self.text
+        return body
 
 
 class AuthError(Exception):
@@ -355,6 +380,352 @@ def validate_push(doc):
         [validate_record(record, i) for i, record in enumerate(records)],
         [validate_session_entry(entry, i) for i, entry in enumerate(sessions)],
     )
+
+
+# -- JavaScript string semantics, note validation and the note hash ----------
+#
+# Notes are hashed by clients with JSON.stringify, so the byte-exact JavaScript
+# behaviour matters: lengths are UTF-16 code units, "trim" and /\s/ use the
+# ECMAScript whitespace set (not Python's), and lone surrogates are escaped.
+
+JS_WHITESPACE = (
+    "\t\n\v\f\r \xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
+    "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"
+)
+_JS_LINE_BREAKS = "\n\r\u2028\u2029"
+NOTE_FIELDS = frozenset(
+    ["id", "summary", "body", "tags", "type", "createdAt", "updatedAt"])
+_NOTE_TYPES = frozenset(["user", "feedback", "project", "reference"])
+_MAX_SUMMARY_LENGTH = 500
+_MAX_TAGS = 30
+_MAX_TAG_LENGTH = 64
+
+_JS_WHITESPACE_RE = re.compile("[" + re.escape(JS_WHITESPACE) + "]")
+_LONE_SURROGATE_RE = re.compile(
+    "[\ud800-\udbff](?![\udc00-\udfff])|(?<![\ud800-\udbff])[\udc00-\udfff]")
+
+
+def js_length(s):
+    """JavaScript string length: UTF-16 code units (astral chars count 2)."""
+    if s.isascii():
+        return len(s)
+    return len(s.encode("utf-16-le", "surrogatepass")) // 2
+
+
+def js_trim(s):
+    """JavaScript String.prototype.trim()."""
+    return s.strip(JS_WHITESPACE)
+
+
+def has_js_whitespace(s):
+    """True if s matches JavaScript /\\s/ anywhere."""
+    return _JS_WHITESPACE_RE.search(s) is not None
+
+
+def js_stringify(value):
+    """JSON.stringify for str, int and (nested) lists of them, byte-exact.
+
+    json.dumps already matches JavaScript except that it writes lone
+    surrogates raw, where JavaScript writes lowercase \\udxxx escapes.
+    """
+    out = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        out.encode("utf-8")  # fast check: fails only on surrogates
+        return out
+    except UnicodeEncodeError:
+        pass
+    out = _LONE_SURROGATE_RE.sub(lambda m: "\\u%04x" % ord(m.group()), out)
+    # Any surrogates left are valid pairs held as two code points: join them.
+    return out.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
+
+
+def note_hash(note):
+    """Lowercase hex SHA-256 of JSON.stringify([id, summary, body, tags,
+    createdAt(, type)]) for an already validated note."""
+    fields = [note["id"], note["summary"], note["body"], note["tags"],
+              note["createdAt"]]
+    if "type" in note:
+        fields.append(note["type"])
+    return hashlib.sha256(js_stringify(fields).encode("utf-8")).hexdigest()
+
+
+class InvalidNote(ValueError):
+    """A note failed validation; the message is a short human reason."""
+
+
+def _safe_int_field(obj, name):
+    value = as_safe_int(obj[name])
+    if value is None:
+        raise InvalidNote(name + " must be a non-negative safe integer")
+    return value
+
+
+def validate_note(obj, max_note_bytes=131072):
+    """Validate a decoded JSON note and return a new normalised dict with keys
+    id, summary, body, tags, type?, createdAt, updatedAt? (in that order).
+    Raises InvalidNote with a short reason."""
+    if not isinstance(obj, dict):
+        raise InvalidNote("note must be an object")
+    for name in obj:
+        if name not in NOTE_FIELDS:
+            raise InvalidNote("unknown note field")
+    for name in ("id", "summary", "body", "tags", "createdAt"):
+        if name not in obj:
+            raise InvalidNote("missing " + name)
+
+    note_id, summary, body, tags = (
+        obj["id"], obj["summary"], obj["body"], obj["tags"])
+    if not is_valid_id(note_id):
+        raise InvalidNote("invalid id")
+
+    if not isinstance(summary, str):
+        raise InvalidNote("summary must be a string")
+    if not 1 <= js_length(summary) <= _MAX_SUMMARY_LENGTH:
+        raise InvalidNote("summary must be 1..500 characters")
+    if js_trim(summary) != summary:
+        raise InvalidNote("summary has leading or trailing whitespace")
+    if any(c in summary for c in _JS_LINE_BREAKS):
+        raise InvalidNote("summary must be one line")
+
+    if not isinstance(body, str):
+        raise InvalidNote("body must be a string")
+    if js_trim(body) != body:
+        raise InvalidNote("body has leading or trailing whitespace")
+    if len(body.encode("utf-8", "surrogatepass")) > max_note_bytes:
+        raise InvalidNote("body is too large")
+
+    if not isinstance(tags, list):
+        raise InvalidNote("tags must be a list")
+    if len(tags) > _MAX_TAGS:
+        raise InvalidNote("too many tags")
+    for tag in tags:
+        if not isinstance(tag, str):
+            raise InvalidNote("tags must be strings")
+        if not 1 <= js_length(tag) <= _MAX_TAG_LENGTH:
+            raise InvalidNote("tags must be 1..64 characters")
+        if "," in tag or has_js_whitespace(tag):
+            raise InvalidNote("tags must not contain whitespace or commas")
+
+    note = {"id": note_id, "summary": summary, "body": body,
+            "tags": list(tags)}
+    if "type" in obj:
+        if not isinstance(obj["type"], str) or obj["type"] not in _NOTE_TYPES:
+            raise InvalidNote("invalid type")
+        note["type"] = obj["type"]
+    note["createdAt"] = _safe_int_field(obj, "createdAt")
+    if "updatedAt" in obj:
+        note["updatedAt"] = _safe_int_field(obj, "updatedAt")
+    return note
+
+
+# -- memory requests -----------------------------------------------------------
+
+
+
+class MemoryScope:
+    """Where a principal's notes live: one project (project is its id) or the user scope (project is None)."""
+
+    __slots__ = ("project",)
+
+    def __init__(self, project=None):
+        self.project = project
+
+    def dir_name(self):
+        # "user" can never clash with a project: those all start with "p-".
+        return "user" if self.project is None else "p-" + encode_name(self.project)
+
+    def __eq__(self, other):
+        return isinstance(other, MemoryScope) and other.project == self.project
+
+    def __hash__(self):
+        return hash((MemoryScope, self.project))
+
+    def __repr__(self):
+        return "MemoryScope(%r)" % (self.project,)
+
+
+USER_SCOPE = MemoryScope()
+
+
+class MemoryChange:
+    """One validated change of a commit: a create or update (note is the normalised note), or a delete
+    (hash and note are None)."""
+
+    __slots__ = ("id", "hash", "note")
+
+    def __init__(self, note_id, hash_value, note):
+        self.id = note_id
+        self.hash = hash_value
+        self.note = note
+
+
+class MemoryRequest:
+    """A validated memory request: what the route needs of it. Fields a route does not take stay None."""
+
+    __slots__ = ("scope", "known_etag", "have", "etag", "changes")
+
+    def __init__(self):
+        self.scope = None        # a MemoryScope (snapshot, commit)
+        self.known_etag = None   # snapshot: the etag the client holds, or None
+        self.have = None         # snapshot, commit: {note id: hash} the client holds, or None
+        self.etag = None         # commit: the etag the change is based on (None: no manifest yet)
+        self.changes = None      # commit: a list of MemoryChange
+
+
+_REQUEST_FIELDS = {
+    "identity": frozenset(["expectedPrincipal"]),
+    "snapshot": frozenset(["expectedPrincipal", "project", "scope", "knownEtag", "have"]),
+    "commit": frozenset(["expectedPrincipal", "project", "scope", "etag", "changes", "have"]),
+}
+_CHANGE_FIELDS = frozenset(["id", "hash", "note"])
+_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+def memory_request(kind, doc, principal, quota=MEMORY_QUOTA):
+    """Validate the parsed body of a memory route ("identity", "snapshot" or "commit") for the verified
+    principal; a MemoryRequest, or MemoryApiError with the protocol's code.
+
+    Checks run in the contract's order: body shape, unknown fields anywhere, expectedPrincipal, scope,
+    then the route's own fields (etag or knownEtag, have, changes).
+    """
+    if not isinstance(doc, dict):
+        raise MemoryApiError(400, "invalid_body", "the body must be a JSON object")
+    refuse_unknown_fields(doc, _REQUEST_FIELDS[kind])
+    expected = doc.get("expectedPrincipal")
+    if not is_valid_id(expected):
+        raise MemoryApiError(400, "invalid_body", "expectedPrincipal must be an id")
+    if expected != principal:
+        raise MemoryApiError(403, "account_mismatch", "the token belongs to another account")
+    request = MemoryRequest()
+    if kind == "identity":
+        return request
+    request.scope = memory_scope(doc)
+    if kind == "snapshot":
+        request.known_etag = _optional_etag(doc, "knownEtag")
+    else:
+        if "etag" not in doc:
+            raise MemoryApiError(400, "invalid_body", "etag is required (null when there is no manifest)")
+        request.etag = _optional_etag(doc, "etag")
+    request.have = memory_have(doc, quota)
+    if kind == "commit":
+        request.changes = memory_changes(doc.get("changes"), quota)
+    return request
+
+
+def refuse_unknown_fields(doc, allowed):
+    """400 unknown_field for a field the protocol does not know, in the request, a change or a note.
+
+    Changes and notes are only looked into where they are objects: any other shape is the business of
+    the later checks (invalid_changes, invalid_note).
+    """
+    for name in doc:
+        if name not in allowed:
+            raise MemoryApiError(400, "unknown_field", "unknown field in the request")
+    changes = doc.get("changes")
+    if not isinstance(changes, list):
+        return
+    for change in changes:
+        if not isinstance(change, dict):
+            continue
+        for name in change:
+            if name not in _CHANGE_FIELDS:
+                raise MemoryApiError(400, "unknown_field", "unknown field in a change")
+        note = change.get("note")
+        if isinstance(note, dict):
+            for name in note:
+                if name not in NOTE_FIELDS:
+                    raise MemoryApiError(400, "unknown_field", "unknown field in a note")
+
+
+def memory_scope(doc):
+    """The MemoryScope of a request: project without scope, or scope "user" without project."""
+    if ("project" in doc) == ("scope" in doc):
+        raise MemoryApiError(400, "invalid_scope", "give either project or scope \"user\"")
+    if "scope" in doc:
+        if doc["scope"] != "user":
+            raise MemoryApiError(400, "invalid_scope", "the only scope is \"user\"")
+        return USER_SCOPE
+    project = doc["project"]
+    if not is_valid_id(project):  # null included: a project that is present must be an id
+        raise MemoryApiError(400, "invalid_project", "project must be an id")
+    return MemoryScope(project)
+
+
+def _optional_etag(doc, name):
+    value = doc.get(name)
+    if value is not None and not isinstance(value, str):
+        raise MemoryApiError(400, "invalid_body", "%s must be a string or null" % name)
+    return value
+
+
+def memory_have(doc, quota=MEMORY_QUOTA):
+    """The have map of a request ({note id: 64 lowercase hex}), or None when absent."""
+    if "have" not in doc:
+        return None
+    have = doc["have"]
+    if not isinstance(have, dict) or len(have) > quota["maxNotes"] * 2 + 1000:
+        raise MemoryApiError(400, "invalid_have", "have must map at most maxNotes * 2 + 1000 ids to hashes")
+    for note_id, value in have.items():
+        if not (is_valid_id(note_id) and isinstance(value, str) and _HASH.fullmatch(value)):
+            raise MemoryApiError(400, "invalid_have", "have must map note ids to 64 lowercase hex hashes")
+    return have
+
+
+def memory_changes(changes, quota=MEMORY_QUOTA):
+    """The changes of a commit as MemoryChange objects.
+
+    Three passes, so the code does not depend on which entry is wrong: the shape of every change
+    (invalid_changes), then every note (invalid_note), then every hash (hash_mismatch).
+    """
+    if not isinstance(changes, list) or not 1 <= len(changes) <= quota["maxChanges"]:
+        raise MemoryApiError(400, "invalid_changes", "changes must be a list of 1..maxChanges entries")
+    seen = set()
+    for change in changes:
+        _check_change_shape(change, seen)
+    notes = []
+    for change in changes:
+        if change["hash"] is None:
+            notes.append(None)
+            continue
+        try:
+            notes.append(validate_note(change["note"], quota["maxNoteBytes"]))
+        except InvalidNote as exc:
+            raise MemoryApiError(400, "invalid_note", str(exc)) from None
+    result = []
+    for change, note in zip(changes, notes):
+        # A hash that is not 64 lowercase hex never equals a computed one, so it is a mismatch too.
+        if note is not None and note_hash(note) != change["hash"]:
+            raise MemoryApiError(400, "hash_mismatch", "hash is not the hash of the note")
+        result.append(MemoryChange(change["id"], change["hash"], note))
+    return result
+
+
+def _check_change_shape(change, seen):
+    """400 invalid_changes unless change is {id, hash: string, note} or {id, hash: null}, with a new id."""
+    def refuse(text):
+        raise MemoryApiError(400, "invalid_changes", text)
+
+    if not isinstance(change, dict):
+        refuse("a change must be an object")
+    note_id = change.get("id")
+    if not is_valid_id(note_id):
+        refuse("a change needs a valid note id")
+    if note_id in seen:
+        refuse("a note id appears twice in changes")
+    seen.add(note_id)
+    if "hash" not in change:
+        refuse("a change needs a hash (null for a delete)")
+    if change["hash"] is None:
+        if "note" in change:
+            refuse("a delete carries no note")
+    elif isinstance(change["hash"], str):
+        note = change.get("note")
+        if not isinstance(note, dict):
+            refuse("a create or update needs a note object")
+        if note.get("id") != note_id:
+            refuse("the note's id differs from the change's id")
+    else:
+        refuse("hash must be a string or null")
 
 
 _DECIMAL = re.compile(r"[0-9]+")
@@ -1684,6 +2055,371 @@ class FeedStore:
             feeds = list(self._feeds.values())
         for feed in feeds:
             feed.wake()
+
+
+# ---------------------------------------------------------------------------
+# Storage: memory manifests and immutable note revisions
+# ---------------------------------------------------------------------------
+
+# An entry's size is its JSON in a full snapshot: {"id":..,"hash":..,"note":..} or {"id":..,"hash":null}.
+_LIVE_ENTRY_BYTES = len(b'{"id":"","hash":"","note":}') + 64   # + id + the note's JSON
+_TOMBSTONE_BYTES = len(b'{"id":"","hash":null}')                # + id
+_REVISION = re.compile(r"[0-9a-f]{32}")
+_OBJECT_NAME = re.compile(r"[0-9a-f]{32}\.json")
+
+
+class Manifest:
+    """One scope's published state: an etag and its entries by note id.
+
+    An entry is {"hash", "rev", "size"} for a live note (rev names its object file, size is its entry's
+    JSON in a full snapshot) or {"hash": None, "deletedAt": ms} for a tombstone. A Manifest is never
+    changed once built: a commit builds a new one, so readers may keep using the old one.
+    """
+
+    __slots__ = ("etag", "entries", "live_count", "entry_bytes", "_sorted_ids")
+
+    def __init__(self, etag, entries):
+        self.etag = etag
+        self.entries = entries
+        live = 0
+        size = 2 + max(len(entries) - 1, 0)  # the brackets and commas of the entries array
+        for note_id, entry in entries.items():
+            if entry["hash"] is None:
+                size += _TOMBSTONE_BYTES + len(note_id)
+            else:
+                live += 1
+                size += entry["size"]
+        self.live_count = live
+        self.entry_bytes = size
+        self._sorted_ids = None
+
+    def sorted_ids(self):
+        if self._sorted_ids is None:
+            self._sorted_ids = sorted(self.entries)
+        return self._sorted_ids
+
+    def to_bytes(self):
+        entries = {note_id: self.entries[note_id] for note_id in self.sorted_ids()}
+        return encode_json({"version": 1, "etag": self.etag, "entries": entries})
+
+    @classmethod
+    def from_bytes(cls, data):
+        """Parse and check a manifest file; ValueError when it is not one this server wrote.
+
+        The check is strict because rev becomes a file name.
+        """
+        doc = decode_json(data)
+        if not isinstance(doc, dict) or doc.get("version") != 1 or set(doc) != {"version", "etag", "entries"}:
+            raise ValueError("not a version 1 manifest")
+        etag, entries = doc["etag"], doc["entries"]
+        if not isinstance(etag, str) or not etag or not isinstance(entries, dict):
+            raise ValueError("bad etag or entries")
+        for note_id, entry in entries.items():
+            if not is_valid_id(note_id) or not isinstance(entry, dict):
+                raise ValueError("bad entry")
+            if entry.get("hash") is None:
+                good = set(entry) == {"hash", "deletedAt"} and _is_count(entry["deletedAt"])
+            else:
+                good = (set(entry) == {"hash", "rev", "size"} and isinstance(entry["hash"], str)
+                        and _HASH.fullmatch(entry["hash"]) is not None and isinstance(entry["rev"], str)
+                        and _REVISION.fullmatch(entry["rev"]) is not None and _is_count(entry["size"]))
+            if not good:
+                raise ValueError("bad entry")
+        return cls(etag, entries)
+
+
+NO_MANIFEST = Manifest(None, {})
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class ManifestCache:
+    """The parsed manifests of the most recently used scopes (LRU), keyed by scope directory.
+
+    This process is the only writer of the data directory (it holds its lock), so a cached manifest
+    stays true until this process publishes another one.
+    """
+
+    def __init__(self, size=MANIFEST_CACHE_SIZE):
+        self.size = size
+        self._items = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            manifest = self._items.get(key)
+            if manifest is not None:
+                self._items.move_to_end(key)
+            return manifest
+
+    def put(self, key, manifest):
+        with self._lock:
+            self._items[key] = manifest
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def drop(self, key):
+        with self._lock:
+            self._items.pop(key, None)
+
+
+class ScopeFiles:
+    """The paths of one scope: DIR/memory/u-<principal>/<scope>/{manifest.json, objects/<rev>.json}."""
+
+    __slots__ = ("root", "manifest", "objects")
+
+    def __init__(self, data_dir, principal, scope):
+        # Ids are checked here too: encode_name keeps '/' and '.', so only a valid id is a safe name.
+        if not is_valid_id(principal) or (scope.project is not None and not is_valid_id(scope.project)):
+            raise ValueError("invalid principal or project id")
+        self.root = os.path.join(data_dir, "memory", "u-" + encode_name(principal), scope.dir_name())
+        self.manifest = os.path.join(self.root, "manifest.json")
+        self.objects = os.path.join(self.root, "objects")
+
+    def object_path(self, rev):
+        return os.path.join(self.objects, rev + ".json")
+
+
+class MemoryStore:
+    """Memory notes under DIR/memory: one manifest plus immutable revision objects per scope.
+
+    A commit is a compare-and-swap on the manifest's etag under a lock for its scope; snapshots take
+    the same lock, so garbage collection at commit time never removes an object a reader is about to open.
+    """
+
+    def __init__(self, data_dir, clock=time.time, log=None):
+        self.data_dir = data_dir
+        self.clock = clock
+        self.log = log or (lambda message: None)
+        self.quota = dict(MEMORY_QUOTA)              # what is enforced and advertised; tests may lower it
+        self.max_snapshot_bytes = MAX_SNAPSHOT_BYTES
+        self.garbage_age = GARBAGE_AGE_SECONDS
+        self._cache = ManifestCache()
+        self._locks = weakref.WeakValueDictionary()  # a scope's lock lives while someone holds it
+        self._locks_guard = threading.Lock()
+
+    def quota_doc(self):
+        return dict(self.quota)
+
+    # -- the two operations ------------------------------------------------
+
+    def snapshot(self, principal, scope, known_etag=None, have=None):
+        """The snapshot answer body for principal's scope."""
+        files = ScopeFiles(self.data_dir, principal, scope)
+        with self._scope_lock(files.root):
+            manifest = self._manifest(files)
+            if manifest.etag is not None and known_etag == manifest.etag:
+                return {"principal": principal, "etag": manifest.etag, "unchanged": True,
+                        "quota": self.quota_doc()}
+            return self._answer(principal, files, manifest, have)
+
+    def commit(self, principal, scope, etag, changes, have=None):
+        """Apply a list of MemoryChange if etag is still current; the snapshot answer with the new etag."""
+        files = ScopeFiles(self.data_dir, principal, scope)
+        with self._scope_lock(files.root):
+            old = self._manifest(files)
+            if etag != old.etag:
+                raise MemoryApiError(409, "revision_conflict", "the manifest has changed since that etag")
+            entries, objects, fresh = self._apply(old, changes)
+            new = Manifest(secrets.token_hex(16), entries)
+            self._check_ids(new, changes)
+            self._check_quota(old, new)
+            self._publish(files, new, objects)
+            self._cache.put(files.root, new)
+            self._collect_garbage(files, new)
+            return self._answer(principal, files, new, have, fresh)
+
+    def collect_garbage(self, principal, scope):
+        """Remove revision objects the scope's manifest does not use and older than garbage_age; the count."""
+        files = ScopeFiles(self.data_dir, principal, scope)
+        with self._scope_lock(files.root):
+            return self._collect_garbage(files, self._manifest(files))
+
+    # -- reading -----------------------------------------------------------
+
+    def _scope_lock(self, key):
+        with self._locks_guard:
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.Lock()
+            return lock
+
+    def _manifest(self, files):
+        """The published Manifest of a scope (NO_MANIFEST when there is none), from the cache if possible."""
+        manifest = self._cache.get(files.root)
+        if manifest is not None:
+            return manifest
+        try:
+            with open(files.manifest, "rb") as stream:
+                data = stream.read()
+        except FileNotFoundError:
+            manifest = NO_MANIFEST
+        except OSError as exc:
+            self.log("memory: cannot read %s: %s" % (files.manifest, exc))
+            raise MemoryApiError(502, "invalid_manifest", "the memory manifest cannot be read") from None
+        else:
+            try:
+                manifest = Manifest.from_bytes(data)
+            except ValueError as exc:
+                self.log("memory: damaged manifest %s: %s" % (files.manifest, exc))
+                raise MemoryApiError(502, "invalid_manifest", "the memory manifest is damaged") from None
+        self._cache.put(files.root, manifest)
+        return manifest
+
+    def _answer(self, principal, files, manifest, have, fresh=None):
+        """The snapshot body for manifest: every entry by id; a note only where have lacks its hash."""
+        have = have or {}
+        fresh = fresh or {}
+        entries = []
+        for note_id in manifest.sorted_ids():
+            entry = manifest.entries[note_id]
+            current = entry["hash"]
+            if current is None or have.get(note_id) == current:
+                entries.append({"id": note_id, "hash": current})
+            else:
+                note = fresh.get(note_id)
+                if note is None:
+                    note = self._read_note(files, note_id, entry)
+                entries.append({"id": note_id, "hash": current, "note": note})
+        return {"principal": principal, "etag": manifest.etag, "entries": entries, "quota": self.quota_doc()}
+
+    def _read_note(self, files, note_id, entry):
+        path = files.object_path(entry["rev"])
+        try:
+            with open(path, "rb") as stream:
+                data = stream.read()
+        except OSError as exc:
+            self.log("memory: cannot read note %s at %s: %s" % (note_id, path, exc))
+            raise MemoryApiError(502, "missing_memory_object", "a memory note object is missing") from None
+        try:
+            note = decode_json(data)
+            intact = isinstance(note, dict) and note_hash(note) == entry["hash"]
+        except (ValueError, KeyError):
+            intact = False
+        if not intact:
+            self.log("memory: note %s at %s does not match its hash" % (note_id, path))
+            raise MemoryApiError(502, "memory_integrity_error", "a memory note object is damaged")
+        return note
+
+    # -- committing ----------------------------------------------------------
+
+    def _apply(self, old, changes):
+        """The entries after changes, the objects to write [(rev, bytes)] and the new notes by id.
+
+        Expired tombstones are dropped first. Deleting a note that has no entry records a tombstone
+        anyway (another device may still hold it); deleting a tombstone keeps its original time.
+        """
+        now_ms = int(self.clock() * 1000)
+        oldest = now_ms - self.quota["tombstoneDays"] * DAY_MS
+        entries = {note_id: entry for note_id, entry in old.entries.items()
+                   if entry["hash"] is not None or entry["deletedAt"] >= oldest}
+        objects, fresh = [], {}
+        for change in changes:
+            if change.note is None:
+                previous = entries.get(change.id)
+                if previous is None or previous["hash"] is not None:
+                    entries[change.id] = {"hash": None, "deletedAt": now_ms}
+                continue
+            data = encode_json(change.note)
+            rev = secrets.token_hex(16)
+            entries[change.id] = {"hash": change.hash, "rev": rev,
+                                  "size": _LIVE_ENTRY_BYTES + len(change.id) + len(data)}
+            objects.append((rev, data))
+            fresh[change.id] = change.note
+        return entries, objects, fresh
+
+    @staticmethod
+    def _check_ids(new, changes):
+        """400 id_case_conflict when a note this commit makes live shares its lower-case id with another
+        live note (clients keep notes as files, on disks that may ignore case)."""
+        counts = {}
+        for note_id, entry in new.entries.items():
+            if entry["hash"] is not None:
+                folded = note_id.lower()
+                counts[folded] = counts.get(folded, 0) + 1
+        for change in changes:
+            if change.note is not None and counts[change.id.lower()] > 1:
+                raise MemoryApiError(400, "id_case_conflict", "note ids must differ in more than case")
+
+    def _check_quota(self, old, new):
+        """413 when the commit grows a scope beyond maxNotes live notes or its snapshot beyond
+        max_snapshot_bytes; a commit that does not grow it is allowed, so a lowered quota never locks
+        anyone in."""
+        max_notes = self.quota["maxNotes"]
+        if new.live_count > max_notes and new.live_count > old.live_count:
+            raise MemoryApiError(413, "memory_quota_exceeded", "more than %d live notes" % max_notes)
+        if new.entry_bytes > self.max_snapshot_bytes and new.entry_bytes > old.entry_bytes:
+            raise MemoryApiError(413, "memory_quota_exceeded", "the memory snapshot would be too large")
+
+    def _publish(self, files, manifest, objects):
+        """Write the new objects durably, then replace the manifest atomically.
+
+        Any OSError answers 502 memory_sync_failed and leaves the previous manifest published.
+        """
+        written = []
+        try:
+            make_dirs(files.objects)
+            for rev, data in objects:
+                path = files.object_path(rev)
+                # O_EXCL: a revision is never overwritten.
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                written.append(path)
+                try:
+                    write_all(fd, data)
+                    sync_file(fd)
+                finally:
+                    os.close(fd)
+            if objects:
+                sync_dir(files.objects)
+        except OSError as exc:
+            for path in written:  # nothing refers to them yet
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            raise self._sync_failed(files, exc) from None
+        try:
+            write_atomically(files.manifest, manifest.to_bytes())
+        except OSError as exc:
+            # Had the rename already happened (a failing directory fsync), the new manifest is the one on
+            # disk: forget the cached one so the disk decides, and keep the objects it may refer to.
+            self._cache.drop(files.root)
+            raise self._sync_failed(files, exc) from None
+
+    def _sync_failed(self, files, exc):
+        self.log("memory: commit to %s failed: %s" % (files.root, exc))
+        return MemoryApiError(502, "memory_sync_failed", "the memory commit could not be stored")
+
+    def _collect_garbage(self, files, manifest):
+        """Remove unreferenced revision objects older than garbage_age (losers of a race, replaced
+        revisions, leftovers of a failed commit). A failure here is logged, never raised."""
+        referenced = {entry["rev"] + ".json" for entry in manifest.entries.values()
+                      if entry["hash"] is not None}
+        oldest = self.clock() - self.garbage_age
+        removed = 0
+        try:
+            names = os.listdir(files.objects)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            self.log("memory: cannot list %s: %s" % (files.objects, exc))
+            return 0
+        for name in names:
+            if name in referenced or not _OBJECT_NAME.fullmatch(name):
+                continue
+            path = os.path.join(files.objects, name)
+            try:
+                if os.stat(path).st_mtime < oldest:
+                    os.unlink(path)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self.log("memory: cannot remove %s: %s" % (path, exc))
+        return removed
 
 
 # ---------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from unittest import mock
 
 import oharness_sync as sync
 from oharness_sync import (
+    JS_WHITESPACE, NOTE_FIELDS, InvalidNote, has_js_whitespace, js_length, js_stringify, js_trim, note_hash,
+    validate_note,
     AuthError, AuthUnavailable, Identity, JwksSource, JwtVerifier, SupabaseVerifier, TokenCache,
     b64url_decode, b64url_encode, decode_jwt, parse_jwks, read_secret_file,
     verify_es256, verify_hs256, verify_rs256,
@@ -309,6 +311,259 @@ class FeedLineTest(unittest.TestCase):
     def test_split_events_without_parsing(self):
         data = sync.feed_line(1, b"r", b'{"x":",\\"e\\":"}', key=1) + sync.feed_line(2, b"s", b'{"id":"a"}')
         self.assertEqual(sync.split_events(data), ([b'{"x":",\\"e\\":"}'], [b'{"id":"a"}']))
+
+
+# -- JavaScript strings, notes and the note hash ------------------------------
+# The vectors file was made with node 20 by:
+#   node testdata/make_note_hash_vectors.js > testdata/note_hash_vectors.json
+VECTORS_PATH = os.path.join(TESTDATA, "note_hash_vectors.json")
+
+# Code points matching /\s/ (and removed by trim) in node 20, found by looping
+# over 0..0xFFFF; no astral code point matches /\s/u.
+NODE_WHITESPACE = [
+    0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0xA0, 0x1680, 0x2000, 0x2001, 0x2002,
+    0x2003, 0x2004, 0x2005, 0x2006, 0x2007, 0x2008, 0x2009, 0x200A, 0x2028,
+    0x2029, 0x202F, 0x205F, 0x3000, 0xFEFF]
+
+
+def good_note(**changes):
+    note = {"id": "n1", "summary": "s", "body": "b", "tags": ["t"],
+            "createdAt": 1}
+    note.update(changes)
+    return note
+
+
+class TestNoteHashVectors(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        with open(VECTORS_PATH, encoding="utf-8") as f:
+            cls.vectors = json.load(f)
+
+    def test_vector_count(self):
+        self.assertEqual(len(self.vectors), 65)
+
+    def test_vectors(self):
+        for i, vector in enumerate(self.vectors):
+            with self.subTest(i=i, id=vector["note"]["id"]):
+                note = vector["note"]
+                self.assertEqual(validate_note(note), note)
+                fields = [note["id"], note["summary"], note["body"],
+                          note["tags"], note["createdAt"]]
+                if "type" in note:
+                    fields.append(note["type"])
+                self.assertEqual(js_stringify(fields), vector["json"])
+                self.assertEqual(note_hash(note), vector["hash"])
+
+    def test_vectors_hold_lone_surrogates(self):
+        summaries = [v["note"]["summary"] for v in self.vectors]
+        self.assertIn("lone high \ud800 here", summaries)
+        self.assertIn("lone low \udc00 here", summaries)
+
+    def test_hash_is_sha256_of_stringify(self):
+        note = good_note(summary="a\ud800", type="user", updatedAt=5)
+        expected = '["n1","a\\ud800","b",["t"],1,"user"]'
+        self.assertEqual(
+            note_hash(note),
+            hashlib.sha256(expected.encode("utf-8")).hexdigest())
+        del note["updatedAt"]
+        self.assertEqual(
+            note_hash(note),
+            hashlib.sha256(expected.encode("utf-8")).hexdigest())
+
+
+class TestJsStringify(unittest.TestCase):
+    def test_escapes(self):
+        self.assertEqual(js_stringify("\"\\\b\f\n\r\t\x00\x1f\x7f"),
+                         '"\\"\\\\\\b\\f\\n\\r\\t\\u0000\\u001f\x7f"')
+
+    def test_raw_non_ascii(self):
+        self.assertEqual(js_stringify(["é", "\u2028\u2029", "\U0001f600"]),
+                         '["é","\u2028\u2029","\U0001f600"]')
+
+    def test_lone_surrogates_escaped_lowercase(self):
+        self.assertEqual(js_stringify("\udbff\ud800x\udc00\udfff"),
+                         '"\\udbff\\ud800x\\udc00\\udfff"')
+
+    def test_pair_held_as_two_code_points_is_joined(self):
+        self.assertEqual(js_stringify("\ud83d\ude00\ude00"),
+                         '"\U0001f600\\ude00"')
+
+    def test_ints_and_lists(self):
+        self.assertEqual(js_stringify([0, 2 ** 53 - 1, [], ["a", "b"]]),
+                         '[0,9007199254740991,[],["a","b"]]')
+
+
+class TestJsVersusPython(unittest.TestCase):
+    def test_whitespace_set_matches_node(self):
+        self.assertEqual(sorted(ord(c) for c in JS_WHITESPACE),
+                         NODE_WHITESPACE)
+        found = [c for c in range(0x10000) if has_js_whitespace(chr(c))]
+        self.assertEqual(found, NODE_WHITESPACE)
+
+    def test_bom_is_js_whitespace_only(self):
+        self.assertEqual(js_trim("\ufeffa\ufeff"), "a")
+        self.assertTrue(has_js_whitespace("\ufeff"))
+        self.assertEqual("\ufeffa".strip(), "\ufeffa")
+        self.assertFalse("\ufeff".isspace())
+
+    def test_x1c_and_x85_are_python_whitespace_only(self):
+        for ch in ("\x1c", "\x1f", "\x85"):
+            self.assertTrue(ch.isspace())
+            self.assertEqual(js_trim(ch + "a" + ch), ch + "a" + ch)
+            self.assertFalse(has_js_whitespace(ch))
+
+    def test_nbsp_is_whitespace_in_both(self):
+        self.assertTrue("\xa0".isspace())
+        self.assertTrue(has_js_whitespace("\xa0"))
+        self.assertEqual(js_trim("\xa0a\xa0"), "a")
+
+    def test_length_counts_utf16_units(self):
+        self.assertEqual(js_length("a\U0001f600"), 3)
+        self.assertEqual(js_length("\ud800"), 1)
+        self.assertEqual(js_length("é日"), 2)
+
+    def test_summary_of_emoji(self):
+        self.assertEqual(
+            validate_note(good_note(summary="\U0001f600" * 250))["summary"],
+            "\U0001f600" * 250)
+        with self.assertRaises(InvalidNote):
+            validate_note(good_note(summary="\U0001f600" * 251))
+
+    def test_tag_of_emoji(self):
+        self.assertEqual(
+            validate_note(good_note(tags=["\U0001f600" * 32]))["tags"],
+            ["\U0001f600" * 32])
+        with self.assertRaises(InvalidNote):
+            validate_note(good_note(tags=["\U0001f600" * 33]))
+
+
+class TestValidateNote(unittest.TestCase):
+    def assertInvalid(self, note, max_note_bytes=131072):
+        with self.assertRaises(InvalidNote):
+            validate_note(note, max_note_bytes)
+
+    def test_normalises_and_orders(self):
+        note = {"updatedAt": 13.0, "createdAt": 12.0, "type": "user",
+                "tags": ["b"], "body": "", "summary": "s", "id": "n"}
+        result = validate_note(note)
+        self.assertEqual(list(result), ["id", "summary", "body", "tags",
+                                        "type", "createdAt", "updatedAt"])
+        self.assertEqual(result["createdAt"], 12)
+        self.assertIs(type(result["createdAt"]), int)
+        self.assertIs(type(result["updatedAt"]), int)
+        self.assertIsNot(result, note)
+        self.assertIsNot(result["tags"], note["tags"])
+        self.assertEqual(list(validate_note(good_note())),
+                         ["id", "summary", "body", "tags", "createdAt"])
+
+    def test_note_fields(self):
+        self.assertEqual(NOTE_FIELDS, frozenset(
+            ["id", "summary", "body", "tags", "type", "createdAt",
+             "updatedAt"]))
+
+    def test_not_an_object(self):
+        self.assertInvalid(["n1"])
+
+    def test_unknown_field(self):
+        self.assertInvalid(good_note(extra=1))
+
+    def test_missing_required(self):
+        for name in ("id", "summary", "body", "tags", "createdAt"):
+            note = good_note()
+            del note[name]
+            self.assertInvalid(note)
+
+    def test_id_proto(self):
+        self.assertInvalid(good_note(id="__proto__"))
+
+    def test_id_too_long(self):
+        self.assertInvalid(good_note(id="x" * 129))
+
+    def test_id_non_ascii(self):
+        self.assertInvalid(good_note(id="caf\xe9"))
+
+    def test_id_not_string(self):
+        self.assertInvalid(good_note(id=5))
+
+    def test_summary_not_string(self):
+        self.assertInvalid(good_note(summary=None))
+
+    def test_summary_empty(self):
+        self.assertInvalid(good_note(summary=""))
+
+    def test_summary_too_long(self):
+        self.assertEqual(validate_note(good_note(summary="x" * 500))
+                         ["summary"], "x" * 500)
+        self.assertInvalid(good_note(summary="x" * 501))
+
+    def test_summary_not_trimmed(self):
+        for summary in (" a", "a ", "\ufeffa", "a\u3000"):
+            self.assertInvalid(good_note(summary=summary))
+
+    def test_summary_line_break(self):
+        for summary in ("a\u2028b", "a\u2029b", "a\nb", "a\rb"):
+            self.assertInvalid(good_note(summary=summary))
+
+    def test_body_not_string(self):
+        self.assertInvalid(good_note(body=["b"]))
+
+    def test_body_not_trimmed(self):
+        self.assertInvalid(good_note(body="b\n"))
+        self.assertInvalid(good_note(body="\xa0b"))
+
+    def test_body_empty_allowed(self):
+        self.assertEqual(validate_note(good_note(body=""))["body"], "")
+
+    def test_body_size(self):
+        exact = "\xe9" * 65536  # 131072 UTF-8 bytes
+        self.assertEqual(validate_note(good_note(body=exact))["body"], exact)
+        self.assertInvalid(good_note(body=exact + "x"))
+        self.assertInvalid(good_note(body="abcd"), max_note_bytes=3)
+
+    def test_tags_not_list(self):
+        self.assertInvalid(good_note(tags="a"))
+        self.assertInvalid(good_note(tags=None))
+
+    def test_too_many_tags(self):
+        self.assertEqual(len(validate_note(good_note(tags=["t"] * 30))
+                             ["tags"]), 30)
+        self.assertInvalid(good_note(tags=["t"] * 31))
+
+    def test_tag_not_string(self):
+        self.assertInvalid(good_note(tags=[1]))
+
+    def test_tag_length(self):
+        self.assertInvalid(good_note(tags=[""]))
+        self.assertInvalid(good_note(tags=["x" * 65]))
+
+    def test_tag_comma_or_whitespace(self):
+        for tag in ("a,b", "a b", "a\u3000b", "a\nb", "a\tb", "\ufeff"):
+            self.assertInvalid(good_note(tags=[tag]))
+
+    def test_type_values(self):
+        for type_ in ("user", "feedback", "project", "reference"):
+            self.assertEqual(validate_note(good_note(type=type_))["type"],
+                             type_)
+        for type_ in (None, "User", "", ["user"], 1):
+            self.assertInvalid(good_note(type=type_))
+
+    def test_created_at_rules(self):
+        self.assertEqual(validate_note(good_note(createdAt=12.0))
+                         ["createdAt"], 12)
+        self.assertEqual(validate_note(good_note(createdAt=2 ** 53 - 1))
+                         ["createdAt"], 2 ** 53 - 1)
+        for bad in (True, 2 ** 53, -1, None, "1", 1.5, float("nan")):
+            self.assertInvalid(good_note(createdAt=bad))
+
+    def test_updated_at_rules(self):
+        self.assertEqual(validate_note(good_note(updatedAt=0))
+                         ["updatedAt"], 0)
+        for bad in (True, 2 ** 53, -1, None, float("inf")):
+            self.assertInvalid(good_note(updatedAt=bad))
+
+
+if __name__ == "__main__":
+    unittest.main()
 
 
 # ---------------------------------------------------------------------------
@@ -1580,6 +1835,606 @@ class FeedStoreTest(unittest.TestCase):
         self.store.pull(self.owner, "pulled", 0, 500)
         self.assertEqual(self.store.projects(self.owner), ["Alpha", "alpha", "m_id", "zeta"])
         self.assertEqual(self.store.projects(("t", "alice")), [])
+
+
+# ---------------------------------------------------------------------------
+# Storage: memory
+# ---------------------------------------------------------------------------
+
+P = "alice"
+PROJECT = sync.MemoryScope("proj-1")
+
+
+def memory_note(note_id="n1", **fields):
+    doc = {"id": note_id, "summary": "about " + note_id, "body": "body of " + note_id, "tags": ["t"],
+           "createdAt": 1}
+    doc.update(fields)
+    return doc
+
+
+def memory_put(note_id="n1", **fields):
+    """A create/update change with the right hash."""
+    doc = memory_note(note_id, **fields)
+    return {"id": note_id, "hash": note_hash(doc), "note": doc}
+
+
+def memory_delete(note_id):
+    return {"id": note_id, "hash": None}
+
+
+def memory_body(**fields):
+    doc = {"expectedPrincipal": P}
+    doc.update(fields)
+    return doc
+
+
+def commit_body(changes, etag=None, **fields):
+    return memory_body(project="proj-1", etag=etag, changes=changes, **fields)
+
+
+def memory_changes_of(*docs):
+    """Validated MemoryChange objects, as the HTTP layer would pass them."""
+    return sync.memory_request("commit", commit_body(list(docs)), P).changes
+
+
+def no_fsync():
+    """Patch out the fsyncs, for the tests that write thousands of objects."""
+    patches = [mock.patch.object(sync, "sync_file", lambda fd: None),
+               mock.patch.object(sync, "sync_dir", lambda path: None)]
+    for patch in patches:
+        patch.start()
+    return lambda: [patch.stop() for patch in patches]
+
+
+class ValidationTest(unittest.TestCase):
+
+    def refused(self, kind, doc, principal=P):
+        with self.assertRaises(sync.MemoryApiError) as caught:
+            sync.memory_request(kind, doc, principal)
+        return caught.exception.status, caught.exception.code
+
+    def assertRefused(self, kind, doc, status, code):
+        self.assertEqual(self.refused(kind, doc), (status, code))
+
+    def test_error_payload(self):
+        self.assertEqual(sync.MemoryApiError(409, "revision_conflict").payload(), {"code": "revision_conflict"})
+        self.assertEqual(sync.MemoryApiError(400, "invalid_body", "why").payload(),
+                         {"code": "invalid_body", "error": "why"})
+
+    def test_valid_requests(self):
+        request = sync.memory_request("identity", memory_body(), P)
+        self.assertIsNone(request.scope)
+        request = sync.memory_request("snapshot", memory_body(scope="user", knownEtag="e", have={"n1": "a" * 64}), P)
+        self.assertEqual(request.scope, sync.USER_SCOPE)
+        self.assertEqual((request.known_etag, request.have), ("e", {"n1": "a" * 64}))
+        request = sync.memory_request("snapshot", memory_body(project="p", knownEtag=None), P)
+        self.assertEqual((request.scope, request.known_etag, request.have), (sync.MemoryScope("p"), None, None))
+        change = dict(memory_put("n1", updatedAt=5), note=memory_note("n1", createdAt=1.0, updatedAt=5))
+        request = sync.memory_request("commit", commit_body([change, memory_delete("n2")], etag="e", have={}), P)
+        self.assertEqual((request.scope, request.etag, request.have), (PROJECT, "e", {}))
+        first, second = request.changes
+        self.assertEqual((first.id, first.hash, first.note["createdAt"]), ("n1", change["hash"], 1))
+        self.assertIs(type(first.note["createdAt"]), int)
+        self.assertEqual((second.id, second.hash, second.note), ("n2", None, None))
+
+    def test_invalid_body(self):
+        for doc in ([], "x", None, 3):
+            self.assertRefused("snapshot", doc, 400, "invalid_body")
+        for principal in (None, 5, "", "a/b", "__proto__", "x" * 129):
+            self.assertRefused("identity", {"expectedPrincipal": principal}, 400, "invalid_body")
+        self.assertRefused("identity", {}, 400, "invalid_body")
+        self.assertRefused("snapshot", memory_body(project="p", knownEtag=5), 400, "invalid_body")
+        self.assertRefused("commit", memory_body(project="p", changes=[memory_put()]), 400, "invalid_body")  # no etag
+        self.assertRefused("commit", commit_body([memory_put()], etag=7), 400, "invalid_body")
+
+    def test_account_mismatch(self):
+        self.assertRefused("identity", {"expectedPrincipal": "bob"}, 403, "account_mismatch")
+        self.assertRefused("identity", {"expectedPrincipal": "Alice"}, 403, "account_mismatch")
+
+    def test_unknown_field_at_every_level_and_first(self):
+        self.assertRefused("identity", memory_body(project="p"), 400, "unknown_field")
+        self.assertRefused("snapshot", memory_body(project="p", etag=None), 400, "unknown_field")
+        self.assertRefused("commit", commit_body([memory_put()], knownEtag=None), 400, "unknown_field")
+        change = dict(memory_put(), extra=1)
+        self.assertRefused("commit", commit_body([change]), 400, "unknown_field")
+        self.assertRefused("commit", commit_body([dict(memory_delete("n"), extra=1)]), 400, "unknown_field")
+        change = memory_put()
+        change["note"]["color"] = "red"
+        self.assertRefused("commit", commit_body([change]), 400, "unknown_field")
+        # Before every other check: a bad principal, another account, a bad scope, bad changes.
+        self.assertRefused("snapshot", {"x": 1}, 400, "unknown_field")
+        self.assertRefused("snapshot", {"expectedPrincipal": "bob", "x": 1}, 400, "unknown_field")
+        self.assertRefused("commit", memory_body(etag=None, changes=[dict(memory_delete("n"), x=1), "junk"]),
+                           400, "unknown_field")
+        # Changes and notes are only looked into where they are objects.
+        self.assertRefused("commit", commit_body(["junk", {"id": "n", "hash": "h", "note": [1]}]),
+                           400, "invalid_changes")
+
+    def test_invalid_scope(self):
+        self.assertRefused("snapshot", memory_body(), 400, "invalid_scope")
+        self.assertRefused("snapshot", memory_body(project="p", scope="user"), 400, "invalid_scope")
+        self.assertRefused("snapshot", memory_body(project=None, scope="user"), 400, "invalid_scope")
+        for scope in ("project", "User", None, 1, ["user"]):
+            self.assertRefused("snapshot", memory_body(scope=scope), 400, "invalid_scope")
+        self.assertRefused("commit", memory_body(etag=None, changes=[memory_put()]), 400, "invalid_scope")
+
+    def test_invalid_project(self):
+        for project in (None, "", 5, "a/b", "a.b", "__proto__", "constructor", "x" * 129):
+            self.assertRefused("snapshot", memory_body(project=project), 400, "invalid_project")
+        self.assertEqual(sync.memory_request("snapshot", memory_body(project="x" * 128), P).scope.project, "x" * 128)
+
+    def test_invalid_have(self):
+        good = "0123456789abcdef" * 4
+        for have in (None, [], "x", {"a b": good}, {"__proto__": good}, {"n": good.upper()}, {"n": good[:-1]},
+                     {"n": good + "0"}, {"n": "g" * 64}, {"n": 5}, {"n": None}):
+            self.assertRefused("snapshot", memory_body(project="p", have=have), 400, "invalid_have")
+            self.assertRefused("commit", commit_body([memory_put()], have=have), 400, "invalid_have")
+        limit = 5000 * 2 + 1000
+        have = {"n%d" % i: good for i in range(limit)}
+        self.assertEqual(len(sync.memory_request("snapshot", memory_body(project="p", have=have), P).have), limit)
+        have["one-more"] = good
+        self.assertRefused("snapshot", memory_body(project="p", have=have), 400, "invalid_have")
+
+    def test_invalid_changes(self):
+        note_without_id = memory_put()
+        del note_without_id["note"]["id"]
+        cases = {
+            "not a list": {"id": "n", "hash": None},
+            "null": None,
+            "empty": [],
+            "too many": [memory_delete("n%d" % i) for i in range(501)],
+            "not an object": ["n1"],
+            "no id": [{"hash": None}],
+            "bad id": [memory_delete("a/b")],
+            "reserved id": [memory_delete("prototype")],
+            "id twice": [memory_put("n1"), memory_delete("n1")],
+            "hash missing": [{"id": "n1", "note": memory_note("n1")}],
+            "delete with note": [dict(memory_delete("n1"), note=memory_note("n1"))],
+            "delete with null note": [dict(memory_delete("n1"), note=None)],
+            "create without note": [{"id": "n1", "hash": memory_put("n1")["hash"]}],
+            "note not an object": [dict(memory_put("n1"), note="text")],
+            "note for another id": [dict(memory_put("n2"), id="n1")],
+            "note without id": [note_without_id],
+            "hash a number": [dict(memory_put("n1"), hash=5)],
+            "hash a list": [dict(memory_put("n1"), hash=[])],
+        }
+        for name, value in cases.items():
+            with self.subTest(name):
+                self.assertRefused("commit", commit_body(value), 400, "invalid_changes")
+        self.assertRefused("commit", memory_body(project="p", etag=None), 400, "invalid_changes")  # changes missing
+        # 500 changes are fine; ids differing only in case are not duplicates here (see id_case_conflict).
+        self.assertEqual(len(memory_changes_of(*[memory_delete("n%d" % i) for i in range(500)])), 500)
+        self.assertEqual(len(memory_changes_of(memory_put("a"), memory_put("A"))), 2)
+
+    def test_invalid_note(self):
+        for fields in ({"summary": "trailing "}, {"type": None}, {"tags": ["a b"]}, {"createdAt": -1},
+                       {"body": "x" * 131073}):
+            with self.subTest(fields):
+                change = memory_put("n1")
+                change["note"].update(fields)
+                self.assertRefused("commit", commit_body([change]), 400, "invalid_note")
+
+    def test_hash_mismatch(self):
+        right = memory_put("n1")["hash"]
+        for wrong in (memory_put("n2")["hash"], right.upper(), right[:-1], "", "not a hash"):
+            self.assertRefused("commit", commit_body([dict(memory_put("n1"), hash=wrong)]), 400, "hash_mismatch")
+        # updatedAt is not hashed; type is.
+        self.assertEqual(memory_changes_of(dict(memory_put("n1"), note=memory_note("n1", updatedAt=9)))[0].hash, right)
+        self.assertRefused("commit", commit_body([dict(memory_put("n1"), note=memory_note("n1", type="user"))]),
+                           400, "hash_mismatch")
+
+    def test_order_within_changes(self):
+        bad_note = memory_put("n1")
+        bad_note["note"]["summary"] = " x"
+        wrong_hash = dict(memory_put("n2"), hash="0" * 64)
+        self.assertRefused("commit", commit_body([bad_note, memory_delete("n3"), memory_delete("n3")]), 400, "invalid_changes")
+        self.assertRefused("commit", commit_body([wrong_hash, bad_note]), 400, "invalid_note")
+        self.assertRefused("commit", memory_body(scope="x", etag=None, changes=[]), 400, "invalid_scope")
+        self.assertRefused("commit", memory_body(expectedPrincipal="bob", scope="x", changes=[]), 403, "account_mismatch")
+
+
+class StoreTest(unittest.TestCase):
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="memory-test-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.now = 1_700_000_000.0
+        self.store = self.open_store()
+
+    def open_store(self):
+        return sync.MemoryStore(self.dir, clock=lambda: self.now)
+
+    def commit(self, docs, etag=None, scope=PROJECT, principal=P, have=None, store=None):
+        return (store or self.store).commit(principal, scope, etag, memory_changes_of(*docs), have)
+
+    def refused(self, call, *args, **kwargs):
+        with self.assertRaises(sync.MemoryApiError) as caught:
+            call(*args, **kwargs)
+        return caught.exception.status, caught.exception.code
+
+    def files(self, scope=PROJECT, principal=P):
+        return sync.ScopeFiles(self.dir, principal, scope)
+
+    def object_path(self, note_id, scope=PROJECT):
+        files = self.files(scope)
+        with open(files.manifest, "rb") as stream:
+            manifest = json.loads(stream.read())
+        return files.object_path(manifest["entries"][note_id]["rev"])
+
+    # -- snapshots and commits -------------------------------------------------
+
+    def test_empty_scope(self):
+        self.assertEqual(self.store.snapshot(P, PROJECT),
+                         {"principal": P, "etag": None, "entries": [], "quota": sync.MEMORY_QUOTA})
+        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=None)["entries"], [])
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "memory")))  # reading creates nothing
+
+    def test_commit_then_snapshot(self):
+        answer = self.commit([memory_put("b"), memory_put("a", type="user"), memory_put("C")])
+        etag = answer["etag"]
+        self.assertRegex(etag, r"^[0-9a-f]{32}$")
+        self.assertEqual(answer["quota"], sync.MEMORY_QUOTA)
+        self.assertEqual([entry["id"] for entry in answer["entries"]], ["C", "a", "b"])
+        self.assertEqual(answer["entries"][1], {"id": "a", "hash": memory_put("a", type="user")["hash"],
+                                                "note": memory_note("a", type="user")})
+        self.assertEqual(self.store.snapshot(P, PROJECT), answer)
+        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=etag),
+                         {"principal": P, "etag": etag, "unchanged": True, "quota": sync.MEMORY_QUOTA})
+        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag="old")["entries"], answer["entries"])
+        # An update replaces the note and changes the etag.
+        answer = self.commit([memory_put("a", body="new", updatedAt=7)], etag=etag)
+        self.assertNotEqual(answer["etag"], etag)
+        self.assertEqual(answer["entries"][1]["note"], memory_note("a", body="new", updatedAt=7))
+
+    def test_have_leaves_out_notes_and_skips_reads(self):
+        etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
+        have = {"a": memory_put("a")["hash"], "b": "0" * 64, "zzz": "1" * 64}
+        entries = self.store.snapshot(P, PROJECT, have=have)["entries"]
+        self.assertEqual(entries, [{"id": "a", "hash": have["a"]},
+                                   {"id": "b", "hash": memory_put("b")["hash"], "note": memory_note("b")}])
+        os.remove(self.object_path("a"))
+        self.assertEqual(self.store.snapshot(P, PROJECT, have=have)["entries"], entries)
+        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "missing_memory_object"))
+        # The commit answer honours have as well.
+        answer = self.commit([memory_put("c")], etag=etag, have=have)
+        self.assertEqual([len(entry) for entry in answer["entries"]], [2, 3, 3])
+
+    def test_unchanged_reads_nothing(self):
+        etag = self.commit([memory_put("a")])["etag"]
+        shutil.rmtree(self.files().root)  # the manifest is cached; the notes are not needed
+        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=etag)["unchanged"])
+
+    def test_revision_conflict(self):
+        etag = self.commit([memory_put("a")])["etag"]
+        for stale in (None, "0" * 32, etag.upper()):
+            self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=stale), (409, "revision_conflict"))
+        self.assertEqual(self.refused(self.commit, [memory_put("a")], etag="x", scope=sync.USER_SCOPE),
+                         (409, "revision_conflict"))  # no manifest there: only null matches
+        snapshot = self.store.snapshot(P, PROJECT)
+        self.assertEqual((snapshot["etag"], [entry["id"] for entry in snapshot["entries"]]), (etag, ["a"]))
+
+    def test_deletes_and_tombstones(self):
+        etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
+        answer = self.commit([memory_delete("a"), memory_delete("never")], etag=etag)
+        self.assertEqual(answer["entries"], [{"id": "a", "hash": None},
+                                             {"id": "b", "hash": memory_put("b")["hash"], "note": memory_note("b")},
+                                             {"id": "never", "hash": None}])
+        with open(self.files().manifest, "rb") as stream:
+            deleted_at = json.loads(stream.read())["entries"]["a"]
+        self.assertEqual(deleted_at, {"hash": None, "deletedAt": int(self.now * 1000)})
+        # Deleting again keeps the first time; re-creating makes the note live again.
+        self.now += 60
+        answer = self.commit([memory_delete("a")], etag=answer["etag"])
+        with open(self.files().manifest, "rb") as stream:
+            self.assertEqual(json.loads(stream.read())["entries"]["a"], deleted_at)
+        answer = self.commit([memory_put("a", body="back")], etag=answer["etag"])
+        self.assertEqual(answer["entries"][0]["note"]["body"], "back")
+
+    def test_tombstones_expire_at_a_later_commit(self):
+        etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
+        etag = self.commit([memory_delete("a")], etag=etag)["etag"]
+        self.now += 90 * 86400  # exactly tombstoneDays old: kept
+        etag = self.commit([memory_put("c")], etag=etag)["etag"]
+        self.assertIn({"id": "a", "hash": None}, self.store.snapshot(P, PROJECT)["entries"])
+        self.now += 1
+        self.assertIn({"id": "a", "hash": None}, self.store.snapshot(P, PROJECT)["entries"])  # until a commit
+        answer = self.commit([memory_put("d")], etag=etag)
+        self.assertEqual([entry["id"] for entry in answer["entries"]], ["b", "c", "d"])
+
+    def test_id_case_conflict(self):
+        etag = self.commit([memory_put("note-a")])["etag"]
+        self.assertEqual(self.refused(self.commit, [memory_put("Note-A")], etag=etag), (400, "id_case_conflict"))
+        self.assertEqual(self.refused(self.commit, [memory_put("x"), memory_put("X")], etag=etag), (400, "id_case_conflict"))
+        self.assertEqual(self.store.snapshot(P, PROJECT)["etag"], etag)
+        # A rename in one commit is fine, and so is updating the note under its own id.
+        answer = self.commit([memory_delete("note-a"), memory_put("Note-A")], etag=etag)
+        self.assertEqual(answer["entries"][0]["id"], "Note-A")
+        self.assertEqual(answer["entries"][1], {"id": "note-a", "hash": None})
+        answer = self.commit([memory_put("Note-A", body="v2")], etag=answer["etag"])
+        self.assertEqual(self.refused(self.commit, [memory_put("note-a")], etag=answer["etag"]), (400, "id_case_conflict"))
+        # A tombstone does not conflict with a live note of another case.
+        answer = self.commit([memory_delete("Note-A"), memory_put("x")], etag=answer["etag"])
+        answer = self.commit([memory_put("NOTE-A")], etag=answer["etag"])
+        self.assertEqual([(e["id"], e["hash"] is None) for e in answer["entries"]],
+                         [("NOTE-A", False), ("Note-A", True), ("note-a", True), ("x", False)])
+
+    def test_scopes_and_principals_are_separate(self):
+        self.commit([memory_put("a")])
+        self.commit([memory_put("u")], scope=sync.USER_SCOPE)
+        self.commit([memory_put("b")], principal="bob")
+        self.commit([memory_put("c")], principal="Alice")
+        self.commit([memory_put("d")], scope=sync.MemoryScope("user"))  # a project called "user"
+        ids = lambda principal, scope: [e["id"] for e in self.store.snapshot(principal, scope)["entries"]]
+        self.assertEqual(ids(P, PROJECT), ["a"])
+        self.assertEqual(ids(P, sync.USER_SCOPE), ["u"])
+        self.assertEqual(ids("bob", PROJECT), ["b"])
+        self.assertEqual(ids("Alice", PROJECT), ["c"])
+        self.assertEqual(ids(P, sync.MemoryScope("user")), ["d"])
+        self.assertEqual(ids("bob", sync.USER_SCOPE), [])
+        self.assertEqual(sorted(os.listdir(os.path.join(self.dir, "memory"))), ["u-_alice", "u-alice", "u-bob"])
+        self.assertEqual(sorted(os.listdir(os.path.join(self.dir, "memory", "u-alice"))),
+                         ["p-proj-1", "p-user", "user"])
+
+    def test_no_raw_ids_in_paths(self):
+        for principal, project in (("../x", "p"), ("a", "../../x"), ("a/b", "p"), ("__proto__", "p")):
+            with self.assertRaises(ValueError):
+                self.store.snapshot(principal, sync.MemoryScope(project))
+
+    def test_restart_keeps_etag_and_entries(self):
+        etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
+        self.commit([memory_delete("a")], etag=etag)
+        before = self.store.snapshot(P, PROJECT)
+        again = self.open_store()
+        self.assertEqual(again.snapshot(P, PROJECT), before)
+        self.assertTrue(again.snapshot(P, PROJECT, known_etag=before["etag"])["unchanged"])
+        self.assertEqual(self.refused(self.commit, [memory_put("c")], etag=etag, store=again), (409, "revision_conflict"))
+        self.commit([memory_put("c")], etag=before["etag"], store=again)
+
+    # -- quotas ------------------------------------------------------------------
+
+    def test_deletes_allowed_above_a_lowered_quota(self):
+        etag = self.commit([memory_put("n%d" % i) for i in range(5)])["etag"]
+        self.store.quota["maxNotes"] = 3
+        self.assertEqual(self.store.snapshot(P, PROJECT)["quota"]["maxNotes"], 3)
+        self.assertEqual(self.refused(self.commit, [memory_put("n9")], etag=etag), (413, "memory_quota_exceeded"))
+        etag = self.commit([memory_delete("n0")], etag=etag)["etag"]  # 4 live: still above, but fewer
+        etag = self.commit([memory_delete("n1"), memory_put("n9")], etag=etag)["etag"]  # 4 live: not more than before
+        self.assertEqual(self.refused(self.commit, [memory_put("n8")], etag=etag), (413, "memory_quota_exceeded"))
+        self.assertEqual(sync.MEMORY_QUOTA["maxNotes"], 5000)  # the store has its own copy
+
+    def test_snapshot_size_limit(self):
+        self.commit([memory_put("a"), memory_put("b", body="\u00e9" * 100)], scope=sync.USER_SCOPE)  # to measure the answer
+        size = len(sync.encode_json(self.store.snapshot(P, sync.USER_SCOPE)["entries"]))
+        etag = self.commit([memory_put("a")])["etag"]
+        self.store.max_snapshot_bytes = size - 1
+        self.assertEqual(self.refused(self.commit, [memory_put("b", body="\u00e9" * 100)], etag=etag),
+                         (413, "memory_quota_exceeded"))
+        self.assertEqual(self.store.snapshot(P, PROJECT)["etag"], etag)
+        self.store.max_snapshot_bytes = size
+        etag = self.commit([memory_put("b", body="\u00e9" * 100)], etag=etag)["etag"]
+        self.store.max_snapshot_bytes = 10
+        etag = self.commit([memory_delete("a")], etag=etag)["etag"]  # shrinking is always allowed
+        self.assertEqual(self.refused(self.commit, [memory_delete("c")], etag=etag), (413, "memory_quota_exceeded"))
+
+    def test_entry_size_matches_the_answer(self):
+        docs = [memory_put("a", body="caf\u00e9 \U0001f600"), memory_put("b", body='"quotes" \\ and \x01', type="project")]
+        self.commit(docs + [memory_delete("c")])
+        manifest = self.store._manifest(self.files())
+        entries = self.store.snapshot(P, PROJECT)["entries"]
+        self.assertEqual(manifest.entry_bytes, len(sync.encode_json(entries)))
+
+    def test_lone_surrogates_round_trip(self):
+        answer = self.commit([memory_put("a", body="lone \ud800 surrogate", tags=["\udc00"])])
+        self.assertEqual(self.open_store().snapshot(P, PROJECT), answer)
+        self.assertEqual(answer["entries"][0]["note"]["body"], "lone \ud800 surrogate")
+
+    # -- integrity ----------------------------------------------------------------
+
+    def test_integrity_errors(self):
+        etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
+        path = self.object_path("a")
+        with open(path, "wb") as stream:
+            stream.write(json.dumps(memory_note("a", body="tampered")).encode())
+        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "memory_integrity_error"))
+        for data in (b"{not json", b"[]", b'{"id":"a"}', b""):
+            with open(path, "wb") as stream:
+                stream.write(data)
+            self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "memory_integrity_error"))
+        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=etag)["unchanged"])
+        os.remove(path)
+        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "missing_memory_object"))
+
+    def test_invalid_manifest(self):
+        etag = self.commit([memory_put("a")])["etag"]
+        path = self.files().manifest
+        with open(path, "rb") as stream:
+            good = json.loads(stream.read())
+        rev = good["entries"]["a"]["rev"]
+        bad_docs = [
+            b"{torn",
+            b"[]",
+            json.dumps(dict(good, version=2)).encode(),
+            json.dumps(dict(good, etag=None)).encode(),
+            json.dumps(dict(good, entries={"a": {"hash": memory_put("a")["hash"], "rev": "../../x", "size": 1}})).encode(),
+            json.dumps(dict(good, entries={"a/b": good["entries"]["a"]})).encode(),
+            json.dumps(dict(good, entries={"a": {"hash": None}})).encode(),
+            json.dumps(dict(good, entries={"a": {"hash": "A" * 64, "rev": rev, "size": 1}})).encode(),
+        ]
+        for data in bad_docs:
+            with self.subTest(data[:40]):
+                with open(path, "wb") as stream:
+                    stream.write(data)
+                store = self.open_store()
+                self.assertEqual(self.refused(store.snapshot, P, PROJECT), (502, "invalid_manifest"))
+                self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=etag, store=store),
+                                 (502, "invalid_manifest"))
+        os.remove(path)
+        os.mkdir(path)  # unreadable
+        self.assertEqual(self.refused(self.open_store().snapshot, P, PROJECT), (502, "invalid_manifest"))
+
+    # -- durability -----------------------------------------------------------------
+
+    def test_manifest_write_failure_keeps_the_old_state(self):
+        etag = self.commit([memory_put("a")])["etag"]
+        before = self.store.snapshot(P, PROJECT)
+        with mock.patch.object(sync, "write_atomically", side_effect=OSError(errno.ENOSPC, "full")):
+            self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=etag), (502, "memory_sync_failed"))
+        self.assertEqual(self.store.snapshot(P, PROJECT), before)
+        self.assertEqual(self.open_store().snapshot(P, PROJECT), before)
+        answer = self.commit([memory_put("b")], etag=etag)
+        self.assertEqual([entry["id"] for entry in answer["entries"]], ["a", "b"])
+
+    def test_first_manifest_write_failure(self):
+        with mock.patch.object(sync, "write_atomically", side_effect=OSError(errno.ENOSPC, "full")):
+            self.assertEqual(self.refused(self.commit, [memory_put("a")]), (502, "memory_sync_failed"))
+        self.assertEqual(self.store.snapshot(P, PROJECT)["etag"], None)
+        self.commit([memory_put("a")])
+
+    def test_object_write_failure_keeps_the_old_state(self):
+        etag = self.commit([memory_put("a")])["etag"]
+        before = self.store.snapshot(P, PROJECT)
+        objects_before = sorted(os.listdir(self.files().objects))
+        calls = []
+
+        def failing_sync(fd):
+            calls.append(fd)
+            if len(calls) == 2:
+                raise OSError(errno.EIO, "I/O error")
+
+        with mock.patch.object(sync, "sync_file", failing_sync):
+            self.assertEqual(self.refused(self.commit, [memory_put("b"), memory_put("c"), memory_put("d")], etag=etag),
+                             (502, "memory_sync_failed"))
+        self.assertEqual(len(calls), 2)
+        self.assertEqual(self.store.snapshot(P, PROJECT), before)
+        self.assertEqual(self.open_store().snapshot(P, PROJECT), before)
+        self.assertEqual(sorted(os.listdir(self.files().objects)), objects_before)  # the new ones are removed
+        self.commit([memory_put("b")], etag=etag)
+
+    def test_objects_are_durable_before_the_manifest(self):
+        etag = self.commit([memory_put("a")])["etag"]
+        events = []
+        real_write, real_sync_dir = sync.write_atomically, sync.sync_dir
+
+        def record_write(path, data):
+            events.append(("manifest", os.path.basename(path)))
+            real_write(path, data)
+
+        def record_sync_dir(path):
+            events.append(("sync_dir", os.path.basename(path)))
+            real_sync_dir(path)
+
+        with mock.patch.object(sync, "sync_file", lambda fd: events.append(("sync_file", fd))), \
+                mock.patch.object(sync, "write_atomically", record_write), \
+                mock.patch.object(sync, "sync_dir", record_sync_dir):
+            self.commit([memory_put("b"), memory_put("c"), memory_delete("a")], etag=etag)
+        names = [event[0] for event in events]
+        manifest_at = names.index("manifest")
+        self.assertEqual(names[:manifest_at], ["sync_file", "sync_file", "sync_dir"])
+        self.assertEqual(events[2], ("sync_dir", "objects"))
+        self.assertEqual(events[manifest_at], ("manifest", "manifest.json"))
+        # The manifest's own temp-file fsync and directory fsync come after, inside write_atomically.
+        self.assertEqual(names[manifest_at + 1:], ["sync_file", "sync_dir"])
+
+    def test_concurrent_commits_from_one_etag(self):
+        etag = self.commit([memory_put("base")])["etag"]
+        barrier = threading.Barrier(10)
+        results = [None] * 10
+
+        def run(index):
+            barrier.wait()
+            try:
+                results[index] = self.commit([memory_put("t%d" % index)], etag=etag)["etag"]
+            except sync.MemoryApiError as exc:
+                results[index] = exc.code
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(10)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        winners = [i for i, result in enumerate(results) if result != "revision_conflict"]
+        self.assertEqual(len(winners), 1)
+        self.assertEqual(results.count("revision_conflict"), 9)
+        for store in (self.store, self.open_store()):
+            snapshot = store.snapshot(P, PROJECT)
+            self.assertEqual(snapshot["etag"], results[winners[0]])
+            self.assertEqual([entry["id"] for entry in snapshot["entries"]], ["base", "t%d" % winners[0]])
+
+    def test_garbage_collection(self):
+        etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
+        old_a = os.path.basename(self.object_path("a"))
+        etag = self.commit([memory_put("a", body="v2"), memory_delete("b")], etag=etag)["etag"]
+        objects = self.files().objects
+        self.assertEqual(len(os.listdir(objects)), 3)  # replaced revisions stay for garbage_age
+        with open(os.path.join(objects, "not-ours.txt"), "wb"):
+            pass
+        self.assertEqual(self.store.collect_garbage(P, PROJECT), 0)
+        self.now = time.time() + sync.GARBAGE_AGE_SECONDS + 1
+        self.assertEqual(self.store.collect_garbage(P, PROJECT), 2)
+        self.assertEqual(sorted(os.listdir(objects)),
+                         sorted([os.path.basename(self.object_path("a")), "not-ours.txt"]))
+        self.assertNotIn(old_a, os.listdir(objects))
+        self.assertEqual(self.store.snapshot(P, PROJECT)["entries"][0]["note"]["body"], "v2")
+        # A commit collects too.
+        self.commit([memory_put("a", body="v3")], etag=etag)
+        self.now += sync.GARBAGE_AGE_SECONDS + 1
+        self.commit([memory_put("c")], etag=self.store.snapshot(P, PROJECT)["etag"])
+        self.assertEqual(len(os.listdir(objects)), 3)  # a v3, c, not-ours.txt
+
+
+class FullScopeTest(unittest.TestCase):
+    """One scope filled to the 5,000-note quota in commits of 500 (built once: creating 5,000 files is slow
+    on some disks, so the fsyncs are patched out here)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="memory-test-")
+        restore_fsync = no_fsync()
+        try:
+            cls.store = sync.MemoryStore(cls.dir)
+            cls.etag, cls.have = None, {}
+            for start in range(0, 5000, 500):
+                docs = [memory_put("n%04d" % i) for i in range(start, start + 500)]
+                cls.have.update((doc["id"], doc["hash"]) for doc in docs)
+                cls.answer = cls.store.commit(P, PROJECT, cls.etag, memory_changes_of(*docs), cls.have)
+                cls.etag = cls.answer["etag"]
+        finally:
+            restore_fsync()
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, True)
+
+    def test_5000_notes_accepted_and_not_one_more(self):
+        self.assertEqual(len(self.answer["entries"]), 5000)
+        self.assertEqual(self.answer["entries"][-1], {"id": "n4999", "hash": self.have["n4999"]})
+        with self.assertRaises(sync.MemoryApiError) as caught:
+            self.store.commit(P, PROJECT, self.etag, memory_changes_of(memory_put("n5000")))
+        self.assertEqual((caught.exception.status, caught.exception.code), (413, "memory_quota_exceeded"))
+        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=self.etag)["unchanged"])
+
+    def test_full_have_snapshot_is_fast(self):
+        store = sync.MemoryStore(self.dir)
+        self.assertTrue(store.snapshot(P, PROJECT, known_etag=self.etag)["unchanged"])  # loads the manifest
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            answer = store.snapshot(P, PROJECT, have=self.have)
+            best = min(best, time.perf_counter() - started)
+        self.assertEqual(len(answer["entries"]), 5000)
+        self.assertNotIn("note", answer["entries"][0])
+        self.assertLess(best, 0.020, "a 5,000-note snapshot with full have took %.1f ms" % (best * 1000))
+
+    def test_full_snapshot_reads_every_note(self):
+        started = time.perf_counter()
+        answer = sync.MemoryStore(self.dir).snapshot(P, PROJECT)
+        elapsed = time.perf_counter() - started
+        self.assertEqual(answer["entries"][1234]["note"], memory_note("n1234"))
+        self.assertLess(elapsed, 2.0)
+
+
+if __name__ == "__main__":
+    unittest.main()
 
 
 # ---------------------------------------------------------------------------
