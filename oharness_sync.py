@@ -92,6 +92,7 @@ MAX_SNAPSHOT_BYTES = 16 * 1024 * 1024   # the entries of a full snapshot, as JSO
 MANIFEST_CACHE_SIZE = 256               # scopes whose parsed manifest stays in memory
 GARBAGE_AGE_SECONDS = 3600              # an unreferenced revision is kept this long before it is removed
 DAY_MS = 24 * 60 * 60 * 1000
+DEFAULT_MEMORY_RATE_LIMIT = 1200        # memory requests per minute and principal (20/s), bursts of 600
 
 # JWTs and identity services
 LEEWAY_SECONDS = 60            # allowed clock skew for exp and nbf
@@ -134,11 +135,12 @@ class TooLarge(ApiError):
 class MemoryApiError(Exception):
     """An answer other than 200 for a memory route: a status and a stable machine-readable code."""
 
-    def __init__(self, status, code, text=None):
+    def __init__(self, status, code, text=None, headers=()):
         super().__init__(text or code)
         self.status = status
         self.code = code
         self.text = text
+        self.headers = list(headers)
 
     def payload(self):
         body = {"code": self.code}
@@ -520,6 +522,40 @@ def validate_note(obj, max_note_bytes=131072):
 
 # -- memory requests -----------------------------------------------------------
 
+class RateLimiter:
+    """A token bucket per principal: `per_minute` sustained, bursts of `burst`; 0 turns it off."""
+
+    def __init__(self, per_minute, burst=None, clock=time.monotonic):
+        self.rate = per_minute / 60.0
+        self.burst = float(burst if burst is not None else max(1, per_minute // 2))
+        self.clock = clock
+        self._buckets = {}
+        self._lock = threading.Lock()
+
+    def retry_after(self, key):
+        """0 when key may go ahead now (and takes a token), else the whole seconds to wait."""
+        if self.rate <= 0:
+            return 0
+        now = self.clock()
+        with self._lock:
+            tokens, then = self._buckets.get(key, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - then) * self.rate)
+            if tokens >= 1:
+                self._buckets[key] = (tokens - 1, now)
+                if len(self._buckets) > 10000:
+                    self._forget_full(now)
+                return 0
+            self._buckets[key] = (tokens, now)
+            return max(1, math.ceil((1 - tokens) / self.rate))
+
+    def _forget_full(self, now):
+        """Drop buckets that have refilled: they hold nothing a new bucket would not."""
+        for key, (tokens, then) in list(self._buckets.items()):
+            if tokens + (now - then) * self.rate >= self.burst:
+                del self._buckets[key]
+
+
+
 
 
 class MemoryScope:
@@ -583,11 +619,13 @@ _HASH = re.compile(r"[0-9a-f]{64}")
 
 def memory_request(kind, doc, principal, quota=MEMORY_QUOTA):
     """Validate the parsed body of a memory route ("identity", "snapshot" or "commit") for the verified
-    principal; a MemoryRequest, or MemoryApiError with the protocol's code.
+    principal; a MemoryRequest, or MemoryApiError with the protocol's code."""
+    check_memory_envelope(kind, doc, principal)
+    return memory_fields(kind, doc, quota)
 
-    Checks run in the contract's order: body shape, unknown fields anywhere, expectedPrincipal, scope,
-    then the route's own fields (etag or knownEtag, have, changes).
-    """
+
+def check_memory_envelope(kind, doc, principal):
+    """The contract's checks 5 and 6: body shape, unknown fields anywhere, expectedPrincipal."""
     if not isinstance(doc, dict):
         raise MemoryApiError(400, "invalid_body", "the body must be a JSON object")
     refuse_unknown_fields(doc, _REQUEST_FIELDS[kind])
@@ -596,6 +634,10 @@ def memory_request(kind, doc, principal, quota=MEMORY_QUOTA):
         raise MemoryApiError(400, "invalid_body", "expectedPrincipal must be an id")
     if expected != principal:
         raise MemoryApiError(403, "account_mismatch", "the token belongs to another account")
+
+
+def memory_fields(kind, doc, quota=MEMORY_QUOTA):
+    """The route's own fields of an envelope-checked body: scope, then etag or knownEtag, have, changes."""
     request = MemoryRequest()
     if kind == "identity":
         return request
@@ -2469,9 +2511,11 @@ def session_error(status, text):
 class SyncApp:
     """The protocol: routes to thin handlers that parse, call storage and answer."""
 
-    def __init__(self, feeds, auth, log=None):
+    def __init__(self, feeds, memory, auth, rate_limiter, log=None):
         self.feeds = feeds
+        self.memory = memory
         self.auth = auth
+        self.rate_limiter = rate_limiter
         self.log = log or (lambda message: None)
 
     ROUTES = {
@@ -2479,6 +2523,9 @@ class SyncApp:
         "/v1/projects": {"GET": "projects"},
         "/v1/push": {"POST": "push"},
         "/v1/pull": {"GET": "pull"},
+        "/v1/memory/identity": {"POST": "memory_identity"},
+        "/v1/memory/snapshot": {"POST": "memory_snapshot"},
+        "/v1/memory/commit": {"POST": "memory_commit"},
     }
 
     def handle(self, request):
@@ -2488,10 +2535,13 @@ class SyncApp:
             return json_response(404, {"error": "unknown route"})
         handler = methods.get(request.method)
         if handler is None:
-            return json_response(405, {"error": "method not allowed"}, [("Allow", ", ".join(sorted(methods)))])
+            body = {"error": "method not allowed"}
+            if request.path.startswith("/v1/memory/"):
+                body["code"] = "method_not_allowed"
+            return json_response(405, body, [("Allow", ", ".join(sorted(methods)))])
         try:
             return getattr(self, handler)(request)
-        except ApiError as exc:
+        except (ApiError, MemoryApiError) as exc:
             return json_response(exc.status, exc.payload(), exc.headers)
         except FeedDamaged as exc:
             self.log("refused a damaged feed: %s" % exc)
@@ -2550,6 +2600,52 @@ class SyncApp:
         wait = parse_clamped(request.param("wait"), "wait", 0, MAX_WAIT_SECONDS, 0)
         page = self.feeds.pull(owner, project, since, limit, wait)
         return Response(200, page.to_json())
+
+
+    # -- memory sync -------------------------------------------------------
+
+    def memory_identity(self, request):
+        principal, _ = self.memory_request(request, "identity")
+        return json_response(200, {"principal": principal, "quota": self.memory.quota_doc()})
+
+    def memory_snapshot(self, request):
+        principal, req = self.memory_request(request, "snapshot")
+        return json_response(200, self.memory.snapshot(principal, req.scope, req.known_etag, req.have))
+
+    def memory_commit(self, request):
+        principal, req = self.memory_request(request, "commit")
+        return json_response(200, self.memory.commit(principal, req.scope, req.etag, req.changes, req.have))
+
+    def memory_request(self, request, kind):
+        """The contract's checks, in its order; (verified principal, MemoryRequest)."""
+        if request.headers.get("Origin") is not None:
+            raise MemoryApiError(403, "native_client_required", "memory sync is for native clients only")
+        content_type = (request.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json":
+            raise MemoryApiError(415, "json_required", "Content-Type must be application/json")
+        try:
+            identity = self.auth.identify_for_memory(request.headers.get("Authorization"))
+        except AuthError as exc:
+            raise MemoryApiError(401, "sign_in_required", str(exc), [("WWW-Authenticate", "Bearer")]) from None
+        except AuthNotConfigured as exc:
+            raise MemoryApiError(503, "auth_not_configured", str(exc)) from None
+        except AuthUnavailable as exc:
+            raise MemoryApiError(502, "auth_unavailable", str(exc)) from None
+        request.principal = identity.principal
+        body = request.read_body(MAX_MEMORY_BODY, memory_body_error)
+        try:
+            doc = decode_json(body)
+        except ValueError as exc:
+            raise MemoryApiError(400, "invalid_body", str(exc)) from None
+        check_memory_envelope(kind, doc, identity.principal)
+        wait = self.rate_limiter.retry_after(identity.principal)
+        if wait:
+            raise MemoryApiError(429, "rate_limited", "too many memory requests", [("Retry-After", str(wait))])
+        return identity.principal, memory_fields(kind, doc, self.memory.quota)
+
+
+def memory_body_error(status, text):
+    return MemoryApiError(status, "memory_quota_exceeded" if status == 413 else "invalid_body", text)
 
 
 class Watchdog:
@@ -2867,11 +2963,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections=DEFAULT_MAX_CONNECTIONS,
-                 log=None, jwt=None, memory_mode="local", supabase=None):
+                 log=None, jwt=None, memory_mode="local", supabase=None,
+                 memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
-    app = SyncApp(FeedStore(data_dir, log), auth, log)
+    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit), log)
     return SyncServer((host, port), app, max_connections, log, log.access)
 
 
@@ -2887,6 +2984,8 @@ def add_auth_flags(parser):
                        help="who verifies memory-sync tokens (default: local)")
     group.add_argument("--supabase-url", metavar="URL", help="with --memory-auth supabase")
     group.add_argument("--supabase-anon-key-file", metavar="FILE", help="with --memory-auth supabase")
+    group.add_argument("--memory-rate-limit", type=int, default=DEFAULT_MEMORY_RATE_LIMIT, metavar="N",
+                       help="memory requests per minute and principal, bursts of N/2 (0: no limit)")
 
 
 def auth_from_flags(args):
@@ -2963,6 +3062,8 @@ def serve_command(argv):
         raise UsageError("--port must be 0..65535")
     if args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
+    if args.memory_rate_limit < 0:
+        raise UsageError("--memory-rate-limit must be 0 or more")
     jwt, supabase = auth_from_flags(args)
     data_dir = open_data_dir(args.data)
     lock = DataDirLock(data_dir)
@@ -2972,7 +3073,7 @@ def serve_command(argv):
     threading.stack_size(THREAD_STACK_BYTES)
     try:
         server = build_server(data_dir, args.host, args.port, args.max_connections, log,
-                              jwt, args.memory_auth, supabase)
+                              jwt, args.memory_auth, supabase, args.memory_rate_limit)
     except OSError as exc:
         raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, exc.strerror or exc)) from None
     print("oharness-sync listening on %s" % server.url, flush=True)
