@@ -35,6 +35,7 @@ import secrets
 import signal
 import socket
 import socketserver
+import ssl
 import sys
 import threading
 import time
@@ -2834,6 +2835,30 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         pass  # the server writes its own access log
 
 
+class TlsFiles:
+    """A certificate and key for HTTPS, re-read on demand (SIGHUP) for renewed certificates."""
+
+    def __init__(self, cert_path, key_path):
+        self.cert_path = cert_path
+        self.key_path = key_path
+        self.context = self.load()
+
+    def load(self):
+        """A server context for the files: TLS 1.2 or newer. ssl.SSLError or OSError when unusable."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert_path, self.key_path)
+        return context
+
+    def reload(self, log):
+        """Swap in the files as they are now; keep the old context when they are unusable."""
+        try:
+            self.context = self.load()
+            log("reloaded TLS certificate %s" % self.cert_path)
+        except (ssl.SSLError, OSError) as exc:
+            log("kept the old TLS certificate: cannot load %s: %s" % (self.cert_path, exc))
+
+
 class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     """A threaded HTTP server with a connection cap, a request watchdog and a quiet error path."""
 
@@ -2842,10 +2867,12 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
     request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None, access_log=None):
+    def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None, access_log=None,
+                 tls=None):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.app = app
+        self.tls = tls                         # a TlsFiles, or None for plain HTTP
         self.max_connections = max_connections
         self.log = log or (lambda message: None)
         self.access_log = access_log
@@ -2860,7 +2887,8 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     @property
     def url(self):
         host, port = self.server_address[:2]
-        return "http://%s:%d" % ("[%s]" % host if ":" in host else host, port)
+        scheme = "https" if self.tls else "http"
+        return "%s://%s:%d" % (scheme, "[%s]" % host if ":" in host else host, port)
 
     def log_access(self, method, path, status, started, principal):
         if self.access_log is not None:
@@ -2899,13 +2927,40 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     def process_request_thread(self, request, client_address):
         try:
-            super().process_request_thread(request, client_address)
+            if self.tls is not None:
+                request = self._handshake(request)
+            if request is not None:
+                super().process_request_thread(request, client_address)
         finally:
             with self._count_lock:
                 self.connections -= 1
 
+    def _handshake(self, sock):
+        """TLS handshake in the connection's own thread, bounded by the request time limit.
+
+        A client that stalls its handshake, or speaks plain HTTP, costs only its own thread.
+        """
+        try:
+            tls_sock = self.tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError):
+            sock.close()
+            return None
+        self.watchdog.arm(tls_sock, REQUEST_SECONDS)
+        try:
+            tls_sock.settimeout(REQUEST_SECONDS)
+            tls_sock.do_handshake()
+            return tls_sock
+        except (OSError, ValueError):
+            tls_sock.close()
+            return None
+        finally:
+            self.watchdog.disarm(tls_sock)
+
     def _refuse(self, sock):
-        """Past the connection cap: a 503 JSON answer rather than a hang."""
+        """Past the connection cap: a 503 JSON answer rather than a hang (with TLS: closed at once)."""
+        if self.tls is not None:
+            self.shutdown_request(sock)
+            return
         body = b'{"error":"server is at its connection limit; try again shortly"}'
         try:
             sock.settimeout(0.05)
@@ -2964,12 +3019,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections=DEFAULT_MAX_CONNECTIONS,
                  log=None, jwt=None, memory_mode="local", supabase=None,
-                 memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT):
+                 memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
     app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit), log)
-    return SyncServer((host, port), app, max_connections, log, log.access)
+    return SyncServer((host, port), app, max_connections, log, log.access, tls)
 
 
 def add_auth_flags(parser):
@@ -3017,6 +3072,18 @@ def auth_from_flags(args):
     return jwt, supabase
 
 
+def tls_from_flags(args):
+    """TlsFiles for --tls-cert and --tls-key, or None; UsageError when only one is given or they are unusable."""
+    if not args.tls_cert and not args.tls_key:
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    try:
+        return TlsFiles(args.tls_cert, args.tls_key)
+    except (ssl.SSLError, OSError) as exc:
+        raise UsageError("cannot use the TLS certificate or key: %s" % (getattr(exc, "strerror", None) or exc)) from None
+
+
 def raise_open_file_limit():
     """Raise the soft open-file limit to the hard one, so a thousand parked long-polls fit."""
     if resource is None:
@@ -3056,6 +3123,8 @@ def serve_command(argv):
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
     parser.add_argument("--quiet", action="store_true", help="no access log")
+    parser.add_argument("--tls-cert", metavar="CERT.pem", help="serve HTTPS with this certificate (chain)")
+    parser.add_argument("--tls-key", metavar="KEY.pem", help="and this private key; both are re-read on SIGHUP")
     add_auth_flags(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
@@ -3065,6 +3134,7 @@ def serve_command(argv):
     if args.memory_rate_limit < 0:
         raise UsageError("--memory-rate-limit must be 0 or more")
     jwt, supabase = auth_from_flags(args)
+    tls = tls_from_flags(args)
     data_dir = open_data_dir(args.data)
     lock = DataDirLock(data_dir)
     lock.acquire()
@@ -3073,11 +3143,11 @@ def serve_command(argv):
     threading.stack_size(THREAD_STACK_BYTES)
     try:
         server = build_server(data_dir, args.host, args.port, args.max_connections, log,
-                              jwt, args.memory_auth, supabase, args.memory_rate_limit)
+                              jwt, args.memory_auth, supabase, args.memory_rate_limit, tls)
     except OSError as exc:
         raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, exc.strerror or exc)) from None
     print("oharness-sync listening on %s" % server.url, flush=True)
-    if not is_loopback(args.host):
+    if tls is None and not is_loopback(args.host):
         log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for localhost, "
             "127.0.0.1 and [::1]: put TLS in front of this server" % args.host)
     run_until_signalled(server)
@@ -3091,6 +3161,8 @@ def run_until_signalled(server):
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    if server.tls is not None and hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda *_: server.tls.reload(server.log))
     threading.excepthook = lambda hook_args: server.log(
         "thread error: %s: %s" % (hook_args.exc_type.__name__, hook_args.exc_value))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="accept")

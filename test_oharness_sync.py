@@ -17,6 +17,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -2732,6 +2733,100 @@ class LongPollTest(ServerCase):
         self.assertAnswer(self.pull(self.alice), 200)
         self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
         self.assertEqual([line for line in self.log_lines if "error" in line.lower()], [])
+
+
+TLS_DATA = os.path.join(TESTDATA, "tls")
+
+
+def tls_client_context():
+    """A client context that trusts the test certificates."""
+    context = ssl.create_default_context(cafile=os.path.join(TLS_DATA, "cert.pem"))
+    context.load_verify_locations(os.path.join(TLS_DATA, "cert2.pem"))
+    return context
+
+
+def https_health(url, timeout=5):
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    conn = http.client.HTTPSConnection(host, int(port), timeout=timeout, context=tls_client_context())
+    try:
+        conn.request("GET", "/v1/health")
+        response = conn.getresponse()
+        return response.status, response.read(), conn.sock.getpeercert()
+    finally:
+        conn.close()
+
+
+class TlsTest(ServerCase):
+    def setUp(self):
+        self.server_options = {"tls": sync.TlsFiles(os.path.join(TLS_DATA, "cert.pem"),
+                                                    os.path.join(TLS_DATA, "key.pem"))}
+        super().setUp()
+
+    def test_https_health_with_tls_1_2_at_least(self):
+        self.assertTrue(self.url.startswith("https://127.0.0.1:"))
+        status, body, cert = https_health(self.url)
+        self.assertEqual((status, body), (200, b'{"ok":true}'))
+        self.assertEqual(self.server.tls.context.minimum_version, ssl.TLSVersion.TLSv1_2)
+
+    def test_a_stalled_handshake_does_not_delay_others(self):
+        stalled = [socket.create_connection(self.server.server_address[:2]) for _ in range(3)]
+        self.addCleanup(lambda: [sock.close() for sock in stalled])
+        started = time.monotonic()
+        status, _, _ = https_health(self.url)
+        self.assertEqual(status, 200)
+        self.assertLess(time.monotonic() - started, 1.0)
+
+    def test_plain_http_to_the_tls_port_is_closed_and_harms_nothing(self):
+        sock = socket.create_connection(self.server.server_address[:2], timeout=5)
+        sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            data = sock.recv(1024)
+        except ConnectionResetError:
+            data = b""
+        sock.close()
+        self.assertFalse(data.startswith(b"HTTP/"))
+        self.assertEqual(https_health(self.url)[:2], (200, b'{"ok":true}'))
+
+
+class TlsCommandLineTest(unittest.TestCase):
+    def setUp(self):
+        self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.data_dir, True)
+
+    def test_sighup_rereads_a_renewed_certificate(self):
+        cert, key = os.path.join(self.data_dir, "cert.pem"), os.path.join(self.data_dir, "key.pem")
+        shutil.copy(os.path.join(TLS_DATA, "cert.pem"), cert)
+        shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)
+        server = SubprocessServer(os.path.join(self.data_dir, "data"), "--tls-cert", cert, "--tls-key", key)
+        try:
+            subject = lambda peer: dict(item[0] for item in peer["subject"])["commonName"]
+            self.assertEqual(subject(https_health(server.url)[2]), "localhost")
+            shutil.copy(os.path.join(TLS_DATA, "cert2.pem"), cert)
+            shutil.copy(os.path.join(TLS_DATA, "key2.pem"), key)
+            server.process.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 5
+            while subject(https_health(server.url)[2]) != "localhost renewed":
+                self.assertLess(time.monotonic(), deadline, "certificate not reloaded")
+                time.sleep(0.1)
+        finally:
+            code, stderr = server.stop()
+        self.assertEqual(code, 0)
+        self.assertIn("reloaded TLS certificate", stderr)
+
+    def test_plain_http_on_a_public_address_warns(self):
+        server = SubprocessServer(self.data_dir, "--host", "0.0.0.0")
+        code, stderr = server.stop()
+        self.assertIn("warning: serving plain HTTP on 0.0.0.0", stderr)
+        self.assertIn("localhost, 127.0.0.1 and [::1]", stderr)
+
+    def test_tls_flags_must_come_together_and_be_usable(self):
+        for flags in (["--tls-cert", os.path.join(TLS_DATA, "cert.pem")],
+                      ["--tls-cert", os.path.join(TLS_DATA, "cert.pem"), "--tls-key", os.path.join(TLS_DATA, "key2.pem")],
+                      ["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.pem"]):
+            result = subprocess.run([sys.executable, MODULE, "--data", self.data_dir, "--port", "0"] + flags,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+            self.assertEqual(result.returncode, 2, flags)
+            self.assertEqual(len(result.stderr.decode().strip().splitlines()), 1, result.stderr)
 
 
 # ---------------------------------------------------------------------------
