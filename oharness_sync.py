@@ -29,14 +29,18 @@ import http.client
 import http.server
 import json
 import math
+import multiprocessing
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import socketserver
 import ssl
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -3237,11 +3241,447 @@ def list_tokens(tokens):
     return 0
 
 
+# -- bench: how fast is this box? --------------------------------------------
+#
+# Every figure is printed with the reference it should be read against, both
+# measured in the same run: these are ratios, not absolute numbers, because a
+# small machine's speed swings with everything else it does.
+
+REFERENCE_SERVER = r"""
+import http.server, socketserver, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    def do_GET(self):
+        self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n"
+                         b'{"ok":true}')
+    def log_message(self, *args):
+        pass
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    request_queue_size = 512
+server = Server(("127.0.0.1", 0), Handler)
+print("listening on http://127.0.0.1:%d" % server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+class BenchTarget:
+    """The server being measured: a URL and a token, and (when bench started it) its process."""
+
+    def __init__(self, url, token, process=None, data_dir=None):
+        self.url = url
+        self.token = token
+        self.process = process
+        self.data_dir = data_dir
+
+    @classmethod
+    def start(cls, data_dir, *flags):
+        """Our own server as a subprocess on data_dir, with a fresh token."""
+        make_dirs(data_dir)
+        token, _ = TokenStore(data_dir).issue("bench", ["bench-team"], name="bench")
+        process, url = start_subprocess([sys.executable, os.path.abspath(__file__), "--data", data_dir,
+                                         "--port", "0", "--quiet"] + list(flags))
+        return cls(url, token, process, data_dir)
+
+    def rss_mib(self):
+        """The server's resident memory in MiB (Linux), or None."""
+        if self.process is None:
+            return None
+        try:
+            with open("/proc/%d/status" % self.process.pid) as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024.0
+        except OSError:
+            return None
+        return None
+
+    def stop(self):
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except Exception:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_subprocess(command):
+    """Start a server command; (process, URL) once it printed its listening line."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    line = process.stdout.readline().decode()
+    if "listening on " not in line:
+        process.kill()
+        raise UsageError("could not start %s" % command[1])
+    return process, line.split()[-1]
+
+
+class BenchClient:
+    """A keep-alive HTTP/1.1 client for the bench (http.client, one connection)."""
+
+    def __init__(self, url, token=None, timeout=60):
+        scheme, rest = url.split("://", 1)
+        host, port = rest.rsplit(":", 1)
+        factory = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        self.conn = factory(host.strip("[]"), int(port), timeout=timeout)
+        self.headers = {"Authorization": "Bearer " + token} if token else {}
+
+    def call(self, method, path, body=None):
+        """(status, body bytes)."""
+        headers = dict(self.headers)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+            body = encode_json(body)
+        self.conn.request(method, path, body=body, headers=headers)
+        response = self.conn.getresponse()
+        return response.status, response.read()
+
+    def close(self):
+        self.conn.close()
+
+
+def bench_request(kind, worker, number, extra):
+    """(method, path, body) of a benchmark request: 'health', 'push' (a new record each time) or
+    'snapshot' (answered `unchanged`: extra is the current etag)."""
+    if kind == "health":
+        return "GET", "/v1/health", None
+    if kind == "push":
+        return "POST", "/v1/push", {"project": "bench-push", "records": [
+            {"session": "w%d" % worker, "id": "%s-%d" % (extra, number), "seq": number,
+             "device": "bench", "at": 1, "body": {"text": "x" * 150}}]}
+    if kind == "snapshot":
+        return "POST", "/v1/memory/snapshot", {"expectedPrincipal": "bench", "project": "bench-memory",
+                                               "knownEtag": extra}
+    raise ValueError(kind)
+
+
+BENCH_RUN = secrets.token_hex(4)
+
+
+def bench_worker(url, token, kind, extra, worker, start_at, stop_at, results):
+    """One client process: send kind requests back to back between start_at and stop_at."""
+    client = BenchClient(url, token)
+    count = errors = 0
+    time.sleep(max(0.0, start_at - time.time()))
+    while time.time() < stop_at:
+        method, path, body = bench_request(kind, worker, count + errors, extra)
+        status, _ = client.call(method, path, body)
+        if status == 200:
+            count += 1
+        else:
+            errors += 1
+    client.close()
+    results.put((count, errors))
+
+
+def bench_rate(url, token, kind, clients, seconds, extra=None):
+    """Requests per second of kind from clients processes; (rate, errors)."""
+    context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+    results = context.Queue()
+    start_at = time.time() + 0.5 + 0.02 * clients
+    if kind == "push":
+        extra = "%s-%d" % (BENCH_RUN, start_at * 1000)  # new records in every phase
+    processes = [context.Process(target=bench_worker, args=(url, token, kind, extra, i, start_at,
+                                                            start_at + seconds, results)) for i in range(clients)]
+    for process in processes:
+        process.start()
+    counts = [results.get() for _ in processes]
+    for process in processes:
+        process.join()
+    return sum(c for c, _ in counts) / float(seconds), sum(e for _, e in counts)
+
+
+def disk_fsync_rate(directory, seconds):
+    """Serial append + fsync of 200-byte lines per second in directory: the disk's own ceiling."""
+    path = os.path.join(directory, "bench-fsync-%s.tmp" % secrets.token_hex(4))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    line, count = b"x" * 199 + b"\n", 0
+    try:
+        stop_at = time.monotonic() + seconds
+        while time.monotonic() < stop_at:
+            write_all(fd, line)
+            sync_file(fd)
+            count += 1
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return count / float(seconds)
+
+
+def fill_feed(target, project, records, body_bytes=200):
+    """Push records records (about body_bytes each) into project, 500 a push."""
+    client = BenchClient(target.url, target.token)
+    text = "y" * (body_bytes - 60)
+    for start in range(0, records, MAX_PUSH_RECORDS):
+        batch = [{"session": "s%d" % (i // 1000), "id": "r%d" % i, "seq": i, "device": "bench", "at": i,
+                  "body": {"role": "assistant", "text": text}} for i in range(start, min(records, start + 500))]
+        status, _ = client.call("POST", "/v1/push", {"project": project, "records": batch})
+        if status != 200:
+            raise RuntimeError("filling the feed failed with %d" % status)
+    client.close()
+
+
+def catch_up(target, project, limit=MAX_PULL_LIMIT):
+    """Pull a whole feed page by page; (records, seconds)."""
+    client = BenchClient(target.url, target.token)
+    since, records, started = 0, 0, time.monotonic()
+    while True:
+        status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d" % (project, since, limit))
+        page = json.loads(body)
+        records += len(page["records"])
+        since = page["cursor"]
+        if not page["more"]:
+            break
+    client.close()
+    return records, time.monotonic() - started
+
+
+def park_and_wake(target, feeds, polls):
+    """Park polls long-polls (spread over feeds projects), push once to each feed; wake latencies (s)."""
+    latencies, errors, lock = [], [], threading.Lock()
+    ready = threading.Semaphore(0)
+
+    def poll(project):
+        client = BenchClient(target.url, target.token, timeout=60)
+        ready.release()
+        try:
+            status, body = client.call("GET", "/v1/pull?project=%s&since=0&wait=30" % project)
+            woke = time.monotonic()
+            with lock:
+                if status == 200 and json.loads(body)["records"]:
+                    latencies.append(woke)
+                else:
+                    errors.append(status)
+        except (OSError, http.client.HTTPException) as exc:
+            with lock:
+                errors.append(str(exc))
+        finally:
+            client.close()
+
+    projects = ["bench-wake-%s-%d" % (BENCH_RUN, i % feeds) for i in range(polls)]
+    old_stack = threading.stack_size(256 * 1024)
+    threads = [threading.Thread(target=poll, args=(project,), daemon=True) for project in projects]
+    threading.stack_size(old_stack)
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        ready.acquire()
+    time.sleep(2.0)  # let every request reach the server and park
+    rss_parked = target.rss_mib()
+    client = BenchClient(target.url, target.token)
+    pushed = time.monotonic()
+    for project in sorted(set(projects)):
+        client.call("POST", "/v1/push", {"project": project, "records": [
+            {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
+    client.close()
+    for thread in threads:
+        thread.join(35)
+    return sorted(t - pushed for t in latencies), errors, rss_parked
+
+
+def percentile(values, fraction):
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(fraction * (len(values) - 1))))]
+
+
+def make_memory_scope(target, notes):
+    """Commit notes notes into the bench-memory project; the note hashes (for a full `have`)."""
+    client = BenchClient(target.url, target.token)
+    etag, have = None, {}
+    for start in range(0, notes, 500):
+        changes = []
+        for i in range(start, min(notes, start + 500)):
+            note = {"id": "note-%d" % i, "summary": "note %d" % i, "body": "body of note %d " % i + "z" * 200,
+                    "tags": ["bench"], "createdAt": 1}
+            have[note["id"]] = note_hash(note)
+            changes.append({"id": note["id"], "hash": have[note["id"]], "note": note})
+        status, body = client.call("POST", "/v1/memory/commit", {
+            "expectedPrincipal": "bench", "project": "bench-memory", "etag": etag, "changes": changes})
+        if status != 200:
+            raise RuntimeError("memory commit failed with %d: %s" % (status, body[:200]))
+        etag = json.loads(body)["etag"]
+    client.close()
+    return etag, have
+
+
+def snapshot_rate(target, have, seconds):
+    """Full snapshots per second of the bench-memory scope with every note in `have` (one client)."""
+    client = BenchClient(target.url, target.token)
+    count, stop_at = 0, time.monotonic() + seconds
+    while time.monotonic() < stop_at:
+        status, _ = client.call("POST", "/v1/memory/snapshot", {
+            "expectedPrincipal": "bench", "project": "bench-memory", "have": have})
+        if status != 200:
+            raise RuntimeError("snapshot failed with %d" % status)
+        count += 1
+    client.close()
+    return count / float(seconds)
+
+
+def write_big_data_dir(data_dir, feeds, records_per_feed):
+    """Write feeds feed files of records_per_feed records each, straight to disk (as pushes would)."""
+    body = encode_json({"role": "assistant", "text": "w" * 140})
+    directory = os.path.join(data_dir, "feeds", "u-bench")
+    make_dirs(directory)
+    for f in range(feeds):
+        with open(os.path.join(directory, "p-big-%d.jsonl" % f), "wb") as out:
+            lines = []
+            for i in range(records_per_feed):
+                event = b'{"session":"s%d","id":"r%d","seq":%d,"device":"bench","at":%d,"body":%s}' % (
+                    i // 1000, i, i, i, body)
+                lines.append(feed_line(i + 1, b"r", event, record_key("s%d" % (i // 1000), "r%d" % i)))
+                if len(lines) == 10000:
+                    out.write(b"".join(lines))
+                    lines = []
+            out.write(b"".join(lines))
+
+
+def big_start(data_dir, feeds, records_per_feed):
+    """Start a server on a big data dir; (seconds from process start to the last page of every feed, RSS)."""
+    started = time.monotonic()
+    target = BenchTarget.start(data_dir)
+    try:
+        client = BenchClient(target.url, target.token)
+        for f in range(feeds):
+            status, body = client.call("GET", "/v1/pull?project=big-%d&since=%d" % (f, records_per_feed - 500))
+            if status != 200 or len(json.loads(body)["records"]) != 500:
+                raise RuntimeError("the big feed did not answer its last page")
+        elapsed = time.monotonic() - started
+        client.close()
+        return elapsed, target.rss_mib()
+    finally:
+        target.stop()
+
+
+class BenchReport:
+    """Figures with their references and ratios, printed as a table and optionally written as JSON."""
+
+    def __init__(self, out=None):
+        self.out = out or sys.stdout
+        self.figures = []
+
+    def add(self, name, value, unit, reference=None, reference_name="", target=None):
+        ratio = value / reference if reference else None
+        figure = {"name": name, "value": round(value, 2), "unit": unit,
+                  "reference": None if reference is None else round(reference, 2),
+                  "reference_name": reference_name, "ratio": None if ratio is None else round(ratio, 2),
+                  "target": target}
+        self.figures.append(figure)
+        line = "%-44s %12.1f %-10s" % (name, value, unit)
+        if reference is not None:
+            line += "  vs %s %.1f: %.2fx" % (reference_name, reference, ratio)
+        if target:
+            line += "  (target %s)" % target
+        print(line, file=self.out, flush=True)
+
+    def note(self, text):
+        print(text, file=self.out, flush=True)
+
+    def write_json(self, path):
+        import platform
+        doc = {"version": __version__, "python": sys.version.split()[0], "machine": platform.machine(),
+               "cpus": os.cpu_count(), "figures": self.figures}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+
+
+def bench_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py bench", description="Measure a server's speed.")
+    parser.add_argument("--url", help="measure this server instead of starting one (needs --token)")
+    parser.add_argument("--token", help="a token for --url")
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed phase (default 3)")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent client processes (default 16)")
+    parser.add_argument("--polls", type=int, default=1000, help="parked long-polls (default 1000)")
+    parser.add_argument("--big-records", type=int, default=1000000,
+                        help="records in the start-up test's 10 feeds (default 1,000,000; 0 skips it)")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    if bool(args.url) != bool(args.token):
+        raise UsageError("--url and --token go together")
+    if args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.big_records < 0:
+        raise UsageError("--seconds, --clients and --polls must be positive")
+    raise_open_file_limit()
+    report = BenchReport()
+    scratch = tempfile.mkdtemp(prefix="oharness-bench-")
+    try:
+        run_bench(report, args, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if args.json:
+        report.write_json(args.json)
+    return 0
+
+
+def run_bench(report, args, scratch):
+    seconds, clients = args.seconds, args.clients
+    own = not args.url
+    target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0") if own else BenchTarget(args.url, args.token)
+    report.note("oharness-sync bench: %s, %s; %d client processes, %.0f s a phase; Python %s on %s, %d CPUs" % (
+        "a server started on a temporary data dir" if own else target.url,
+        "writes bench data" if own else "WRITES test data to that server",
+        clients, seconds, sys.version.split()[0], os.uname().machine if hasattr(os, "uname") else "?",
+        os.cpu_count() or 0))
+    try:
+        rss_start = target.rss_mib()
+        reference = None
+        if own:
+            process, url = start_subprocess([sys.executable, "-c", REFERENCE_SERVER])
+            try:
+                reference, _ = bench_rate(url, None, "health", clients, seconds)
+            finally:
+                process.terminate()
+                process.wait()
+        health, _ = bench_rate(target.url, target.token, "health", clients, seconds)
+        report.add("health, %d keep-alive clients" % clients, health, "req/s", reference,
+                   "bare http.server", ">= 0.85x")
+        disk = disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds)
+        report.add("disk: serial append+fsync (reference)", disk, "/s")
+        push_1, errors_1 = bench_rate(target.url, target.token, "push", 1, seconds)
+        report.add("1-record pushes, 1 client", push_1, "push/s", disk, "disk fsyncs", ">= 0.6x")
+        push_n, errors_n = bench_rate(target.url, target.token, "push", clients, seconds)
+        report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", disk, "disk fsyncs",
+                   ">= 1.2x")
+        fill_feed(target, "bench-catchup-" + BENCH_RUN, 100000)
+        records, elapsed = catch_up(target, "bench-catchup-" + BENCH_RUN)
+        report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed, "records/s",
+                   target="100000/s")
+        rss_before = target.rss_mib()
+        latencies, errors, rss_parked = park_and_wake(target, 1, args.polls)
+        report.add("long-poll wake p50, %d parked on one feed" % args.polls, percentile(latencies, 0.5) * 1000,
+                   "ms")
+        report.add("long-poll wake p99, %d parked on one feed" % args.polls, percentile(latencies, 0.99) * 1000,
+                   "ms", target="<= 250 ms")
+        report.add("long-polls answered", len(latencies), "of %d" % args.polls)
+        if rss_parked is not None and rss_before is not None:
+            report.add("server memory growth while parked", rss_parked - rss_before, "MiB", target="<= 64 MiB")
+        etag, have = make_memory_scope(target, 5000)
+        unchanged, _ = bench_rate(target.url, target.token, "snapshot", clients, seconds, etag)
+        report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health, "health",
+                   ">= 0.67x")
+        report.add("memory snapshot, 5000 notes, full have", snapshot_rate(target, have, seconds), "/s",
+                   target=">= 50/s")
+        rss_end = target.rss_mib()
+        if rss_end is not None:
+            report.add("server memory (start / end)", rss_end, "MiB", rss_start, "at start")
+    finally:
+        target.stop()
+    if own and args.big_records:
+        big_dir = os.path.join(scratch, "big")
+        write_big_data_dir(big_dir, 10, args.big_records // 10)
+        elapsed, rss = big_start(big_dir, 10, args.big_records // 10)
+        report.add("start-up: last page of 10 feeds, %d records" % args.big_records, elapsed, "s",
+                   target="<= 10 s")
+        if rss is not None:
+            report.add("server memory after that start-up", rss, "MiB", target="<= 200 MiB")
+
+
 # ---------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------
 
-COMMANDS = {"serve": serve_command, "token": token_command}
+COMMANDS = {"serve": serve_command, "token": token_command, "bench": bench_command}
 
 
 def main(argv=None):

@@ -2629,6 +2629,811 @@ class TenancyTest(ServerCase):
         self.assertEqual(len({name.lower() for name in names}), 3, names)
 
 
+# ---------------------------------------------------------------------------
+# Wire-level edge cases of session sync: push validation, bad bytes, limits,
+# HTTP edges (contract sections 2, 3 and 6)
+# ---------------------------------------------------------------------------
+
+EMPTY_PULL = {"cursor": 0, "records": [], "sessions": [], "more": False}
+
+
+def open_raw(url, timeout=5.0):
+    """A plain TCP socket to the server at url, for requests written by hand."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+
+
+def read_raw_answer(sock):
+    """Read one HTTP answer from a raw socket: (status, headers with lower-case names, body bytes).
+
+    The body is read by its Content-Length; a missing one is an assertion failure.
+    """
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError("connection closed before a whole answer arrived: %r" % data[:300])
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "content-length" not in headers:
+        raise AssertionError("answer without Content-Length: %r" % head)
+    length = int(headers["content-length"])
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError("connection closed in the middle of the body: %r" % rest[:300])
+        rest += chunk
+    if len(rest) > length:
+        raise AssertionError("bytes after the body: %r" % rest[length:length + 300])
+    return status, headers, rest
+
+
+def server_closed(sock, timeout):
+    """True when the server closes the connection within timeout (EOF or reset), with no further bytes."""
+    sock.settimeout(timeout)
+    try:
+        extra = sock.recv(65536)
+    except socket.timeout:
+        return False
+    except ConnectionError:
+        return True
+    if extra:
+        raise AssertionError("unexpected bytes from the server: %r" % extra[:300])
+    return True
+
+
+def push_head(token, length=None, chunked=False, path="/v1/push"):
+    """The request line and headers of a POST written by hand."""
+    lines = ["POST %s HTTP/1.1" % path, "Host: test", "Authorization: Bearer %s" % token,
+             "Content-Type: application/json"]
+    if length is not None:
+        lines.append("Content-Length: %d" % length)
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class SessionWireMixin:
+    """Assertions shared by the wire-level session tests (used with ServerCase)."""
+
+    def assertError(self, answer, status):
+        """status, JSON headers, and a body that is exactly {"error": <non-empty str>}."""
+        self.assertAnswer(answer, status)
+        self.assertIsInstance(answer.json, dict, answer.raw)
+        self.assertEqual(sorted(answer.json), ["error"], answer.raw)
+        self.assertIsInstance(answer.json["error"], str, answer.raw)
+        self.assertTrue(answer.json["error"], answer.raw)
+
+    def assertRawError(self, status, headers, body, expected_status):
+        """The same for an answer read from a raw socket."""
+        self.assertEqual(status, expected_status, body)
+        self.assertEqual(headers.get("content-type"), "application/json")
+        self.assertEqual(int(headers["content-length"]), len(body))
+        doc = json.loads(body.decode("utf-8"))
+        self.assertEqual(sorted(doc), ["error"], body)
+        self.assertIsInstance(doc["error"], str)
+        self.assertTrue(doc["error"])
+
+    def assertNothingStored(self, project="proj"):
+        """No event in the pull, no feed file on disk, no project listed."""
+        self.assertAnswer(self.pull(self.alice, project), 200, EMPTY_PULL)
+        self.assertEqual(self.feed_files(), [])
+        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200, {"projects": []})
+
+    def push_raw(self, data):
+        return self.request("POST", "/v1/push", body=data, token=self.alice)
+
+
+class PushValidationTest(SessionWireMixin, ServerCase):
+    """Contract 3, POST /v1/push: the whole request is validated before anything is written;
+    any fault is a 400 {"error"} and nothing of the batch is stored."""
+
+    GOOD = record("s-good", "r-good")
+
+    def assertRefused(self, doc, status=400):
+        self.assertError(self.request("POST", "/v1/push", doc, self.alice), status)
+        self.assertNothingStored()
+
+    def refuse_record_cases(self, cases):
+        """Each case: a record (dict) pushed after a good one; all are refused and store nothing."""
+        for label, bad in cases:
+            with self.subTest(label):
+                self.assertRefused({"project": "proj", "records": [self.GOOD, bad]})
+
+    @staticmethod
+    def without(entry, name):
+        entry = dict(entry)
+        del entry[name]
+        return entry
+
+    @staticmethod
+    def but(entry, **changes):
+        entry = dict(entry)
+        entry.update(changes)
+        return entry
+
+    def test_body_that_is_not_an_object_is_refused(self):
+        for raw in (b"[]", json.dumps([{"project": "proj", "records": [self.GOOD]}]).encode(),
+                    b'"proj"', b"5", b"null", b"true"):
+            with self.subTest(raw=raw):
+                self.assertError(self.push_raw(raw), 400)
+                self.assertNothingStored()
+
+    def test_bad_project_is_refused(self):
+        for label, project in (("missing", None), ("empty", ""), ("129 characters", "p" * 129),
+                               ("slash", "a/b"), ("__proto__", "__proto__"), ("constructor", "constructor"),
+                               ("prototype", "prototype"), ("number", 5), ("dot", "a.b"),
+                               ("space", "a b"), ("non-ASCII", "pr\u00f6j")):
+            with self.subTest(label):
+                doc = {"records": [self.GOOD]}
+                if project is not None:
+                    doc["project"] = project
+                self.assertRefused(doc)
+
+    def test_records_or_sessions_not_an_array_is_refused(self):
+        for name in ("records", "sessions"):
+            for value in ({"0": self.GOOD}, "x", 5, True):
+                with self.subTest(name=name, value=value):
+                    doc = {"project": "proj", "records": [self.GOOD]}
+                    doc[name] = value
+                    self.assertRefused(doc)
+
+    def test_record_that_is_not_an_object_is_refused(self):
+        for value in (None, "r1", 5, [], [self.GOOD], True):
+            with self.subTest(value=value):
+                self.assertRefused({"project": "proj", "records": [self.GOOD, value]})
+
+    def test_bad_record_session_is_refused(self):
+        bad = record("s2", "r2")
+        self.refuse_record_cases([
+            ("missing", self.without(bad, "session")), ("empty", self.but(bad, session="")),
+            ("1025 characters", self.but(bad, session="s" * 1025)), ("number", self.but(bad, session=7)),
+            ("null", self.but(bad, session=None))])
+
+    def test_bad_record_id_is_refused(self):
+        bad = record("s2", "r2")
+        self.refuse_record_cases([
+            ("missing", self.without(bad, "id")), ("empty", self.but(bad, id="")),
+            ("1025 characters", self.but(bad, id="r" * 1025)), ("number", self.but(bad, id=7)),
+            ("null", self.but(bad, id=None))])
+
+    def test_bad_record_device_is_refused(self):
+        bad = record("s2", "r2")
+        self.refuse_record_cases([
+            ("missing", self.without(bad, "device")), ("number", self.but(bad, device=3)),
+            ("null", self.but(bad, device=None)), ("array", self.but(bad, device=["laptop"]))])
+
+    BAD_INTEGERS = (("-1", -1), ("1.5", 1.5), ('"1"', "1"), ("true", True), ("false", False),
+                    ("2**53", 2 ** 53), ("null", None), ("1e300", 1e300), ("array", [1]))
+
+    def test_bad_record_seq_and_at_are_refused(self):
+        for name in ("seq", "at"):
+            bad = record("s2", "r2")
+            cases = [("%s missing" % name, self.without(bad, name))]
+            cases += [("%s %s" % (name, label), self.but(bad, **{name: value})) for label, value in self.BAD_INTEGERS]
+            self.refuse_record_cases(cases)
+
+    def test_record_without_body_is_refused(self):
+        self.refuse_record_cases([("body missing", self.without(record("s2", "r2"), "body"))])
+
+    def test_record_with_null_body_is_stored_and_pulled_back_with_null(self):
+        entry = record("s1", "r1")
+        entry["body"] = None
+        self.assertAnswer(self.push(self.alice, records=[entry]), 200, {"cursor": 1, "accepted": 1})
+        pulled = self.pull(self.alice)
+        self.assertAnswer(pulled, 200, {"cursor": 1, "records": [entry], "sessions": [], "more": False})
+        self.assertIn(b'"body":null', pulled.raw)
+
+    def test_session_entry_that_is_not_an_object_is_refused(self):
+        for value in (None, "s1", 5, [], [meta()], True):
+            with self.subTest(value=value):
+                self.assertRefused({"project": "proj", "records": [self.GOOD], "sessions": [meta("s0"), value]})
+
+    def refuse_session_cases(self, cases):
+        for label, bad in cases:
+            with self.subTest(label):
+                self.assertRefused({"project": "proj", "records": [self.GOOD], "sessions": [meta("s0"), bad]})
+
+    def test_bad_session_entry_id_is_refused(self):
+        bad = meta("s2")
+        self.refuse_session_cases([
+            ("missing", self.without(bad, "id")), ("empty", self.but(bad, id="")),
+            ("number", self.but(bad, id=3)), ("null", self.but(bad, id=None))])
+
+    def test_bad_session_gen_and_updated_at_are_refused(self):
+        for name in ("gen", "updatedAt"):
+            bad = meta("s2")
+            cases = [("%s missing" % name, self.without(bad, name))]
+            cases += [("%s %s" % (name, label), self.but(bad, **{name: value})) for label, value in self.BAD_INTEGERS]
+            self.refuse_session_cases(cases)
+
+    def test_session_deleted_that_is_not_a_boolean_is_refused(self):
+        self.refuse_session_cases([("deleted %r" % (value,), meta("s2", deleted=value))
+                                   for value in ("yes", 1, 0, None, "true", [])])
+
+    def test_team_that_is_not_a_string_is_refused(self):
+        for value in (5, True, ["platform"], {"id": "platform"}):
+            with self.subTest(team=value):
+                self.assertRefused({"project": "proj", "team": value, "records": [self.GOOD]})
+                self.assertAnswer(self.pull(self.alice, team="platform"), 200, EMPTY_PULL)
+
+    def test_integral_floats_count_as_integers(self):
+        entry = record("s1", "r1", seq=12.0, at=1789344000000.0)
+        session = meta("s1", gen=3.0, updated_at=1789344000001.0)
+        raw = json.dumps({"project": "proj", "records": [entry], "sessions": [session]}).encode()
+        self.assertIn(b'"seq": 12.0', raw)
+        self.assertAnswer(self.push_raw(raw), 200, {"cursor": 2, "accepted": 2})
+        pulled = self.pull(self.alice)
+        self.assertAnswer(pulled, 200, {"cursor": 2, "records": [record("s1", "r1", seq=12, at=1789344000000)],
+                                        "sessions": [meta("s1", gen=3, updated_at=1789344000001)], "more": False})
+        self.assertIs(type(pulled.json["records"][0]["seq"]), int)
+        self.assertIs(type(pulled.json["records"][0]["at"]), int)
+        self.assertIs(type(pulled.json["sessions"][0]["gen"]), int)
+        self.assertIs(type(pulled.json["sessions"][0]["updatedAt"]), int)
+
+    def test_largest_allowed_values_are_accepted(self):
+        project = "p" * 128
+        entry = record("s" * 1024, "r" * 1024, seq=2 ** 53 - 1, at=2 ** 53 - 1, device="")
+        session = meta("s" * 1024, gen=2 ** 53 - 1, updated_at=2 ** 53 - 1)
+        self.assertAnswer(self.push(self.alice, project=project, records=[entry], sessions=[session]), 200,
+                          {"cursor": 2, "accepted": 2})
+        self.assertAnswer(self.pull(self.alice, project), 200,
+                          {"cursor": 2, "records": [entry], "sessions": [session], "more": False})
+
+    def test_unknown_fields_are_ignored_and_not_returned(self):
+        entry = record("s1", "r1")
+        session = meta("s1", deleted=False, body={"title": "t"})
+        doc = {"project": "proj", "device": "laptop", "somethingNew": {"a": [1, 2]},
+               "records": [dict(entry, x=1)], "sessions": [dict(session, y="z")]}
+        self.assertAnswer(self.request("POST", "/v1/push", doc, self.alice), 200, {"cursor": 2, "accepted": 2})
+        pulled = self.pull(self.alice)
+        self.assertAnswer(pulled, 200, {"cursor": 2, "records": [entry], "sessions": [session], "more": False})
+        self.assertEqual(sorted(pulled.json["records"][0]), ["at", "body", "device", "id", "seq", "session"])
+        self.assertEqual(sorted(pulled.json["sessions"][0]), ["body", "deleted", "gen", "id", "updatedAt"])
+        self.assertNotIn(b"somethingNew", pulled.raw)
+
+
+class BadBytesTest(SessionWireMixin, ServerCase):
+    """Contract 3: bad JSON, JSON nested too deeply, invalid UTF-8 and NaN/Infinity literals are 400, never 500,
+    and store nothing."""
+
+    GOOD = json.dumps(record("s-good", "r-good")).encode()
+
+    def records_push(self, second_record):
+        """A push whose first record is good and whose second is the given raw JSON text."""
+        return b'{"project":"proj","records":[' + self.GOOD + b"," + second_record + b"]}"
+
+    def with_body(self, body_text):
+        """Raw JSON of a record whose body is body_text."""
+        return b'{"session":"s2","id":"r2","seq":2,"device":"laptop","at":1789344000000,"body":' + body_text + b"}"
+
+    def assertBadBytes(self, data):
+        self.assertError(self.push_raw(data), 400)
+        self.assertNothingStored()
+
+    def test_invalid_json_is_refused(self):
+        for data in (b'{"project": proj}', b"{'project': 'proj'}", b'{"project":"proj",}',
+                     self.records_push(b'{"session":"s2",}'), b"not json at all", b"{}{}",
+                     b'{"project":"proj"} x'):
+            with self.subTest(data=data):
+                self.assertBadBytes(data)
+
+    def test_truncated_json_is_refused(self):
+        whole = self.records_push(self.with_body(b'{"role":"user"}'))
+        for cut in (1, 10, len(whole) // 2, len(whole) - 1):
+            with self.subTest(cut=cut):
+                self.assertBadBytes(whole[:cut])
+
+    def test_invalid_utf8_is_refused(self):
+        for data in (b'{"project":"p\xff"}', self.records_push(self.with_body(b'"caf\xe9"')),
+                     self.records_push(self.with_body(b'"\xc0\xaf"')),           # overlong encoding
+                     self.records_push(self.with_body(b'"\xed\xa0\x80"')),       # an encoded surrogate
+                     self.records_push(self.with_body(b'"\xe2\x82"'))):          # a cut sequence
+            with self.subTest(data=data[-40:]):
+                self.assertBadBytes(data)
+
+    def test_utf8_bom_before_the_json_is_refused(self):
+        self.assertBadBytes(b"\xef\xbb\xbf" + self.records_push(self.with_body(b"1")))
+
+    def test_nan_and_infinity_literals_are_refused(self):
+        for literal in (b"NaN", b"Infinity", b"-Infinity", b"[1,NaN]", b'{"x":Infinity}'):
+            with self.subTest(literal=literal):
+                self.assertBadBytes(self.records_push(self.with_body(literal)))
+
+    def test_number_too_large_for_a_double_is_refused(self):
+        for literal in (b"1e400", b"-1e400", b"[1e999]"):
+            with self.subTest(literal=literal):
+                self.assertBadBytes(self.records_push(self.with_body(literal)))
+        self.assertBadBytes(self.records_push(
+            b'{"session":"s2","id":"r2","seq":1e400,"device":"laptop","at":1789344000000,"body":1}'))
+
+    def test_deeply_nested_arrays_are_refused(self):
+        self.assertBadBytes(b"[" * 100000 + b"]" * 100000)
+
+    def test_deeply_nested_objects_in_a_record_body_are_refused(self):
+        self.assertBadBytes(self.records_push(self.with_body(b'{"a":' * 100000 + b"1" + b"}" * 100000)))
+
+    def test_brackets_inside_strings_are_not_nesting(self):
+        body = "[" * 100000 + '\\"{' * 1000 + "\\"
+        self.assertAnswer(self.push(self.alice, records=[record(body=body)]), 200, {"cursor": 1, "accepted": 1})
+        pulled = self.pull(self.alice)
+        self.assertEqual(pulled.json["records"], [record(body=body)])
+
+    def test_empty_body_is_refused(self):
+        self.assertBadBytes(b"")
+        # No body at all (http.client sends Content-Length: 0 for a POST without one).
+        self.assertError(self.request("POST", "/v1/push", token=self.alice), 400)
+        self.assertNothingStored()
+
+    MUTATIONS = (None, True, 1.5, -1, "", [], {}, "x" * 2000)
+
+    @staticmethod
+    def expected_status(where, field, value):
+        """What the contract says a push with this one field replaced by value gets.
+
+        200: the push is still valid; 403: a team the token does not list; 400: anything else.
+        """
+        is_str = isinstance(value, str)
+        if where == "top":
+            if field == "project":
+                return 400                          # never an id: null, "", 2000 chars, non-strings
+            if field == "team":
+                if value is None:
+                    return 200                      # null team: no team, the personal feed
+                return 403 if is_str else 400       # a string the token does not list; else not a string
+            if field in ("records", "sessions"):
+                return 200 if value is None or value == [] else 400   # missing or null arrays are empty
+        if where == "record":
+            if field == "body":
+                return 200                          # any JSON value, null included
+            if field == "device":
+                return 200 if is_str else 400       # any string, "" and 2000 characters included
+            if field in ("session", "id"):
+                return 400                          # "" is empty, 2000 characters is over 1024
+            return 400                              # seq, at: none of the values is a safe integer >= 0
+        if where == "session":
+            if field == "body":
+                return 200                          # any JSON value if present
+            if field == "id":
+                return 200 if is_str and value else 400   # a non-empty string (no length limit in the contract)
+            if field == "deleted":
+                return 200 if value is True else 400
+            return 400                              # gen, updatedAt
+        return 400                                  # a whole record or session entry replaced: not an object
+
+    def test_wrong_types_everywhere(self):
+        """Each field of a valid push replaced in turn by each of null, true, 1.5, -1, "", [], {}, "x"*2000."""
+        fields = ([("top", name) for name in ("project", "team", "records", "sessions")]
+                  + [("record", name) for name in ("session", "id", "seq", "device", "at", "body")]
+                  + [("session", name) for name in ("id", "gen", "updatedAt", "deleted", "body")]
+                  + [("whole", "record"), ("whole", "session")])
+        events = {"platform": 0, None: 0}           # events expected in the team feed and the personal feed
+        case = 0
+        for where, field in fields:
+            for value in self.MUTATIONS:
+                case += 1
+                good_record = record("s%d" % case, "a%d" % case)
+                target_record = record("s%d" % case, "b%d" % case)
+                good_meta = meta("m%d-a" % case, deleted=False, body={"t": 1})
+                target_meta = meta("m%d-b" % case, deleted=False, body={"t": 2})
+                doc = {"project": "proj", "team": "platform",
+                       "records": [good_record, target_record], "sessions": [good_meta, target_meta]}
+                if where == "top":
+                    doc[field] = value
+                elif where == "record":
+                    target_record[field] = value
+                elif where == "session":
+                    target_meta[field] = value
+                elif field == "record":
+                    doc["records"][1] = value
+                else:
+                    doc["sessions"][1] = value
+                status = self.expected_status(where, field, value)
+                with self.subTest(where=where, field=field, value=value if value != "x" * 2000 else "x*2000",
+                                  expected=status):
+                    answer = self.request("POST", "/v1/push", doc, self.alice)
+                    if status != 200:
+                        self.assertError(answer, status)
+                        continue
+                    feed = doc["team"]
+                    added = (len(doc["records"] or []) if isinstance(doc["records"], list) else 0) \
+                        + (len(doc["sessions"] or []) if isinstance(doc["sessions"], list) else 0)
+                    events[feed] += added
+                    self.assertAnswer(answer, 200, {"cursor": events[feed], "accepted": added})
+        self.assertGreaterEqual(case, 130)
+        self.assertGreater(events["platform"], 0)
+        self.assertGreater(events[None], 0)
+        # Nothing of a refused push was stored: each feed holds exactly the accepted events.
+        team_pull = self.pull(self.alice, team="platform")
+        self.assertAnswer(team_pull, 200)
+        self.assertEqual(team_pull.json["cursor"], events["platform"])
+        self.assertEqual(len(team_pull.json["records"]) + len(team_pull.json["sessions"]), events["platform"])
+        personal = self.pull(self.alice)
+        self.assertEqual(personal.json["cursor"], events[None])
+        self.assertEqual(len(personal.json["records"]) + len(personal.json["sessions"]), events[None])
+        # The server still answers.
+        self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
+        self.assertAnswer(self.push(self.alice, project="after", records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
+
+
+class LimitsTest(SessionWireMixin, ServerCase):
+    """Contract 3: push size limits (413), pull limit/wait clamping, cursor and parameter validation."""
+
+    def fill(self):
+        """One push of 500 records and 500 session entries; returns (records, sessions) as pushed."""
+        records = [record("s1", "r%03d" % i, seq=i) for i in range(500)]
+        sessions = [meta("s%03d" % i) for i in range(500)]
+        self.assertAnswer(self.push(self.alice, records=records, sessions=sessions), 200,
+                          {"cursor": 1000, "accepted": 1000})
+        return records, sessions
+
+    def pull_query(self, query):
+        return self.request("GET", "/v1/pull?" + query, token=self.alice, timeout=40)
+
+    def test_500_records_and_500_sessions_in_one_push_are_accepted(self):
+        records, sessions = self.fill()
+        self.assertAnswer(self.pull(self.alice, since=0), 200,
+                          {"cursor": 500, "records": records, "sessions": [], "more": True})
+        self.assertAnswer(self.pull(self.alice, since=500), 200,
+                          {"cursor": 1000, "records": [], "sessions": sessions, "more": False})
+
+    def test_501_records_is_413_and_stores_nothing(self):
+        records = [record("s1", "r%03d" % i) for i in range(501)]
+        self.assertError(self.push(self.alice, records=records), 413)
+        self.assertNothingStored()
+
+    def test_501_sessions_is_413_and_stores_nothing(self):
+        records = [record("s1", "r%03d" % i) for i in range(500)]
+        sessions = [meta("s%03d" % i) for i in range(501)]
+        self.assertError(self.push(self.alice, records=records, sessions=sessions), 413)
+        self.assertNothingStored()
+
+    def test_body_of_exactly_8_mib_is_read(self):
+        doc = json.dumps({"project": "proj", "records": [record()]}).encode()
+        data = doc + b" " * (8 * 1024 * 1024 - len(doc))
+        self.assertEqual(len(data), 8 * 1024 * 1024)
+        self.assertAnswer(self.push_raw(data), 200, {"cursor": 1, "accepted": 1})
+
+    def assertEarly413(self, length):
+        """Headers declaring `length` body bytes, and no body: a prompt 413 that closes the connection."""
+        with open_raw(self.url, timeout=5) as sock:
+            sock.sendall(push_head(self.alice, length=length))
+            started = time.monotonic()
+            status, headers, body = read_raw_answer(sock)
+            self.assertLess(time.monotonic() - started, 5)
+            self.assertRawError(status, headers, body, 413)
+            self.assertEqual(headers.get("connection", "").lower(), "close")
+            self.assertTrue(server_closed(sock, 5), "the server kept the connection open")
+        self.assertNothingStored()
+
+    def test_content_length_over_8_mib_is_413_before_the_body_is_read(self):
+        self.assertEarly413(9000000)
+
+    def test_content_length_of_8_mib_plus_one_is_413(self):
+        self.assertEarly413(8 * 1024 * 1024 + 1)
+
+    def test_refusal_before_a_large_body_closes_the_connection(self):
+        """A 401 sent before the body was read closes the connection: the unread bytes are never a request."""
+        with open_raw(self.url, timeout=5) as sock:
+            sock.sendall(push_head("ohs_000000000000_" + "x" * 40, length=9000000))
+            status, headers, body = read_raw_answer(sock)
+            self.assertRawError(status, headers, body, 401)
+            self.assertEqual(headers.get("www-authenticate"), "Bearer")
+            self.assertEqual(headers.get("connection", "").lower(), "close")
+            self.assertTrue(server_closed(sock, 5), "the server kept the connection open")
+        self.assertNothingStored()
+
+    def test_chunked_push_is_accepted(self):
+        data = json.dumps({"project": "proj", "records": [record()], "sessions": [meta()]}).encode()
+        pieces = [data[:7], data[7:50], data[50:]]
+        chunked = (b"%x\r\n%s\r\n" % (len(pieces[0]), pieces[0])
+                   + b"%X;name=value\r\n%s\r\n" % (len(pieces[1]), pieces[1])    # a chunk extension
+                   + b"%x\r\n%s\r\n" % (len(pieces[2]), pieces[2])
+                   + b"0\r\nX-Trailer: ignored\r\n\r\n")                        # a trailer field
+        with open_raw(self.url) as sock:
+            sock.sendall(push_head(self.alice, chunked=True) + chunked)
+            status, headers, body = read_raw_answer(sock)
+            self.assertEqual(status, 200, body)
+            self.assertEqual(headers.get("content-type"), "application/json")
+            self.assertEqual(json.loads(body), {"cursor": 2, "accepted": 2})
+            # The chunked body was read exactly: the connection serves a next request.
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
+            status, headers, body = read_raw_answer(sock)
+            self.assertEqual((status, json.loads(body)), (200, {"ok": True}))
+        self.assertAnswer(self.pull(self.alice), 200,
+                          {"cursor": 2, "records": [record()], "sessions": [meta()], "more": False})
+
+    def test_chunked_body_over_8_mib_is_413(self):
+        mib = b"x" * (1024 * 1024)
+        with open_raw(self.url, timeout=5) as sock:
+            sock.sendall(push_head(self.alice, chunked=True))
+            for _ in range(8):                       # 8 MiB exactly: still within the limit
+                sock.sendall(b"100000\r\n" + mib + b"\r\n")
+            sock.sendall(b"100000\r\n")              # a ninth MiB announced, never sent
+            status, headers, body = read_raw_answer(sock)
+            self.assertRawError(status, headers, body, 413)
+            self.assertEqual(headers.get("connection", "").lower(), "close")
+            self.assertTrue(server_closed(sock, 5), "the server kept the connection open")
+        self.assertNothingStored()
+
+    def test_limit_is_clamped_to_1(self):
+        records, _ = self.fill()
+        for value in ("0", "-5", "-99999999999999999999999"):
+            with self.subTest(limit=value):
+                self.assertAnswer(self.pull(self.alice, limit=value), 200,
+                                  {"cursor": 1, "records": records[:1], "sessions": [], "more": True})
+
+    def test_limit_is_clamped_to_500(self):
+        records, sessions = self.fill()
+        for query in ("limit=501", "limit=99999999999999999999999", "limit=500", None):
+            with self.subTest(query=query):
+                self.assertAnswer(self.pull_query("project=proj&since=0" + ("&" + query if query else "")), 200,
+                                  {"cursor": 500, "records": records, "sessions": [], "more": True})
+        self.assertAnswer(self.pull(self.alice, since=499, limit=2), 200,
+                          {"cursor": 501, "records": records[499:], "sessions": sessions[:1], "more": True})
+
+    def test_limit_that_is_not_an_integer_is_400(self):
+        self.fill()
+        for value in ("abc", "1.5", "", "1e3", "0x10"):
+            with self.subTest(limit=value):
+                self.assertError(self.pull(self.alice, limit=value), 400)
+
+    def test_negative_wait_answers_at_once(self):
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        started = time.monotonic()
+        self.assertAnswer(self.pull(self.alice, since=1, wait=-3), 200,
+                          {"cursor": 1, "records": [], "sessions": [], "more": False})
+        self.assertLess(time.monotonic() - started, 1.0)
+
+    def test_wait_that_is_not_an_integer_is_400(self):
+        for value in ("abc", "1.5", "", "-"):
+            with self.subTest(wait=value):
+                started = time.monotonic()
+                self.assertError(self.pull(self.alice, wait=value), 400)
+                self.assertLess(time.monotonic() - started, 1.0)
+        self.assertEqual(self.feed_files(), [])
+
+    def test_wait_over_30_is_clamped_and_parks(self):
+        results = []
+        thread = threading.Thread(target=lambda: results.append(
+            (self.pull(self.alice, wait=31), time.monotonic())))
+        started = time.monotonic()
+        thread.start()
+        time.sleep(0.3)
+        self.assertEqual(results, [], "the pull did not wait")
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        thread.join(10)
+        self.assertFalse(thread.is_alive(), "the parked pull was not woken by the push")
+        answer, finished = results[0]
+        self.assertAnswer(answer, 200, {"cursor": 1, "records": [record()], "sessions": [], "more": False})
+        self.assertLess(finished - started, 5)
+
+    def test_bad_cursors_are_400(self):
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        for value in ("-1", "1.5", "abc", "9007199254740992", "99999999999999999999", "", "0x1", "1e3"):
+            with self.subTest(since=value):
+                self.assertError(self.pull(self.alice, since=value), 400)
+
+    def test_largest_cursor_is_accepted(self):
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        for project in ("proj", "unknown"):
+            with self.subTest(project=project):
+                self.assertAnswer(self.pull(self.alice, project, since=9007199254740991), 200,
+                                  {"cursor": 9007199254740991, "records": [], "sessions": [], "more": False})
+        self.assertEqual(len(self.feed_files()), 1)
+
+    def test_missing_since_means_0(self):
+        self.assertAnswer(self.push(self.alice, records=[record()], sessions=[meta()]), 200,
+                          {"cursor": 2, "accepted": 2})
+        self.assertAnswer(self.pull_query("project=proj"), 200,
+                          {"cursor": 2, "records": [record()], "sessions": [meta()], "more": False})
+
+    def test_pull_without_a_valid_project_is_400(self):
+        for query in ("since=0", "project=&since=0", "project=a/b&since=0", "project=a%2Fb&since=0",
+                      "project=__proto__&since=0", "project=%s&since=0" % ("p" * 129)):
+            with self.subTest(query=query):
+                self.assertError(self.pull_query(query), 400)
+        self.assertEqual(self.feed_files(), [])
+
+    def test_repeated_query_parameter_is_400(self):
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="r1"), record(record_id="r2")]), 200,
+                          {"cursor": 2, "accepted": 2})
+        for query in ("project=proj&since=1&since=2", "project=proj&since=1&since=1"):
+            with self.subTest(query=query):
+                self.assertError(self.pull_query(query), 400)
+
+
+class HttpEdgesTest(SessionWireMixin, ServerCase):
+    """Contract 3 (Errors) and 6: routes and methods, JSON on every answer, bad request lines,
+    keep-alive, and the total request time that disconnects slow clients."""
+
+    ROUTES = {"/v1/health": "GET", "/v1/projects": "GET", "/v1/push": "POST", "/v1/pull?project=proj": "GET"}
+    METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD")
+
+    def setUp(self):
+        # A short total request time, set before the server starts.
+        patcher = mock.patch.object(sync, "REQUEST_SECONDS", 1.0)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        super().setUp()
+
+    def connection(self, timeout=5):
+        host, port = self.server.server_address[:2]
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        self.addCleanup(conn.close)
+        return conn
+
+    def test_unknown_route_is_404(self):
+        for method, path in (("GET", "/"), ("GET", "/v1"), ("GET", "/v1/nope"), ("GET", "/v1/health/"),
+                             ("GET", "/v1/HEALTH"), ("GET", "/v2/health"), ("POST", "/v1/pushes"),
+                             ("GET", "/v1/pull/x?project=proj")):
+            with self.subTest(method=method, path=path):
+                self.assertError(self.request(method, path, token=self.alice), 404)
+
+    def test_wrong_method_on_a_known_route_is_405_with_allow(self):
+        for path, right in self.ROUTES.items():
+            for method in self.METHODS:
+                if method == right:
+                    continue
+                with self.subTest(path=path, method=method):
+                    conn = self.connection()
+                    conn.request(method, path, headers={"Authorization": "Bearer " + self.alice})
+                    response = conn.getresponse()
+                    raw = response.read()
+                    headers = {k.lower(): v for k, v in response.getheaders()}
+                    self.assertEqual(response.status, 405, raw)
+                    self.assertEqual(headers.get("content-type"), "application/json")
+                    self.assertIn("content-length", headers)
+                    allowed = {name.strip() for name in headers.get("allow", "").split(",")}
+                    self.assertEqual(allowed, {right})
+                    if method == "HEAD":
+                        self.assertEqual(raw, b"")
+                        self.assertHeadHasNoBody(path)
+                    else:
+                        self.assertError(Answer(response.status, headers, raw), 405)
+
+    def assertHeadHasNoBody(self, path):
+        """On a raw socket: the HEAD answer is a head only; the next answer on the connection is intact."""
+        with open_raw(self.url) as sock:
+            sock.sendall(("HEAD %s HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer %s\r\n\r\n"
+                          % (path, self.alice)).encode("latin-1"))
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = sock.recv(65536)
+                self.assertTrue(chunk, "connection closed before the head of the HEAD answer: %r" % data)
+                data += chunk
+            head, _, rest = data.partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 405 "), head)
+            self.assertEqual(rest, b"", "a HEAD answer carried a body")
+            if b"\r\nconnection: close" not in head.lower():
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
+                status, _, body = read_raw_answer(sock)
+                self.assertEqual((status, body), (200, b'{"ok":true}'))
+
+    def test_unknown_method_is_405_not_501(self):
+        for method in ("BREW", "get", "PROPFIND"):
+            for path, right in self.ROUTES.items():
+                with self.subTest(method=method, path=path):
+                    answer = self.request(method, path, token=self.alice)
+                    self.assertError(answer, 405)
+                    self.assertEqual({name.strip() for name in answer.headers.get("allow", "").split(",")},
+                                     {right})
+
+    def test_every_answer_is_json_with_a_content_length(self):
+        other = self.issue("carol")
+        answers = [
+            (self.request("GET", "/v1/health"), 200),
+            (self.push(self.alice, records=[record()]), 200),
+            (self.request("GET", "/v1/projects", token=self.alice), 200),
+            (self.pull(self.alice), 200),
+            (self.pull(self.alice, since=1, wait=1), 200),
+            (self.push_raw(b"{"), 400),
+            (self.request("GET", "/v1/projects"), 401),
+            (self.request("GET", "/v1/projects", token="ohs_000000000000_" + "x" * 40), 401),
+            (self.push(other + "x", records=[record()]), 401),
+            (self.pull(other[:-1]), 401),
+            (self.request("GET", "/v1/projects?team=elsewhere", token=self.alice), 403),
+            (self.request("GET", "/v1/nope"), 404),
+            (self.request("DELETE", "/v1/push", token=self.alice), 405),
+            (self.push(self.alice, records=[record(record_id="r%d" % i) for i in range(501)]), 413),
+        ]
+        for answer, status in answers:
+            with self.subTest(answer=answer):
+                if status == 200:
+                    self.assertAnswer(answer, 200)
+                else:
+                    self.assertError(answer, status)
+                if status == 401:
+                    self.assertEqual(answer.headers.get("www-authenticate"), "Bearer")
+
+    def test_malformed_request_line_is_a_400_json_answer(self):
+        for line in (b"THIS IS NOT HTTP\r\n\r\n", b"GET /v1/health HTTP/1.1 extra\r\n\r\n",
+                     b"GET /v1/health HTTP/one.one\r\n\r\n", b"POST\r\n\r\n", b"POST /v1/push\r\n\r\n",
+                     b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n"):
+            with self.subTest(line=line):
+                with open_raw(self.url) as sock:
+                    sock.sendall(line)
+                    status, headers, body = read_raw_answer(sock)
+                    self.assertRawError(status, headers, body, 400)
+                    self.assertTrue(server_closed(sock, 5), "the server kept a confused connection open")
+        self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
+
+    def test_keep_alive_requests_are_fast(self):
+        conn = self.connection()
+        conn.request("GET", "/v1/health")
+        response = conn.getresponse()
+        self.assertEqual((response.status, response.read()), (200, b'{"ok":true}'))
+        sock = conn.sock
+        self.assertIsNotNone(sock)
+        started = time.monotonic()
+        for _ in range(50):
+            conn.request("GET", "/v1/health")
+            response = conn.getresponse()
+            self.assertEqual((response.status, response.read()), (200, b'{"ok":true}'))
+            self.assertIs(conn.sock, sock, "the connection was not kept alive")
+        self.assertLess(time.monotonic() - started, 1.0)
+
+    def test_idle_keep_alive_connection_stays_open(self):
+        conn = self.connection()
+        conn.request("GET", "/v1/health")
+        response = conn.getresponse()
+        self.assertEqual((response.status, response.read()), (200, b'{"ok":true}'))
+        sock = conn.sock
+        time.sleep(1.3)   # longer than the (patched) request time: idle is not a slow request
+        conn.request("GET", "/v1/projects", headers={"Authorization": "Bearer " + self.alice})
+        response = conn.getresponse()
+        self.assertEqual((response.status, response.read()), (200, b'{"projects":[]}'))
+        self.assertIs(conn.sock, sock, "the idle connection was closed")
+
+    def assertDisconnected(self, head, drip):
+        """Send head, then one byte a second: the server must close the connection within about 3 s."""
+        with open_raw(self.url, timeout=5) as sock:
+            sock.sendall(head)
+            started = time.monotonic()
+            closed, answer = False, b""
+            for byte in drip:
+                try:
+                    sock.sendall(bytes([byte]))
+                    sock.settimeout(1.0)
+                    data = sock.recv(65536)
+                except socket.timeout:
+                    if time.monotonic() - started > 3.5:
+                        break
+                    continue
+                except OSError:
+                    closed = True
+                    break
+                if not data:
+                    closed = True
+                    break
+                answer += data                       # an answer before closing (a 408, say) is allowed
+            elapsed = time.monotonic() - started
+            self.assertTrue(closed, "a slow client was not disconnected after %.1f s" % elapsed)
+            self.assertLess(elapsed, 3.5)
+            if answer:
+                self.assertRegex(answer, rb"^HTTP/1\.1 4[0-9][0-9] ")
+        self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
+
+    def test_slow_body_is_disconnected(self):
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        self.assertDisconnected(push_head(self.alice, length=len(body)), body)
+        self.assertEqual(self.feed_files(), [])
+
+    def test_slow_headers_are_disconnected(self):
+        self.assertDisconnected(b"GET /v1/health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 100)
+
+
+if __name__ == "__main__":
+    unittest.main()
+
+
 class JwtOnTheWireTest(ServerCase):
     """Session sync with --jwt-secret-file and --jwks-file: the fixture tokens on a real server."""
 
