@@ -13,6 +13,9 @@ Usage:
     python3 oharness_sync.py token issue  --data DIR --principal ID [--team ID]...
     python3 oharness_sync.py token list   --data DIR
     python3 oharness_sync.py token revoke --data DIR TOKEN_ID
+    python3 oharness_sync.py check --url URL --token TOKEN [--other-token TOKEN] [--team ID]
+                                   [--memory --principal ID]
+    python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N] [--json FILE]
 
 The module reads top-down: constants and limits; errors; pure validation and
 hashing; authentication; storage (feeds, tokens); the HTTP layer; the command
@@ -3050,7 +3053,7 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 
 # ---------------------------------------------------------------------------
-# The command line: serve, token
+# The command line: serve, token, check, bench
 # ---------------------------------------------------------------------------
 
 class Log:
@@ -3302,6 +3305,458 @@ def list_tokens(tokens):
     return 0
 
 
+# -- check: does a server speak protocol v1? ------------------------------------
+
+CHECK_TIMEOUT = 15  # seconds for one request; a long-poll gets its wait on top
+CHECK_PROJECTS = ("smoke", "paging", "poll", "bodies", "listed", "unpushed", "shared", "mine", "team",
+                  "noteam", "memory")
+
+# Bodies that must come back equal as JSON values. Every number is exact as a
+# double, so a server written in JavaScript passes too.
+CHECK_BODIES = [
+    {"text": "h\u00e9llo w\u00f6rld \u2713 \u65e5\u672c\u8a9e", "emoji": "\U0001f600\U0001f44d\U0001f3fd",
+     "separators": "\u2028\u2029", "controls": "\x00\x1f\x7f \\ \" /"},
+    [9007199254740991, -9007199254740991, 1e300, 5e-324, 0.1, -2.5, 0],
+    {"deep": [[[[{"a": [None, True, False, {}, []]}]]]]},
+    None,
+    "",
+]
+CHECK_LONE_SURROGATES = "\ud800 lone high, \udfff lone low"
+
+# The note memory-commit creates: non-ASCII text, a type, and updatedAt (which is not hashed).
+CHECK_NOTE = {"id": "ohs-check-note", "summary": "Written by oharness_sync.py check",
+              "body": "A test note, safe to delete. \u00c9t\u00e9 \u2713 \U0001f600", "tags": ["ohs-check"],
+              "type": "reference", "createdAt": 1789344000000, "updatedAt": 1789345000000}
+
+
+class CheckFailed(Exception):
+    """One conformance check failed; the message is the reason."""
+
+
+def check_record(record_id, body="unchanged"):
+    """A well-formed record for the checks' pushes."""
+    return {"session": "s1", "id": record_id, "seq": 1, "device": "ohs-check", "at": 1, "body": body}
+
+
+def excerpt(value, limit=200):
+    """A short ASCII rendering of an answer, for a FAIL reason."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def parse_base_url(url):
+    """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else UsageError."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        parts = None
+    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
+            or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username):
+        raise UsageError("--url must be http(s)://host[:port], with no path, query or credentials")
+    https = parts.scheme == "https"
+    return https, parts.hostname, port or (443 if https else 80)
+
+
+class ConformanceCheck:
+    """Checks over HTTP(S) that a server, ours or another, behaves as protocol v1 requires.
+
+    run() prints one line per check, `PASS name` or `FAIL name: reason`. The checks
+    write to fresh projects named ohs-check-<random>-<purpose>.
+    """
+
+    def __init__(self, url, token, other_token=None, team=None, principal=None, out=None):
+        self.url = url
+        self.https, self.host, self.port = parse_base_url(url)
+        self.token = token
+        self.other_token = other_token
+        self.team = team
+        self.principal = principal
+        self.out = out or sys.stdout
+        base = "ohs-check-" + secrets.token_hex(4)
+        self.project = {name: base + "-" + name for name in CHECK_PROJECTS}
+        self.memory_etag = None  # set by memory-commit, used by the memory checks after it
+
+    def checks(self):
+        """(name, method) for every check the options ask for, in order."""
+        checks = [("health", self.check_health), ("auth-required", self.check_auth_required),
+                  ("smoke-test", self.check_smoke_test), ("paging", self.check_paging),
+                  ("long-poll-wakes", self.check_long_poll_wakes),
+                  ("long-poll-timeout", self.check_long_poll_timeout),
+                  ("body-round-trip", self.check_body_round_trip), ("projects", self.check_projects)]
+        if self.other_token:
+            checks.append(("isolation", self.check_isolation))
+        if self.team:
+            checks.append(("team-feed", self.check_team_feed))
+        checks.append(("unknown-team", self.check_unknown_team))
+        if self.principal:
+            checks += [("memory-identity", self.check_memory_identity),
+                       ("memory-empty-snapshot", self.check_memory_empty_snapshot),
+                       ("memory-commit", self.check_memory_commit),
+                       ("memory-stale-etag", self.check_memory_stale_etag),
+                       ("memory-delete", self.check_memory_delete)]
+        return checks
+
+    def notice(self):
+        """The one line that says what test data this writes, and where."""
+        names = [self.project[name] for name in CHECK_PROJECTS if name != "memory"]
+        where = "projects %s" % ", ".join(names)
+        if self.team:
+            where += " (also in team %s)" % self.team
+        if self.principal:
+            where += "; memory project %s of principal %s" % (self.project["memory"], self.principal)
+        return "check: writing test data to %s: %s" % (self.url, where)
+
+    def run(self):
+        """Run the checks; True when every one passed. Never raises for what the server does."""
+        passed = True
+        for name, check in self.checks():
+            try:
+                check()
+            except CheckFailed as exc:
+                reason = str(exc)
+            except (OSError, http.client.HTTPException) as exc:
+                reason = "network error: %s" % (str(exc) or type(exc).__name__)
+            except Exception as exc:  # an answer of an unexpected shape, from a server we do not know
+                reason = "unexpected answer (%s: %s)" % (type(exc).__name__, exc)
+            else:
+                print("PASS %s" % name, file=self.out, flush=True)
+                continue
+            passed = False
+            for secret in (self.token, self.other_token):
+                if secret:
+                    reason = reason.replace(secret, "<token>")
+            print("FAIL %s: %s" % (name, reason), file=self.out, flush=True)
+        return passed
+
+    # -- HTTP ----------------------------------------------------------------
+
+    def request(self, method, path, body=None, token=None, timeout=CHECK_TIMEOUT):
+        """One request on a new connection: (status, headers with lower-case names, JSON or None).
+        token None sends ours; "" sends none."""
+        if self.https:
+            conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               context=ssl.create_default_context())
+        else:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        headers = {}
+        token = self.token if token is None else token
+        if token:
+            headers["Authorization"] = "Bearer " + token
+        data = None
+        if body is not None:
+            data = encode_json(body)
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, path, data, headers)
+            response = conn.getresponse()
+            raw = response.read()
+            answer_headers = {name.lower(): value for name, value in response.getheaders()}
+        finally:
+            conn.close()
+        try:
+            doc = decode_json(raw) if raw else None
+        except ValueError as exc:
+            raise CheckFailed("%s %s answered %d with a body that is not JSON (%s): %r"
+                              % (method, path, response.status, exc, raw[:100])) from None
+        return response.status, answer_headers, doc
+
+    def call(self, method, path, body=None, status=200, token=None, timeout=CHECK_TIMEOUT):
+        """request(), and CheckFailed unless the answer has this status (and, for 200, is JSON)."""
+        got, headers, doc = self.request(method, path, body, token, timeout)
+        if got != status:
+            raise CheckFailed("%s %s answered %d, expected %d: %s" % (method, path, got, status, excerpt(doc)))
+        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if status == 200 and content_type != "application/json":
+            raise CheckFailed("%s %s answered with Content-Type %r" % (method, path, content_type))
+        return doc
+
+    def push(self, project, records=(), sessions=(), token=None, team=None, status=200):
+        body = {"project": project, "records": list(records), "sessions": list(sessions)}
+        if team is not None:
+            body["team"] = team
+        doc = self.call("POST", "/v1/push", body, status, token)
+        if status == 200 and not (isinstance(doc, dict) and as_safe_int(doc.get("cursor")) is not None
+                                  and as_safe_int(doc.get("accepted")) is not None):
+            raise CheckFailed("a push answered %s, not {cursor, accepted}" % excerpt(doc))
+        return doc
+
+    def pull(self, project, since, token=None, team=None, status=200, **params):
+        query = dict(project=project, since=since, **params)
+        if team is not None:
+            query["team"] = team
+        timeout = CHECK_TIMEOUT + params.get("wait", 0)
+        doc = self.call("GET", "/v1/pull?" + urllib.parse.urlencode(query), None, status, token, timeout)
+        if status == 200 and not (isinstance(doc, dict) and as_safe_int(doc.get("cursor")) is not None
+                                  and isinstance(doc.get("records"), list)
+                                  and isinstance(doc.get("sessions"), list) and isinstance(doc.get("more"), bool)):
+            raise CheckFailed("a pull answered %s, not {cursor, records, sessions, more}" % excerpt(doc))
+        return doc
+
+    def list_projects(self, token=None, team=None):
+        path = "/v1/projects" + ("?" + urllib.parse.urlencode({"team": team}) if team is not None else "")
+        doc = self.call("GET", path, token=token)
+        if not (isinstance(doc, dict) and isinstance(doc.get("projects"), list)):
+            raise CheckFailed("GET %s answered %s, not {projects: [...]}" % (path, excerpt(doc)))
+        return doc["projects"]
+
+    def memory(self, route, status=200, **fields):
+        body = dict(fields, expectedPrincipal=self.principal)
+        doc = self.call("POST", "/v1/memory/" + route, body, status)
+        if not isinstance(doc, dict):
+            raise CheckFailed("POST /v1/memory/%s answered %s, not an object" % (route, excerpt(doc)))
+        if status == 200 and doc.get("principal") != self.principal:
+            raise CheckFailed("POST /v1/memory/%s answered principal %s, expected %r"
+                              % (route, excerpt(doc.get("principal")), self.principal))
+        return doc
+
+    # -- session sync ----------------------------------------------------------
+
+    def check_health(self):
+        doc = self.call("GET", "/v1/health", token="")
+        if not (isinstance(doc, dict) and doc.get("ok") is True):
+            raise CheckFailed("GET /v1/health answered %s, expected {\"ok\": true}" % excerpt(doc))
+
+    def check_auth_required(self):
+        """Every data route is 401 with WWW-Authenticate: Bearer, without a token or with a made-up one."""
+        project = self.project["smoke"]  # the smoke test then shows that these pushes stored nothing
+        routes = [("GET", "/v1/projects", None), ("GET", "/v1/pull?project=%s&since=0" % project, None),
+                  ("POST", "/v1/push", {"project": project, "records": [check_record("r1")]})]
+        made_up = "ohs-check-" + secrets.token_hex(16)
+        for method, path, body in routes:
+            for token, what in (("", "without a token"), (made_up, "with a made-up token")):
+                status, headers, doc = self.request(method, path, body, token)
+                if status != 401:
+                    raise CheckFailed("%s %s %s answered %d, expected 401" % (method, path, what, status))
+                if not headers.get("www-authenticate", "").lower().startswith("bearer"):
+                    raise CheckFailed("the 401 to %s %s has no WWW-Authenticate: Bearer" % (method, path))
+                if not (isinstance(doc, dict) and isinstance(doc.get("error"), str)):
+                    raise CheckFailed("the 401 to %s %s is %s, not {\"error\": text}" % (method, path, excerpt(doc)))
+
+    def check_smoke_test(self):
+        """The seed's smoke test: push, push again (accepted 0), pull, then pull from the cursor (empty)."""
+        project, pushed = self.project["smoke"], check_record("r1", {"value": "unchanged"})
+        first = self.push(project, [pushed])
+        if first["accepted"] != 1:
+            raise CheckFailed("the first push answered %s, expected accepted 1" % excerpt(first))
+        again = self.push(project, [pushed])
+        if again != {"cursor": first["cursor"], "accepted": 0}:
+            raise CheckFailed("pushing the same record again answered %s, expected accepted 0 and cursor %d"
+                              % (excerpt(again), first["cursor"]))
+        page = self.pull(project, 0, limit=500)
+        if page != {"cursor": first["cursor"], "records": [pushed], "sessions": [], "more": False}:
+            raise CheckFailed("pull from 0 answered %s, expected the one record and cursor %d"
+                              % (excerpt(page), first["cursor"]))
+        after = self.pull(project, first["cursor"])
+        if after != {"cursor": first["cursor"], "records": [], "sessions": [], "more": False}:
+            raise CheckFailed("pull from cursor %d answered %s, expected nothing and the same cursor"
+                              % (first["cursor"], excerpt(after)))
+
+    def check_paging(self):
+        """Five records pulled two at a time: the cursor advances, more is true until the last page."""
+        project, ids = self.project["paging"], ["r%d" % i for i in range(5)]
+        end = self.push(project, [check_record(record_id) for record_id in ids])["cursor"]
+        seen, since = [], 0
+        for _ in range(len(ids) + 1):
+            page = self.pull(project, since, limit=2)
+            events = len(page["records"]) + len(page["sessions"])
+            if not 0 < events <= 2 or page["cursor"] <= since:
+                raise CheckFailed("pull with since=%d and limit=2 answered %s" % (since, excerpt(page)))
+            seen += [record.get("id") for record in page["records"]]
+            since = page["cursor"]
+            if page["more"] != (len(seen) < len(ids)):
+                raise CheckFailed("more was %s after %d of %d records" % (page["more"], len(seen), len(ids)))
+            if not page["more"]:
+                break
+        if seen != ids or since != end:
+            raise CheckFailed("the pages gave %s up to cursor %d, expected %s up to %d" % (seen, since, ids, end))
+
+    def check_long_poll_wakes(self):
+        """A pull parked with wait=10 answers with the record as soon as it is pushed."""
+        project, result = self.project["poll"], {}
+
+        def parked_pull():
+            try:
+                result["page"] = self.pull(project, 0, wait=10)
+            except Exception as exc:  # reported by the check below
+                result["error"] = exc
+            result["at"] = time.monotonic()
+
+        thread = threading.Thread(target=parked_pull, daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        if "error" in result:
+            raise result["error"]
+        if not thread.is_alive():
+            raise CheckFailed("a pull with wait=10 on an empty feed did not wait: %s" % excerpt(result.get("page")))
+        pushed_at = time.monotonic()
+        self.push(project, [check_record("wake")])
+        thread.join(CHECK_TIMEOUT + 10)
+        if "error" in result:
+            raise result["error"]
+        if thread.is_alive():
+            raise CheckFailed("the parked pull was not answered")
+        ids = [record.get("id") for record in result["page"]["records"]]
+        delay = result["at"] - pushed_at
+        if ids != ["wake"] or delay > 3:
+            raise CheckFailed("the parked pull answered %.1f s after a push with records %s, expected [\"wake\"] "
+                              "at once" % (delay, ids))
+
+    def check_long_poll_timeout(self):
+        """A pull with wait=1 and nothing new answers 200, empty, after about a second."""
+        project = self.project["poll"]
+        end = self.push(project, [check_record("quiet")])["cursor"]
+        started = time.monotonic()
+        page = self.pull(project, end, wait=1)
+        elapsed = time.monotonic() - started
+        if page != {"cursor": end, "records": [], "sessions": [], "more": False}:
+            raise CheckFailed("pull with wait=1 from the end answered %s" % excerpt(page))
+        if not 0.9 <= elapsed <= 5:
+            raise CheckFailed("pull with wait=1 answered after %.2f s, expected about 1 s" % elapsed)
+
+    def check_body_round_trip(self):
+        """Bodies come back equal as JSON values; a lone surrogate stays an escape (valid UTF-8)."""
+        project = self.project["bodies"]
+        records = [check_record("r%d" % i, body) for i, body in enumerate(CHECK_BODIES)]
+        sessions = [{"id": "s1", "gen": 0, "updatedAt": 1, "body": {"meta": CHECK_BODIES[0]}}]
+        self.push(project, records, sessions)
+        records.append(check_record("lone", CHECK_LONE_SURROGATES))
+        self.push(project, records[-1:])  # a push of its own: encode_json writes it all as ASCII escapes
+        page = self.pull(project, 0)
+        if page["records"] != records or page["sessions"] != sessions:
+            for pushed, pulled in zip(records + sessions, page["records"] + page["sessions"]):
+                if pushed != pulled:
+                    raise CheckFailed("pushed %s, pulled %s" % (excerpt(pushed), excerpt(pulled)))
+            raise CheckFailed("pushed %d records and %d session entries, pulled %d and %d" % (
+                len(records), len(sessions), len(page["records"]), len(page["sessions"])))
+
+    def check_projects(self):
+        """/v1/projects lists a project pushed to and not one that was only pulled."""
+        listed, unpushed = self.project["listed"], self.project["unpushed"]
+        self.push(listed, [check_record("r1")])
+        self.pull(unpushed, 0)
+        projects = self.list_projects()
+        if listed not in projects or unpushed in projects:
+            raise CheckFailed("GET /v1/projects answered %s: expected %s in it and %s not"
+                              % (excerpt(projects), listed, unpushed))
+
+    def check_isolation(self):
+        """Two principals, one project id: each sees only its own records and project list."""
+        shared, mine = self.project["shared"], self.project["mine"]
+        first, second = check_record("r1", "first principal"), check_record("r1", "second principal")
+        self.push(shared, [first])
+        self.push(mine, [first])
+        theirs = self.push(shared, [second], token=self.other_token)
+        if theirs["accepted"] != 1:
+            raise CheckFailed("the other token's push to the same project id answered %s, expected accepted 1 "
+                              "(are both tokens for one principal?)" % excerpt(theirs))
+        for token, expected in ((None, first), (self.other_token, second)):
+            records = self.pull(shared, 0, token=token)["records"]
+            if records != [expected]:
+                raise CheckFailed("%s token pulled %s, expected only %s"
+                                  % ("the" if token is None else "the other", excerpt(records), excerpt([expected])))
+        projects = self.list_projects(token=self.other_token)
+        if mine in projects or shared not in projects:
+            raise CheckFailed("the other token's /v1/projects answered %s: expected %s in it and %s not"
+                              % (excerpt(projects), shared, mine))
+
+    def check_team_feed(self):
+        """The team's feed and the personal feed are separate."""
+        project, personal, team = self.project["team"], check_record("personal"), check_record("team")
+        self.push(project, [personal])
+        self.push(project, [team], team=self.team)
+        for where, records, expected in (("personal", self.pull(project, 0)["records"], personal),
+                                         ("team", self.pull(project, 0, team=self.team)["records"], team)):
+            if records != [expected]:
+                raise CheckFailed("the %s feed holds %s, expected only %s"
+                                  % (where, excerpt(records), excerpt([expected])))
+        if project not in self.list_projects(team=self.team):
+            raise CheckFailed("GET /v1/projects?team=%s does not list %s" % (self.team, project))
+
+    def check_unknown_team(self):
+        """A team the token does not list is 403 everywhere, never a fallback to the personal feed."""
+        project, team = self.project["noteam"], "ohs-check-" + secrets.token_hex(8)
+        self.push(project, [check_record("r1")], team=team, status=403)
+        self.pull(project, 0, team=team, status=403)
+        self.call("GET", "/v1/projects?team=" + team, status=403)
+        records = self.pull(project, 0)["records"]
+        if records:
+            raise CheckFailed("the push to an unknown team was stored in the personal feed: %s" % excerpt(records))
+
+    # -- memory sync -----------------------------------------------------------
+
+    def check_memory_identity(self):
+        quota = self.memory("identity").get("quota")
+        if not (isinstance(quota, dict) and all(as_safe_int(quota.get(key)) is not None for key in MEMORY_QUOTA)):
+            raise CheckFailed("identity answered quota %s, expected the keys %s"
+                              % (excerpt(quota), ", ".join(sorted(MEMORY_QUOTA))))
+
+    def check_memory_empty_snapshot(self):
+        doc = self.memory("snapshot", project=self.project["memory"])
+        if doc.get("etag") is not None or doc.get("entries") != []:
+            raise CheckFailed("the snapshot of a new project is %s, expected etag null and no entries" % excerpt(doc))
+
+    def check_memory_commit(self):
+        """Create one note; the answer and the next snapshot hold it, under a new etag."""
+        project, note = self.project["memory"], CHECK_NOTE
+        entry = {"id": note["id"], "hash": note_hash(note), "note": note}
+        doc = self.memory("commit", project=project, etag=None, changes=[entry])
+        if not isinstance(doc.get("etag"), str) or doc.get("entries") != [entry]:
+            raise CheckFailed("the commit answered %s, expected an etag and the note" % excerpt(doc))
+        snapshot = self.memory("snapshot", project=project)
+        if snapshot.get("etag") != doc["etag"] or snapshot.get("entries") != [entry]:
+            raise CheckFailed("the snapshot after the commit is %s" % excerpt(snapshot))
+        self.memory_etag = doc["etag"]
+
+    def check_memory_stale_etag(self):
+        """A commit from a stale etag is 409 revision_conflict and publishes nothing."""
+        project, etag = self.project["memory"], self.needs_memory_commit()
+        note = dict(CHECK_NOTE, id="ohs-check-stale")
+        doc = self.memory("commit", status=409, project=project, etag=None,
+                          changes=[{"id": note["id"], "hash": note_hash(note), "note": note}])
+        if doc.get("code") != "revision_conflict":
+            raise CheckFailed("the 409 is %s, expected code revision_conflict" % excerpt(doc))
+        snapshot = self.memory("snapshot", project=project)
+        if snapshot.get("etag") != etag or len(snapshot.get("entries") or ()) != 1:
+            raise CheckFailed("after the refused commit the snapshot is %s" % excerpt(snapshot))
+
+    def check_memory_delete(self):
+        """A delete leaves a tombstone {id, hash: null} in the next snapshot."""
+        project, etag, note_id = self.project["memory"], self.needs_memory_commit(), CHECK_NOTE["id"]
+        self.memory("commit", project=project, etag=etag, changes=[{"id": note_id, "hash": None}])
+        entries = self.memory("snapshot", project=project).get("entries")
+        if entries != [{"id": note_id, "hash": None}]:
+            raise CheckFailed("the snapshot after the delete holds %s, expected only the tombstone" % excerpt(entries))
+
+    def needs_memory_commit(self):
+        if self.memory_etag is None:
+            raise CheckFailed("needs memory-commit, which failed")
+        return self.memory_etag
+
+
+def check_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py check",
+                            description="Check that a sync server, this one or another, speaks protocol v1. "
+                                        "It writes test data to fresh projects: use a throwaway token.")
+    parser.add_argument("--url", required=True, help="the server's base URL, http(s)://host[:port]")
+    parser.add_argument("--token", required=True, help="a bearer token for session sync")
+    parser.add_argument("--other-token", metavar="TOKEN", help="a token of another principal: checks isolation")
+    parser.add_argument("--team", metavar="ID", help="a team the token lists: checks the team feed")
+    parser.add_argument("--memory", action="store_true", help="check memory sync too (with --principal)")
+    parser.add_argument("--principal", metavar="ID", help="the principal the token belongs to")
+    args = parser.parse_args(argv)
+    for flag, token in (("--token", args.token), ("--other-token", args.other_token)):
+        if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
+            raise UsageError("%s must be printable ASCII without spaces" % flag)
+    if args.memory != (args.principal is not None):
+        raise UsageError("--memory and --principal go together")
+    if args.principal is not None and not is_valid_id(args.principal):
+        raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
+    check = ConformanceCheck(args.url, args.token, args.other_token, args.team, args.principal, sys.stdout)
+    print(check.notice(), file=sys.stderr, flush=True)
+    return 0 if check.run() else 1
+
+
 # -- bench: how fast is this box? --------------------------------------------
 #
 # Every figure is printed with the reference it should be read against, both
@@ -3379,27 +3834,48 @@ def start_subprocess(command):
 
 
 class BenchClient:
-    """A keep-alive HTTP/1.1 client for the bench (http.client, one connection)."""
+    """A lean keep-alive HTTP/1.1 client for the bench: each request leaves in one send.
+
+    (http.client sends headers and body separately, and its own cost would be measured
+    along with the server's: the clients share the machine's cores with it.)
+    """
 
     def __init__(self, url, token=None, timeout=60):
         scheme, rest = url.split("://", 1)
         host, port = rest.rsplit(":", 1)
-        factory = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-        self.conn = factory(host.strip("[]"), int(port), timeout=timeout)
-        self.headers = {"Authorization": "Bearer " + token} if token else {}
+        host = host.strip("[]")
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if scheme == "https":
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+        self.sock = sock
+        self.reader = sock.makefile("rb")
+        self.prefix = b"Host: %s\r\n" % host.encode("ascii")
+        if token:
+            self.prefix += b"Authorization: Bearer %s\r\n" % token.encode("ascii")
 
     def call(self, method, path, body=None):
-        """(status, body bytes)."""
-        headers = dict(self.headers)
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-            body = encode_json(body)
-        self.conn.request(method, path, body=body, headers=headers)
-        response = self.conn.getresponse()
-        return response.status, response.read()
+        """(status, body bytes) of one request."""
+        data = b"" if body is None else encode_json(body)
+        self.sock.sendall(b"%s %s HTTP/1.1\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+            method.encode("ascii"), path.encode("ascii"), self.prefix, len(data), data))
+        status_line = self.reader.readline()
+        if not status_line:
+            raise ConnectionError("the server closed the connection")
+        length = None
+        while True:
+            line = self.reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        if length is None:
+            raise ConnectionError("an answer without Content-Length: bench needs one")
+        return int(status_line.split()[1]), self.reader.read(length)
 
     def close(self):
-        self.conn.close()
+        self.reader.close()
+        self.sock.close()
 
 
 def bench_request(kind, worker, number, extra):
@@ -3606,8 +4082,9 @@ def big_start(data_dir, feeds, records_per_feed):
     try:
         client = BenchClient(target.url, target.token)
         for f in range(feeds):
-            status, body = client.call("GET", "/v1/pull?project=big-%d&since=%d" % (f, records_per_feed - 500))
-            if status != 200 or len(json.loads(body)["records"]) != 500:
+            since = max(0, records_per_feed - MAX_PULL_LIMIT)
+            status, body = client.call("GET", "/v1/pull?project=big-%d&since=%d" % (f, since))
+            if status != 200 or len(json.loads(body)["records"]) != records_per_feed - since:
                 raise RuntimeError("the big feed did not answer its last page")
         elapsed = time.monotonic() - started
         client.close()
@@ -3655,19 +4132,24 @@ def bench_command(argv):
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed phase (default 3)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent client processes (default 16)")
     parser.add_argument("--polls", type=int, default=1000, help="parked long-polls (default 1000)")
+    parser.add_argument("--catchup-records", type=int, default=100000,
+                        help="records in the catch-up pull's feed (default 100,000)")
     parser.add_argument("--big-records", type=int, default=1000000,
                         help="records in the start-up test's 10 feeds (default 1,000,000; 0 skips it)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     if bool(args.url) != bool(args.token):
         raise UsageError("--url and --token go together")
-    if args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.big_records < 0:
-        raise UsageError("--seconds, --clients and --polls must be positive")
+    if args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1 or args.big_records < 0:
+        raise UsageError("--seconds, --clients, --polls and --catchup-records must be positive")
     raise_open_file_limit()
     report = BenchReport()
     scratch = tempfile.mkdtemp(prefix="oharness-bench-")
     try:
         run_bench(report, args, scratch)
+    except (RuntimeError, OSError, ValueError, http.client.HTTPException) as exc:
+        print("oharness-sync bench: stopped: %s" % exc, file=sys.stderr)
+        return 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.json:
@@ -3704,7 +4186,7 @@ def run_bench(report, args, scratch):
         push_n, errors_n = bench_rate(target.url, target.token, "push", clients, seconds)
         report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", disk, "disk fsyncs",
                    ">= 1.2x")
-        fill_feed(target, "bench-catchup-" + BENCH_RUN, 100000)
+        fill_feed(target, "bench-catchup-" + BENCH_RUN, args.catchup_records)
         records, elapsed = catch_up(target, "bench-catchup-" + BENCH_RUN)
         report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed, "records/s",
                    target="100000/s")
@@ -3742,7 +4224,7 @@ def run_bench(report, args, scratch):
 # main
 # ---------------------------------------------------------------------------
 
-COMMANDS = {"serve": serve_command, "token": token_command, "bench": bench_command}
+COMMANDS = {"serve": serve_command, "token": token_command, "check": check_command, "bench": bench_command}
 
 
 def main(argv=None):

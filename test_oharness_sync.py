@@ -7,10 +7,12 @@ subprocess where a crash or a signal is part of the test).
 """
 
 import base64
+import contextlib
 import errno
 import hashlib
 import hmac
 import http.client
+import io
 import json
 import os
 import random
@@ -24,6 +26,7 @@ import tempfile
 import threading
 import time
 import unittest
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from unittest import mock
 
@@ -31,7 +34,7 @@ import oharness_sync as sync
 from oharness_sync import (
     JS_WHITESPACE, NOTE_FIELDS, InvalidNote, has_js_whitespace, js_length, js_stringify, js_trim, note_hash,
     validate_note,
-    AuthError, AuthUnavailable, Identity, JwksSource, JwtVerifier, SupabaseVerifier, TokenCache,
+    AuthError, AuthUnavailable, ConformanceCheck, Identity, JwksSource, JwtVerifier, SupabaseVerifier, TokenCache,
     b64url_decode, b64url_encode, decode_jwt, parse_jwks, read_secret_file,
     verify_es256, verify_hs256, verify_rs256,
 )
@@ -561,6 +564,236 @@ class TestValidateNote(unittest.TestCase):
                          ["updatedAt"], 0)
         for bad in (True, 2 ** 53, -1, None, float("inf")):
             self.assertInvalid(good_note(updatedAt=bad))
+
+
+# ---------------------------------------------------------------------------
+# The command line: check and bench
+# ---------------------------------------------------------------------------
+
+# -- the check command ----------------------------------------------------------
+
+SESSION_CHECKS = ["health", "auth-required", "smoke-test", "paging", "long-poll-wakes", "long-poll-timeout",
+                  "body-round-trip", "projects"]
+MEMORY_CHECKS = ["memory-identity", "memory-empty-snapshot", "memory-commit", "memory-stale-etag",
+                 "memory-delete"]
+
+
+def run_check_command(*argv):
+    """sync.main(["check", ...]) in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = sync.main(["check"] + list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+class CheckCommandTest(ServerCase):
+    """oharness_sync.py check against this server: every check passes."""
+
+    cli = [sys.executable, MODULE]
+
+    def test_every_check_passes_against_this_server(self):
+        out = io.StringIO()
+        check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
+                                 out=out)
+        self.assertTrue(check.run(), out.getvalue())
+        lines = out.getvalue().splitlines()
+        self.assertEqual([line for line in lines if not line.startswith("PASS ")], [])
+        self.assertEqual([line.split()[1] for line in lines],
+                         SESSION_CHECKS + ["isolation", "team-feed", "unknown-team"] + MEMORY_CHECKS)
+
+    def test_the_notice_names_every_project_it_writes_to(self):
+        check = ConformanceCheck(self.url, self.alice, team="platform", principal="alice")
+        notice = check.notice()
+        self.assertEqual(len(notice.splitlines()), 1)
+        self.assertIn("writing test data to " + self.url, notice)
+        for project in check.project.values():
+            self.assertRegex(project, r"^ohs-check-[0-9a-f]{8}-[a-z]+$")
+            self.assertIn(project, notice)
+        self.assertNotIn(self.alice, notice)
+
+    def test_command_line_end_to_end(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        token, _ = sync.TokenStore(data_dir).issue("alice")
+        server = SubprocessServer(data_dir)
+        try:
+            result = subprocess.run(self.cli + ["check", "--url", server.url, "--token", token],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
+                                    universal_newlines=True)
+        finally:
+            server.stop()
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertEqual(result.stdout, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"]))
+        self.assertEqual(len(result.stderr.splitlines()), 1, result.stderr)
+        self.assertIn("writing test data to %s: projects ohs-check-" % server.url, result.stderr)
+        self.assertNotIn(token, result.stdout + result.stderr)
+
+    def test_a_wrong_principal_fails_the_memory_checks(self):
+        code, out, err = run_check_command("--url", self.url, "--token", self.bob, "--memory", "--principal", "alice")
+        self.assertEqual(code, 1)
+        failed = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("FAIL ")]
+        self.assertEqual(failed, MEMORY_CHECKS)
+        self.assertIn("account_mismatch", out)
+        self.assertNotIn(self.bob, out + err)
+
+
+class FaultySyncHandler(BaseHTTPRequestHandler):
+    """Just enough of protocol v1, in memory, with the fault named by server.fault (None: no fault).
+
+    Feeds are a dict {(owner, project): [(kind, entry), ...]}; no token lists a team.
+    """
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, status, doc, headers=()):
+        data = json.dumps(doc).encode()
+        self.send_response(status)
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(len(data)))] + list(headers):
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def owner(self):
+        token = self.headers.get("Authorization", "")[len("Bearer "):]
+        if token not in ("token-a", "token-b"):
+            return None
+        return "everyone" if self.server.fault == "one-feed" else token
+
+    def do_GET(self):
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        if url.path == "/v1/health" and (self.server.fault != "health-needs-token" or self.owner()):
+            return self.answer(200, {"ok": True})
+        owner = self.owner()
+        if owner is None:
+            return self.answer(401, {"error": "no token"}, [("WWW-Authenticate", "Bearer")])
+        if "team" in query:
+            return self.answer(403, {"error": "not a member"})
+        if url.path == "/v1/projects":
+            return self.answer(200, {"projects": sorted(p for o, p in self.server.feeds if o == owner)})
+        key, since, limit = (owner, query["project"]), int(query["since"]), int(query.get("limit", 500))
+        with self.server.changed:
+            self.server.changed.wait_for(lambda: len(self.server.feeds.get(key, [])) > since,
+                                         int(query.get("wait", 0)))
+            feed = list(self.server.feeds.get(key, []))
+        events = feed[since:since + limit]
+        self.answer(200, {"cursor": since + len(events), "records": [e for k, e in events if k == "r"],
+                          "sessions": [e for k, e in events if k == "s"], "more": len(feed) > since + len(events)})
+
+    def do_POST(self):
+        owner = self.owner()
+        if owner is None:
+            return self.answer(401, {"error": "no token"}, [("WWW-Authenticate", "Bearer")])
+        doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if doc.get("team") is not None:
+            return self.answer(403, {"error": "not a member"})
+        key = (owner, doc["project"])
+        with self.server.changed:
+            feed = self.server.feeds.get(key, [])
+            keys = {(e["session"], e["id"]) for k, e in feed if k == "r"}
+            new = []
+            for entry in doc.get("records") or []:
+                if self.server.fault == "duplicates" or (entry["session"], entry["id"]) not in keys:
+                    new.append(("r", entry))
+                    keys.add((entry["session"], entry["id"]))
+            new += [("s", entry) for entry in doc.get("sessions") or []]
+            if new:
+                self.server.feeds[key] = feed + new
+                self.server.changed.notify_all()
+        self.answer(200, {"cursor": len(feed) + len(new), "accepted": len(new)})
+
+
+class CheckCatchesFaultsTest(unittest.TestCase):
+    """The checks fail on servers that break the protocol, and only where they break it."""
+
+    def start_faulty_server(self, fault):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), FaultySyncHandler)
+        server.fault, server.feeds, server.changed = fault, {}, threading.Condition()
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        thread.start()
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        return "http://127.0.0.1:%d" % server.server_address[1]
+
+    def failed_checks(self, fault, *flags):
+        """Run the check command against a faulty server: (exit code, names of the failed checks, stdout)."""
+        url = self.start_faulty_server(fault)
+        code, out, err = run_check_command("--url", url, "--token", "token-a", *flags)
+        self.assertNotIn("token-a", out + err)
+        self.assertNotIn("Traceback", out + err)
+        failed = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("FAIL ")]
+        return code, failed, out
+
+    def test_the_fake_without_a_fault_passes(self):
+        self.assertEqual(self.failed_checks(None, "--other-token", "token-b")[:2], (0, []))
+
+    def test_a_retried_push_that_duplicates_fails_the_smoke_test(self):
+        code, failed, out = self.failed_checks("duplicates")
+        self.assertEqual((code, failed), (1, ["smoke-test"]), out)
+        self.assertIn("FAIL smoke-test: pushing the same record again answered {\"cursor\": 2, \"accepted\": 1}", out)
+
+    def test_one_feed_for_every_principal_fails_isolation(self):
+        code, failed, out = self.failed_checks("one-feed", "--other-token", "token-b")
+        self.assertEqual((code, failed), (1, ["isolation"]), out)
+        self.assertNotIn("token-b", out)
+
+    def test_health_behind_a_token_fails_health(self):
+        code, failed, out = self.failed_checks("health-needs-token")
+        self.assertEqual((code, failed), (1, ["health"]), out)
+        self.assertIn("FAIL health: GET /v1/health answered 401, expected 200", out)
+
+    def test_an_unreachable_server_fails_every_check_without_a_traceback(self):
+        code, out, err = run_check_command("--url", "http://127.0.0.1:%d" % closed_port(), "--token", "t0ken")
+        self.assertEqual(code, 1)
+        lines = out.splitlines()
+        self.assertEqual([line.split()[1].rstrip(":") for line in lines], SESSION_CHECKS + ["unknown-team"])
+        for line in lines:
+            self.assertRegex(line, r"^FAIL [a-z-]+: network error: .*refused")
+        self.assertNotIn("t0ken", out + err)
+
+
+class CheckUsageTest(unittest.TestCase):
+    def test_bad_flags_exit_2_with_one_line(self):
+        url = ["--url", "http://127.0.0.1:1"]
+        for argv in ([], ["--token", "t"], url, url + ["--token", "t", "--bogus"],
+                     ["--url", "ftp://h", "--token", "t"], ["--url", "http://h/sync", "--token", "t"],
+                     ["--url", "http://u:p@h", "--token", "t"], ["--url", "http://h:x", "--token", "t"],
+                     url + ["--token", "two words"], url + ["--token", "t", "--memory"],
+                     url + ["--token", "t", "--principal", "alice"],
+                     url + ["--token", "t", "--memory", "--principal", "a/b"]):
+            code, out, err = run_check_command(*argv)
+            self.assertEqual(code, 2, argv)
+            self.assertEqual(out, "")
+            self.assertEqual(len(err.splitlines()), 1, err)
+            self.assertTrue(err.startswith("oharness-sync: error: "), err)
+            self.assertNotIn("two words", err)
+
+
+class BenchCommandTest(unittest.TestCase):
+    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
+
+    def test_bench_prints_every_figure_and_writes_json(self):
+        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, out_dir, True)
+        json_path = os.path.join(out_dir, "bench.json")
+        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
+                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
+                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
+                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
+                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
+                       "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
+            self.assertIn(figure, result.stdout)
+        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        with open(json_path) as f:
+            doc = json.load(f)
+        self.assertEqual(len(doc["figures"]), 16)
+        health = doc["figures"][0]
+        self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
 
 if __name__ == "__main__":
@@ -1670,6 +1903,32 @@ class SupabaseVerifierTest(unittest.TestCase):
         self.assertEqual(self.verifier.cache.max_entries, 10000)
 
 
+class BenchCommandTest(unittest.TestCase):
+    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
+
+    def test_bench_prints_every_figure_and_writes_json(self):
+        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, out_dir, True)
+        json_path = os.path.join(out_dir, "bench.json")
+        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
+                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
+                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
+                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
+                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
+                       "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
+            self.assertIn(figure, result.stdout)
+        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        with open(json_path) as f:
+            doc = json.load(f)
+        self.assertEqual(len(doc["figures"]), 16)
+        health = doc["figures"][0]
+        self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
+
+
 if __name__ == "__main__":
     unittest.main()
 
@@ -2432,6 +2691,32 @@ class FullScopeTest(unittest.TestCase):
         elapsed = time.perf_counter() - started
         self.assertEqual(answer["entries"][1234]["note"], memory_note("n1234"))
         self.assertLess(elapsed, 2.0)
+
+
+class BenchCommandTest(unittest.TestCase):
+    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
+
+    def test_bench_prints_every_figure_and_writes_json(self):
+        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, out_dir, True)
+        json_path = os.path.join(out_dir, "bench.json")
+        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
+                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
+                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
+                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
+                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
+                       "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
+            self.assertIn(figure, result.stdout)
+        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        with open(json_path) as f:
+            doc = json.load(f)
+        self.assertEqual(len(doc["figures"]), 16)
+        health = doc["figures"][0]
+        self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
 
 if __name__ == "__main__":
@@ -3430,6 +3715,32 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         self.assertDisconnected(b"GET /v1/health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 100)
 
 
+class BenchCommandTest(unittest.TestCase):
+    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
+
+    def test_bench_prints_every_figure_and_writes_json(self):
+        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, out_dir, True)
+        json_path = os.path.join(out_dir, "bench.json")
+        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
+                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
+                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
+                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
+                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
+                       "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
+            self.assertIn(figure, result.stdout)
+        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        with open(json_path) as f:
+            doc = json.load(f)
+        self.assertEqual(len(doc["figures"]), 16)
+        health = doc["figures"][0]
+        self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
+
+
 if __name__ == "__main__":
     unittest.main()
 
@@ -3635,6 +3946,867 @@ class TlsCommandLineTest(unittest.TestCase):
 
 
 # ---------------------------------------------------------------------------
+# The HTTP layer: memory sync on the wire
+# ---------------------------------------------------------------------------
+
+WIRE_QUOTA = {"maxNotes": 5000, "maxChanges": 500, "maxNoteBytes": 131072, "tombstoneDays": 90}
+WIRE_ROUTES = ("identity", "snapshot", "commit")
+
+
+def wire_post(case, route, body, token, headers=None):
+    """POST /v1/memory/<route>; a JSON value body gets Content-Type: application/json."""
+    return case.request("POST", "/v1/memory/" + route, body, token, headers)
+
+
+def wire_scope_body(principal, project, fields):
+    body = {"expectedPrincipal": principal}
+    if project is not None:
+        body["project"] = project
+    body.update(fields)
+    return body
+
+
+def wire_snapshot(case, token=None, principal=P, project="proj", **fields):
+    """A snapshot of project (None: give the scope in fields) for alice unless told otherwise."""
+    return wire_post(case, "snapshot", wire_scope_body(principal, project, fields),
+                     case.alice if token is None else token)
+
+
+def wire_commit(case, changes, etag=None, token=None, principal=P, project="proj", **fields):
+    fields = dict(fields, etag=etag, changes=list(changes))
+    return wire_post(case, "commit", wire_scope_body(principal, project, fields),
+                     case.alice if token is None else token)
+
+
+def wire_entry(note_id, **fields):
+    """The full snapshot entry of memory_note(note_id, **fields)."""
+    note = memory_note(note_id, **fields)
+    return {"id": note_id, "hash": note_hash(note), "note": note}
+
+
+def wire_assert_code(case, answer, status, code):
+    """A memory error: exact status, and a body {"code": code} with at most an "error" text besides."""
+    case.assertAnswer(answer, status)
+    case.assertIsInstance(answer.json, dict, answer.raw)
+    case.assertEqual(answer.json.get("code"), code, answer.raw)
+    case.assertLessEqual(set(answer.json), {"code", "error"}, answer.raw)
+    if "error" in answer.json:
+        case.assertIsInstance(answer.json["error"], str)
+
+
+def wire_assert_ok(case, answer, etag=None, entries=(), principal=P, quota=None):
+    """A 200 snapshot or commit answer; returns its etag (a fresh one is only checked to be a string)."""
+    case.assertAnswer(answer, 200)
+    body = answer.json
+    case.assertEqual(set(body), {"principal", "etag", "entries", "quota"}, answer.raw)
+    case.assertEqual(body["principal"], principal)
+    case.assertEqual(body["entries"], list(entries))
+    case.assertEqual(body["quota"], WIRE_QUOTA if quota is None else quota)
+    if etag is None:
+        case.assertIsInstance(body["etag"], str)
+        case.assertTrue(body["etag"])
+    else:
+        case.assertEqual(body["etag"], etag)
+    return body["etag"]
+
+
+def wire_restart(case, **options):
+    """Stop the case's server and start a new one on the same data dir (options: build_server's)."""
+    old = case.server
+    old.stopping.set()
+    old.app.feeds.stop()
+    old.shutdown()
+    old.server_close()
+    if options:
+        case.server_options = options
+    case.start_server()
+
+
+def wire_scope_dir(case, principal=P, project="proj"):
+    return os.path.join(case.data_dir, "memory", "u-" + sync.encode_name(principal),
+                        "p-" + sync.encode_name(project))
+
+
+def wire_object_path(case, note_id, principal=P, project="proj"):
+    """The object file that the scope's manifest names for note_id."""
+    scope_dir = wire_scope_dir(case, principal, project)
+    with open(os.path.join(scope_dir, "manifest.json"), "rb") as handle:
+        manifest = json.loads(handle.read().decode("utf-8"))
+    return os.path.join(scope_dir, "objects", manifest["entries"][note_id]["rev"] + ".json")
+
+
+def wire_raw_exchange(case, data, timeout=3.0):
+    """Send raw bytes, read one answer. (seconds, status, headers, body, closed-after-answer)."""
+    sock = socket.create_connection(case.server.server_address[:2], timeout=timeout)
+    try:
+        started = time.monotonic()
+        sock.sendall(data)
+        received = b""
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        head, _, body = received.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0"))
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+        elapsed = time.monotonic() - started
+        sock.settimeout(1.0)
+        try:
+            closed = sock.recv(1) == b""
+        except socket.timeout:
+            closed = False
+        except ConnectionError:
+            closed = True
+        return elapsed, status, headers, body, closed
+    finally:
+        sock.close()
+
+
+def wire_head(path, token, extra=b""):
+    """The request line and headers of a memory POST, without the blank line."""
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
+            (b"Authorization: Bearer " + token.encode() + b"\r\n" if token else b"") + extra)
+
+
+class MemoryWireFlowTest(ServerCase):
+    """The memory routes' happy paths over HTTP."""
+
+    def test_identity(self):
+        answer = wire_post(self, "identity", memory_body(), self.alice)
+        self.assertAnswer(answer, 200, {"principal": "alice", "quota": WIRE_QUOTA})
+        answer = wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.bob)
+        self.assertAnswer(answer, 200, {"principal": "bob", "quota": WIRE_QUOTA})
+
+    def test_empty_snapshot(self):
+        empty = {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA}
+        self.assertAnswer(wire_snapshot(self), 200, empty)
+        self.assertAnswer(wire_snapshot(self, project=None, scope="user"), 200, empty)
+        self.assertAnswer(wire_snapshot(self, knownEtag=None), 200, empty)
+        self.assertAnswer(wire_snapshot(self, knownEtag="nothing-yet", have={"n1": "0" * 64}), 200, empty)
+        self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory", "u-alice")),
+                         "a snapshot must not create a scope")
+
+    def test_commit_creates_notes_sorted_by_id(self):
+        answer = wire_commit(self, [memory_put("b"), memory_put("a", type="project", updatedAt=9),
+                                    memory_put("C")])
+        expected = [wire_entry("C"), wire_entry("a", type="project", updatedAt=9), wire_entry("b")]
+        etag = wire_assert_ok(self, answer, entries=expected)
+        wire_assert_ok(self, wire_snapshot(self), etag, expected)
+        wire_assert_ok(self, wire_snapshot(self, knownEtag="some-other-etag"), etag, expected)
+
+    def test_known_etag_is_unchanged(self):
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        self.assertAnswer(wire_snapshot(self, knownEtag=etag), 200,
+                          {"principal": "alice", "etag": etag, "unchanged": True, "quota": WIRE_QUOTA})
+        self.assertAnswer(wire_snapshot(self, knownEtag=etag, have={"n1": "0" * 64}), 200,
+                          {"principal": "alice", "etag": etag, "unchanged": True, "quota": WIRE_QUOTA})
+
+    def test_stale_etag_is_a_conflict_and_changes_nothing(self):
+        first = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        second = wire_assert_ok(self, wire_commit(self, [memory_put("n2")], first),
+                                entries=[wire_entry("n1"), wire_entry("n2")])
+        self.assertNotEqual(first, second)
+        for etag in (first, None, "made-up"):
+            with self.subTest(etag=etag):
+                wire_assert_code(self, wire_commit(self, [memory_put("n3"), memory_delete("n1")], etag),
+                                 409, "revision_conflict")
+        wire_assert_ok(self, wire_snapshot(self), second, [wire_entry("n1"), wire_entry("n2")])
+        # A commit from no manifest with an etag that never existed is a conflict too.
+        wire_assert_code(self, wire_commit(self, [memory_put("n1")], "made-up", project="other"),
+                         409, "revision_conflict")
+        self.assertAnswer(wire_snapshot(self, project="other"), 200,
+                          {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+
+    def test_delete_leaves_a_tombstone_for_a_device_that_syncs_later(self):
+        laptop, desktop = self.alice, self.issue("alice")
+        one = wire_assert_ok(self, wire_commit(self, [memory_put("n1"), memory_put("n2")], token=laptop),
+                             entries=[wire_entry("n1"), wire_entry("n2")])
+        wire_assert_ok(self, wire_snapshot(self, desktop), one, [wire_entry("n1"), wire_entry("n2")])
+        two = wire_assert_ok(self, wire_commit(self, [memory_delete("n1")], one, token=laptop),
+                             entries=[{"id": "n1", "hash": None}, wire_entry("n2")])
+        have = {"n1": wire_entry("n1")["hash"], "n2": wire_entry("n2")["hash"]}
+        wire_assert_ok(self, wire_snapshot(self, desktop, knownEtag=one, have=have), two,
+                       [{"id": "n1", "hash": None}, {"id": "n2", "hash": have["n2"]}])
+        # Deleting again keeps the tombstone; recreating brings the note back.
+        three = wire_assert_ok(self, wire_commit(self, [memory_delete("n1")], two),
+                               entries=[{"id": "n1", "hash": None}, wire_entry("n2")])
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="again")], three),
+                       entries=[wire_entry("n1", body="again"), wire_entry("n2")])
+
+    def test_have_at_the_current_hash_leaves_out_the_note(self):
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1"), memory_put("n2")]),
+                              entries=[wire_entry("n1"), wire_entry("n2")])
+        h1, h2 = wire_entry("n1")["hash"], wire_entry("n2")["hash"]
+        stale = note_hash(memory_note("n2", body="older"))
+        wire_assert_ok(self, wire_snapshot(self, have={"n1": h1, "n2": stale, "gone": h1}), etag,
+                       [{"id": "n1", "hash": h1}, wire_entry("n2")])
+        wire_assert_ok(self, wire_snapshot(self, have={"n1": h1, "n2": h2}), etag,
+                       [{"id": "n1", "hash": h1}, {"id": "n2", "hash": h2}])
+        # A commit's answer honours have too.
+        h3 = wire_entry("n3")["hash"]
+        wire_assert_ok(self, wire_commit(self, [memory_put("n3")], etag, have={"n1": h1, "n3": h3}),
+                       entries=[{"id": "n1", "hash": h1}, wire_entry("n2"), {"id": "n3", "hash": h3}])
+
+    def test_project_and_user_scope_are_separate(self):
+        in_project = wire_assert_ok(self, wire_commit(self, [memory_put("p1")]), entries=[wire_entry("p1")])
+        in_user = wire_assert_ok(self, wire_commit(self, [memory_put("u1")], project=None, scope="user"),
+                                 entries=[wire_entry("u1")])
+        named_user = wire_assert_ok(self, wire_commit(self, [memory_put("x1")], project="user"),
+                                    entries=[wire_entry("x1")])
+        wire_assert_ok(self, wire_snapshot(self), in_project, [wire_entry("p1")])
+        wire_assert_ok(self, wire_snapshot(self, project=None, scope="user"), in_user, [wire_entry("u1")])
+        wire_assert_ok(self, wire_snapshot(self, project="user"), named_user, [wire_entry("x1")])
+        self.assertAnswer(wire_snapshot(self, project="Proj"), 200,
+                          {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+
+    def test_two_principals_with_one_project_id_are_separate(self):
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="alice's")]),
+                       entries=[wire_entry("n1", body="alice's")])
+        self.assertAnswer(wire_snapshot(self, self.bob, "bob"), 200,
+                          {"principal": "bob", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+        bobs = wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="bob's")], token=self.bob,
+                                                principal="bob"),
+                              entries=[wire_entry("n1", body="bob's")], principal="bob")
+        wire_assert_ok(self, wire_snapshot(self, self.bob, "bob"), bobs, [wire_entry("n1", body="bob's")],
+                       principal="bob")
+        wire_assert_ok(self, wire_snapshot(self), entries=[wire_entry("n1", body="alice's")])
+        # Case-differing principals stay two.
+        upper = self.issue("Alice")
+        self.assertAnswer(wire_snapshot(self, upper, "Alice"), 200,
+                          {"principal": "Alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+
+    def test_quota_is_on_every_success(self):
+        etag = wire_commit(self, [memory_put("n1")]).json["etag"]
+        answers = [wire_post(self, "identity", memory_body(), self.alice),
+                   wire_snapshot(self), wire_snapshot(self, knownEtag=etag),
+                   wire_snapshot(self, project=None, scope="user"),
+                   wire_commit(self, [memory_delete("n1")], etag)]
+        for answer in answers:
+            self.assertAnswer(answer, 200)
+            self.assertEqual(answer.json["quota"], WIRE_QUOTA, answer.raw)
+
+    def test_a_restart_keeps_etag_and_entries(self):
+        one = wire_assert_ok(self, wire_commit(self, [memory_put("n1"), memory_put("n2")]),
+                             entries=[wire_entry("n1"), wire_entry("n2")])
+        two = wire_assert_ok(self, wire_commit(self, [memory_delete("n1"), memory_put("n3")], one),
+                             entries=[{"id": "n1", "hash": None}, wire_entry("n2"), wire_entry("n3")])
+        user = wire_assert_ok(self, wire_commit(self, [memory_put("u1")], project=None, scope="user"),
+                              entries=[wire_entry("u1")])
+        wire_restart(self)
+        wire_assert_ok(self, wire_snapshot(self), two,
+                       [{"id": "n1", "hash": None}, wire_entry("n2"), wire_entry("n3")])
+        wire_assert_ok(self, wire_snapshot(self, project=None, scope="user"), user, [wire_entry("u1")])
+        self.assertAnswer(wire_snapshot(self, knownEtag=two), 200,
+                          {"principal": "alice", "etag": two, "unchanged": True, "quota": WIRE_QUOTA})
+        wire_assert_code(self, wire_commit(self, [memory_put("n4")], one), 409, "revision_conflict")
+        wire_assert_ok(self, wire_commit(self, [memory_put("n4")], two),
+                       entries=[{"id": "n1", "hash": None}, wire_entry("n2"), wire_entry("n3"), wire_entry("n4")])
+
+    def test_content_type_parameters_are_accepted(self):
+        for content_type in ("application/json; charset=utf-8", "application/json;charset=UTF-8",
+                             "Application/JSON"):
+            with self.subTest(content_type=content_type):
+                answer = wire_post(self, "identity", memory_body(), self.alice, {"Content-Type": content_type})
+                self.assertAnswer(answer, 200, {"principal": "alice", "quota": WIRE_QUOTA})
+        answer = wire_post(self, "snapshot", json.dumps(memory_body(project="proj")).encode(), self.alice,
+                           {"Content-Type": "application/json; charset=utf-8"})
+        self.assertAnswer(answer, 200, {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+
+    def test_non_ascii_and_lone_surrogates_round_trip(self):
+        fields = {"summary": "caf\u00e9 \U0001F600 x", "body": "a\ud800b \"q\" \\ \u2029 z\x01",
+                  "tags": ["\U0001F600", "\u00e9t\u00e9"]}
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1", **fields)]),
+                              entries=[wire_entry("n1", **fields)])
+        wire_assert_ok(self, wire_snapshot(self), etag, [wire_entry("n1", **fields)])
+
+
+class MemoryWireErrorsTest(ServerCase):
+    """Every memory error code reachable over HTTP, with the contract's check order."""
+
+    def test_origin_header_comes_first(self):
+        for route in WIRE_ROUTES:
+            with self.subTest(route=route):
+                for token in (self.alice, None, "garbage"):
+                    answer = wire_post(self, route, b"not json", token,
+                                       {"Origin": "https://evil.example", "Content-Type": "text/plain"})
+                    wire_assert_code(self, answer, 403, "native_client_required")
+                answer = wire_post(self, route, memory_body(project="proj", etag=None,
+                                                            changes=[memory_put("n1")]),
+                                   self.alice, {"Origin": "null"})
+                wire_assert_code(self, answer, 403, "native_client_required")
+        self.assertAnswer(wire_snapshot(self), 200,
+                          {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+
+    def test_json_content_type_is_required_before_the_token(self):
+        body = json.dumps(memory_body(project="proj")).encode()
+        for route in WIRE_ROUTES:
+            for headers in ({"Content-Type": "text/plain"}, {}, {"Content-Type": "application/jsonx"},
+                            {"Content-Type": "application/x-www-form-urlencoded"},
+                            {"Content-Type": "text/json"}):
+                for token in (self.alice, None):
+                    with self.subTest(route=route, headers=headers, token=bool(token)):
+                        wire_assert_code(self, wire_post(self, route, body, token, headers), 415, "json_required")
+
+    def test_a_usable_token_is_required(self):
+        revoked_token, revoked = self.tokens.issue("carol")
+        self.tokens.revoke(revoked["id"])
+        self.server.app.auth.local._checked = float("-inf")
+        expired = self.issue("dave", expires_days=1e-9)
+        for route in WIRE_ROUTES:
+            for token in (None, "", "garbage", "ohs_000000000000_" + "x" * 43, revoked_token, expired,
+                          self.alice + "x", TOKENS["hs256_valid_no_exp"]):
+                with self.subTest(route=route, token=(token or "")[:20]):
+                    answer = wire_post(self, route, b"not json", token, {"Content-Type": "application/json"})
+                    wire_assert_code(self, answer, 401, "sign_in_required")
+        answer = wire_post(self, "identity", memory_body(), None, {"Authorization": "Basic YWxpY2U6eA=="})
+        wire_assert_code(self, answer, 401, "sign_in_required")
+
+    def test_body_over_4_mib_is_refused_from_content_length_before_it_is_read(self):
+        for route in WIRE_ROUTES:
+            with self.subTest(route=route):
+                elapsed, status, headers, body, closed = wire_raw_exchange(
+                    self, wire_head("/v1/memory/" + route, self.alice, b"Content-Length: 5000000\r\n\r\n"))
+                self.assertEqual(status, 413, body)
+                self.assertEqual(json.loads(body.decode())["code"], "memory_quota_exceeded")
+                self.assertEqual(headers.get("connection", "").lower(), "close")
+                self.assertEqual(headers.get("content-type"), "application/json")
+                self.assertLess(elapsed, 1.0)
+                self.assertTrue(closed, "the connection must close after an early 413")
+        # Check 3 comes before check 4: no token is a 401, and the unread body still closes the connection.
+        elapsed, status, headers, body, closed = wire_raw_exchange(
+            self, wire_head("/v1/memory/identity", None, b"Content-Length: 5000000\r\n\r\n"))
+        self.assertEqual((status, json.loads(body.decode())["code"]), (401, "sign_in_required"))
+        self.assertLess(elapsed, 1.0)
+        self.assertTrue(closed)
+
+    def test_chunked_body_over_4_mib_is_refused(self):
+        head = wire_head("/v1/memory/identity", self.alice, b"Transfer-Encoding: chunked\r\n\r\n")
+        elapsed, status, headers, body, closed = wire_raw_exchange(self, head + b"500000\r\n")
+        self.assertEqual(status, 413, body)
+        self.assertEqual(json.loads(body.decode())["code"], "memory_quota_exceeded")
+        self.assertEqual(headers.get("connection", "").lower(), "close")
+        self.assertLess(elapsed, 1.0)
+        payload = json.dumps(memory_body()).encode()
+        head = wire_head("/v1/memory/identity", self.alice, b"Transfer-Encoding: chunked\r\n\r\n")
+        elapsed, status, headers, body, closed = wire_raw_exchange(
+            self, head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
+        self.assertEqual((status, json.loads(body.decode())), (200, {"principal": "alice", "quota": WIRE_QUOTA}))
+
+    def test_body_of_exactly_4_mib_is_read(self):
+        payload = json.dumps(memory_body()).encode()
+        limit = 4 * 1024 * 1024
+        answer = wire_post(self, "identity", payload + b" " * (limit - len(payload)), self.alice,
+                           {"Content-Type": "application/json"})
+        self.assertAnswer(answer, 200, {"principal": "alice", "quota": WIRE_QUOTA})
+        elapsed, status, headers, body, closed = wire_raw_exchange(
+            self, wire_head("/v1/memory/identity", self.alice, b"Content-Length: %d\r\n\r\n" % (limit + 1)))
+        self.assertEqual((status, json.loads(body.decode())["code"]), (413, "memory_quota_exceeded"))
+
+    def test_invalid_body(self):
+        for raw in (b"", b"{", b"[]", b'"x"', b"null", b"5", b'{"expectedPrincipal":"alice",}',
+                    b'{"expectedPrincipal":"\xff"}', b'{"expectedPrincipal":NaN}', b"\xef\xbb\xbf{}",
+                    b"[" * 100000 + b"]" * 100000):
+            for route in WIRE_ROUTES:
+                with self.subTest(raw=raw[:30], route=route):
+                    answer = wire_post(self, route, raw, self.alice, {"Content-Type": "application/json"})
+                    wire_assert_code(self, answer, 400, "invalid_body")
+
+    def test_unknown_field_at_every_level(self):
+        cases = [
+            ("identity", memory_body(extra=1)),
+            ("identity", {"unknown": True}),                                    # before expectedPrincipal
+            ("identity", {"expectedPrincipal": "bob", "unknown": True}),        # before account_mismatch
+            ("snapshot", memory_body(project="proj", device="laptop")),
+            ("snapshot", memory_body(scope="team", etag=None)),                 # etag is a commit field
+            ("commit", memory_body(project="proj", etag=None, knownEtag=None, changes=[memory_put("n1")])),
+            ("commit", memory_body(project="proj", etag=None, changes=[dict(memory_put("n1"), extra=1)])),
+            ("commit", memory_body(project="proj", etag=None, changes=[dict(memory_delete("n1"), rev="x")])),
+            ("commit", memory_body(project="proj", etag=None,
+                                   changes=[dict(memory_put("n1"), note=memory_note("n1", color="red"))])),
+            ("commit", memory_body(expectedPrincipal="bob", project="proj", etag=None,
+                                   changes=[memory_put("n2"), dict(memory_put("n1"),
+                                                                   note=memory_note("n1", deleted=False))])),
+        ]
+        for route, body in cases:
+            with self.subTest(route=route, body=json.dumps(body)[:80]):
+                wire_assert_code(self, wire_post(self, route, body, self.alice), 400, "unknown_field")
+        self.assertFalse(os.path.exists(wire_scope_dir(self)))
+
+    def test_expected_principal(self):
+        for route in WIRE_ROUTES:
+            for value in ("missing", None, "", "a/b", "__proto__", 5, ["alice"], "x" * 129):
+                body = {"identity": {}, "snapshot": {"project": "proj"},
+                        "commit": {"project": "proj", "etag": None, "changes": [memory_put("n1")]}}[route]
+                if value != "missing":
+                    body["expectedPrincipal"] = value
+                with self.subTest(route=route, value=value):
+                    wire_assert_code(self, wire_post(self, route, body, self.alice), 400, "invalid_body")
+            for value in ("bob", "Alice", "alice2"):
+                # Check 6 comes before the scope: an invalid scope does not hide the mismatch.
+                body = {"expectedPrincipal": value}
+                if route != "identity":
+                    body["scope"] = "team"
+                with self.subTest(route=route, value=value):
+                    wire_assert_code(self, wire_post(self, route, body, self.alice), 403, "account_mismatch")
+        # Objects are keyed by the verified principal: bob cannot write alice's notes with his token.
+        wire_assert_code(self, wire_commit(self, [memory_put("n1")], token=self.bob), 403, "account_mismatch")
+        self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
+
+    def test_invalid_scope(self):
+        for route in ("snapshot", "commit"):
+            extra = {"etag": None, "changes": [memory_put("n1")]} if route == "commit" else {}
+            for scope_fields in ({"project": "proj", "scope": "user"}, {}, {"scope": "team"},
+                                 {"scope": None}, {"scope": "User"}, {"scope": ["user"]},
+                                 {"project": None, "scope": "user"}):
+                with self.subTest(route=route, scope=scope_fields):
+                    body = memory_body(**dict(extra, **scope_fields))
+                    wire_assert_code(self, wire_post(self, route, body, self.alice), 400, "invalid_scope")
+
+    def test_invalid_project(self):
+        for route in ("snapshot", "commit"):
+            extra = {"etag": None, "changes": [memory_put("n1")]} if route == "commit" else {}
+            for project in ("", "a/b", "../x", "a.b", "__proto__", "x" * 129, 5, None, ["p"], "é"):
+                with self.subTest(route=route, project=project):
+                    body = memory_body(project=project, **extra)
+                    wire_assert_code(self, wire_post(self, route, body, self.alice), 400, "invalid_project")
+        self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
+
+    def test_invalid_have(self):
+        good = "ab" * 32
+        too_many = dict(("n%d" % i, good) for i in range(WIRE_QUOTA["maxNotes"] * 2 + 1001))
+        for have in ([], None, "x", {"n1": good.upper()}, {"n1": "0" * 63}, {"n1": None}, {"n1": 5},
+                     {"a/b": good}, {"__proto__": good}, {"n1": " " + good[1:]}, too_many):
+            for route in ("snapshot", "commit"):
+                with self.subTest(route=route, have=str(have)[:40]):
+                    if route == "snapshot":
+                        answer = wire_snapshot(self, have=have)
+                    else:
+                        answer = wire_commit(self, [memory_put("n1")], have=have, project="other")
+                    wire_assert_code(self, answer, 400, "invalid_have")
+        at_the_limit = dict(("n%d" % i, good) for i in range(WIRE_QUOTA["maxNotes"] * 2 + 1000))
+        self.assertAnswer(wire_snapshot(self, have=at_the_limit), 200,
+                          {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+
+    def test_invalid_changes(self):
+        put = memory_put("n1")
+        cases = [
+            None, [], {}, "n1", [None], ["n1"],
+            [memory_delete("n%d" % i) for i in range(WIRE_QUOTA["maxChanges"] + 1)],
+            [put, memory_put("n1", body="again")],
+            [put, memory_delete("n1")],
+            [{"id": "n1", "note": put["note"]}],                      # no hash
+            [{"id": "n1"}],
+            [dict(put, hash=5)],
+            [dict(put, hash=True)],
+            [dict(memory_delete("n1"), note=put["note"])],           # a delete carries no note
+            [{"id": "n1", "hash": put["hash"]}],                     # a create without its note
+            [dict(put, note=None)],
+            [dict(put, note="text")],
+            [dict(put, id="n2")],                                    # note.id differs from the id
+            [dict(put, id="N1")],
+            [{"id": "a/b", "hash": None}],
+            [{"hash": None}],
+            [{"id": "__proto__", "hash": None}],
+        ]
+        for changes in cases:
+            with self.subTest(changes=json.dumps(changes)[:80]):
+                body = memory_body(project="proj", etag=None, changes=changes)
+                wire_assert_code(self, wire_post(self, "commit", body, self.alice), 400, "invalid_changes")
+        body = memory_body(project="proj", etag=None)                   # changes missing
+        wire_assert_code(self, wire_post(self, "commit", body, self.alice), 400, "invalid_changes")
+        many = [memory_put("n%d" % i) for i in range(WIRE_QUOTA["maxChanges"])]
+        wire_assert_ok(self, wire_commit(self, many),
+                       entries=sorted((wire_entry(change["id"]) for change in many), key=lambda e: e["id"]))
+        self.assertEqual(wire_commit(self, [put], "x", project="p2").status, 409)
+        answer = wire_post(self, "commit", memory_body(project="p2", changes=[put]), self.alice)
+        self.assertEqual(answer.status, 400, answer.raw)            # etag is required (null for no manifest)
+        self.assertAnswer(wire_snapshot(self, project="p2"), 200,
+                          {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+
+    def test_invalid_note(self):
+        bad_notes = [
+            memory_note("n1", summary=""), memory_note("n1", summary=" padded"), memory_note("n1", summary="a\nb"),
+            memory_note("n1", summary="x" * 501), memory_note("n1", summary="a\u2028b"),
+            memory_note("n1", body="padded\n"), memory_note("n1", body="\ufeffbom"), memory_note("n1", body=5),
+            memory_note("n1", tags="t"), memory_note("n1", tags=["a,b"]), memory_note("n1", tags=["a b"]),
+            memory_note("n1", tags=[""]), memory_note("n1", tags=["t"] * 31), memory_note("n1", tags=[5]),
+            memory_note("n1", type=None), memory_note("n1", type="team"), memory_note("n1", createdAt=-1),
+            memory_note("n1", createdAt=1.5), memory_note("n1", createdAt=True), memory_note("n1", createdAt=2 ** 53),
+            memory_note("n1", updatedAt=None), memory_note("n1", updatedAt="1"),
+            memory_note("n1", body="x" * (WIRE_QUOTA["maxNoteBytes"] + 1)),
+            {"id": "n1", "summary": "s", "body": "b", "tags": []},    # no createdAt
+        ]
+        for note in bad_notes:
+            with self.subTest(note=json.dumps(note)[:80]):
+                answer = wire_commit(self, [{"id": "n1", "hash": "0" * 64, "note": note}])
+                wire_assert_code(self, answer, 400, "invalid_note")
+        # A body of exactly maxNoteBytes (in UTF-8) is fine.
+        big = "\u00e9" * (WIRE_QUOTA["maxNoteBytes"] // 2)
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1", body=big)]),
+                       entries=[wire_entry("n1", body=big)])
+
+    def test_hash_mismatch(self):
+        right = memory_put("n1")
+        for hash_value in (note_hash(memory_note("n1", body="other")), right["hash"].upper(), "", "0" * 64,
+                           note_hash(memory_note("n1", updatedAt=5)) + "0"):
+            with self.subTest(hash=hash_value):
+                answer = wire_commit(self, [memory_put("n2"), dict(right, hash=hash_value)])
+                wire_assert_code(self, answer, 400, "hash_mismatch")
+        # updatedAt is never hashed; type is.
+        wire_assert_code(self, wire_commit(self, [dict(right, note=memory_note("n1", type="user"))]),
+                         400, "hash_mismatch")
+        wire_assert_ok(self, wire_commit(self, [dict(right, note=memory_note("n1", updatedAt=77))]),
+                       entries=[dict(wire_entry("n1"), note=memory_note("n1", updatedAt=77))])
+
+    def test_id_case_conflict(self):
+        wire_assert_code(self, wire_commit(self, [memory_put("note-a"), memory_put("Note-A")]),
+                         400, "id_case_conflict")
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("note-a")]), entries=[wire_entry("note-a")])
+        wire_assert_code(self, wire_commit(self, [memory_put("NOTE-A")], etag), 400, "id_case_conflict")
+        wire_assert_ok(self, wire_snapshot(self), etag, [wire_entry("note-a")])
+        # Deleting note-a and creating Note-A in one commit is a rename.
+        renamed = wire_assert_ok(self, wire_commit(self, [memory_delete("note-a"), memory_put("Note-A")], etag),
+                                 entries=[wire_entry("Note-A"), {"id": "note-a", "hash": None}])
+        # A tombstone does not conflict: recreating note-a while Note-A lives does.
+        wire_assert_code(self, wire_commit(self, [memory_put("note-a")], renamed), 400, "id_case_conflict")
+        wire_assert_ok(self, wire_commit(self, [memory_put("other")], renamed),
+                       entries=[wire_entry("Note-A"), {"id": "note-a", "hash": None}, wire_entry("other")])
+
+    def test_revision_conflict(self):
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        newer = wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="v2")], etag),
+                               entries=[wire_entry("n1", body="v2")])
+        answer = wire_commit(self, [memory_put("n1", body="v3")], etag)
+        wire_assert_code(self, answer, 409, "revision_conflict")
+        wire_assert_ok(self, wire_snapshot(self), newer, [wire_entry("n1", body="v2")])
+
+    def test_note_count_quota(self):
+        self.server.app.memory.quota["maxNotes"] = 3
+        quota = dict(WIRE_QUOTA, maxNotes=3)
+        four = [memory_put("n%d" % i) for i in range(1, 5)]
+        wire_assert_code(self, wire_commit(self, four), 413, "memory_quota_exceeded")
+        self.assertAnswer(wire_snapshot(self), 200,
+                          {"principal": "alice", "etag": None, "entries": [], "quota": quota})
+        etag = wire_assert_ok(self, wire_commit(self, four[:3]), entries=[wire_entry("n1"), wire_entry("n2"),
+                                                                          wire_entry("n3")], quota=quota)
+        wire_assert_code(self, wire_commit(self, four[3:], etag), 413, "memory_quota_exceeded")
+        # Swapping one note for another stays at the limit.
+        etag = wire_assert_ok(self, wire_commit(self, [memory_delete("n3"), four[3]], etag), quota=quota,
+                              entries=[wire_entry("n1"), wire_entry("n2"), {"id": "n3", "hash": None},
+                                       wire_entry("n4")])
+        # A lowered quota never locks anyone in: updates and deletes above it are allowed, growth is not.
+        self.server.app.memory.quota["maxNotes"] = 1
+        quota = dict(WIRE_QUOTA, maxNotes=1)
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="edited")], etag), quota=quota,
+                              entries=[wire_entry("n1", body="edited"), wire_entry("n2"),
+                                       {"id": "n3", "hash": None}, wire_entry("n4")])
+        etag = wire_assert_ok(self, wire_commit(self, [memory_delete("n4")], etag), quota=quota,
+                              entries=[wire_entry("n1", body="edited"), wire_entry("n2"),
+                                       {"id": "n3", "hash": None}, {"id": "n4", "hash": None}])
+        wire_assert_code(self, wire_commit(self, [memory_put("n5"), memory_delete("n1"), memory_put("n6")], etag),
+                         413, "memory_quota_exceeded")
+
+    def test_missing_memory_object(self):
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1"), memory_put("n2")]),
+                              entries=[wire_entry("n1"), wire_entry("n2")])
+        os.unlink(wire_object_path(self, "n1"))
+        h1 = wire_entry("n1")["hash"]
+        wire_assert_ok(self, wire_snapshot(self, have={"n1": h1}), etag, [{"id": "n1", "hash": h1}, wire_entry("n2")])
+        self.assertAnswer(wire_snapshot(self, knownEtag=etag), 200,
+                          {"principal": "alice", "etag": etag, "unchanged": True, "quota": WIRE_QUOTA})
+        wire_assert_code(self, wire_snapshot(self), 502, "missing_memory_object")
+        wire_assert_code(self, wire_snapshot(self, have={"n1": "0" * 64}), 502, "missing_memory_object")
+        # Replacing the lost note heals the scope.
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="new")], etag, have={"n1": h1}),
+                       entries=[wire_entry("n1", body="new"), wire_entry("n2")])
+
+    def test_memory_integrity_error(self):
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1"), memory_put("n2")]),
+                              entries=[wire_entry("n1"), wire_entry("n2")])
+        with open(wire_object_path(self, "n2"), "wb") as handle:
+            handle.write(json.dumps(memory_note("n2", body="tampered")).encode())
+        wire_assert_code(self, wire_snapshot(self), 502, "memory_integrity_error")
+        h2 = wire_entry("n2")["hash"]
+        wire_assert_ok(self, wire_snapshot(self, have={"n2": h2}), etag, [wire_entry("n1"), {"id": "n2", "hash": h2}])
+        with open(wire_object_path(self, "n1"), "wb") as handle:
+            handle.write(b"{not json")
+        wire_assert_code(self, wire_snapshot(self, have={"n2": h2}), 502, "memory_integrity_error")
+
+    def test_invalid_manifest(self):
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        manifest = os.path.join(wire_scope_dir(self), "manifest.json")
+        with open(manifest, "wb") as handle:
+            handle.write(b"\x00garbage{")
+        wire_restart(self)  # a cold cache
+        wire_assert_code(self, wire_snapshot(self), 502, "invalid_manifest")
+        wire_assert_code(self, wire_snapshot(self, knownEtag="x"), 502, "invalid_manifest")
+        wire_assert_code(self, wire_commit(self, [memory_put("n2")]), 502, "invalid_manifest")
+        with open(manifest, "rb") as handle:
+            self.assertEqual(handle.read(), b"\x00garbage{", "a commit must not overwrite a damaged manifest")
+        # Other scopes and identity are unaffected.
+        self.assertAnswer(wire_post(self, "identity", memory_body(), self.alice), 200,
+                          {"principal": "alice", "quota": WIRE_QUOTA})
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1")], project="other"), entries=[wire_entry("n1")])
+
+    def test_memory_sync_failed_keeps_the_previous_manifest(self):
+        full = OSError(errno.ENOSPC, "No space left on device")
+        with mock.patch.object(sync, "write_atomically", side_effect=full):
+            wire_assert_code(self, wire_commit(self, [memory_put("n1")]), 502, "memory_sync_failed")
+        self.assertAnswer(wire_snapshot(self), 200,
+                          {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        with mock.patch.object(sync, "write_atomically", side_effect=full):
+            wire_assert_code(self, wire_commit(self, [memory_put("n2"), memory_delete("n1")], etag),
+                             502, "memory_sync_failed")
+        wire_assert_ok(self, wire_snapshot(self), etag, [wire_entry("n1")])
+        self.assertAnswer(wire_snapshot(self, knownEtag=etag), 200,
+                          {"principal": "alice", "etag": etag, "unchanged": True, "quota": WIRE_QUOTA})
+        wire_assert_ok(self, wire_commit(self, [memory_put("n3")], etag), entries=[wire_entry("n1"), wire_entry("n3")])
+        wire_restart(self)
+        wire_assert_ok(self, wire_snapshot(self, have={}), entries=[wire_entry("n1"), wire_entry("n3")])
+
+    def test_object_write_failure_is_memory_sync_failed(self):
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        with mock.patch.object(sync, "sync_file", side_effect=OSError(errno.EIO, "Input/output error")):
+            wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag), 502, "memory_sync_failed")
+        wire_assert_ok(self, wire_snapshot(self), etag, [wire_entry("n1")])
+
+    def test_other_methods_are_405_with_allow_post(self):
+        for route in WIRE_ROUTES:
+            for method in ("GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"):
+                with self.subTest(route=route, method=method):
+                    answer = self.request(method, "/v1/memory/" + route, token=self.alice)
+                    self.assertEqual(answer.status, 405, answer.raw)
+                    self.assertEqual(answer.headers.get("allow"), "POST")
+                    self.assertEqual(answer.headers.get("content-type"), "application/json")
+                    if method != "HEAD":
+                        self.assertIsInstance(answer.json, dict)
+        self.assertAnswer(self.request("POST", "/v1/memory/unknown", memory_body(), self.alice), 404)
+
+    def test_session_routes_are_unaffected(self):
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200, {"projects": []})
+        # Memory checks do not apply to session routes: an Origin header or a text/plain body are fine there.
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        answer = self.request("POST", "/v1/push", body, self.alice,
+                              {"Origin": "https://example.com", "Content-Type": "text/plain"})
+        self.assertAnswer(answer, 200, {"cursor": 1, "accepted": 1})
+        answer = self.request("POST", "/v1/push", body, "garbage")
+        self.assertAnswer(answer, 401)
+        self.assertIsInstance(answer.json["error"], str)
+        self.assertEqual(answer.headers.get("www-authenticate"), "Bearer")
+        self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
+        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200, {"projects": ["proj"]})
+        wire_assert_ok(self, wire_snapshot(self), entries=[wire_entry("n1")])
+
+
+class MemoryRateLimitTest(ServerCase):
+    """--memory-rate-limit 60: one request a second sustained, bursts of 30, per principal."""
+
+    def setUp(self):
+        self.server_options = {"memory_rate_limit": 60}
+        super().setUp()
+
+    def test_burst_then_429_with_retry_after(self):
+        for i in range(30):
+            answer = wire_post(self, "identity", memory_body(), self.alice)
+            self.assertAnswer(answer, 200, {"principal": "alice", "quota": WIRE_QUOTA})
+        answer = wire_post(self, "identity", memory_body(), self.alice)
+        wire_assert_code(self, answer, 429, "rate_limited")
+        self.assertRegex(answer.headers.get("retry-after", ""), r"^[1-9][0-9]*$")
+        # Check 7 comes after check 6 and before the scope checks.
+        wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.alice),
+                         403, "account_mismatch")
+        wire_assert_code(self, wire_snapshot(self, project=None, scope="team"), 429, "rate_limited")
+        wire_assert_code(self, wire_commit(self, [memory_put("n1")], project="a/b"), 429, "rate_limited")
+        # The bucket is the principal's, whichever token it comes with.
+        wire_assert_code(self, wire_post(self, "identity", memory_body(), self.issue("alice")), 429, "rate_limited")
+        # Session sync is not limited.
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+
+    def test_refused_requests_before_check_7_take_no_token(self):
+        for i in range(40):
+            wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.alice),
+                             403, "account_mismatch")
+        for i in range(30):
+            self.assertAnswer(wire_post(self, "identity", memory_body(), self.alice), 200)
+        wire_assert_code(self, wire_post(self, "identity", memory_body(), self.alice), 429, "rate_limited")
+
+    def test_bob_is_not_limited_by_alice(self):
+        for i in range(31):
+            wire_post(self, "identity", memory_body(), self.alice)
+        wire_assert_code(self, wire_post(self, "identity", memory_body(), self.alice), 429, "rate_limited")
+        for i in range(30):
+            self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.bob), 200,
+                              {"principal": "bob", "quota": WIRE_QUOTA})
+
+    def test_the_bucket_refills(self):
+        for i in range(30):
+            wire_post(self, "identity", memory_body(), self.alice)
+        answer = wire_post(self, "identity", memory_body(), self.alice)
+        wire_assert_code(self, answer, 429, "rate_limited")
+        time.sleep(int(answer.headers["retry-after"]) + 0.05)
+        self.assertAnswer(wire_post(self, "identity", memory_body(), self.alice), 200)
+
+    def test_zero_turns_it_off(self):
+        wire_restart(self, memory_rate_limit=0)
+        for i in range(100):
+            answer = wire_post(self, "identity", memory_body(), self.alice)
+            self.assertEqual(answer.status, 200, (i, answer.raw))
+
+
+class MemoryAuthModesTest(ServerCase):
+    """--memory-auth off, local (with JWTs) and supabase, on a real server."""
+
+    def wire_fake_supabase(self, timeout=2.0, url=None):
+        fake = FakeServer(supabase_answer)
+        self.addCleanup(fake.stop)
+        verifier = SupabaseVerifier(url or fake.url, "anon-key-123", timeout=timeout)
+        wire_restart(self, memory_mode="supabase", supabase=verifier)
+        return fake
+
+    def test_off(self):
+        wire_restart(self, memory_mode="off")
+        for route in WIRE_ROUTES:
+            with self.subTest(route=route):
+                body = memory_body(project="proj", etag=None, changes=[memory_put("n1")])
+                if route == "snapshot":
+                    body = memory_body(project="proj")
+                elif route == "identity":
+                    body = memory_body()
+                wire_assert_code(self, wire_post(self, route, body, self.alice), 503, "auth_not_configured")
+                wire_assert_code(self, wire_post(self, route, body, None), 401, "sign_in_required")
+                wire_assert_code(self, wire_post(self, route, body, self.alice, {"Origin": "x"}),
+                                 403, "native_client_required")
+                wire_assert_code(self, wire_post(self, route, json.dumps(body).encode(), self.alice,
+                                                 {"Content-Type": "text/plain"}), 415, "json_required")
+        self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
+
+    def test_local_with_jwts(self):
+        wire_restart(self, jwt=JwtVerifier(SECRET, JwksSource(path=JWKS_PATH)))
+        for name, sub in (("rs256_2048_valid_no_exp", "user_rsa2048"), ("es256_valid_exp_2100", "user_ec"),
+                          ("hs256_valid_no_exp", "user_hs")):
+            with self.subTest(token=name):
+                token = TOKENS[name]
+                self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": sub}, token), 200,
+                                  {"principal": sub, "quota": WIRE_QUOTA})
+                etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=token, principal=sub),
+                                      entries=[wire_entry("n1")], principal=sub)
+                wire_assert_ok(self, wire_snapshot(self, token, sub), etag, [wire_entry("n1")], principal=sub)
+                wire_assert_code(self, wire_post(self, "identity", memory_body(), token), 403, "account_mismatch")
+        self.assertTrue(os.path.isdir(os.path.join(self.data_dir, "memory", "u-" + sync.encode_name("user_ec"))))
+        # Local tokens still work for memory in local mode.
+        self.assertAnswer(wire_post(self, "identity", memory_body(), self.alice), 200,
+                          {"principal": "alice", "quota": WIRE_QUOTA})
+        for name, sub in (("rs256_anonymous_is_anonymous", "anon_user_1"),
+                          ("rs256_anonymous_role_anon", "anon_user_2")):
+            with self.subTest(token=name):
+                token = TOKENS[name]
+                for route in WIRE_ROUTES:
+                    wire_assert_code(self, wire_post(self, route, {"expectedPrincipal": sub, "project": "p"}, token),
+                                     401, "sign_in_required")
+                self.assertAnswer(self.push(token, "p", [record()]), 200, {"cursor": 1, "accepted": 1})
+        for name in ("rs256_expired", "alg_none", "rs256_tampered_payload"):
+            with self.subTest(token=name):
+                wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "user_rsa2048"},
+                                                 TOKENS[name]), 401, "sign_in_required")
+
+    def test_supabase_normal_and_refused_users(self):
+        fake = self.wire_fake_supabase()
+        self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": USER_ID}, "normal"), 200,
+                          {"principal": USER_ID, "quota": WIRE_QUOTA})
+        path, headers = fake.requests[0]
+        self.assertEqual((path, headers.get("Authorization"), headers.get("apikey")),
+                         ("/auth/v1/user", "Bearer normal", "anon-key-123"))
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token="normal", principal=USER_ID),
+                              entries=[wire_entry("n1")], principal=USER_ID)
+        wire_assert_ok(self, wire_snapshot(self, "normal", USER_ID), etag, [wire_entry("n1")], principal=USER_ID)
+        for token in ("anonymous", "role-anon", "revoked", "forbidden", self.alice):
+            with self.subTest(token=token[:12]):
+                answer = wire_post(self, "identity", {"expectedPrincipal": USER_ID}, token)
+                wire_assert_code(self, answer, 401, "sign_in_required")
+        wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": USER_ID}, None),
+                         401, "sign_in_required")
+
+    def test_supabase_unavailable(self):
+        self.wire_fake_supabase()
+        for token in ("boom", "redirect", "not-json"):
+            with self.subTest(token=token):
+                wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": USER_ID}, token),
+                                 502, "auth_unavailable")
+
+    def test_supabase_time_out(self):
+        self.wire_fake_supabase(timeout=0.3)
+        started = time.monotonic()
+        answer = wire_post(self, "identity", {"expectedPrincipal": USER_ID}, "slow")
+        elapsed = time.monotonic() - started
+        wire_assert_code(self, answer, 502, "auth_unavailable")
+        self.assertLess(elapsed, 0.75)
+
+    def test_supabase_refused_connection(self):
+        self.wire_fake_supabase(timeout=1.0, url="http://127.0.0.1:%d" % closed_port())
+        wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": USER_ID}, "normal"),
+                         502, "auth_unavailable")
+        wire_assert_code(self, wire_snapshot(self, "normal", USER_ID), 502, "auth_unavailable")
+
+    def test_supabase_mode_keeps_local_tokens_for_session_sync(self):
+        self.wire_fake_supabase()
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
+        self.assertAnswer(self.push("normal", records=[record()]), 401)
+
+
+class MemoryWireConcurrencyTest(ServerCase):
+    def race(self, etag, count=10):
+        """count threads commit note c<i> from etag at once over HTTP; their answers by i."""
+        barrier = threading.Barrier(count)
+        answers = {}
+
+        def run(i):
+            barrier.wait(5)
+            answers[i] = wire_commit(self, [memory_put("c%d" % i)], etag)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        self.assertEqual(len(answers), count)
+        return answers
+
+    def check_one_winner(self, answers, before):
+        winners = [i for i, answer in answers.items() if answer.status == 200]
+        self.assertEqual(len(winners), 1, [(i, a.status) for i, a in answers.items()])
+        for i, answer in answers.items():
+            if i != winners[0]:
+                wire_assert_code(self, answer, 409, "revision_conflict")
+        win = answers[winners[0]]
+        expected = sorted(before + [wire_entry("c%d" % winners[0])], key=lambda entry: entry["id"])
+        etag = wire_assert_ok(self, win, entries=expected)
+        wire_assert_ok(self, wire_snapshot(self), etag, expected)
+
+    def test_ten_commits_from_one_etag(self):
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("seed")]), entries=[wire_entry("seed")])
+        self.check_one_winner(self.race(etag), [wire_entry("seed")])
+
+    def test_ten_first_commits_from_no_manifest(self):
+        self.check_one_winner(self.race(None), [])
+
+
+# ---------------------------------------------------------------------------
 # Durability: the server as a subprocess
 # ---------------------------------------------------------------------------
 
@@ -3772,6 +4944,32 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(results[0].status, 200)
         self.assertEqual(results[0].json, {"cursor": 0, "records": [], "sessions": [], "more": False})
         self.assertNotIn("Traceback", stderr)
+
+
+class BenchCommandTest(unittest.TestCase):
+    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
+
+    def test_bench_prints_every_figure_and_writes_json(self):
+        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, out_dir, True)
+        json_path = os.path.join(out_dir, "bench.json")
+        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
+                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
+                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
+                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
+                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
+                       "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
+            self.assertIn(figure, result.stdout)
+        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        with open(json_path) as f:
+            doc = json.load(f)
+        self.assertEqual(len(doc["figures"]), 16)
+        health = doc["figures"][0]
+        self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
 
 if __name__ == "__main__":
