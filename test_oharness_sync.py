@@ -791,7 +791,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 16)
+        self.assertEqual(len(doc["figures"]), 14)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
@@ -1924,7 +1924,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 16)
+        self.assertEqual(len(doc["figures"]), 14)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
@@ -2714,7 +2714,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 16)
+        self.assertEqual(len(doc["figures"]), 14)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
@@ -3736,7 +3736,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 16)
+        self.assertEqual(len(doc["figures"]), 14)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
@@ -4967,7 +4967,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 16)
+        self.assertEqual(len(doc["figures"]), 14)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
