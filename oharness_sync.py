@@ -223,6 +223,7 @@ def _finite_float(text):
     return value
 
 
+_STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 _ESCAPED_QUOTE_OR_BACKSLASH = re.compile(r'\\[\\"]')
 _JSON_STRING = re.compile(r'"[^"]*"')
 _NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
@@ -256,26 +257,31 @@ def decode_json(data):
     if json_too_deep(text):
         raise ValueError("JSON is nested too deeply")
     try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        return _STRICT_JSON.decode(text)
     except (ValueError, RecursionError):
         raise ValueError("body is not valid JSON") from None
 
 
+_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def encode_json(value):
     """Compact JSON as UTF-8 bytes; lone surrogates are written as \\uXXXX escapes."""
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    text = _COMPACT_JSON.encode(value)
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("ascii")
+        return _ASCII_JSON.encode(value).encode("ascii")
 
 
 def record_key(session, record_id):
     """The dedupe key of a record: 128 bits of BLAKE2b over (session, id), as an int.
 
     A compact int instead of the two strings keeps a million keys in about 85 MB.
+    The session's length goes first, so ("a", "bc") and ("ab", "c") differ.
     """
-    material = json.dumps([session, record_id]).encode("ascii")
+    material = ("%d:%s%s" % (len(session), session, record_id)).encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(material, digest_size=16).digest(), "big")
 
 
@@ -872,12 +878,15 @@ def token_hash(token):
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
+_TOKEN_ID = re.compile(r"[0-9a-f]{12}")
+
+
 def split_local_token(token):
     """(token id, whole token) of a local token `ohs_<12 hex id>_<secret>`, or None."""
     if not token.startswith(LOCAL_TOKEN_PREFIX):
         return None
     token_id, sep, secret = token[len(LOCAL_TOKEN_PREFIX):].partition("_")
-    if not sep or not re.fullmatch(r"[0-9a-f]{12}", token_id) or len(secret) < 16:
+    if not sep or _TOKEN_ID.fullmatch(token_id) is None or len(secret) < 16:
         return None
     return token_id
 
@@ -2064,11 +2073,15 @@ class FeedStore:
 
         create=True makes an in-memory feed only: its file appears with its first event.
         """
+        key = (owner, project)
+        feed = self._feeds.get(key)
+        if feed is not None:
+            return feed
         path = os.path.join(self.owner_dir(owner), "p-%s.jsonl" % encode_name(project))
         with self._lock:
-            feed = self._feeds.get(path)
+            feed = self._feeds.get(key)
             if feed is None and (create or os.path.exists(path)):
-                feed = self._feeds[path] = Feed(path, self.log)
+                feed = self._feeds[key] = Feed(path, self.log)
             return feed
 
     def push(self, owner, project, records, sessions):
