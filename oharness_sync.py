@@ -1814,17 +1814,20 @@ def split_events(data):
 
 class Page:
     """What a pull answers: events after a cursor, split into records and sessions."""
-    __slots__ = ("cursor", "records", "sessions", "more")
+    __slots__ = ("cursor", "records", "sessions", "more", "_json")
 
     def __init__(self, cursor, records=(), sessions=(), more=False):
         self.cursor = cursor
         self.records = records
         self.sessions = sessions
         self.more = more
+        self._json = None
 
     def to_json(self):
-        return b'{"cursor":%d,"records":[%s],"sessions":[%s],"more":%s}' % (
-            self.cursor, b",".join(self.records), b",".join(self.sessions), b"true" if self.more else b"false")
+        if self._json is None:  # built once, however many parked pulls answer with this page
+            self._json = b'{"cursor":%d,"records":[%s],"sessions":[%s],"more":%s}' % (
+                self.cursor, b",".join(self.records), b",".join(self.sessions), b"true" if self.more else b"false")
+        return self._json
 
 
 class _Batch:
@@ -1864,6 +1867,7 @@ class Feed:
         self.next_number = 1
         self.pending = []
         self.fd = None
+        self._last_page = None                 # ((since, limit, count), Page) of the latest read
 
     # -- loading -----------------------------------------------------------
 
@@ -2022,6 +2026,9 @@ class Feed:
             count = self.count
             if since >= count:
                 return Page(since)
+            last = self._last_page
+            if last is not None and last[0] == (since, limit, count):
+                return last[1]  # a thousand long-polls woken by one push all ask for this page
             end = min(count, since + limit)
             start, stop = self.offsets[since], self.offsets[end]
             fd = self.fd
@@ -2033,7 +2040,9 @@ class Feed:
             chunks.append(chunk)
             position += len(chunk)
         records, sessions = split_events(b"".join(chunks))
-        return Page(end, records, sessions, end < count)
+        page = Page(end, records, sessions, end < count)
+        self._last_page = ((since, limit, count), page)
+        return page
 
     def wait(self, since, seconds, stopping):
         """Sleep until an event after since is durable, stopping is set, or seconds pass."""
@@ -3987,47 +3996,64 @@ def catch_up(target, project, limit=MAX_PULL_LIMIT):
     return records, time.monotonic() - started
 
 
-def park_and_wake(target, feeds, polls):
-    """Park polls long-polls (spread over feeds projects), push once to each feed; wake latencies (s)."""
-    latencies, errors, lock = [], [], threading.Lock()
-    ready = threading.Semaphore(0)
+def park_worker(url, token, projects, ready, results):
+    """One client process holding a long-poll per project; reports (wall-clock wake time or None) each."""
+    woke, lock = [], threading.Lock()
 
     def poll(project):
-        client = BenchClient(target.url, target.token, timeout=60)
-        ready.release()
+        try:
+            client = BenchClient(url, token, timeout=60)
+        except OSError:
+            ready.put(1)
+            with lock:
+                woke.append(None)
+            return
+        ready.put(1)
         try:
             status, body = client.call("GET", "/v1/pull?project=%s&since=0&wait=30" % project)
-            woke = time.monotonic()
-            with lock:
-                if status == 200 and json.loads(body)["records"]:
-                    latencies.append(woke)
-                else:
-                    errors.append(status)
-        except (OSError, http.client.HTTPException) as exc:
-            with lock:
-                errors.append(str(exc))
+            at = time.time()
+            ok = status == 200 and b'"records":[]' not in body
+        except (OSError, ValueError):
+            at, ok = None, False
         finally:
             client.close()
+        with lock:
+            woke.append(at if ok else None)
 
-    projects = ["bench-wake-%s-%d" % (BENCH_RUN, i % feeds) for i in range(polls)]
-    old_stack = threading.stack_size(256 * 1024)
-    threads = [threading.Thread(target=poll, args=(project,), daemon=True) for project in projects]
-    threading.stack_size(old_stack)
+    threading.stack_size(256 * 1024)
+    threads = [threading.Thread(target=poll, args=(project,)) for project in projects]
     for thread in threads:
         thread.start()
-    for _ in threads:
-        ready.acquire()
+    for thread in threads:
+        thread.join(40)
+    results.put(woke)
+
+
+def park_and_wake(target, feeds, polls, processes=8):
+    """Park polls long-polls over feeds projects (clients in several processes), then push once to each
+    feed; (sorted wake latencies in s, failures, server RSS while parked)."""
+    context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+    ready, results = context.Queue(), context.Queue()
+    projects = ["bench-wake-%s-%d" % (BENCH_RUN, i % feeds) for i in range(polls)]
+    workers = [context.Process(target=park_worker, args=(target.url, target.token, projects[i::processes],
+                                                         ready, results)) for i in range(min(processes, polls))]
+    for worker in workers:
+        worker.start()
+    for _ in projects:
+        ready.get(timeout=60)
     time.sleep(2.0)  # let every request reach the server and park
     rss_parked = target.rss_mib()
     client = BenchClient(target.url, target.token)
-    pushed = time.monotonic()
+    pushed = time.time()
     for project in sorted(set(projects)):
         client.call("POST", "/v1/push", {"project": project, "records": [
             {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
     client.close()
-    for thread in threads:
-        thread.join(35)
-    return sorted(t - pushed for t in latencies), errors, rss_parked
+    woke = [at for _ in workers for at in results.get(timeout=60)]
+    for worker in workers:
+        worker.join()
+    latencies = sorted(at - pushed for at in woke if at is not None)
+    return latencies, len(woke) - len(latencies), rss_parked
 
 
 def percentile(values, fraction):
@@ -4204,7 +4230,7 @@ def run_bench(report, args, scratch):
         report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed, "records/s",
                    target="100000/s")
         rss_before = target.rss_mib()
-        latencies, errors, rss_parked = park_and_wake(target, 1, args.polls)
+        latencies, failures, rss_parked = park_and_wake(target, 1, args.polls)
         report.add("long-poll wake p50, %d parked on one feed" % args.polls, percentile(latencies, 0.5) * 1000,
                    "ms")
         report.add("long-poll wake p99, %d parked on one feed" % args.polls, percentile(latencies, 0.99) * 1000,
