@@ -630,6 +630,8 @@ _REQUEST_FIELDS = {
 }
 _CHANGE_FIELDS = frozenset(["id", "hash", "note"])
 _HASH = re.compile(r"[0-9a-f]{64}")
+_HEX_RUN = re.compile(r"[0-9a-f]*")
+_ID_LINES = re.compile(r"[A-Za-z0-9_-]{1,128}(?:\n[A-Za-z0-9_-]{1,128})*")
 
 
 def memory_request(kind, doc, principal, quota=MEMORY_QUOTA):
@@ -722,9 +724,12 @@ def memory_have(doc, quota=MEMORY_QUOTA):
     have = doc["have"]
     if not isinstance(have, dict) or len(have) > quota["maxNotes"] * 2 + 1000:
         raise MemoryApiError(400, "invalid_have", "have must map at most maxNotes * 2 + 1000 ids to hashes")
-    for note_id, value in have.items():
-        if not (is_valid_id(note_id) and isinstance(value, str) and _HASH.fullmatch(value)):
-            raise MemoryApiError(400, "invalid_have", "have must map note ids to 64 lowercase hex hashes")
+    # Checked as two joined strings rather than key by key: a full `have` has thousands of entries.
+    values = list(have.values())
+    if have and not (all(type(value) is str for value in values) and set(map(len, values)) == {64}
+                     and _HEX_RUN.fullmatch("".join(values)) and _ID_LINES.fullmatch("\n".join(have))
+                     and RESERVED_IDS.isdisjoint(have)):
+        raise MemoryApiError(400, "invalid_have", "have must map note ids to 64 lowercase hex hashes")
     return have
 
 
@@ -2149,7 +2154,7 @@ class Manifest:
     changed once built: a commit builds a new one, so readers may keep using the old one.
     """
 
-    __slots__ = ("etag", "entries", "live_count", "entry_bytes", "_sorted_ids")
+    __slots__ = ("etag", "entries", "live_count", "entry_bytes", "_sorted_ids", "_fragments")
 
     def __init__(self, etag, entries):
         self.etag = etag
@@ -2165,6 +2170,21 @@ class Manifest:
         self.live_count = live
         self.entry_bytes = size
         self._sorted_ids = None
+        self._fragments = None
+
+    def fragments(self):
+        """[(id, hash, entry JSON without its note)] sorted by id, built once per manifest."""
+        if self._fragments is None:
+            fragments = []
+            for note_id in self.sorted_ids():
+                current = self.entries[note_id]["hash"]
+                if current is None:
+                    fragments.append((note_id, None, b'{"id":"%s","hash":null}' % note_id.encode("ascii")))
+                else:
+                    fragments.append((note_id, current, b'{"id":"%s","hash":"%s"}' % (
+                        note_id.encode("ascii"), current.encode("ascii"))))
+            self._fragments = fragments
+        return self._fragments
 
     def sorted_ids(self):
         if self._sorted_ids is None:
@@ -2256,6 +2276,28 @@ class ScopeFiles:
         return os.path.join(self.objects, rev + ".json")
 
 
+class MemoryAnswer:
+    """What a snapshot or commit answers: principal, etag, quota, and the entries as JSON fragments
+    (or `unchanged`)."""
+
+    __slots__ = ("principal", "etag", "quota", "entries", "unchanged")
+
+    def __init__(self, principal, etag, quota, entries=(), unchanged=False):
+        self.principal = principal
+        self.etag = etag
+        self.quota = quota
+        self.entries = entries
+        self.unchanged = unchanged
+
+    def to_json(self):
+        head = b'{"principal":"%s","etag":%s,' % (self.principal.encode("ascii"), encode_json(self.etag))
+        middle = b'"unchanged":true' if self.unchanged else b'"entries":[%s]' % b",".join(self.entries)
+        return b'%s%s,"quota":%s}' % (head, middle, encode_json(self.quota))
+
+    def to_dict(self):
+        return json.loads(self.to_json())
+
+
 class MemoryStore:
     """Memory notes under DIR/memory: one manifest plus immutable revision objects per scope.
 
@@ -2271,27 +2313,37 @@ class MemoryStore:
         self.max_snapshot_bytes = MAX_SNAPSHOT_BYTES
         self.garbage_age = GARBAGE_AGE_SECONDS
         self._cache = ManifestCache()
+        self._paths = {}
         self._locks = weakref.WeakValueDictionary()  # a scope's lock lives while someone holds it
         self._locks_guard = threading.Lock()
 
     def quota_doc(self):
         return dict(self.quota)
 
+    def _files(self, principal, scope):
+        """The ScopeFiles of (principal, scope), remembered: they are asked for on every request."""
+        key = (principal, scope)
+        files = self._paths.get(key)
+        if files is None:
+            if len(self._paths) > 10000:
+                self._paths.clear()
+            files = self._paths[key] = ScopeFiles(self.data_dir, principal, scope)
+        return files
+
     # -- the two operations ------------------------------------------------
 
     def snapshot(self, principal, scope, known_etag=None, have=None):
         """The snapshot answer body for principal's scope."""
-        files = ScopeFiles(self.data_dir, principal, scope)
+        files = self._files(principal, scope)
         with self._scope_lock(files.root):
             manifest = self._manifest(files)
             if manifest.etag is not None and known_etag == manifest.etag:
-                return {"principal": principal, "etag": manifest.etag, "unchanged": True,
-                        "quota": self.quota_doc()}
+                return MemoryAnswer(principal, manifest.etag, self.quota_doc(), unchanged=True)
             return self._answer(principal, files, manifest, have)
 
     def commit(self, principal, scope, etag, changes, have=None):
         """Apply a list of MemoryChange if etag is still current; the snapshot answer with the new etag."""
-        files = ScopeFiles(self.data_dir, principal, scope)
+        files = self._files(principal, scope)
         with self._scope_lock(files.root):
             old = self._manifest(files)
             if etag != old.etag:
@@ -2307,7 +2359,7 @@ class MemoryStore:
 
     def collect_garbage(self, principal, scope):
         """Remove revision objects the scope's manifest does not use and older than garbage_age; the count."""
-        files = ScopeFiles(self.data_dir, principal, scope)
+        files = self._files(principal, scope)
         with self._scope_lock(files.root):
             return self._collect_garbage(files, self._manifest(files))
 
@@ -2343,23 +2395,26 @@ class MemoryStore:
         return manifest
 
     def _answer(self, principal, files, manifest, have, fresh=None):
-        """The snapshot body for manifest: every entry by id; a note only where have lacks its hash."""
+        """The snapshot answer for manifest: every entry by id; a note only where have lacks its hash.
+
+        Entries are written as JSON fragments (a stored note's bytes are used as they are, once they
+        proved to hash right), so a scope of thousands of notes is answered without building objects.
+        """
         have = have or {}
         fresh = fresh or {}
         entries = []
-        for note_id in manifest.sorted_ids():
-            entry = manifest.entries[note_id]
-            current = entry["hash"]
+        for note_id, current, fragment in manifest.fragments():
             if current is None or have.get(note_id) == current:
-                entries.append({"id": note_id, "hash": current})
+                entries.append(fragment)
             else:
                 note = fresh.get(note_id)
-                if note is None:
-                    note = self._read_note(files, note_id, entry)
-                entries.append({"id": note_id, "hash": current, "note": note})
-        return {"principal": principal, "etag": manifest.etag, "entries": entries, "quota": self.quota_doc()}
+                data = encode_json(note) if note is not None else self._read_note(files, note_id,
+                                                                                   manifest.entries[note_id])
+                entries.append(b'%s,"note":%s}' % (fragment[:-1], data))
+        return MemoryAnswer(principal, manifest.etag, self.quota_doc(), entries)
 
     def _read_note(self, files, note_id, entry):
+        """The stored bytes of a live note, after checking that they hash to the manifest's hash."""
         path = files.object_path(entry["rev"])
         try:
             with open(path, "rb") as stream:
@@ -2369,13 +2424,14 @@ class MemoryStore:
             raise MemoryApiError(502, "missing_memory_object", "a memory note object is missing") from None
         try:
             note = decode_json(data)
-            intact = isinstance(note, dict) and note_hash(note) == entry["hash"]
+            intact = (isinstance(note, dict) and NOTE_FIELDS.issuperset(note) and note_hash(note) == entry["hash"]
+                      and encode_json(note) == data)  # exactly the bytes this server wrote
         except (ValueError, KeyError):
             intact = False
         if not intact:
             self.log("memory: note %s at %s does not match its hash" % (note_id, path))
             raise MemoryApiError(502, "memory_integrity_error", "a memory note object is damaged")
-        return note
+        return data
 
     # -- committing ----------------------------------------------------------
 
@@ -2641,11 +2697,11 @@ class SyncApp:
 
     def memory_snapshot(self, request):
         principal, req = self.memory_request(request, "snapshot")
-        return json_response(200, self.memory.snapshot(principal, req.scope, req.known_etag, req.have))
+        return Response(200, self.memory.snapshot(principal, req.scope, req.known_etag, req.have).to_json())
 
     def memory_commit(self, request):
         principal, req = self.memory_request(request, "commit")
-        return json_response(200, self.memory.commit(principal, req.scope, req.etag, req.changes, req.have))
+        return Response(200, self.memory.commit(principal, req.scope, req.etag, req.changes, req.have).to_json())
 
     def memory_request(self, request, kind):
         """The contract's checks, in its order; (verified principal, MemoryRequest)."""

@@ -2305,7 +2305,7 @@ class StoreTest(unittest.TestCase):
         return sync.MemoryStore(self.dir, clock=lambda: self.now)
 
     def commit(self, docs, etag=None, scope=PROJECT, principal=P, have=None, store=None):
-        return (store or self.store).commit(principal, scope, etag, memory_changes_of(*docs), have)
+        return (store or self.store).commit(principal, scope, etag, memory_changes_of(*docs), have).to_dict()
 
     def refused(self, call, *args, **kwargs):
         with self.assertRaises(sync.MemoryApiError) as caught:
@@ -2324,9 +2324,9 @@ class StoreTest(unittest.TestCase):
     # -- snapshots and commits -------------------------------------------------
 
     def test_empty_scope(self):
-        self.assertEqual(self.store.snapshot(P, PROJECT),
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict(),
                          {"principal": P, "etag": None, "entries": [], "quota": sync.MEMORY_QUOTA})
-        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=None)["entries"], [])
+        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=None).to_dict()["entries"], [])
         self.assertFalse(os.path.exists(os.path.join(self.dir, "memory")))  # reading creates nothing
 
     def test_commit_then_snapshot(self):
@@ -2337,10 +2337,10 @@ class StoreTest(unittest.TestCase):
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["C", "a", "b"])
         self.assertEqual(answer["entries"][1], {"id": "a", "hash": memory_put("a", type="user")["hash"],
                                                 "note": memory_note("a", type="user")})
-        self.assertEqual(self.store.snapshot(P, PROJECT), answer)
-        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=etag),
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict(), answer)
+        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict(),
                          {"principal": P, "etag": etag, "unchanged": True, "quota": sync.MEMORY_QUOTA})
-        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag="old")["entries"], answer["entries"])
+        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag="old").to_dict()["entries"], answer["entries"])
         # An update replaces the note and changes the etag.
         answer = self.commit([memory_put("a", body="new", updatedAt=7)], etag=etag)
         self.assertNotEqual(answer["etag"], etag)
@@ -2349,11 +2349,11 @@ class StoreTest(unittest.TestCase):
     def test_have_leaves_out_notes_and_skips_reads(self):
         etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
         have = {"a": memory_put("a")["hash"], "b": "0" * 64, "zzz": "1" * 64}
-        entries = self.store.snapshot(P, PROJECT, have=have)["entries"]
+        entries = self.store.snapshot(P, PROJECT, have=have).to_dict()["entries"]
         self.assertEqual(entries, [{"id": "a", "hash": have["a"]},
                                    {"id": "b", "hash": memory_put("b")["hash"], "note": memory_note("b")}])
         os.remove(self.object_path("a"))
-        self.assertEqual(self.store.snapshot(P, PROJECT, have=have)["entries"], entries)
+        self.assertEqual(self.store.snapshot(P, PROJECT, have=have).to_dict()["entries"], entries)
         self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "missing_memory_object"))
         # The commit answer honours have as well.
         answer = self.commit([memory_put("c")], etag=etag, have=have)
@@ -2362,7 +2362,7 @@ class StoreTest(unittest.TestCase):
     def test_unchanged_reads_nothing(self):
         etag = self.commit([memory_put("a")])["etag"]
         shutil.rmtree(self.files().root)  # the manifest is cached; the notes are not needed
-        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=etag)["unchanged"])
+        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict()["unchanged"])
 
     def test_revision_conflict(self):
         etag = self.commit([memory_put("a")])["etag"]
@@ -2370,7 +2370,7 @@ class StoreTest(unittest.TestCase):
             self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=stale), (409, "revision_conflict"))
         self.assertEqual(self.refused(self.commit, [memory_put("a")], etag="x", scope=sync.USER_SCOPE),
                          (409, "revision_conflict"))  # no manifest there: only null matches
-        snapshot = self.store.snapshot(P, PROJECT)
+        snapshot = self.store.snapshot(P, PROJECT).to_dict()
         self.assertEqual((snapshot["etag"], [entry["id"] for entry in snapshot["entries"]]), (etag, ["a"]))
 
     def test_deletes_and_tombstones(self):
@@ -2395,9 +2395,9 @@ class StoreTest(unittest.TestCase):
         etag = self.commit([memory_delete("a")], etag=etag)["etag"]
         self.now += 90 * 86400  # exactly tombstoneDays old: kept
         etag = self.commit([memory_put("c")], etag=etag)["etag"]
-        self.assertIn({"id": "a", "hash": None}, self.store.snapshot(P, PROJECT)["entries"])
+        self.assertIn({"id": "a", "hash": None}, self.store.snapshot(P, PROJECT).to_dict()["entries"])
         self.now += 1
-        self.assertIn({"id": "a", "hash": None}, self.store.snapshot(P, PROJECT)["entries"])  # until a commit
+        self.assertIn({"id": "a", "hash": None}, self.store.snapshot(P, PROJECT).to_dict()["entries"])  # until a commit
         answer = self.commit([memory_put("d")], etag=etag)
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["b", "c", "d"])
 
@@ -2405,7 +2405,7 @@ class StoreTest(unittest.TestCase):
         etag = self.commit([memory_put("note-a")])["etag"]
         self.assertEqual(self.refused(self.commit, [memory_put("Note-A")], etag=etag), (400, "id_case_conflict"))
         self.assertEqual(self.refused(self.commit, [memory_put("x"), memory_put("X")], etag=etag), (400, "id_case_conflict"))
-        self.assertEqual(self.store.snapshot(P, PROJECT)["etag"], etag)
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["etag"], etag)
         # A rename in one commit is fine, and so is updating the note under its own id.
         answer = self.commit([memory_delete("note-a"), memory_put("Note-A")], etag=etag)
         self.assertEqual(answer["entries"][0]["id"], "Note-A")
@@ -2424,7 +2424,7 @@ class StoreTest(unittest.TestCase):
         self.commit([memory_put("b")], principal="bob")
         self.commit([memory_put("c")], principal="Alice")
         self.commit([memory_put("d")], scope=sync.MemoryScope("user"))  # a project called "user"
-        ids = lambda principal, scope: [e["id"] for e in self.store.snapshot(principal, scope)["entries"]]
+        ids = lambda principal, scope: [e["id"] for e in self.store.snapshot(principal, scope).to_dict()["entries"]]
         self.assertEqual(ids(P, PROJECT), ["a"])
         self.assertEqual(ids(P, sync.USER_SCOPE), ["u"])
         self.assertEqual(ids("bob", PROJECT), ["b"])
@@ -2438,15 +2438,15 @@ class StoreTest(unittest.TestCase):
     def test_no_raw_ids_in_paths(self):
         for principal, project in (("../x", "p"), ("a", "../../x"), ("a/b", "p"), ("__proto__", "p")):
             with self.assertRaises(ValueError):
-                self.store.snapshot(principal, sync.MemoryScope(project))
+                self.store.snapshot(principal, sync.MemoryScope(project)).to_dict()
 
     def test_restart_keeps_etag_and_entries(self):
         etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
         self.commit([memory_delete("a")], etag=etag)
-        before = self.store.snapshot(P, PROJECT)
+        before = self.store.snapshot(P, PROJECT).to_dict()
         again = self.open_store()
-        self.assertEqual(again.snapshot(P, PROJECT), before)
-        self.assertTrue(again.snapshot(P, PROJECT, known_etag=before["etag"])["unchanged"])
+        self.assertEqual(again.snapshot(P, PROJECT).to_dict(), before)
+        self.assertTrue(again.snapshot(P, PROJECT, known_etag=before["etag"]).to_dict()["unchanged"])
         self.assertEqual(self.refused(self.commit, [memory_put("c")], etag=etag, store=again), (409, "revision_conflict"))
         self.commit([memory_put("c")], etag=before["etag"], store=again)
 
@@ -2455,7 +2455,7 @@ class StoreTest(unittest.TestCase):
     def test_deletes_allowed_above_a_lowered_quota(self):
         etag = self.commit([memory_put("n%d" % i) for i in range(5)])["etag"]
         self.store.quota["maxNotes"] = 3
-        self.assertEqual(self.store.snapshot(P, PROJECT)["quota"]["maxNotes"], 3)
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["quota"]["maxNotes"], 3)
         self.assertEqual(self.refused(self.commit, [memory_put("n9")], etag=etag), (413, "memory_quota_exceeded"))
         etag = self.commit([memory_delete("n0")], etag=etag)["etag"]  # 4 live: still above, but fewer
         etag = self.commit([memory_delete("n1"), memory_put("n9")], etag=etag)["etag"]  # 4 live: not more than before
@@ -2464,12 +2464,12 @@ class StoreTest(unittest.TestCase):
 
     def test_snapshot_size_limit(self):
         self.commit([memory_put("a"), memory_put("b", body="\u00e9" * 100)], scope=sync.USER_SCOPE)  # to measure the answer
-        size = len(sync.encode_json(self.store.snapshot(P, sync.USER_SCOPE)["entries"]))
+        size = len(sync.encode_json(self.store.snapshot(P, sync.USER_SCOPE).to_dict()["entries"]))
         etag = self.commit([memory_put("a")])["etag"]
         self.store.max_snapshot_bytes = size - 1
         self.assertEqual(self.refused(self.commit, [memory_put("b", body="\u00e9" * 100)], etag=etag),
                          (413, "memory_quota_exceeded"))
-        self.assertEqual(self.store.snapshot(P, PROJECT)["etag"], etag)
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["etag"], etag)
         self.store.max_snapshot_bytes = size
         etag = self.commit([memory_put("b", body="\u00e9" * 100)], etag=etag)["etag"]
         self.store.max_snapshot_bytes = 10
@@ -2480,12 +2480,12 @@ class StoreTest(unittest.TestCase):
         docs = [memory_put("a", body="caf\u00e9 \U0001f600"), memory_put("b", body='"quotes" \\ and \x01', type="project")]
         self.commit(docs + [memory_delete("c")])
         manifest = self.store._manifest(self.files())
-        entries = self.store.snapshot(P, PROJECT)["entries"]
+        entries = self.store.snapshot(P, PROJECT).to_dict()["entries"]
         self.assertEqual(manifest.entry_bytes, len(sync.encode_json(entries)))
 
     def test_lone_surrogates_round_trip(self):
         answer = self.commit([memory_put("a", body="lone \ud800 surrogate", tags=["\udc00"])])
-        self.assertEqual(self.open_store().snapshot(P, PROJECT), answer)
+        self.assertEqual(self.open_store().snapshot(P, PROJECT).to_dict(), answer)
         self.assertEqual(answer["entries"][0]["note"]["body"], "lone \ud800 surrogate")
 
     # -- integrity ----------------------------------------------------------------
@@ -2500,7 +2500,7 @@ class StoreTest(unittest.TestCase):
             with open(path, "wb") as stream:
                 stream.write(data)
             self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "memory_integrity_error"))
-        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=etag)["unchanged"])
+        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict()["unchanged"])
         os.remove(path)
         self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "missing_memory_object"))
 
@@ -2536,23 +2536,23 @@ class StoreTest(unittest.TestCase):
 
     def test_manifest_write_failure_keeps_the_old_state(self):
         etag = self.commit([memory_put("a")])["etag"]
-        before = self.store.snapshot(P, PROJECT)
+        before = self.store.snapshot(P, PROJECT).to_dict()
         with mock.patch.object(sync, "write_atomically", side_effect=OSError(errno.ENOSPC, "full")):
             self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=etag), (502, "memory_sync_failed"))
-        self.assertEqual(self.store.snapshot(P, PROJECT), before)
-        self.assertEqual(self.open_store().snapshot(P, PROJECT), before)
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict(), before)
+        self.assertEqual(self.open_store().snapshot(P, PROJECT).to_dict(), before)
         answer = self.commit([memory_put("b")], etag=etag)
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["a", "b"])
 
     def test_first_manifest_write_failure(self):
         with mock.patch.object(sync, "write_atomically", side_effect=OSError(errno.ENOSPC, "full")):
             self.assertEqual(self.refused(self.commit, [memory_put("a")]), (502, "memory_sync_failed"))
-        self.assertEqual(self.store.snapshot(P, PROJECT)["etag"], None)
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["etag"], None)
         self.commit([memory_put("a")])
 
     def test_object_write_failure_keeps_the_old_state(self):
         etag = self.commit([memory_put("a")])["etag"]
-        before = self.store.snapshot(P, PROJECT)
+        before = self.store.snapshot(P, PROJECT).to_dict()
         objects_before = sorted(os.listdir(self.files().objects))
         calls = []
 
@@ -2565,8 +2565,8 @@ class StoreTest(unittest.TestCase):
             self.assertEqual(self.refused(self.commit, [memory_put("b"), memory_put("c"), memory_put("d")], etag=etag),
                              (502, "memory_sync_failed"))
         self.assertEqual(len(calls), 2)
-        self.assertEqual(self.store.snapshot(P, PROJECT), before)
-        self.assertEqual(self.open_store().snapshot(P, PROJECT), before)
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict(), before)
+        self.assertEqual(self.open_store().snapshot(P, PROJECT).to_dict(), before)
         self.assertEqual(sorted(os.listdir(self.files().objects)), objects_before)  # the new ones are removed
         self.commit([memory_put("b")], etag=etag)
 
@@ -2616,7 +2616,7 @@ class StoreTest(unittest.TestCase):
         self.assertEqual(len(winners), 1)
         self.assertEqual(results.count("revision_conflict"), 9)
         for store in (self.store, self.open_store()):
-            snapshot = store.snapshot(P, PROJECT)
+            snapshot = store.snapshot(P, PROJECT).to_dict()
             self.assertEqual(snapshot["etag"], results[winners[0]])
             self.assertEqual([entry["id"] for entry in snapshot["entries"]], ["base", "t%d" % winners[0]])
 
@@ -2634,11 +2634,11 @@ class StoreTest(unittest.TestCase):
         self.assertEqual(sorted(os.listdir(objects)),
                          sorted([os.path.basename(self.object_path("a")), "not-ours.txt"]))
         self.assertNotIn(old_a, os.listdir(objects))
-        self.assertEqual(self.store.snapshot(P, PROJECT)["entries"][0]["note"]["body"], "v2")
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["entries"][0]["note"]["body"], "v2")
         # A commit collects too.
         self.commit([memory_put("a", body="v3")], etag=etag)
         self.now += sync.GARBAGE_AGE_SECONDS + 1
-        self.commit([memory_put("c")], etag=self.store.snapshot(P, PROJECT)["etag"])
+        self.commit([memory_put("c")], etag=self.store.snapshot(P, PROJECT).to_dict()["etag"])
         self.assertEqual(len(os.listdir(objects)), 3)  # a v3, c, not-ours.txt
 
 
@@ -2656,7 +2656,7 @@ class FullScopeTest(unittest.TestCase):
             for start in range(0, 5000, 500):
                 docs = [memory_put("n%04d" % i) for i in range(start, start + 500)]
                 cls.have.update((doc["id"], doc["hash"]) for doc in docs)
-                cls.answer = cls.store.commit(P, PROJECT, cls.etag, memory_changes_of(*docs), cls.have)
+                cls.answer = cls.store.commit(P, PROJECT, cls.etag, memory_changes_of(*docs), cls.have).to_dict()
                 cls.etag = cls.answer["etag"]
         finally:
             restore_fsync()
@@ -2669,17 +2669,17 @@ class FullScopeTest(unittest.TestCase):
         self.assertEqual(len(self.answer["entries"]), 5000)
         self.assertEqual(self.answer["entries"][-1], {"id": "n4999", "hash": self.have["n4999"]})
         with self.assertRaises(sync.MemoryApiError) as caught:
-            self.store.commit(P, PROJECT, self.etag, memory_changes_of(memory_put("n5000")))
+            self.store.commit(P, PROJECT, self.etag, memory_changes_of(memory_put("n5000"))).to_dict()
         self.assertEqual((caught.exception.status, caught.exception.code), (413, "memory_quota_exceeded"))
-        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=self.etag)["unchanged"])
+        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=self.etag).to_dict()["unchanged"])
 
     def test_full_have_snapshot_is_fast(self):
         store = sync.MemoryStore(self.dir)
-        self.assertTrue(store.snapshot(P, PROJECT, known_etag=self.etag)["unchanged"])  # loads the manifest
+        self.assertTrue(store.snapshot(P, PROJECT, known_etag=self.etag).to_dict()["unchanged"])  # loads the manifest
         best = float("inf")
         for _ in range(5):
             started = time.perf_counter()
-            answer = store.snapshot(P, PROJECT, have=self.have)
+            answer = store.snapshot(P, PROJECT, have=self.have).to_dict()
             best = min(best, time.perf_counter() - started)
         self.assertEqual(len(answer["entries"]), 5000)
         self.assertNotIn("note", answer["entries"][0])
@@ -2687,7 +2687,7 @@ class FullScopeTest(unittest.TestCase):
 
     def test_full_snapshot_reads_every_note(self):
         started = time.perf_counter()
-        answer = sync.MemoryStore(self.dir).snapshot(P, PROJECT)
+        answer = sync.MemoryStore(self.dir).snapshot(P, PROJECT).to_dict()
         elapsed = time.perf_counter() - started
         self.assertEqual(answer["entries"][1234]["note"], memory_note("n1234"))
         self.assertLess(elapsed, 2.0)
