@@ -16,6 +16,7 @@ Usage:
     python3 oharness_sync.py check --url URL --token TOKEN [--other-token TOKEN] [--team ID]
                                    [--memory --principal ID]
     python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N] [--json FILE]
+    python3 oharness_sync.py fsck --data DIR [--repair]
 
 The module reads top-down: constants and limits; errors; pure validation and
 hashing; authentication; storage (feeds, tokens); the HTTP layer; the command
@@ -88,6 +89,7 @@ IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed; a
 MAX_HEADER_LINE = 65536             # bytes in the request line or one header line
 MAX_HEADERS = 100                   # header lines in one request
 DEFAULT_MAX_CONNECTIONS = 2000
+DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
 LISTEN_BACKLOG = 512
 THREAD_STACK_BYTES = 512 * 1024     # a thousand parked long-polls fit a 32-bit Pi
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
@@ -1903,7 +1905,7 @@ class Feed:
                     else:
                         self.keys.add(key)
                 except (ValueError, KeyError, TypeError) as exc:
-                    if f.read(1):
+                    if f.peek(1):
                         self.damage = "%s:%d: %s" % (self.path, line_number, exc)
                         self.log("feed refused: %s" % self.damage)
                         return
@@ -2071,10 +2073,12 @@ class FeedStore:
     feed: two namespaces, so a principal and a team with one id never meet.
     """
 
-    def __init__(self, data_dir, log=None):
+    def __init__(self, data_dir, log=None, max_parked=DEFAULT_MAX_PARKED):
         self.root = os.path.join(data_dir, "feeds")
         self.log = log or (lambda message: None)
         self.stopping = threading.Event()
+        self.max_parked = max_parked
+        self.parked = 0
         self._feeds = {}
         self._lock = threading.Lock()
 
@@ -2108,10 +2112,22 @@ class FeedStore:
         if feed is None:
             return Page(since)
         page = feed.read(since, limit)
-        if not page.records and not page.sessions and wait > 0 and not self.stopping.is_set():
-            feed.wait(since, wait, self.stopping)
+        if not page.records and not page.sessions and wait > 0 and not self.stopping.is_set() and self._park():
+            try:
+                feed.wait(since, wait, self.stopping)
+            finally:
+                with self._lock:
+                    self.parked -= 1
             page = feed.read(since, limit)
         return page
+
+    def _park(self):
+        """Take a long-poll place; False past max_parked (the pull then answers at once)."""
+        with self._lock:
+            if self.parked >= self.max_parked:
+                return False
+            self.parked += 1
+            return True
 
     def projects(self, owner):
         """The sorted project ids with a non-empty feed for owner."""
@@ -2549,6 +2565,163 @@ class MemoryStore:
             except OSError as exc:
                 self.log("memory: cannot remove %s: %s" % (path, exc))
         return removed
+
+
+# ---------------------------------------------------------------------------
+# Storage: checking a data dir (fsck)
+# ---------------------------------------------------------------------------
+
+class DataDirCheck:
+    """Reads a whole data dir and lists what is wrong with it; read-only unless asked to repair.
+
+    Problems are damage: a bad line, a gap in event numbers, a record stored twice, a manifest or
+    token file that does not parse, a note whose object is missing or does not hash right. Notes are
+    harmless findings (unreferenced revision objects, left by a crash or a replaced note). Repair only
+    cuts a torn last line off a feed and removes unreferenced objects; it never drops data from the
+    middle of a feed.
+    """
+
+    def __init__(self, data_dir, repair=False):
+        self.data_dir = data_dir
+        self.repair = repair
+        self.problems = []
+        self.notes = []
+        self.repaired = []
+        self.counts = {"feeds": 0, "events": 0, "scopes": 0, "notes": 0, "tokens": 0}
+
+    def run(self):
+        self.check_feeds()
+        self.check_memory()
+        self.check_tokens()
+        return not self.problems
+
+    def _dirs(self, root, prefixes):
+        try:
+            entries = sorted(os.scandir(root), key=lambda entry: entry.name)
+        except FileNotFoundError:
+            return []
+        return [entry.path for entry in entries if entry.is_dir() and entry.name.startswith(prefixes)]
+
+    # -- feeds ---------------------------------------------------------------
+
+    def check_feeds(self):
+        for owner_dir in self._dirs(os.path.join(self.data_dir, "feeds"), ("u-", "t-")):
+            for entry in sorted(os.scandir(owner_dir), key=lambda entry: entry.name):
+                if entry.name.startswith("p-") and entry.name.endswith(".jsonl"):
+                    self.check_feed(entry.path)
+                else:
+                    self.notes.append("%s: not a feed file (left alone)" % entry.path)
+
+    def check_feed(self, path):
+        self.counts["feeds"] += 1
+        keys, expected, offset = set(), 1, 0
+        with open(path, "rb") as f:
+            for line_number, line in enumerate(f, 1):
+                try:
+                    number, kind, key, event = parse_feed_line(line)
+                    if kind == b"s":
+                        session = json.loads(event)
+                        if not isinstance(session, dict) or "id" not in session:
+                            raise ValueError("session event without an id")
+                except ValueError as exc:
+                    if not f.peek(1):
+                        self._torn_tail(path, line_number, offset, exc)
+                        return
+                    self.problems.append("%s:%d: %s" % (path, line_number, exc))
+                    offset += len(line)
+                    expected += 1
+                    continue
+                if number != expected:
+                    self.problems.append("%s:%d: event number %d where %d was expected" % (
+                        path, line_number, number, expected))
+                if key is not None:
+                    if key in keys:
+                        self.problems.append("%s:%d: a record (session, id) stored a second time" % (path, line_number))
+                    keys.add(key)
+                self.counts["events"] += 1
+                expected = number + 1
+                offset += len(line)
+
+    def _torn_tail(self, path, line_number, offset, exc):
+        if self.repair:
+            with open(path, "r+b") as f:
+                f.truncate(offset)
+                sync_file(f.fileno())
+            self.repaired.append("%s:%d: cut a torn or damaged last line (%s)" % (path, line_number, exc))
+        else:
+            self.problems.append("%s:%d: torn or damaged last line (%s); --repair cuts it, and a running "
+                                 "server cuts it at its next start" % (path, line_number, exc))
+
+    # -- memory ----------------------------------------------------------------
+
+    def check_memory(self):
+        for principal_dir in self._dirs(os.path.join(self.data_dir, "memory"), ("u-",)):
+            for scope_dir in self._dirs(principal_dir, ("p-", "user")):
+                self.check_scope(scope_dir)
+
+    def check_scope(self, scope_dir):
+        self.counts["scopes"] += 1
+        manifest_path = os.path.join(scope_dir, "manifest.json")
+        try:
+            with open(manifest_path, "rb") as f:
+                manifest = Manifest.from_bytes(f.read())
+        except FileNotFoundError:
+            manifest = NO_MANIFEST
+        except (OSError, ValueError) as exc:
+            self.problems.append("%s: manifest does not parse: %s" % (manifest_path, exc))
+            return
+        objects = os.path.join(scope_dir, "objects")
+        referenced = set()
+        for note_id in manifest.sorted_ids():
+            entry = manifest.entries[note_id]
+            if entry["hash"] is None:
+                continue
+            self.counts["notes"] += 1
+            referenced.add(entry["rev"] + ".json")
+            self.check_object(manifest_path, note_id, entry, os.path.join(objects, entry["rev"] + ".json"))
+        try:
+            names = sorted(os.listdir(objects))
+        except FileNotFoundError:
+            names = []
+        unreferenced = [name for name in names if name not in referenced and _OBJECT_NAME.fullmatch(name)]
+        if unreferenced and self.repair:
+            for name in unreferenced:
+                os.unlink(os.path.join(objects, name))
+            self.repaired.append("%s: removed %d unreferenced revision objects" % (objects, len(unreferenced)))
+        elif unreferenced:
+            self.notes.append("%s: %d unreferenced revision objects (harmless; --repair removes them)" % (
+                objects, len(unreferenced)))
+
+    def check_object(self, manifest_path, note_id, entry, path):
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            self.problems.append("%s: note %s: its object %s is missing" % (manifest_path, note_id, path))
+            return
+        try:
+            note = decode_json(data)
+            intact = isinstance(note, dict) and note_hash(note) == entry["hash"]
+        except (ValueError, KeyError, TypeError):
+            intact = False
+        if not intact:
+            self.problems.append("%s: note %s: its object %s does not hash to the manifest's hash" % (
+                manifest_path, note_id, path))
+
+    # -- tokens ----------------------------------------------------------------
+
+    def check_tokens(self):
+        tokens = TokenStore(self.data_dir)
+        try:
+            self.counts["tokens"] = len(tokens.read())
+        except (OSError, ValueError) as exc:
+            self.problems.append("%s: token file does not parse: %s" % (tokens.path, exc))
+
+    def summary(self):
+        counts = self.counts
+        return ("fsck %s: %d feeds with %d events, %d memory scopes with %d live notes, %d tokens: %d problems%s"
+                % (self.data_dir, counts["feeds"], counts["events"], counts["scopes"], counts["notes"],
+                   counts["tokens"], len(self.problems), ", %d repaired" % len(self.repaired) if self.repaired else ""))
 
 
 # ---------------------------------------------------------------------------
@@ -3131,7 +3304,7 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 
 # ---------------------------------------------------------------------------
-# The command line: serve, token, check, bench
+# The command line: serve, token, fsck, check, bench
 # ---------------------------------------------------------------------------
 
 class Log:
@@ -3165,11 +3338,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections=DEFAULT_MAX_CONNECTIONS,
                  log=None, jwt=None, memory_mode="local", supabase=None,
-                 memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None):
+                 memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None, max_parked=DEFAULT_MAX_PARKED):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
-    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit), log)
+    feeds = FeedStore(data_dir, log, max_parked)
+    app = SyncApp(feeds, MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit), log)
     return SyncServer((host, port), app, max_connections, log, log.access, tls)
 
 
@@ -3267,7 +3441,10 @@ def serve_command(argv):
     parser.add_argument("--data", required=True, metavar="DIR", help="data directory (created if missing)")
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
-    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="open connections at once (default %d); past it a new one gets 503" % DEFAULT_MAX_CONNECTIONS)
+    parser.add_argument("--max-parked", type=int, default=DEFAULT_MAX_PARKED,
+                        help="long-polls held at once (default %d); past it a pull answers at once" % DEFAULT_MAX_PARKED)
     parser.add_argument("--quiet", action="store_true", help="no access log")
     parser.add_argument("--tls-cert", metavar="CERT.pem", help="serve HTTPS with this certificate (chain)")
     parser.add_argument("--tls-key", metavar="KEY.pem", help="and this private key; both are re-read on SIGHUP")
@@ -3277,6 +3454,8 @@ def serve_command(argv):
         raise UsageError("--port must be 0..65535")
     if args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
+    if args.max_parked < 0:
+        raise UsageError("--max-parked must be 0 or more")
     if args.memory_rate_limit < 0:
         raise UsageError("--memory-rate-limit must be 0 or more")
     jwt, supabase = auth_from_flags(args)
@@ -3289,7 +3468,7 @@ def serve_command(argv):
     threading.stack_size(THREAD_STACK_BYTES)
     try:
         server = build_server(data_dir, args.host, args.port, args.max_connections, log,
-                              jwt, args.memory_auth, supabase, args.memory_rate_limit, tls)
+                              jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked)
     except OSError as exc:
         raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, exc.strerror or exc)) from None
     print("oharness-sync listening on %s" % server.url, flush=True)
@@ -3381,6 +3560,39 @@ def list_tokens(tokens):
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return 0
+
+
+def fsck_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py fsck", description="Check a data dir for damage.")
+    parser.add_argument("--data", required=True, metavar="DIR")
+    parser.add_argument("--repair", action="store_true",
+                        help="cut torn last lines and remove unreferenced memory objects (server stopped)")
+    args = parser.parse_args(argv)
+    data_dir = os.path.abspath(args.data)
+    if not os.path.isdir(data_dir):
+        raise UsageError("%s is not a directory" % data_dir)
+    lock = None
+    if args.repair:  # a repair must not race the server's own appends
+        lock = DataDirLock(data_dir)
+        try:
+            lock.acquire()
+        except UsageError:
+            raise UsageError("stop the server using %s before --repair (a check without it is safe while "
+                             "it runs)" % data_dir) from None
+    try:
+        check = DataDirCheck(data_dir, repair=args.repair)
+        check.run()
+    finally:
+        if lock is not None:
+            lock.release()
+    for line in check.problems:
+        print("problem: " + line)
+    for line in check.repaired:
+        print("repaired: " + line)
+    for line in check.notes:
+        print("note: " + line)
+    print(check.summary())
+    return 0 if not check.problems else 1
 
 
 # -- check: does a server speak protocol v1? ------------------------------------
@@ -4319,7 +4531,8 @@ def run_bench(report, args, scratch):
 # main
 # ---------------------------------------------------------------------------
 
-COMMANDS = {"serve": serve_command, "token": token_command, "check": check_command, "bench": bench_command}
+COMMANDS = {"serve": serve_command, "token": token_command, "check": check_command, "bench": bench_command,
+            "fsck": fsck_command}
 
 
 def main(argv=None):

@@ -109,7 +109,13 @@ class ServerCase(unittest.TestCase):
         self.url = self.server.url
         thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         thread.start()
+        self.server_thread = thread
         self.addCleanup(self.stop_server, self.server, thread)
+
+    def restart_server(self):
+        """Stop this test's server and start a new one on the same data dir (a restart)."""
+        self.stop_server(self.server, self.server_thread)
+        self.start_server()
 
     @staticmethod
     def stop_server(server, thread):
@@ -2724,6 +2730,163 @@ if __name__ == "__main__":
 
 
 # ---------------------------------------------------------------------------
+# Storage: checking a data dir (fsck)
+# ---------------------------------------------------------------------------
+
+class FsckTest(unittest.TestCase):
+    """fsck on a copy of a healthy data dir, damaged in one way at a time."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.healthy = tempfile.mkdtemp(prefix="ohs-test-")
+        feeds = sync.FeedStore(cls.healthy)
+        feeds.push(("u", "alice"), "p", *validated([record(record_id=str(i)) for i in range(5)], [meta()]))
+        feeds.push(("t", "team"), "q", *validated([record()]))
+        memory = sync.MemoryStore(cls.healthy)
+        memory.commit("alice", sync.MemoryScope("p"), None, memory_changes_of(memory_put("a"), memory_put("b")))
+        memory.commit("alice", sync.USER_SCOPE, None, memory_changes_of(memory_put("u")))
+        sync.TokenStore(cls.healthy).issue("alice")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.healthy, True)
+
+    def setUp(self):
+        self.data_dir = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "data")
+        self.addCleanup(shutil.rmtree, os.path.dirname(self.data_dir), True)
+        shutil.copytree(self.healthy, self.data_dir)
+        self.feed = os.path.join(self.data_dir, "feeds", "u-alice", "p-p.jsonl")
+        self.scope = os.path.join(self.data_dir, "memory", "u-alice", "p-p")
+
+    def fsck(self, *flags):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = sync.main(["fsck", "--data", self.data_dir] + list(flags))
+        return code, out.getvalue().splitlines()
+
+    def problems(self, lines):
+        return [line for line in lines if line.startswith("problem: ")]
+
+    def edit_lines(self, path, change):
+        with open(path, "rb") as f:
+            lines = f.read().splitlines(True)
+        change(lines)
+        with open(path, "wb") as f:
+            f.write(b"".join(lines))
+
+    def object_of(self, note_id):
+        with open(os.path.join(self.scope, "manifest.json")) as f:
+            return os.path.join(self.scope, "objects", json.load(f)["entries"][note_id]["rev"] + ".json")
+
+    def test_a_healthy_dir_is_clean(self):
+        code, lines = self.fsck()
+        self.assertEqual(code, 0, lines)
+        self.assertEqual(lines, ["fsck %s: 2 feeds with 7 events, 2 memory scopes with 3 live notes, 1 tokens: "
+                                 "0 problems" % self.data_dir])
+
+    def test_a_flipped_byte_is_named_with_its_line(self):
+        self.edit_lines(self.feed, lambda lines: lines.__setitem__(2, lines[2].replace(b'"laptop"', b'"laptoq"')))
+        code, lines = self.fsck()
+        self.assertEqual(code, 1)
+        self.assertEqual(self.problems(lines), ["problem: %s:3: checksum mismatch" % self.feed])
+
+    def test_a_gap_in_event_numbers(self):
+        self.edit_lines(self.feed, lambda lines: lines.__delitem__(1))
+        code, lines = self.fsck()
+        self.assertEqual(self.problems(lines), ["problem: %s:2: event number 3 where 2 was expected" % self.feed])
+
+    def test_a_record_stored_twice(self):
+        def duplicate(lines):
+            number, kind, key, event = sync.parse_feed_line(lines[0])
+            lines.append(sync.feed_line(len(lines) + 1, kind, event, key))
+        self.edit_lines(self.feed, duplicate)
+        code, lines = self.fsck()
+        self.assertEqual(self.problems(lines),
+                         ["problem: %s:7: a record (session, id) stored a second time" % self.feed])
+
+    def test_a_torn_tail_is_reported_and_repaired_but_the_middle_never_cut(self):
+        with open(self.feed, "rb") as f:
+            good = f.read()
+        with open(self.feed, "ab") as f:
+            f.write(b'{"n":7,"k":"r","h":"00')
+        code, lines = self.fsck()
+        self.assertEqual(code, 1)
+        self.assertEqual(len(self.problems(lines)), 1)
+        self.assertIn("%s:7: torn or damaged last line" % self.feed, lines[0])
+        code, lines = self.fsck("--repair")
+        self.assertEqual(code, 0, lines)
+        self.assertIn("repaired: %s:7: cut a torn or damaged last line" % self.feed, "\n".join(lines))
+        with open(self.feed, "rb") as f:
+            self.assertEqual(f.read(), good)
+        # A damaged middle line is reported, and --repair leaves it (and everything after it) alone.
+        self.edit_lines(self.feed, lambda lines: lines.__setitem__(1, lines[1][:20] + b"X" + lines[1][21:]))
+        with open(self.feed, "rb") as f:
+            damaged = f.read()
+        code, lines = self.fsck("--repair")
+        self.assertEqual(code, 1)
+        with open(self.feed, "rb") as f:
+            self.assertEqual(f.read(), damaged)
+
+    def test_memory_faults_are_named_by_note(self):
+        manifest = os.path.join(self.scope, "manifest.json")
+        os.remove(self.object_of("a"))
+        with open(self.object_of("b"), "wb") as f:
+            f.write(sync.encode_json(memory_note("b", body="changed behind the manifest's back")))
+        code, lines = self.fsck()
+        self.assertEqual(code, 1)
+        self.assertEqual(len(self.problems(lines)), 2, lines)
+        self.assertIn("problem: %s: note a: its object" % manifest, lines[0])
+        self.assertTrue(lines[0].endswith("is missing"))
+        self.assertIn("problem: %s: note b: its object" % manifest, lines[1])
+        self.assertTrue(lines[1].endswith("does not hash to the manifest's hash"))
+
+    def test_a_manifest_or_token_file_that_does_not_parse(self):
+        with open(os.path.join(self.scope, "manifest.json"), "w") as f:
+            f.write('{"version": 1, "etag"')
+        with open(os.path.join(self.data_dir, "tokens.json"), "w") as f:
+            f.write("[]")
+        code, lines = self.fsck()
+        problems = self.problems(lines)
+        self.assertEqual(len(problems), 2, lines)
+        self.assertTrue(problems[0].startswith("problem: %s: manifest does not parse" % os.path.join(
+            self.scope, "manifest.json")))
+        self.assertTrue(problems[1].startswith("problem: %s: token file does not parse" % os.path.join(
+            self.data_dir, "tokens.json")))
+
+    def test_unreferenced_objects_are_a_note_and_repair_removes_them(self):
+        orphan = os.path.join(self.scope, "objects", "0" * 32 + ".json")
+        with open(orphan, "wb") as f:
+            f.write(b"{}")  # what a crash between objects and manifest leaves
+        code, lines = self.fsck()
+        self.assertEqual(code, 0)
+        self.assertIn("note: %s: 1 unreferenced revision objects" % os.path.join(self.scope, "objects"),
+                      "\n".join(lines))
+        code, lines = self.fsck("--repair")
+        self.assertEqual(code, 0)
+        self.assertFalse(os.path.exists(orphan))
+        self.assertTrue(os.path.exists(self.object_of("a")))
+
+    def test_check_is_read_only_and_safe_while_a_server_runs_but_repair_is_not(self):
+        server = SubprocessServer(self.data_dir)
+        try:
+            before = {path: os.stat(path).st_mtime_ns for path in self.all_files()}
+            result = subprocess.run([sys.executable, MODULE, "fsck", "--data", self.data_dir],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+            self.assertEqual(result.returncode, 0, result.stdout)
+            self.assertEqual({path: os.stat(path).st_mtime_ns for path in self.all_files()}, before)
+            result = subprocess.run([sys.executable, MODULE, "fsck", "--data", self.data_dir, "--repair"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30,
+                                    universal_newlines=True)
+            self.assertEqual(result.returncode, 2)
+            self.assertIn("stop the server", result.stderr)
+        finally:
+            server.stop()
+
+    def all_files(self):
+        return [os.path.join(root, name) for root, _, names in os.walk(self.data_dir) for name in names]
+
+
+# ---------------------------------------------------------------------------
 # The HTTP layer: session sync on the wire
 # ---------------------------------------------------------------------------
 
@@ -3743,6 +3906,97 @@ class BenchCommandTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ConnectionCapTest(ServerCase):
+    server_options = {"max_connections": 3}
+
+    def test_past_the_connection_cap_a_new_connection_gets_a_503_json_answer(self):
+        held = [socket.create_connection(self.server.server_address[:2]) for _ in range(3)]
+        self.addCleanup(lambda: [sock.close() for sock in held])
+        deadline = time.monotonic() + 5
+        while self.server.connections < 3:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        sock = socket.create_connection(self.server.server_address[:2], timeout=5)
+        sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        sock.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        self.assertTrue(head.startswith(b"HTTP/1.1 503 "), answer)
+        self.assertIn(b"Content-Type: application/json", head)
+        self.assertIn(b"Connection: close", head)
+        self.assertIsInstance(json.loads(body)["error"], str)
+        for sock in held:
+            sock.close()
+        deadline = time.monotonic() + 5
+        while self.server.connections > 0:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
+
+class ParkedCapTest(ServerCase):
+    server_options = {"max_parked": 2}
+
+    def test_past_the_parked_cap_wait_is_treated_as_0(self):
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(self.pull(self.alice, wait=10)))
+                   for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 5
+        while self.server.app.feeds.parked < 2:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        started = time.monotonic()
+        answer = self.pull(self.alice, wait=10)  # a third long-poll: answered at once, empty
+        self.assertLess(time.monotonic() - started, 1.0)
+        self.assertAnswer(answer, 200, {"cursor": 0, "records": [], "sessions": [], "more": False})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        for thread in threads:
+            thread.join(5)
+        self.assertEqual([len(answer.json["records"]) for answer in results], [1, 1])
+        self.assertEqual(self.server.app.feeds.parked, 0)
+
+
+class FeedFaultsOnTheWireTest(ServerCase):
+    def test_enospc_and_eio_during_append_answer_500_and_change_nothing(self):
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="a")]), 200, {"cursor": 1, "accepted": 1})
+        path = self.feed_files()[0]
+        with open(path, "rb") as f:
+            before = f.read()
+        for error in (errno.ENOSPC, errno.EIO):
+            with mock.patch.object(sync, "sync_file", side_effect=OSError(error, os.strerror(error))):
+                answer = self.push(self.alice, records=[record(record_id="b")], sessions=[meta()])
+            self.assertAnswer(answer, 500, {"error": "storage failure; nothing was stored"})
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(), before)
+            self.assertEqual(self.pull(self.alice).json["cursor"], 1)
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="b")], sessions=[meta()]), 200,
+                          {"cursor": 3, "accepted": 2})
+        self.assertTrue(any("No space left on device" in line for line in self.log_lines))
+
+    def test_a_damaged_middle_line_refuses_that_feed_only_and_the_log_names_it(self):
+        self.push(self.alice, records=[record(record_id=str(i)) for i in range(3)])
+        self.push(self.bob, records=[record()])
+        self.stop_server(self.server, self.server_thread)  # restart on the damaged file
+        alice_feed = os.path.join(self.data_dir, "feeds", "u-alice", "p-proj.jsonl")
+        with open(alice_feed, "rb") as f:
+            lines = f.read().splitlines(True)
+        lines[1] = lines[1].replace(b'"id":"1"', b'"id":"9"')
+        with open(alice_feed, "wb") as f:
+            f.write(b"".join(lines))
+        self.start_server()
+        for answer in (self.pull(self.alice), self.push(self.alice, records=[record(record_id="new")])):
+            self.assertAnswer(answer, 500, {"error": "this feed is damaged; the server log names the file and line"})
+        self.assertTrue(any("%s:2: checksum mismatch" % alice_feed in line for line in self.log_lines), self.log_lines)
+        self.assertEqual(len(self.pull(self.bob).json["records"]), 1)
+        self.assertAnswer(self.push(self.alice, "other", [record()]), 200, {"cursor": 1, "accepted": 1})
 
 
 class JwtOnTheWireTest(ServerCase):
