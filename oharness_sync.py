@@ -2370,8 +2370,20 @@ class MemoryStore:
             self._check_quota(old, new)
             self._publish(files, new, objects)
             self._cache.put(files.root, new)
+            self._mark_replaced(files, old, new)
             self._collect_garbage(files, new)
             return self._answer(principal, files, new, have, fresh)
+
+    def _mark_replaced(self, files, old, new):
+        """Touch the revisions this commit stopped using, so garbage collection keeps them for
+        garbage_age from now: a backup copying the previous manifest still finds its objects."""
+        now = self.clock()
+        for note_id, entry in old.entries.items():
+            if entry["hash"] is not None and new.entries.get(note_id, {}).get("rev") != entry["rev"]:
+                try:
+                    os.utime(files.object_path(entry["rev"]), (now, now))
+                except OSError:
+                    pass
 
     def collect_garbage(self, principal, scope):
         """Remove revision objects the scope's manifest does not use and older than garbage_age; the count."""

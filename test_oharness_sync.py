@@ -2647,6 +2647,16 @@ class StoreTest(unittest.TestCase):
         self.commit([memory_put("c")], etag=self.store.snapshot(P, PROJECT).to_dict()["etag"])
         self.assertEqual(len(os.listdir(objects)), 3)  # a v3, c, not-ours.txt
 
+    def test_a_replaced_old_revision_stays_for_garbage_age_after_its_replacement(self):
+        etag = self.commit([memory_put("a")])["etag"]
+        old_object = self.object_path("a")
+        os.utime(old_object, (self.now - 2 * 86400,) * 2)  # written two days ago
+        self.commit([memory_put("a", body="v2")], etag=etag)  # replaced now, and this commit collects
+        self.assertTrue(os.path.exists(old_object))  # a backup copying the old manifest still finds it
+        self.now += sync.GARBAGE_AGE_SECONDS + 1
+        self.assertEqual(self.store.collect_garbage(P, PROJECT), 1)
+        self.assertFalse(os.path.exists(old_object))
+
 
 class FullScopeTest(unittest.TestCase):
     """One scope filled to the 5,000-note quota in commits of 500 (built once: creating 5,000 files is slow
