@@ -34,6 +34,7 @@ import http.server
 import json
 import math
 import multiprocessing
+import queue
 import os
 import re
 import secrets
@@ -1862,7 +1863,7 @@ class Feed:
         self.path = path
         self.log = log
         self.lock = threading.Lock()           # guards everything below
-        self.changed = threading.Condition()   # parked long-polls wait here
+        self._listeners = set()                # called once the next event is durable
         self._load_lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self.loaded = False
@@ -1986,8 +1987,9 @@ class Feed:
             self.count += len(lines)
             for queued in group:
                 queued.state = "done"
-        with self.changed:
-            self.changed.notify_all()
+            listeners, self._listeners = self._listeners, set()
+        for listener in listeners:
+            listener()
 
     def _undo(self, batches, reason):
         """Forget queued batches whose write failed, newest first; they all answer 500."""
@@ -2051,19 +2053,29 @@ class Feed:
         self._last_page = ((since, limit, count), page)
         return page
 
-    def wait(self, since, seconds, stopping):
-        """Sleep until an event after since is durable, stopping is set, or seconds pass."""
-        deadline = time.monotonic() + seconds
-        with self.changed:
-            while self.count <= since and not stopping.is_set():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                self.changed.wait(remaining)
+    def listen(self, since, listener):
+        """Call listener() once an event after since is durable; False (and no call) if one already is."""
+        self.ensure_loaded()
+        with self.lock:
+            if self.count > since:
+                return False
+            self._listeners.add(listener)
+            return True
 
-    def wake(self):
-        with self.changed:
-            self.changed.notify_all()
+    def unlisten(self, listener):
+        """Forget a listener that has not been called; False when it was called already."""
+        with self.lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+                return True
+            return False
+
+    def call_listeners(self):
+        """Call every listener now (shutdown)."""
+        with self.lock:
+            listeners, self._listeners = self._listeners, set()
+        for listener in listeners:
+            listener()
 
 
 class FeedStore:
@@ -2073,12 +2085,10 @@ class FeedStore:
     feed: two namespaces, so a principal and a team with one id never meet.
     """
 
-    def __init__(self, data_dir, log=None, max_parked=DEFAULT_MAX_PARKED):
+    def __init__(self, data_dir, log=None):
         self.root = os.path.join(data_dir, "feeds")
         self.log = log or (lambda message: None)
         self.stopping = threading.Event()
-        self.max_parked = max_parked
-        self.parked = 0
         self._feeds = {}
         self._lock = threading.Lock()
 
@@ -2106,28 +2116,23 @@ class FeedStore:
         """Append a validated push; (cursor, accepted). A push that adds nothing creates nothing."""
         return self.feed(owner, project, create=True).append(records, sessions)
 
-    def pull(self, owner, project, since, limit, wait=0):
-        """A Page after since; with wait > 0 an empty answer first waits for a push."""
-        feed = self.feed(owner, project, create=wait > 0)
+    def pull(self, owner, project, since, limit):
+        """The Page of at most limit events after since. A pull never creates a feed."""
+        feed = self.feed(owner, project)
         if feed is None:
             return Page(since)
-        page = feed.read(since, limit)
-        if not page.records and not page.sessions and wait > 0 and not self.stopping.is_set() and self._park():
-            try:
-                feed.wait(since, wait, self.stopping)
-            finally:
-                with self._lock:
-                    self.parked -= 1
-            page = feed.read(since, limit)
-        return page
+        return feed.read(since, limit)
 
-    def _park(self):
-        """Take a long-poll place; False past max_parked (the pull then answers at once)."""
-        with self._lock:
-            if self.parked >= self.max_parked:
-                return False
-            self.parked += 1
-            return True
+    def listen(self, owner, project, since, listener):
+        """Call listener() once (owner, project) has an event after since (at shutdown too);
+        False, without a call, when it has one already. The feed exists in memory meanwhile."""
+        if self.stopping.is_set():
+            return False
+        return self.feed(owner, project, create=True).listen(since, listener)
+
+    def unlisten(self, owner, project, listener):
+        """Forget a listener that was not called; False when it was (or is being) called."""
+        return self.feed(owner, project, create=True).unlisten(listener)
 
     def projects(self, owner):
         """The sorted project ids with a non-empty feed for owner."""
@@ -2143,12 +2148,12 @@ class FeedStore:
         return sorted(names)
 
     def stop(self):
-        """Answer every parked long-poll now (shutdown)."""
+        """Call every listener now, so parked long-polls answer (shutdown)."""
         self.stopping.set()
         with self._lock:
             feeds = list(self._feeds.values())
         for feed in feeds:
-            feed.wake()
+            feed.call_listeners()
 
 
 # ---------------------------------------------------------------------------
@@ -2758,12 +2763,13 @@ def json_response(status, value, headers=()):
 class Request:
     """What a handler sees of one HTTP request. The body is read only when asked for."""
 
-    def __init__(self, method, path, query, headers, read_body):
+    def __init__(self, method, path, query, headers, read_body, send=None):
         self.method = method
         self.path = path
         self.query = query
         self.headers = headers
         self.read_body = read_body  # read_body(limit, error) -> bytes; error(status, text) makes the exception
+        self.send = send            # send(Response), for an answer sent by another thread (long-polls)
         self.principal = None       # for the access log, once a token was verified
 
     def param(self, name):
@@ -2783,12 +2789,13 @@ def session_error(status, text):
 class SyncApp:
     """The protocol: routes to thin handlers that parse, call storage and answer."""
 
-    def __init__(self, feeds, memory, auth, rate_limiter, log=None):
+    def __init__(self, feeds, memory, auth, rate_limiter, log=None, max_parked=DEFAULT_MAX_PARKED):
         self.feeds = feeds
         self.memory = memory
         self.auth = auth
         self.rate_limiter = rate_limiter
         self.log = log or (lambda message: None)
+        self.long_polls = LongPolls(feeds, max_parked, self.error_response)
 
     ROUTES = {
         "/v1/health": {"GET": "health"},
@@ -2813,14 +2820,18 @@ class SyncApp:
             return json_response(405, body, [("Allow", ", ".join(sorted(methods)))])
         try:
             return getattr(self, handler)(request)
-        except (ApiError, MemoryApiError) as exc:
-            return json_response(exc.status, exc.payload(), exc.headers)
-        except FeedDamaged as exc:
+        except (ApiError, MemoryApiError, FeedDamaged, StorageError) as exc:
+            return self.error_response(exc)
+
+    def error_response(self, exc):
+        """The answer for an expected failure."""
+        if isinstance(exc, FeedDamaged):
             self.log("refused a damaged feed: %s" % exc)
             return json_response(500, {"error": "this feed is damaged; the server log names the file and line"})
-        except StorageError as exc:
+        if isinstance(exc, StorageError):
             self.log("storage failure: %s" % exc)
             return json_response(500, {"error": "storage failure; nothing was stored"})
+        return json_response(exc.status, exc.payload(), exc.headers)
 
     # -- session sync ------------------------------------------------------
 
@@ -2870,8 +2881,10 @@ class SyncApp:
         since = parse_cursor(request.param("since"))
         limit = parse_clamped(request.param("limit"), "limit", 1, MAX_PULL_LIMIT, MAX_PULL_LIMIT)
         wait = parse_clamped(request.param("wait"), "wait", 0, MAX_WAIT_SECONDS, 0)
-        page = self.feeds.pull(owner, project, since, limit, wait)
-        return Response(200, page.to_json())
+        page = self.feeds.pull(owner, project, since, limit)
+        if page.records or page.sessions or wait == 0:
+            return Response(200, page.to_json())
+        return self.long_polls.answer(Park(owner, project, since, limit, wait), request.send)
 
 
     # -- memory sync -------------------------------------------------------
@@ -2914,6 +2927,102 @@ class SyncApp:
         if wait:
             raise MemoryApiError(429, "rate_limited", "too many memory requests", [("Retry-After", str(wait))])
         return identity.principal, memory_fields(kind, doc, self.memory.quota)
+
+
+class Park:
+    """A pull with nothing after its cursor yet, and how long it may wait for the feed to grow."""
+    __slots__ = ("owner", "project", "since", "limit", "seconds")
+
+    def __init__(self, owner, project, since, limit, seconds):
+        self.owner = owner
+        self.project = project
+        self.since = since
+        self.limit = limit
+        self.seconds = seconds
+
+
+class _Waiter:
+    """One parked pull: answered once, by the waker or (at its time-out) by its own thread."""
+    __slots__ = ("park", "send", "claimed", "sent", "failed", "listener")
+
+    def __init__(self, park, send):
+        self.park = park
+        self.send = send
+        self.claimed = False
+        self.sent = threading.Event()
+        self.failed = False
+        self.listener = None
+
+
+class LongPolls:
+    """Parked long-polls, answered by one waker thread when their feed grows.
+
+    A parked pull costs a sleeping thread. When a push arrives, the waker reads the page once and
+    sends it to every pull parked on that feed itself: a thousand answers leave in a few milliseconds,
+    instead of after a thousand threads have each queued for the interpreter lock. Past max_parked a
+    pull answers at once, as if its wait were 0.
+    """
+
+    def __init__(self, feeds, max_parked, error_response):
+        self.feeds = feeds
+        self.max_parked = max_parked
+        self.error_response = error_response
+        self.parked = 0
+        self._lock = threading.Lock()
+        self._woken = queue.SimpleQueue()
+        threading.Thread(target=self._wake, name="long-poll waker", daemon=True).start()
+
+    def answer(self, park, send):
+        """Wait for park's feed to grow and answer the pull; None: the answer was sent with send()."""
+        with self._lock:
+            if self.parked >= self.max_parked:
+                return self._page(park)
+            self.parked += 1
+        try:
+            waiter = _Waiter(park, send)
+            waiter.listener = lambda: self._woken.put(waiter)
+            if not self.feeds.listen(park.owner, park.project, park.since, waiter.listener):
+                return self._page(park)  # an event arrived since the read, or the server is stopping
+            if not waiter.sent.wait(park.seconds) and self._claim(waiter):
+                self.feeds.unlisten(park.owner, park.project, waiter.listener)
+                return self._page(park)  # timed out: an empty page (or what arrived just now)
+            waiter.sent.wait()
+            if waiter.failed:
+                raise ClientGone()
+            return None
+        finally:
+            with self._lock:
+                self.parked -= 1
+
+    def _claim(self, waiter):
+        with self._lock:
+            if waiter.claimed:
+                return False
+            waiter.claimed = True
+            return True
+
+    def _page(self, park):
+        return Response(200, self.feeds.pull(park.owner, park.project, park.since, park.limit).to_json())
+
+    def _wake(self):
+        while True:
+            woken = [self._woken.get()]
+            while not self._woken.empty():
+                woken.append(self._woken.get())
+            claimed = [waiter for waiter in woken if self._claim(waiter)]
+            for waiter in claimed:
+                try:
+                    response = self._page(waiter.park)
+                except (FeedDamaged, StorageError) as exc:
+                    response = self.error_response(exc)
+                try:
+                    waiter.send(response)
+                except OSError:
+                    waiter.failed = True
+            # Only now let the parked threads resume: had each resumed after its own answer, the
+            # waker would queue behind them for the interpreter lock before every further send.
+            for waiter in claimed:
+                waiter.sent.set()
 
 
 def memory_body_error(status, text):
@@ -3073,7 +3182,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         if not self._body_pending:
             self.server.watchdog.disarm(self.connection)
         request = Request(self.command, path, urllib.parse.parse_qs(query, keep_blank_values=True),
-                          self.headers, self._read_body)
+                          self.headers, self._read_body, self._send)
         try:
             response = self.server.app.handle(request)
         except (ClientGone, ConnectionError, socket.timeout):
@@ -3081,6 +3190,9 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         except Exception as exc:  # never a stack trace to the client or the log
             self.server.log("internal error on %s %s: %s: %s" % (self.command, path, type(exc).__name__, exc))
             response = json_response(500, {"error": "internal server error"})
+        if response is None:  # a long-poll answered by the waker thread
+            self.server.log_access(self.command, path, 200, started, request.principal)
+            return
         self.server.log_access(self.command, path, response.status, started, request.principal)
         self._send(response)
 
@@ -3354,8 +3466,8 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
-    feeds = FeedStore(data_dir, log, max_parked)
-    app = SyncApp(feeds, MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit), log)
+    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit),
+                  log, max_parked)
     return SyncServer((host, port), app, max_connections, log, log.access, tls)
 
 
@@ -4276,8 +4388,9 @@ def catch_up(target, project, limit=MAX_PULL_LIMIT):
     return records, time.monotonic() - started
 
 
-def park_worker(url, token, projects, ready, results):
-    """One client process holding a long-poll per project; reports (wall-clock wake time or None) each."""
+def park_worker(url, token, projects, ready, results, answered):
+    """One client process holding a long-poll per project; reports (wall-clock wake time or None) each,
+    and counts answers in the shared answered value as they come."""
     woke, lock = [], threading.Lock()
 
     def poll(project):
@@ -4293,6 +4406,8 @@ def park_worker(url, token, projects, ready, results):
             status, body = client.call("GET", "/v1/pull?project=%s&since=0&wait=30" % project)
             at = time.time()
             ok = status == 200 and b'"records":[]' not in body
+            with answered.get_lock():
+                answered.value += 1
         except (OSError, ValueError):
             at, ok = None, False
         finally:
@@ -4311,12 +4426,14 @@ def park_worker(url, token, projects, ready, results):
 
 def park_and_wake(target, feeds, polls, processes=8):
     """Park polls long-polls over feeds projects (clients in several processes), then push once to each
-    feed; (sorted wake latencies in s, failures, server RSS while parked)."""
+    feed; (sorted wake latencies in s, failures, server RSS while parked, how many answered within 0.5 s
+    of the push to the first feed)."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    ready, results = context.Queue(), context.Queue()
+    ready, results, answered = context.Queue(), context.Queue(), context.Value("i", 0)
     projects = ["bench-wake-%s-%d" % (BENCH_RUN, i % feeds) for i in range(polls)]
     workers = [context.Process(target=park_worker, args=(target.url, target.token, projects[i::processes],
-                                                         ready, results)) for i in range(min(processes, polls))]
+                                                         ready, results, answered))
+               for i in range(min(processes, polls))]
     for worker in workers:
         worker.start()
     for _ in projects:
@@ -4324,16 +4441,19 @@ def park_and_wake(target, feeds, polls, processes=8):
     time.sleep(2.0)  # let every request reach the server and park
     rss_parked = target.rss_mib()
     client = BenchClient(target.url, target.token)
-    pushed = time.time()
+    pushed, first_only = time.time(), None
     for project in sorted(set(projects)):
         client.call("POST", "/v1/push", {"project": project, "records": [
             {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
+        if first_only is None:
+            time.sleep(0.5)
+            first_only = answered.value
     client.close()
     woke = [at for _ in workers for at in results.get(timeout=60)]
     for worker in workers:
         worker.join()
     latencies = sorted(at - pushed for at in woke if at is not None)
-    return latencies, len(woke) - len(latencies), rss_parked
+    return latencies, len(woke) - len(latencies), rss_parked, first_only
 
 
 def percentile(values, fraction):
@@ -4510,7 +4630,7 @@ def run_bench(report, args, scratch):
         report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed, "records/s",
                    target="100000/s")
         rss_before = target.rss_mib()
-        latencies, failures, rss_parked = park_and_wake(target, 1, args.polls)
+        latencies, failures, rss_parked, _ = park_and_wake(target, 1, args.polls)
         report.add("long-poll wake p50, %d parked on one feed" % args.polls, percentile(latencies, 0.5) * 1000,
                    "ms")
         report.add("long-poll wake p99, %d parked on one feed" % args.polls, percentile(latencies, 0.99) * 1000,
@@ -4518,6 +4638,9 @@ def run_bench(report, args, scratch):
         report.add("long-polls answered", len(latencies), "of %d" % args.polls)
         if rss_parked is not None and rss_before is not None:
             report.add("server memory growth while parked", rss_parked - rss_before, "MiB", target="<= 64 MiB")
+        _, _, _, first_only = park_and_wake(target, args.polls, args.polls)
+        report.add("polls answered by a push to 1 of %d feeds" % args.polls, first_only, "in 0.5 s",
+                   target="1 (its own)")
         etag, have = make_memory_scope(target, 5000)
         unchanged, _ = bench_rate(target.url, target.token, "snapshot", clients, seconds, etag)
         report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health, "health",

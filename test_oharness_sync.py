@@ -790,14 +790,16 @@ class BenchCommandTest(unittest.TestCase):
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
                        "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
-                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "long-polls answered", "server memory growth while parked",
+                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
                        "memory snapshot, 5000 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 14)
+        self.assertEqual(len(doc["figures"]), 15)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
@@ -1923,14 +1925,16 @@ class BenchCommandTest(unittest.TestCase):
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
                        "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
-                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "long-polls answered", "server memory growth while parked",
+                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
                        "memory snapshot, 5000 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 14)
+        self.assertEqual(len(doc["figures"]), 15)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
@@ -2723,14 +2727,16 @@ class BenchCommandTest(unittest.TestCase):
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
                        "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
-                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "long-polls answered", "server memory growth while parked",
+                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
                        "memory snapshot, 5000 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 14)
+        self.assertEqual(len(doc["figures"]), 15)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
@@ -3902,14 +3908,16 @@ class BenchCommandTest(unittest.TestCase):
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
                        "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
-                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "long-polls answered", "server memory growth while parked",
+                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
                        "memory snapshot, 5000 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 14)
+        self.assertEqual(len(doc["figures"]), 15)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
@@ -3960,7 +3968,7 @@ class ParkedCapTest(ServerCase):
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 5
-        while self.server.app.feeds.parked < 2:
+        while self.server.app.long_polls.parked < 2:
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
         started = time.monotonic()
@@ -3971,7 +3979,10 @@ class ParkedCapTest(ServerCase):
         for thread in threads:
             thread.join(5)
         self.assertEqual([len(answer.json["records"]) for answer in results], [1, 1])
-        self.assertEqual(self.server.app.feeds.parked, 0)
+        deadline = time.monotonic() + 5
+        while self.server.app.long_polls.parked:  # the places are given back once the threads resume
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
 
 
 class FeedFaultsOnTheWireTest(ServerCase):
@@ -4074,6 +4085,21 @@ class LongPollTest(ServerCase):
         self.assertAnswer(results[0][1], 200)
         self.assertEqual([r["id"] for r in results[0][1].json["records"]], ["wake"])
         self.assertEqual(results[0][1].json["cursor"], 1)
+
+    def test_a_push_wakes_only_its_own_feeds_poll_among_fifty(self):
+        results = []
+        threads = [self.pull_in_thread(results, project="feed-%d" % i, wait=10) for i in range(50)]
+        self.wait_parked(50)
+        self.push(self.alice, "feed-7", [record()])
+        time.sleep(0.3)
+        self.assertEqual([answer.json["records"][0]["id"] for _, answer in results], ["r1"])
+        for i in range(50):
+            if i != 7:
+                self.push(self.alice, "feed-%d" % i, [record(record_id="later")])
+        for thread in threads:
+            thread.join(5)
+        self.assertEqual(len(results), 50)
+        self.assertEqual(sum(answer.json["records"][0]["id"] == "later" for _, answer in results), 49)
 
     def test_time_out_is_an_empty_200(self):
         results = []
@@ -5224,14 +5250,16 @@ class BenchCommandTest(unittest.TestCase):
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
                        "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
-                       "long-polls answered", "server memory growth while parked", "memory snapshot 'unchanged'",
+                       "long-polls answered", "server memory growth while parked",
+                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
                        "memory snapshot, 5000 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
+        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 14)
+        self.assertEqual(len(doc["figures"]), 15)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
