@@ -1840,7 +1840,7 @@ class Page:
 
 class _Batch:
     """One push's new lines, waiting for the group commit that makes them durable."""
-    __slots__ = ("lines", "keys", "undo_meta", "state", "error")
+    __slots__ = ("lines", "keys", "undo_meta", "state", "error", "ready")
 
     def __init__(self):
         self.lines = []
@@ -1848,6 +1848,7 @@ class _Batch:
         self.undo_meta = []
         self.state = "pending"
         self.error = None
+        self.ready = threading.Event()  # set when the batch is durable or failed, or may lead a flush
 
 
 class Feed:
@@ -1865,7 +1866,7 @@ class Feed:
         self.lock = threading.Lock()           # guards everything below
         self._listeners = set()                # called once the next event is durable
         self._load_lock = threading.Lock()
-        self._flush_lock = threading.Lock()
+        self._flushing = False                 # a flush (write + fsync) is under way
         self.loaded = False
         self.damage = None                     # "file:line: reason" once a damaged line is found
         self.count = 0                         # durable events, the last cursor
@@ -1959,9 +1960,19 @@ class Feed:
         return self.count, len(batch.lines)
 
     def _commit(self, batch):
-        with self._flush_lock:
-            if batch.state == "pending":
+        """Wait until batch is durable: lead a flush when none is running, else sleep until the
+        running one has finished (each waiter is woken once, not handed a lock in turn)."""
+        while True:
+            with self.lock:
+                if batch.state != "pending":
+                    break
+                lead = not self._flushing
+                self._flushing = True
+            if lead:
                 self._flush()
+                break
+            batch.ready.wait()
+            batch.ready.clear()  # the state, checked again under the lock, is what counts
         if batch.state == "failed":
             raise StorageError(batch.error)
 
@@ -1969,25 +1980,32 @@ class Feed:
         with self.lock:
             group, self.pending = self.pending, []
         lines = [line for queued in group for line in queued.lines]
+        listeners = ()
         try:
             if lines:
                 self._write(b"".join(lines))
         except OSError as exc:
             with self.lock:
-                failed = group + self.pending
+                group += self.pending
                 self.pending = []
-                self._undo(failed, "storage failure: %s" % (exc.strerror or exc))
+                self._undo(group, "storage failure: %s" % (exc.strerror or exc))
+                self._flushing = False
             self.log("push to %s failed: %s" % (self.path, exc))
-            return
-        with self.lock:
-            offset = self.offsets[-1]
-            for line in lines:
-                offset += len(line)
-                self.offsets.append(offset)
-            self.count += len(lines)
-            for queued in group:
-                queued.state = "done"
-            listeners, self._listeners = self._listeners, set()
+        else:
+            with self.lock:
+                offset = self.offsets[-1]
+                for line in lines:
+                    offset += len(line)
+                    self.offsets.append(offset)
+                self.count += len(lines)
+                for queued in group:
+                    queued.state = "done"
+                self._flushing = False
+                if self.pending:
+                    group.append(self.pending[0])  # queued meanwhile: it leads the next flush
+                listeners, self._listeners = self._listeners, set()
+        for queued in group:
+            queued.ready.set()
         for listener in listeners:
             listener()
 
