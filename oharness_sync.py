@@ -3613,18 +3613,18 @@ def serve_command(argv):
                               jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked)
     except OSError as exc:
         raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, exc.strerror or exc)) from None
-    print("oharness-sync listening on %s" % server.url, flush=True)
     if tls is None and not is_loopback(args.host):
         log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for localhost, "
             "127.0.0.1 and [::1]: put TLS in front of this server" % args.host)
-    run_until_signalled(server)
+    run_until_signalled(server, lambda: print("oharness-sync listening on %s" % server.url, flush=True))
     lock.release()
     return 0
 
 
-def run_until_signalled(server):
+def run_until_signalled(server, ready):
     """Serve until SIGTERM or SIGINT, then stop gracefully: parked long-polls answer at once,
-    in-flight pushes finish, and the process exits 0."""
+    in-flight pushes finish, and the process exits 0. ready() runs once the signals are handled:
+    from then on, a SIGTERM is a graceful stop. SIGHUP re-reads the TLS certificate."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -3634,6 +3634,7 @@ def run_until_signalled(server):
         "thread error: %s: %s" % (hook_args.exc_type.__name__, hook_args.exc_value))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="accept")
     thread.start()
+    ready()
     while not stop.wait(0.5):
         pass
     server.stopping.set()
