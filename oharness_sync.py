@@ -3232,11 +3232,13 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             self._continue()
             body = self._read_chunked(limit, error)
         else:
-            if not _DECIMAL.fullmatch(length.strip()):
+            length = length.strip()
+            if not _DECIMAL.fullmatch(length):
                 raise error(400, "bad Content-Length")
-            size = int(length)
-            if size > limit:
+            length = length.lstrip("0") or "0"  # int() refuses strings of over 4,300 digits, zeros too
+            if len(length) > 16 or int(length) > limit:
                 raise error(413, "request body is larger than %d bytes" % limit)
+            size = int(length)
             self._continue()
             body = self.rfile.read(size)
             if len(body) < size:

@@ -7,7 +7,9 @@ subprocess where a crash or a signal is part of the test).
 """
 
 import base64
+import concurrent.futures
 import contextlib
+import copy
 import errno
 import hashlib
 import hmac
@@ -16,6 +18,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -198,7 +201,6 @@ class SubprocessServer:
         self.process.stdout.close()
         self.process.stderr.close()
         return code, stderr
-
 
 
 # ---------------------------------------------------------------------------
@@ -570,242 +572,6 @@ class TestValidateNote(unittest.TestCase):
                          ["updatedAt"], 0)
         for bad in (True, 2 ** 53, -1, None, float("inf")):
             self.assertInvalid(good_note(updatedAt=bad))
-
-
-# ---------------------------------------------------------------------------
-# The command line: check and bench
-# ---------------------------------------------------------------------------
-
-# -- the check command ----------------------------------------------------------
-
-SESSION_CHECKS = ["health", "auth-required", "smoke-test", "paging", "long-poll-wakes", "long-poll-timeout",
-                  "body-round-trip", "projects"]
-MEMORY_CHECKS = ["memory-identity", "memory-empty-snapshot", "memory-commit", "memory-stale-etag",
-                 "memory-delete"]
-
-
-def run_check_command(*argv):
-    """sync.main(["check", ...]) in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = sync.main(["check"] + list(argv))
-    return code, out.getvalue(), err.getvalue()
-
-
-class CheckCommandTest(ServerCase):
-    """oharness_sync.py check against this server: every check passes."""
-
-    cli = [sys.executable, MODULE]
-
-    def test_every_check_passes_against_this_server(self):
-        out = io.StringIO()
-        check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
-                                 out=out)
-        self.assertTrue(check.run(), out.getvalue())
-        lines = out.getvalue().splitlines()
-        self.assertEqual([line for line in lines if not line.startswith("PASS ")], [])
-        self.assertEqual([line.split()[1] for line in lines],
-                         SESSION_CHECKS + ["isolation", "team-feed", "unknown-team"] + MEMORY_CHECKS)
-
-    def test_the_notice_names_every_project_it_writes_to(self):
-        check = ConformanceCheck(self.url, self.alice, team="platform", principal="alice")
-        notice = check.notice()
-        self.assertEqual(len(notice.splitlines()), 1)
-        self.assertIn("writing test data to " + self.url, notice)
-        for project in check.project.values():
-            self.assertRegex(project, r"^ohs-check-[0-9a-f]{8}-[a-z]+$")
-            self.assertIn(project, notice)
-        self.assertNotIn(self.alice, notice)
-
-    def test_command_line_end_to_end(self):
-        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
-        self.addCleanup(shutil.rmtree, data_dir, True)
-        token, _ = sync.TokenStore(data_dir).issue("alice")
-        server = SubprocessServer(data_dir)
-        try:
-            result = subprocess.run(self.cli + ["check", "--url", server.url, "--token", token],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
-                                    universal_newlines=True)
-        finally:
-            server.stop()
-        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
-        self.assertEqual(result.stdout, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"]))
-        self.assertEqual(len(result.stderr.splitlines()), 1, result.stderr)
-        self.assertIn("writing test data to %s: projects ohs-check-" % server.url, result.stderr)
-        self.assertNotIn(token, result.stdout + result.stderr)
-
-    def test_a_wrong_principal_fails_the_memory_checks(self):
-        code, out, err = run_check_command("--url", self.url, "--token", self.bob, "--memory", "--principal", "alice")
-        self.assertEqual(code, 1)
-        failed = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("FAIL ")]
-        self.assertEqual(failed, MEMORY_CHECKS)
-        self.assertIn("account_mismatch", out)
-        self.assertNotIn(self.bob, out + err)
-
-
-class FaultySyncHandler(BaseHTTPRequestHandler):
-    """Just enough of protocol v1, in memory, with the fault named by server.fault (None: no fault).
-
-    Feeds are a dict {(owner, project): [(kind, entry), ...]}; no token lists a team.
-    """
-
-    def log_message(self, *args):
-        pass
-
-    def answer(self, status, doc, headers=()):
-        data = json.dumps(doc).encode()
-        self.send_response(status)
-        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(len(data)))] + list(headers):
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def owner(self):
-        token = self.headers.get("Authorization", "")[len("Bearer "):]
-        if token not in ("token-a", "token-b"):
-            return None
-        return "everyone" if self.server.fault == "one-feed" else token
-
-    def do_GET(self):
-        url = urllib.parse.urlsplit(self.path)
-        query = dict(urllib.parse.parse_qsl(url.query))
-        if url.path == "/v1/health" and (self.server.fault != "health-needs-token" or self.owner()):
-            return self.answer(200, {"ok": True})
-        owner = self.owner()
-        if owner is None:
-            return self.answer(401, {"error": "no token"}, [("WWW-Authenticate", "Bearer")])
-        if "team" in query:
-            return self.answer(403, {"error": "not a member"})
-        if url.path == "/v1/projects":
-            return self.answer(200, {"projects": sorted(p for o, p in self.server.feeds if o == owner)})
-        key, since, limit = (owner, query["project"]), int(query["since"]), int(query.get("limit", 500))
-        with self.server.changed:
-            self.server.changed.wait_for(lambda: len(self.server.feeds.get(key, [])) > since,
-                                         int(query.get("wait", 0)))
-            feed = list(self.server.feeds.get(key, []))
-        events = feed[since:since + limit]
-        self.answer(200, {"cursor": since + len(events), "records": [e for k, e in events if k == "r"],
-                          "sessions": [e for k, e in events if k == "s"], "more": len(feed) > since + len(events)})
-
-    def do_POST(self):
-        owner = self.owner()
-        if owner is None:
-            return self.answer(401, {"error": "no token"}, [("WWW-Authenticate", "Bearer")])
-        doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if doc.get("team") is not None:
-            return self.answer(403, {"error": "not a member"})
-        key = (owner, doc["project"])
-        with self.server.changed:
-            feed = self.server.feeds.get(key, [])
-            keys = {(e["session"], e["id"]) for k, e in feed if k == "r"}
-            new = []
-            for entry in doc.get("records") or []:
-                if self.server.fault == "duplicates" or (entry["session"], entry["id"]) not in keys:
-                    new.append(("r", entry))
-                    keys.add((entry["session"], entry["id"]))
-            new += [("s", entry) for entry in doc.get("sessions") or []]
-            if new:
-                self.server.feeds[key] = feed + new
-                self.server.changed.notify_all()
-        self.answer(200, {"cursor": len(feed) + len(new), "accepted": len(new)})
-
-
-class CheckCatchesFaultsTest(unittest.TestCase):
-    """The checks fail on servers that break the protocol, and only where they break it."""
-
-    def start_faulty_server(self, fault):
-        server = ThreadingHTTPServer(("127.0.0.1", 0), FaultySyncHandler)
-        server.fault, server.feeds, server.changed = fault, {}, threading.Condition()
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        thread.start()
-        self.addCleanup(server.server_close)
-        self.addCleanup(server.shutdown)
-        return "http://127.0.0.1:%d" % server.server_address[1]
-
-    def failed_checks(self, fault, *flags):
-        """Run the check command against a faulty server: (exit code, names of the failed checks, stdout)."""
-        url = self.start_faulty_server(fault)
-        code, out, err = run_check_command("--url", url, "--token", "token-a", *flags)
-        self.assertNotIn("token-a", out + err)
-        self.assertNotIn("Traceback", out + err)
-        failed = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("FAIL ")]
-        return code, failed, out
-
-    def test_the_fake_without_a_fault_passes(self):
-        self.assertEqual(self.failed_checks(None, "--other-token", "token-b")[:2], (0, []))
-
-    def test_a_retried_push_that_duplicates_fails_the_smoke_test(self):
-        code, failed, out = self.failed_checks("duplicates")
-        self.assertEqual((code, failed), (1, ["smoke-test"]), out)
-        self.assertIn("FAIL smoke-test: pushing the same record again answered {\"cursor\": 2, \"accepted\": 1}", out)
-
-    def test_one_feed_for_every_principal_fails_isolation(self):
-        code, failed, out = self.failed_checks("one-feed", "--other-token", "token-b")
-        self.assertEqual((code, failed), (1, ["isolation"]), out)
-        self.assertNotIn("token-b", out)
-
-    def test_health_behind_a_token_fails_health(self):
-        code, failed, out = self.failed_checks("health-needs-token")
-        self.assertEqual((code, failed), (1, ["health"]), out)
-        self.assertIn("FAIL health: GET /v1/health answered 401, expected 200", out)
-
-    def test_an_unreachable_server_fails_every_check_without_a_traceback(self):
-        code, out, err = run_check_command("--url", "http://127.0.0.1:%d" % closed_port(), "--token", "t0ken")
-        self.assertEqual(code, 1)
-        lines = out.splitlines()
-        self.assertEqual([line.split()[1].rstrip(":") for line in lines], SESSION_CHECKS + ["unknown-team"])
-        for line in lines:
-            self.assertRegex(line, r"^FAIL [a-z-]+: network error: .*refused")
-        self.assertNotIn("t0ken", out + err)
-
-
-class CheckUsageTest(unittest.TestCase):
-    def test_bad_flags_exit_2_with_one_line(self):
-        url = ["--url", "http://127.0.0.1:1"]
-        for argv in ([], ["--token", "t"], url, url + ["--token", "t", "--bogus"],
-                     ["--url", "ftp://h", "--token", "t"], ["--url", "http://h/sync", "--token", "t"],
-                     ["--url", "http://u:p@h", "--token", "t"], ["--url", "http://h:x", "--token", "t"],
-                     url + ["--token", "two words"], url + ["--token", "t", "--memory"],
-                     url + ["--token", "t", "--principal", "alice"],
-                     url + ["--token", "t", "--memory", "--principal", "a/b"]):
-            code, out, err = run_check_command(*argv)
-            self.assertEqual(code, 2, argv)
-            self.assertEqual(out, "")
-            self.assertEqual(len(err.splitlines()), 1, err)
-            self.assertTrue(err.startswith("oharness-sync: error: "), err)
-            self.assertNotIn("two words", err)
-
-
-class BenchCommandTest(unittest.TestCase):
-    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
-
-    def test_bench_prints_every_figure_and_writes_json(self):
-        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
-        self.addCleanup(shutil.rmtree, out_dir, True)
-        json_path = os.path.join(out_dir, "bench.json")
-        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
-                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
-        self.assertEqual(result.returncode, 0, result.stderr)
-        for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
-                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
-                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
-                       "long-polls answered", "server memory growth while parked",
-                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
-                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
-                       "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
-            self.assertIn(figure, result.stdout)
-        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
-        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
-        with open(json_path) as f:
-            doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 15)
-        health = doc["figures"][0]
-        self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
-
-
-if __name__ == "__main__":
-    unittest.main()
 
 
 # ---------------------------------------------------------------------------
@@ -1911,38 +1677,6 @@ class SupabaseVerifierTest(unittest.TestCase):
         self.assertEqual(self.verifier.cache.max_entries, 10000)
 
 
-class BenchCommandTest(unittest.TestCase):
-    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
-
-    def test_bench_prints_every_figure_and_writes_json(self):
-        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
-        self.addCleanup(shutil.rmtree, out_dir, True)
-        json_path = os.path.join(out_dir, "bench.json")
-        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
-                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
-        self.assertEqual(result.returncode, 0, result.stderr)
-        for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
-                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
-                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
-                       "long-polls answered", "server memory growth while parked",
-                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
-                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
-                       "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
-            self.assertIn(figure, result.stdout)
-        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
-        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
-        with open(json_path) as f:
-            doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 15)
-        health = doc["figures"][0]
-        self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
-
-
-if __name__ == "__main__":
-    unittest.main()
-
-
 # ---------------------------------------------------------------------------
 # Storage: feeds
 # ---------------------------------------------------------------------------
@@ -2711,38 +2445,6 @@ class FullScopeTest(unittest.TestCase):
         elapsed = time.perf_counter() - started
         self.assertEqual(answer["entries"][1234]["note"], memory_note("n1234"))
         self.assertLess(elapsed, 2.0)
-
-
-class BenchCommandTest(unittest.TestCase):
-    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
-
-    def test_bench_prints_every_figure_and_writes_json(self):
-        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
-        self.addCleanup(shutil.rmtree, out_dir, True)
-        json_path = os.path.join(out_dir, "bench.json")
-        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
-                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
-        self.assertEqual(result.returncode, 0, result.stderr)
-        for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
-                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
-                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
-                       "long-polls answered", "server memory growth while parked",
-                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
-                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
-                       "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
-            self.assertIn(figure, result.stdout)
-        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
-        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
-        with open(json_path) as f:
-            doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 15)
-        health = doc["figures"][0]
-        self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
-
-
-if __name__ == "__main__":
-    unittest.main()
 
 
 # ---------------------------------------------------------------------------
@@ -3530,6 +3232,19 @@ class BadBytesTest(SessionWireMixin, ServerCase):
 class LimitsTest(SessionWireMixin, ServerCase):
     """Contract 3: push size limits (413), pull limit/wait clamping, cursor and parameter validation."""
 
+    def test_a_content_length_of_thousands_of_digits_is_413_not_500(self):
+        # int() refuses strings of more than 4,300 digits (found by the mutation test).
+        for digits in ("9" * 5000, "0" * 5001):
+            sock = open_raw(self.url)
+            sock.sendall(b"POST /v1/push HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + self.alice.encode()
+                         + b"\r\nContent-Length: " + digits.encode() + b"\r\n\r\n")
+            status, headers, body = read_raw_answer(sock)
+            sock.close()
+            if digits.startswith("9"):
+                self.assertEqual((status, headers.get("connection")), (413, "close"), body)
+            else:  # a zero-length body: not JSON
+                self.assertEqual(status, 400, body)
+
     def fill(self):
         """One push of 500 records and 500 session entries; returns (records, sessions) as pushed."""
         records = [record("s1", "r%03d" % i, seq=i) for i in range(500)]
@@ -3892,38 +3607,6 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
 
     def test_slow_headers_are_disconnected(self):
         self.assertDisconnected(b"GET /v1/health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 100)
-
-
-class BenchCommandTest(unittest.TestCase):
-    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
-
-    def test_bench_prints_every_figure_and_writes_json(self):
-        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
-        self.addCleanup(shutil.rmtree, out_dir, True)
-        json_path = os.path.join(out_dir, "bench.json")
-        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
-                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
-        self.assertEqual(result.returncode, 0, result.stderr)
-        for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
-                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
-                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
-                       "long-polls answered", "server memory growth while parked",
-                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
-                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
-                       "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
-            self.assertIn(figure, result.stdout)
-        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
-        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
-        with open(json_path) as f:
-            doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 15)
-        health = doc["figures"][0]
-        self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
-
-
-if __name__ == "__main__":
-    unittest.main()
 
 
 class ConnectionCapTest(ServerCase):
@@ -5097,6 +4780,701 @@ class MemoryWireConcurrencyTest(ServerCase):
 
 
 # ---------------------------------------------------------------------------
+# Mutation fuzzing on the wire
+# ---------------------------------------------------------------------------
+#
+# Every case is built from its own random.Random(seed * 1000003 + index), so a failing
+# case can be rebuilt alone: fuzz_make_case(FUZZ_SEED, index, fuzz_base_requests(token)).
+# Only the bearer token differs between runs, and it always has the same length.
+
+FUZZ_SEED = 20261202
+FUZZ_CASES = 2000           # mutated requests in the mutation test
+FUZZ_RANDOM_CASES = 300     # structureless byte strings in the second test
+FUZZ_TIMEOUT = 5.0          # seconds for the server to answer and close
+FUZZ_WORKERS = 4
+
+FUZZ_NOTE = {"id": "fuzz-note-1", "summary": "A note made for the fuzzer", "body": "Its body.\nTwo lines.",
+             "tags": ["fuzz", "wire"], "type": "reference", "createdAt": 1789344000000}
+
+
+class FuzzRaw(str):
+    """JSON text written out exactly as it is (1e400, NaN, "[" * 10000, ...)."""
+
+
+class FuzzObject(list):
+    """A JSON object as a list of [key, value] pairs, so that keys can repeat."""
+
+
+def fuzz_tree(value):
+    """Parsed JSON as a tree of FuzzObject / list / scalars."""
+    if isinstance(value, dict):
+        return FuzzObject([key, fuzz_tree(item)] for key, item in value.items())
+    if isinstance(value, list):
+        return [fuzz_tree(item) for item in value]
+    return value
+
+
+def fuzz_dump(node):
+    """The JSON text of a fuzz tree (ASCII, with \\u escapes, except inside FuzzRaw)."""
+    if isinstance(node, FuzzRaw):
+        return str(node)
+    if isinstance(node, FuzzObject):
+        return "{" + ",".join(json.dumps(key) + ":" + fuzz_dump(item) for key, item in node) + "}"
+    if isinstance(node, list):
+        return "[" + ",".join(fuzz_dump(item) for item in node) + "]"
+    return json.dumps(node)
+
+
+def fuzz_json_body(doc):
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+class FuzzRequest:
+    """An HTTP request as editable parts (all bytes): request line, header lines, body."""
+
+    def __init__(self, method, target, headers, body=b"", version=b"HTTP/1.1"):
+        self.method = method
+        self.target = target
+        self.version = version
+        self.headers = list(headers)    # whole lines without the line end, e.g. b"Content-Length: 12"
+        self.body = body
+        self.eol = b"\r\n"
+        self.tail = b""                 # bytes after the body (a pipelined request, junk)
+
+    def copy(self):
+        other = FuzzRequest(self.method, self.target, self.headers, self.body, self.version)
+        other.eol, other.tail = self.eol, self.tail
+        return other
+
+    def render(self):
+        line = b" ".join(part for part in (self.method, self.target, self.version) if part is not None)
+        head = self.eol.join([line] + self.headers) + self.eol + self.eol
+        return head + self.body + self.tail
+
+    def header_index(self, name):
+        prefix = name.lower() + b":"
+        for index, line in enumerate(self.headers):
+            if line.lower().startswith(prefix):
+                return index
+        return None
+
+    def drop_header(self, name):
+        prefix = name.lower() + b":"
+        self.headers = [line for line in self.headers if not line.lower().startswith(prefix)]
+
+    def set_header(self, name, value):
+        self.drop_header(name)
+        self.headers.append(name + b": " + value)
+
+    def fix_length(self):
+        if self.header_index(b"Transfer-Encoding") is None:
+            self.set_header(b"Content-Length", b"%d" % len(self.body))
+
+
+def fuzz_base_requests(token):
+    """Valid requests for every route, as (name, FuzzRequest), each with alice's token."""
+    auth = b"Authorization: Bearer " + token.encode("ascii")
+    host = b"Host: 127.0.0.1"
+
+    def post(path, doc):
+        body = fuzz_json_body(doc)
+        return FuzzRequest(b"POST", path, [host, auth, b"Content-Type: application/json",
+                                           b"Content-Length: %d" % len(body)], body)
+
+    def get(target):
+        return FuzzRequest(b"GET", target, [host, auth])
+
+    note = dict(FUZZ_NOTE)
+    push = {"project": "proj",
+            "records": [record("s1", "r1", 1), record("s1", "r2", 2, body={"role": "assistant", "content": [1, "é"]}),
+                        record("s2", "r1", 1, body=None)],
+            "sessions": [meta("s1", 0, 1789344000000, body={"title": "first"}), meta("s2", 1, 1789344000001,
+                                                                                      deleted=False)]}
+    return [
+        ("push", post(b"/v1/push", push)),
+        ("team push", post(b"/v1/push", dict(push, team="platform", project="team-proj"))),
+        ("pull", get(b"/v1/pull?project=proj&since=0&limit=50&wait=0")),
+        ("team pull", get(b"/v1/pull?project=team-proj&since=1&limit=2&wait=0&team=platform")),
+        ("projects", get(b"/v1/projects")),
+        ("team projects", get(b"/v1/projects?team=platform")),
+        ("health", FuzzRequest(b"GET", b"/v1/health", [host])),
+        ("memory identity", post(b"/v1/memory/identity", {"expectedPrincipal": "alice"})),
+        ("memory snapshot", post(b"/v1/memory/snapshot", {
+            "expectedPrincipal": "alice", "project": "proj", "knownEtag": None,
+            "have": {note["id"]: sync.note_hash(note)}})),
+        ("memory user snapshot", post(b"/v1/memory/snapshot", {"expectedPrincipal": "alice", "scope": "user"})),
+        ("memory commit", post(b"/v1/memory/commit", {
+            "expectedPrincipal": "alice", "project": "proj", "etag": None,
+            "changes": [{"id": note["id"], "hash": sync.note_hash(note), "note": note},
+                        {"id": "gone-note", "hash": None}]})),
+    ]
+
+
+# -- values and mutations ----------------------------------------------------
+
+def fuzz_kind(value):
+    if isinstance(value, FuzzRaw):
+        return "raw"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, FuzzObject):
+        return "object"
+    return "array"
+
+
+def fuzz_huge_number(rng, sign=True):
+    """A decimal number far outside any range: 17 to 10,000 digits (Python refuses int() past 4300)."""
+    digits = rng.choice([17, 19, 20, 40, 309, 400, 4300, 4301, 5000, 10000])
+    text = rng.choice("123456789") + "".join(rng.choice("0123456789") for _ in range(digits - 1))
+    if rng.random() < 0.2:
+        text = "0" * rng.randint(1, 5000) + text[:20]
+    return ("-" + text) if sign and rng.random() < 0.3 else text
+
+
+def fuzz_random_value(rng):
+    """A JSON value (or raw JSON-ish text) of any type, biased towards edge cases."""
+    choices = [
+        lambda: None, lambda: True, lambda: False, lambda: -1, lambda: 0, lambda: 1.5, lambda: 12.0,
+        lambda: -0.0, lambda: 2 ** 53 - 1, lambda: 2 ** 53, lambda: 2 ** 64, lambda: -(2 ** 63), lambda: 1e308,
+        lambda: FuzzRaw("1e400"), lambda: FuzzRaw("-1e400"), lambda: FuzzRaw("NaN"), lambda: FuzzRaw("Infinity"),
+        lambda: FuzzRaw("-Infinity"), lambda: FuzzRaw("1E2"), lambda: FuzzRaw("-0"), lambda: FuzzRaw("1e-400"),
+        lambda: FuzzRaw(fuzz_huge_number(rng)), lambda: FuzzRaw(fuzz_huge_number(rng)),
+        lambda: FuzzRaw(fuzz_huge_number(rng) + ".0"), lambda: FuzzRaw("0." + "1" * 5000),
+        lambda: FuzzRaw("01"), lambda: FuzzRaw(".5"), lambda: FuzzRaw("+1"), lambda: FuzzRaw("0x10"),
+        lambda: "", lambda: "x" * 5000, lambda: "\u2028", lambda: "\ud800", lambda: "\udfff\ud800",
+        lambda: "__proto__", lambda: "constructor", lambda: "a,b", lambda: " padded ", lambda: "\x00",
+        lambda: "\ufeff", lambda: "é" * 200, lambda: "\U0001f600", lambda: "a" * 129, lambda: "a" * 1025,
+        lambda: "%064x" % rng.getrandbits(256), lambda: "A" * 64, lambda: "user", lambda: "alice",
+        lambda: "bob", lambda: "platform", lambda: "../../etc/passwd", lambda: "Proj", lambda: "x\ny",
+        lambda: [], lambda: FuzzObject(), lambda: [None], lambda: FuzzObject([["", None]]),
+        lambda: FuzzRaw("[" * 10000 + "]" * 10000), lambda: FuzzRaw("[" * 10000),
+        lambda: FuzzRaw('{"a":' * 3000 + "1" + "}" * 3000),
+        lambda: FuzzRaw("[" * 199 + "]" * 199), lambda: FuzzRaw("[" * 200 + "]" * 200),
+        lambda: FuzzRaw("[" * 201 + "]" * 201), lambda: FuzzRaw('"\\ud800"'), lambda: FuzzRaw('"\\u00"'),
+        lambda: FuzzRaw('"\x01raw control"'), lambda: FuzzRaw("\"\xff\""), lambda: FuzzRaw("tru"),
+        lambda: FuzzRaw(""), lambda: [rng.randint(-5, 5) for _ in range(rng.randint(1, 40))],
+    ]
+    return rng.choice(choices)()
+
+
+def fuzz_random_other(rng, old):
+    """A random value of another type than old."""
+    for _ in range(20):
+        value = fuzz_random_value(rng)
+        if fuzz_kind(value) != fuzz_kind(old) or fuzz_kind(value) == "raw":
+            return value
+    return None
+
+
+def fuzz_slots(tree):
+    """Every node of the tree as (container, key): container[key] (objects: container[key][1])."""
+    slots, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, FuzzObject):
+            for index, pair in enumerate(node):
+                slots.append((node, index))
+                stack.append(pair[1])
+        elif isinstance(node, list) and not isinstance(node, FuzzRaw):
+            for index, item in enumerate(node):
+                slots.append((node, index))
+                stack.append(item)
+    return slots
+
+
+def fuzz_get(container, key):
+    return container[key][1] if isinstance(container, FuzzObject) else container[key]
+
+
+def fuzz_put(container, key, value):
+    if isinstance(container, FuzzObject):
+        container[key][1] = value
+    else:
+        container[key] = value
+
+
+def fuzz_mutate_json(rng, body):
+    """body re-serialised after one to three structural mutations; None when body is not JSON."""
+    try:
+        root = [fuzz_tree(json.loads(body.decode("utf-8")))]   # a holder, so the root can be replaced too
+    except ValueError:
+        return None
+    for _ in range(rng.randint(1, 3)):
+        slots = fuzz_slots(root)
+        objects = [node for node, _ in slots if isinstance(node, FuzzObject) and node]
+        objects += [fuzz_get(c, k) for c, k in slots if isinstance(fuzz_get(c, k), FuzzObject)]
+        arrays = [fuzz_get(c, k) for c, k in slots
+                  if isinstance(fuzz_get(c, k), list) and not isinstance(fuzz_get(c, k), FuzzObject)]
+        action = rng.choice(["replace", "replace", "replace", "delete", "duplicate", "add", "rename",
+                             "inflate", "wrap", "strings"])
+        if action == "replace" or (action in ("delete", "duplicate", "rename") and not objects):
+            container, key = rng.choice(slots)
+            fuzz_put(container, key, fuzz_random_other(rng, fuzz_get(container, key)))
+        elif action == "delete":
+            node = rng.choice(objects)
+            if node:
+                del node[rng.randrange(len(node))]
+        elif action == "duplicate":
+            node = rng.choice(objects)
+            if node:
+                pair = list(rng.choice(node))
+                if rng.random() < 0.5:
+                    pair[1] = fuzz_random_value(rng)
+                node.insert(rng.randrange(len(node) + 1), pair)
+        elif action == "add":
+            node = rng.choice(objects) if objects else root[0]
+            if isinstance(node, FuzzObject):
+                name = rng.choice(["extra", "device", "team", "scope", "project", "__proto__", "deleted",
+                                   "body", "note", "have", "type", "updatedAt", "", "x" * 300])
+                node.append([name, fuzz_random_value(rng)])
+        elif action == "rename":
+            node = rng.choice(objects)
+            if node:
+                pair = rng.choice(node)
+                pair[0] = rng.choice([pair[0].upper(), pair[0] + " ", pair[0][:-1], "\u0000" + pair[0],
+                                      pair[0] + "\ud800"])
+        elif action == "inflate" and arrays and len(fuzz_dump(root[0])) < 100000:
+            node = rng.choice(arrays)
+            filler = node[0] if node and len(fuzz_dump(node[0])) < 1000 else None
+            node.extend(copy.deepcopy(filler) for _ in range(rng.choice([499, 500, 501, 600, 1001])))
+        elif action == "wrap":
+            root[0] = rng.choice([[root[0]], FuzzObject([["body", root[0]]]), fuzz_random_value(rng)])
+        else:  # strings: every string value in one object replaced with one nasty string
+            if objects:
+                nasty = fuzz_random_value(rng)
+                for pair in rng.choice(objects):
+                    if isinstance(pair[1], str) and not isinstance(pair[1], FuzzRaw):
+                        pair[1] = nasty
+    text = fuzz_dump(root[0])
+    encoding = rng.random()
+    if encoding < 0.05:
+        return text.encode("utf-16", "surrogatepass")
+    if encoding < 0.1:
+        return b"\xef\xbb\xbf" + text.encode("utf-8", "surrogatepass")
+    if encoding < 0.15:
+        return text.encode("utf-8", "surrogatepass") + rng.choice([b",", b" x", b"}", b"\x00", b"\n\n{}"])
+    return text.encode("utf-8", "surrogatepass")
+
+
+FUZZ_METHODS = [b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"TRACE", b"CONNECT",
+                b"FOO", b"get", b"Post", b"PRI", b"M-SEARCH", b"G\x00ET", b"\xffGET", b"X" * 300, b""]
+
+FUZZ_PATHS = [b"/v1/push/", b"//v1/push", b"/v1/../v1/push", b"/V1/PUSH", b"/v1/memory/", b"/v1/memory/other",
+              b"/v1%2Fpush", b"/v1/pu%73h", b"*", b"http://127.0.0.1/v1/health", b"/", b"", b"/v1/pull#frag",
+              b"/v1/health?%ff", b"/v1/\xff\xfe", b"/v1/health\x00", b"/" + b"a" * 5000, b"/v1/projects/",
+              b"/v1/memory/identity/", b"/v1/memory/commit?x=1", b"/v1/pull;x"]
+
+FUZZ_QUERY_NAMES = ["project", "since", "limit", "wait", "team", "x", "", "since[]", "pro%6aect", "%ff", "wait"]
+FUZZ_QUERY_VALUES = ["proj", "team-proj", "", "%ff", "%", "%zz", "-1", "0", "1", "1.5", "abc", "-0", "+1", " 1",
+                     "9007199254740991", "9007199254740992", "99999999999999999999", "-99999999999999999999",
+                     "1e3", "0x10", "%00", "__proto__", "platform", "nope", "\xff", "a" * 200, "%D9%A3", "%2B1",
+                     "%20", "p%20roj", "&", "=", "==", "%%", "1%00"]
+
+
+def fuzz_query(rng):
+    """A query string of random junk: repeated, huge, negative and badly escaped parameters."""
+    parts = []
+    for _ in range(rng.randint(0, 8)):
+        name = rng.choice(FUZZ_QUERY_NAMES)
+        roll = rng.random()
+        if roll < 0.2:
+            value = fuzz_huge_number(rng)
+        elif roll < 0.2:
+            value = "%" + "".join(rng.choice("0123456789abcdefXYZ%") for _ in range(rng.randint(1, 6)))
+        else:
+            value = rng.choice(FUZZ_QUERY_VALUES)
+        parts.append(name if rng.random() < 0.05 else name + "=" + value)
+    if rng.random() < 0.1:
+        parts.extend(["since=0"] * rng.randint(2, 2000))
+    return "&".join(parts).encode("latin-1")
+
+
+def fuzz_chunked(rng, body, good):
+    """body in chunked encoding; when not good, with one broken piece."""
+    pieces, at = [], 0
+    while at < len(body):
+        size = rng.randint(1, max(1, len(body) - at))
+        pieces.append(body[at:at + size])
+        at += size
+    lines = [b"%x" % len(piece) + (b";ext=1" if rng.random() < 0.1 else b"") + b"\r\n" + piece + b"\r\n"
+             for piece in pieces]
+    lines.append(b"0\r\n" + (b"X-Trailer: 1\r\n" if rng.random() < 0.1 else b"") + b"\r\n")
+    if not good:
+        index = rng.randrange(len(lines))
+        broken = rng.choice([b"zz\r\n", b"-1\r\n", b"123456789\r\n", b"FFFFFFFF\r\n", b"7fffffff\r\n",
+                             b"\r\n", b"0x10\r\n", b" 5\r\n", b"5" * 2000 + b"\r\n", b"10000\r\nabc\r\n",
+                             b"5\r\nabcdefgh\r\n", b"3\r\nabc", b"3\r\nabcXX", b"1;" + b"e" * 3000 + b"\r\n",
+                             fuzz_huge_number(rng, sign=False).encode("ascii") + b"\r\n"])
+        roll = rng.random()
+        if roll < 0.5:
+            lines[index] = broken
+        elif roll < 0.75:
+            lines.insert(index, broken)
+        else:
+            lines = lines[:-1]   # no last chunk
+    return b"".join(lines)
+
+
+def fuzz_mutate_http(rng, request, bases):
+    """One HTTP-level mutation of request, in place."""
+    action = rng.randrange(24)
+    length = len(request.body)
+    if action == 0:
+        request.set_header(b"Content-Length", b"%d" % max(0, rng.choice(
+            [length + rng.randint(1, 50), length - rng.randint(1, 50), 0, length * 2, length + 1, length - 1])))
+    elif action == 1:
+        value = rng.choice([b"%d" % length, b"%d" % (length + 1), b"0", b"abc"])
+        request.headers.insert(rng.randrange(len(request.headers) + 1), b"Content-Length: " + value)
+    elif action == 2:
+        request.drop_header(b"Content-Length")
+    elif action == 3:
+        value = rng.choice([b"-1", b"+5", b"0x10", b" %d " % length, b"1e3", b"", b"12abc", b"9" * 30,
+                            b"18446744073709551616", b"\xd9\xa3", b"\xb2", b"%d, %d" % (length, length),
+                            b"%d.0" % length, b"0" * 30 + b"%d" % length, b"8388609", b"4194305"])
+        if rng.random() < 0.3:
+            value = fuzz_huge_number(rng).encode("ascii")
+        request.set_header(b"Content-Length", value)
+    elif action == 4:
+        request.drop_header(b"Content-Length")
+        request.set_header(b"Transfer-Encoding", b"chunked")
+        request.body = fuzz_chunked(rng, request.body, good=True)
+    elif action == 5:
+        request.drop_header(b"Content-Length")
+        request.set_header(b"Transfer-Encoding", b"chunked")
+        request.body = fuzz_chunked(rng, request.body, good=False)
+    elif action == 6:
+        request.set_header(b"Transfer-Encoding", rng.choice(
+            [b"gzip", b"chunked, gzip", b"Chunked", b" chunked ", b"identity", b"chunked, chunked", b""]))
+        if rng.random() < 0.5:
+            request.drop_header(b"Content-Length")
+        if rng.random() < 0.5:
+            request.body = fuzz_chunked(rng, request.body, good=True)
+    elif action == 7:
+        method, target, version = request.method or b"", request.target or b"", request.version or b""
+        request.method, request.target, request.version = rng.choice([
+            (b"GET", None, None), (b"GET", b"/v1/health", None), (b"GET", b"/v1/health", b"HTTP/2.0"),
+            (b"GET", b"/v1/health", b"HTTP/1.2"), (b"GET", b"/v1/health", b"HTTP/0.9"),
+            (b"GET", b"/v1/health", b"HTTP/x.y"), (b"GET", b"/v1/health", b"http/1.1"),
+            (b"GET /v1/health", b"", b"HTTP/1.1"), (b"GET", b"/v1/health HTTP/1.1", b"extra"),
+            (b"", b"", b""), (None, None, None), (b"GET\t/v1/health\tHTTP/1.1", None, None),
+            (method, target, b"HTTP/1.1 "), (method, target, b"HTTP/10.10"), (method + b" " * 5000, target, version),
+            (method, target + b" " + target, version)])
+    elif action == 8:
+        request.method = rng.choice(FUZZ_METHODS)
+    elif action == 9:
+        path = request.target.partition(b"?")[0] if request.target else b"/v1/pull"
+        request.target = path + rng.choice([b"?", b"?", b"??", b"?&"]) + fuzz_query(rng)
+    elif action == 10:
+        request.target = rng.choice(FUZZ_PATHS)
+    elif action == 11:
+        request.headers.insert(rng.randrange(len(request.headers) + 1), rng.choice(
+            [b"NoColonHere", b"", b" ", b"X-Y", b"Authorization Bearer x", b"\x00", b"\xff\xfe"]))
+    elif action == 12:
+        size = rng.choice([1000, 8190, 65000, 65530, 65536, 65537, 70000])
+        request.headers.insert(rng.randrange(len(request.headers) + 1), rng.choice(
+            [b"X-Long: " + b"v" * size, b"X-" + b"n" * size + b": v", b"Authorization: Bearer " + b"t" * size,
+             b"Cookie: " + b"a=b; " * (size // 5)]))
+    elif action == 13:
+        extra = [b"X-Fuzz-%d: %d" % (number, number) for number in range(rng.choice([90, 99, 100, 101, 150]))]
+        request.headers[rng.randrange(len(request.headers) + 1):0] = extra
+    elif action == 14:
+        found = request.header_index(b"Authorization")
+        token = request.headers[found].split(b" ")[-1] if found is not None else b"x"
+        request.set_header(b"Authorization", rng.choice([
+            b"", b"Bearer", b"Bearer ", b"bearer " + token, b"BEARER   " + token + b"  ", b"Bearer\t" + token, b"Basic YWxpY2U6cHc=",
+            b"Bearer ohs_000000000000_" + b"x" * 30, b"Bearer ohs_", b"Bearer " + b"t" * 20000,
+            b"Bearer a.b.c", b"Bearer \xff\xfe", b"Bearer  x  y", b"Bearer eyJhbGciOiJub25lIn0.e30.",
+            b"Bearer ohs_zzzzzzzzzzzz_" + b"x" * 30]))
+        if rng.random() < 0.3:
+            request.headers.append(b"Authorization: Bearer other")
+    elif action == 15:
+        request.set_header(b"Content-Type", rng.choice([
+            b"text/plain", b"application/json; charset=utf-8", b"APPLICATION/JSON", b"application/jsonx",
+            b"application/json;", b";", b"", b"multipart/form-data; boundary=x", b"application/json, text/plain",
+            b"\xff"]))
+        if rng.random() < 0.2:
+            request.drop_header(b"Content-Type")
+    elif action == 16:
+        request.headers.insert(rng.randrange(len(request.headers) + 1), rng.choice([
+            b"Origin: https://evil.example", b"Origin:", b"Expect: 100-continue", b"Expect: 100-continue",
+            b"Expect: nonsense", b"Connection: close", b"Connection: keep-alive", b"Connection: Upgrade",
+            b"Upgrade: h2c", b"Host:", b"Host: a", b"Host: \xff", b"Accept-Encoding: gzip",
+            b"Content-Encoding: gzip", b"Range: bytes=0-1"]))
+    elif action == 17:
+        index = rng.randrange(len(request.headers) + 1)
+        request.headers.insert(index, rng.choice([
+            b" folded: continuation", b"\tfolded", b"Name : value", b": empty name", b"Na me: value",
+            b"Name:: value", b"Name:value", b"Name:\tvalue\t", b"Content-Length : 5"]))
+    elif action == 18:
+        request.eol = rng.choice([b"\n", b"\r", b"\r\r\n", b"\n\r"])
+    elif action == 19:
+        request.version = rng.choice([b"HTTP/1.0", b"HTTP/1.0", b"HTTP/1.1"])
+    elif action == 20:
+        request.headers.insert(rng.randrange(len(request.headers) + 1),
+                               b"X-Bin: " + bytes(rng.randrange(256) for _ in range(rng.randint(1, 40))))
+    elif action == 21:
+        other = rng.choice(bases)[1].copy()
+        if rng.random() < 0.5:
+            fuzz_mutate_http(rng, other, bases)
+        request.tail += other.render()
+    elif action == 22:
+        request.tail += rng.choice([b"\r\n", b"GARBAGE", b"\x00" * 100, b"GET /v1/health HTTP/1.1\r\n",
+                                    b"GET /v1/health HTTP/1.1\r\n\r\n" * rng.randint(2, 30)])
+    else:
+        request.body = rng.choice([b"", b"{}", b"null", b"[]", b"\xff" * 10, b"\x00", b"{" * 300,
+                                   b"x" * rng.randint(1, 100000)])
+        if rng.random() < 0.7:
+            request.fix_length()
+
+
+def fuzz_mutate_bytes(rng, data, bases):
+    """One byte-level mutation of data anywhere (head or body); the new bytes."""
+    if not data:
+        return bytes(rng.randrange(256) for _ in range(rng.randint(1, 30)))
+    action = rng.randrange(10)
+    at = rng.randrange(len(data) + 1)
+    if action == 0:
+        at = min(at, len(data) - 1)
+        return data[:at] + bytes([data[at] ^ (1 << rng.randrange(8))]) + data[at + 1:]
+    if action == 1:
+        return data[:at] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 16))) + data[at:]
+    if action == 2:
+        return data[:at] + data[at + rng.randint(1, 64):]
+    if action == 3:
+        size = rng.randint(1, 200)
+        return data[:at + size] + data[at:at + size] + data[at + size:]
+    if action == 4:
+        return data[:at]
+    if action == 5:
+        other = rng.choice(bases)[1].render()
+        return data[:at] + other[rng.randrange(len(other)):]
+    if action == 6:
+        return data[:at] + rng.choice([b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x80",
+                                       b"\xe2\x82", b"\xfe\xff", b"\x00", b"\x00\x00\x00\x00"]) + data[at:]
+    if action == 7:
+        run = rng.choice([b"A", b"\x00", b" ", b"\r\n", b"[", b"{", b"9", b"\xff", b":", b"%"])
+        return data[:at] + run * rng.choice([100, 1000, 10000, 65536, 70000]) + data[at:]
+    if action == 8:   # replace one random byte with a structural one
+        at = min(at, len(data) - 1)
+        return data[:at] + rng.choice([b"\r", b"\n", b" ", b":", b"\"", b"\\", b"}", b"]", b",", b"0"]) + data[at + 1:]
+    return data[:at] + data[at:][::-1] if rng.random() < 0.2 else data[at:] + data[:at]
+
+
+def fuzz_make_case(seed, index, bases):
+    """The bytes of case `index` of a run: a valid request mutated at one or more levels."""
+    rng = random.Random(seed * 1000003 + index)
+    name, base = rng.choice(bases)
+    request = base.copy()
+    levels = rng.choice([["http"], ["http", "http"], ["json"], ["json", "http"], ["bytes"], ["bytes", "bytes"],
+                         ["json", "bytes"], ["http", "bytes"], ["json", "http", "bytes"], ["http", "http", "http"]])
+    labels = [name]
+    for level in levels:
+        if level == "json":
+            body = fuzz_mutate_json(rng, request.body) if request.body else None
+            if body is None:
+                level = "http"
+            else:
+                request.body = body
+                request.fix_length()
+        if level == "http":
+            fuzz_mutate_http(rng, request, bases)
+        labels.append(level)
+    data = request.render()
+    for _ in range(levels.count("bytes") * rng.randint(1, 2)):
+        data = fuzz_mutate_bytes(rng, data, bases)
+    return "/".join(labels), data
+
+
+# -- one exchange ------------------------------------------------------------
+
+_FUZZ_STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: [^\r\n]*)?\r\n")
+_FUZZ_OTHER_VERSION = re.compile(rb"HTTP/[0-9]\.[0-9]")
+
+
+def fuzz_exchange(address, data, timeout=FUZZ_TIMEOUT):
+    """Send data on a fresh connection, half-close, read until closed.
+
+    (received bytes, how it ended): "closed", "reset" or "timeout".
+    """
+    deadline = time.monotonic() + timeout
+    sock = socket.create_connection(address, timeout=timeout)
+    try:
+        try:
+            sock.sendall(data)
+        except socket.timeout:
+            return b"", "timeout"
+        except OSError:
+            pass  # the server answered early and closed; read what it said
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        received = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b"".join(received), "timeout"
+            sock.settimeout(left)
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                return b"".join(received), "timeout"
+            except OSError:
+                return b"".join(received), "reset"
+            if not chunk:
+                return b"".join(received), "closed"
+            received.append(chunk)
+    finally:
+        sock.close()
+
+
+def fuzz_judge(sent, received, ending):
+    """None when the outcome is acceptable, else a short reason.
+
+    Acceptable: the server closed (or reset) the connection after zero or more complete
+    HTTP answers, none 5xx, each JSON body parseable. 505 is accepted only for a request
+    that names an HTTP version other than 1.0 and 1.1 (it is that version's proper answer).
+    """
+    if ending == "timeout":
+        return "no answer and not closed within %.0f s (received %r)" % (FUZZ_TIMEOUT, received[:120])
+    bodiless_ok = b"HEAD" in sent     # a HEAD answer has a Content-Length but no body
+    other_version = any(version not in (b"HTTP/1.0", b"HTTP/1.1") for version in _FUZZ_OTHER_VERSION.findall(sent))
+    at = 0
+    while at < len(received):
+        match = _FUZZ_STATUS_LINE.match(received, at)
+        if match is None:
+            if ending == "reset" and b"HTTP/1.1 ".startswith(received[at:at + 9]):
+                return None   # cut short by a reset: what did arrive was fine
+            return "not an HTTP answer at byte %d: %r" % (at, received[at:at + 120])
+        status = int(match.group(1))
+        end = received.find(b"\r\n\r\n", match.end() - 2)
+        if end < 0:
+            return None if ending == "reset" else "answer head never ends: %r" % received[at:at + 200]
+        headers = {}
+        for line in received[match.end():end].split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        if status >= 500 and not (status == 505 and other_version):
+            return "status %d: %r" % (status, received[at:at + 300])
+        at = end + 4
+        if 100 <= status < 200:
+            continue
+        if b"content-length" not in headers or not headers[b"content-length"].isdigit():
+            return "answer without a usable Content-Length: %r" % received[match.start():end]
+        size = int(headers[b"content-length"])
+        body = received[at:at + size]
+        if bodiless_ok and (at == len(received) or received.startswith(b"HTTP/1.", at)) and len(body) < size:
+            continue
+        if len(body) < size:
+            return None if ending == "reset" else "answer body cut short: %r" % received[match.start():]
+        if headers.get(b"content-type", b"").split(b";")[0].strip().lower() == b"application/json":
+            try:
+                json.loads(body.decode("utf-8"))
+            except ValueError:
+                if not (bodiless_ok and received.startswith(b"HTTP/1.", at)):
+                    return "JSON answer that does not parse: %r" % received[match.start():at + size]
+                continue
+        at += size
+    return None
+
+
+def fuzz_run(address, cases, workers=FUZZ_WORKERS):
+    """Send every (index, label, data) case; the failures as (index, label, data, reason)."""
+    def one(case):
+        index, label, data = case
+        try:
+            received, ending = fuzz_exchange(address, data)
+            reason = fuzz_judge(data, received, ending)
+        except OSError as exc:
+            reason = "could not talk to the server: %s: %s" % (type(exc).__name__, exc)
+        return None if reason is None else (index, label, data, reason)
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return [failure for failure in pool.map(one, cases) if failure is not None]
+
+
+def fuzz_report(seed, total, failures):
+    lines = ["%d of %d fuzz cases failed (seed %d; rebuild one with fuzz_make_case(%d, INDEX, "
+             "fuzz_base_requests(token)))" % (len(failures), total, seed, seed)]
+    for index, label, data, reason in failures[:10]:
+        lines.append("  case %d [%s]: %s\n    request (%d bytes) starts %r" % (
+            index, label, reason, len(data), data[:200]))
+    return "\n".join(lines)
+
+
+FUZZ_BAD_LOG_WORDS = ("internal error", "Traceback", "connection error", "took longer than")
+
+
+class MutationFuzzTest(ServerCase):
+    """Seeded random mutations of valid requests, and random bytes, on a real server:
+    never a 5xx, never a hang, never an internal error in the log, and the server still works after."""
+
+    # Memory requests without a rate limit (else a 429, fine but less interesting); no long-poll is ever
+    # parked, so a pull whose `wait` a mutation raised answers at once instead of holding up to 30 s.
+    server_options = {"memory_rate_limit": 0, "max_parked": 0}
+
+    def setUp(self):
+        super().setUp()
+        host, port = self.url.split("//", 1)[1].rsplit(":", 1)
+        self.address = (host.strip("[]"), int(port))
+        self.thread_errors = []
+        previous = threading.excepthook
+
+        def hook(args):
+            self.thread_errors.append("%s: %s" % (args.exc_type.__name__, args.exc_value))
+            previous(args)
+
+        threading.excepthook = hook
+        self.addCleanup(setattr, threading, "excepthook", previous)
+
+    def assertStillServing(self):
+        """Health answers, a valid push and pull and a memory request still work."""
+        self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
+        answer = self.push(self.alice, "fuzz-after-check", [record("a", "1"), record("a", "2")], [meta("a")])
+        self.assertAnswer(answer, 200, {"cursor": 3, "accepted": 3})
+        pulled = self.pull(self.alice, "fuzz-after-check")
+        self.assertAnswer(pulled, 200)
+        self.assertEqual([r["id"] for r in pulled.json["records"]], ["1", "2"])
+        self.assertEqual(pulled.json["cursor"], 3)
+        self.assertAnswer(self.request("POST", "/v1/memory/identity", {"expectedPrincipal": "alice"}, self.alice),
+                          200)
+
+    def fuzz_check(self, seed, cases):
+        """Send the cases; then the server must still serve, and neither answers nor log may show a bug."""
+        started = time.monotonic()
+        failures = fuzz_run(self.address, cases)
+        elapsed = time.monotonic() - started
+        bad_lines = [line for line in self.log_lines if any(word in line for word in FUZZ_BAD_LOG_WORDS)]
+        report = "%s\nserver log lines that show a bug (%d in all): %r\nuncaught thread exceptions: %r" % (
+            fuzz_report(seed, len(cases), failures), len(bad_lines), bad_lines[:5], self.thread_errors[:5])
+        try:
+            self.assertStillServing()
+        except AssertionError as exc:
+            self.fail("the server no longer serves after the fuzz cases: %s\n%s" % (exc, report))
+        if failures or bad_lines or self.thread_errors:
+            self.fail(report)
+        self.assertLess(elapsed, 60, "%d fuzz cases took %.1f s" % (len(cases), elapsed))
+
+    def test_mutated_requests_never_get_5xx_or_hang(self):
+        bases = fuzz_base_requests(self.alice)
+        cases = [(index,) + fuzz_make_case(FUZZ_SEED, index, bases) for index in range(FUZZ_CASES)]
+        self.assertGreaterEqual(len(cases), 2000)
+        self.fuzz_check(FUZZ_SEED, cases)
+
+    def test_random_bytes_never_get_5xx_or_hang(self):
+        rng = random.Random(FUZZ_SEED + 1)
+        cases = [(index, "random bytes", bytes(rng.randrange(256) for _ in range(rng.randint(1, 2000))))
+                 for index in range(FUZZ_RANDOM_CASES)]
+        self.fuzz_check(FUZZ_SEED + 1, cases)
+
+
+# ---------------------------------------------------------------------------
 # Durability: the server as a subprocess
 # ---------------------------------------------------------------------------
 
@@ -5234,6 +5612,210 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(results[0].status, 200)
         self.assertEqual(results[0].json, {"cursor": 0, "records": [], "sessions": [], "more": False})
         self.assertNotIn("Traceback", stderr)
+
+
+# ---------------------------------------------------------------------------
+# The command line: check and bench
+# ---------------------------------------------------------------------------
+
+# -- the check command ----------------------------------------------------------
+
+SESSION_CHECKS = ["health", "auth-required", "smoke-test", "paging", "long-poll-wakes", "long-poll-timeout",
+                  "body-round-trip", "projects"]
+MEMORY_CHECKS = ["memory-identity", "memory-empty-snapshot", "memory-commit", "memory-stale-etag",
+                 "memory-delete"]
+
+
+def run_check_command(*argv):
+    """sync.main(["check", ...]) in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = sync.main(["check"] + list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+class CheckCommandTest(ServerCase):
+    """oharness_sync.py check against this server: every check passes."""
+
+    cli = [sys.executable, MODULE]
+
+    def test_every_check_passes_against_this_server(self):
+        out = io.StringIO()
+        check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
+                                 out=out)
+        self.assertTrue(check.run(), out.getvalue())
+        lines = out.getvalue().splitlines()
+        self.assertEqual([line for line in lines if not line.startswith("PASS ")], [])
+        self.assertEqual([line.split()[1] for line in lines],
+                         SESSION_CHECKS + ["isolation", "team-feed", "unknown-team"] + MEMORY_CHECKS)
+
+    def test_the_notice_names_every_project_it_writes_to(self):
+        check = ConformanceCheck(self.url, self.alice, team="platform", principal="alice")
+        notice = check.notice()
+        self.assertEqual(len(notice.splitlines()), 1)
+        self.assertIn("writing test data to " + self.url, notice)
+        for project in check.project.values():
+            self.assertRegex(project, r"^ohs-check-[0-9a-f]{8}-[a-z]+$")
+            self.assertIn(project, notice)
+        self.assertNotIn(self.alice, notice)
+
+    def test_command_line_end_to_end(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        token, _ = sync.TokenStore(data_dir).issue("alice")
+        server = SubprocessServer(data_dir)
+        try:
+            result = subprocess.run(self.cli + ["check", "--url", server.url, "--token", token],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
+                                    universal_newlines=True)
+        finally:
+            server.stop()
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertEqual(result.stdout, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"]))
+        self.assertEqual(len(result.stderr.splitlines()), 1, result.stderr)
+        self.assertIn("writing test data to %s: projects ohs-check-" % server.url, result.stderr)
+        self.assertNotIn(token, result.stdout + result.stderr)
+
+    def test_a_wrong_principal_fails_the_memory_checks(self):
+        code, out, err = run_check_command("--url", self.url, "--token", self.bob, "--memory", "--principal", "alice")
+        self.assertEqual(code, 1)
+        failed = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("FAIL ")]
+        self.assertEqual(failed, MEMORY_CHECKS)
+        self.assertIn("account_mismatch", out)
+        self.assertNotIn(self.bob, out + err)
+
+
+class FaultySyncHandler(BaseHTTPRequestHandler):
+    """Just enough of protocol v1, in memory, with the fault named by server.fault (None: no fault).
+
+    Feeds are a dict {(owner, project): [(kind, entry), ...]}; no token lists a team.
+    """
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, status, doc, headers=()):
+        data = json.dumps(doc).encode()
+        self.send_response(status)
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(len(data)))] + list(headers):
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def owner(self):
+        token = self.headers.get("Authorization", "")[len("Bearer "):]
+        if token not in ("token-a", "token-b"):
+            return None
+        return "everyone" if self.server.fault == "one-feed" else token
+
+    def do_GET(self):
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        if url.path == "/v1/health" and (self.server.fault != "health-needs-token" or self.owner()):
+            return self.answer(200, {"ok": True})
+        owner = self.owner()
+        if owner is None:
+            return self.answer(401, {"error": "no token"}, [("WWW-Authenticate", "Bearer")])
+        if "team" in query:
+            return self.answer(403, {"error": "not a member"})
+        if url.path == "/v1/projects":
+            return self.answer(200, {"projects": sorted(p for o, p in self.server.feeds if o == owner)})
+        key, since, limit = (owner, query["project"]), int(query["since"]), int(query.get("limit", 500))
+        with self.server.changed:
+            self.server.changed.wait_for(lambda: len(self.server.feeds.get(key, [])) > since,
+                                         int(query.get("wait", 0)))
+            feed = list(self.server.feeds.get(key, []))
+        events = feed[since:since + limit]
+        self.answer(200, {"cursor": since + len(events), "records": [e for k, e in events if k == "r"],
+                          "sessions": [e for k, e in events if k == "s"], "more": len(feed) > since + len(events)})
+
+    def do_POST(self):
+        owner = self.owner()
+        if owner is None:
+            return self.answer(401, {"error": "no token"}, [("WWW-Authenticate", "Bearer")])
+        doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if doc.get("team") is not None:
+            return self.answer(403, {"error": "not a member"})
+        key = (owner, doc["project"])
+        with self.server.changed:
+            feed = self.server.feeds.get(key, [])
+            keys = {(e["session"], e["id"]) for k, e in feed if k == "r"}
+            new = []
+            for entry in doc.get("records") or []:
+                if self.server.fault == "duplicates" or (entry["session"], entry["id"]) not in keys:
+                    new.append(("r", entry))
+                    keys.add((entry["session"], entry["id"]))
+            new += [("s", entry) for entry in doc.get("sessions") or []]
+            if new:
+                self.server.feeds[key] = feed + new
+                self.server.changed.notify_all()
+        self.answer(200, {"cursor": len(feed) + len(new), "accepted": len(new)})
+
+
+class CheckCatchesFaultsTest(unittest.TestCase):
+    """The checks fail on servers that break the protocol, and only where they break it."""
+
+    def start_faulty_server(self, fault):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), FaultySyncHandler)
+        server.fault, server.feeds, server.changed = fault, {}, threading.Condition()
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        thread.start()
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        return "http://127.0.0.1:%d" % server.server_address[1]
+
+    def failed_checks(self, fault, *flags):
+        """Run the check command against a faulty server: (exit code, names of the failed checks, stdout)."""
+        url = self.start_faulty_server(fault)
+        code, out, err = run_check_command("--url", url, "--token", "token-a", *flags)
+        self.assertNotIn("token-a", out + err)
+        self.assertNotIn("Traceback", out + err)
+        failed = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("FAIL ")]
+        return code, failed, out
+
+    def test_the_fake_without_a_fault_passes(self):
+        self.assertEqual(self.failed_checks(None, "--other-token", "token-b")[:2], (0, []))
+
+    def test_a_retried_push_that_duplicates_fails_the_smoke_test(self):
+        code, failed, out = self.failed_checks("duplicates")
+        self.assertEqual((code, failed), (1, ["smoke-test"]), out)
+        self.assertIn("FAIL smoke-test: pushing the same record again answered {\"cursor\": 2, \"accepted\": 1}", out)
+
+    def test_one_feed_for_every_principal_fails_isolation(self):
+        code, failed, out = self.failed_checks("one-feed", "--other-token", "token-b")
+        self.assertEqual((code, failed), (1, ["isolation"]), out)
+        self.assertNotIn("token-b", out)
+
+    def test_health_behind_a_token_fails_health(self):
+        code, failed, out = self.failed_checks("health-needs-token")
+        self.assertEqual((code, failed), (1, ["health"]), out)
+        self.assertIn("FAIL health: GET /v1/health answered 401, expected 200", out)
+
+    def test_an_unreachable_server_fails_every_check_without_a_traceback(self):
+        code, out, err = run_check_command("--url", "http://127.0.0.1:%d" % closed_port(), "--token", "t0ken")
+        self.assertEqual(code, 1)
+        lines = out.splitlines()
+        self.assertEqual([line.split()[1].rstrip(":") for line in lines], SESSION_CHECKS + ["unknown-team"])
+        for line in lines:
+            self.assertRegex(line, r"^FAIL [a-z-]+: network error: .*refused")
+        self.assertNotIn("t0ken", out + err)
+
+
+class CheckUsageTest(unittest.TestCase):
+    def test_bad_flags_exit_2_with_one_line(self):
+        url = ["--url", "http://127.0.0.1:1"]
+        for argv in ([], ["--token", "t"], url, url + ["--token", "t", "--bogus"],
+                     ["--url", "ftp://h", "--token", "t"], ["--url", "http://h/sync", "--token", "t"],
+                     ["--url", "http://u:p@h", "--token", "t"], ["--url", "http://h:x", "--token", "t"],
+                     url + ["--token", "two words"], url + ["--token", "t", "--memory"],
+                     url + ["--token", "t", "--principal", "alice"],
+                     url + ["--token", "t", "--memory", "--principal", "a/b"]):
+            code, out, err = run_check_command(*argv)
+            self.assertEqual(code, 2, argv)
+            self.assertEqual(out, "")
+            self.assertEqual(len(err.splitlines()), 1, err)
+            self.assertTrue(err.startswith("oharness-sync: error: "), err)
+            self.assertNotIn("two words", err)
 
 
 class BenchCommandTest(unittest.TestCase):
