@@ -71,7 +71,6 @@ __version__ = "0.1.0"
 # Constants and limits
 # ---------------------------------------------------------------------------
 
-PROTOCOL_VERSION = 1
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8787
 
