@@ -84,7 +84,7 @@ MAX_PUSH_SESSIONS = 500
 MAX_PULL_LIMIT = 500
 MAX_WAIT_SECONDS = 30
 
-REQUEST_SECONDS = 30.0              # headers and body of one request, in total
+DEFAULT_REQUEST_SECONDS = 30.0      # headers and body of one request must arrive within this, in total
 IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed; also bounds each send
 MAX_HEADER_LINE = 65536             # bytes in the request line or one header line
 MAX_HEADERS = 100                   # header lines in one request
@@ -3077,7 +3077,7 @@ class Watchdog:
                 for sock in late:
                     del self._deadlines[sock]
             for sock in late:
-                self.log("closed a connection whose request took longer than %d s" % REQUEST_SECONDS)
+                self.log("closed a connection whose request did not arrive in time")
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
@@ -3151,7 +3151,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True
             return
-        self.server.watchdog.arm(sock, REQUEST_SECONDS)
+        self.server.watchdog.arm(sock, self.server.request_seconds)
         try:
             self._handle_request()
         except (ClientGone, OSError):  # the client left, timed out, or was cut off by the watchdog
@@ -3330,11 +3330,12 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None, access_log=None,
-                 tls=None):
+                 tls=None, request_seconds=DEFAULT_REQUEST_SECONDS):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.app = app
         self.tls = tls                         # a TlsFiles, or None for plain HTTP
+        self.request_seconds = request_seconds
         self.max_connections = max_connections
         self.log = log or (lambda message: None)
         self.access_log = access_log
@@ -3407,9 +3408,9 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         except (OSError, ValueError):
             sock.close()
             return None
-        self.watchdog.arm(tls_sock, REQUEST_SECONDS)
+        self.watchdog.arm(tls_sock, self.request_seconds)
         try:
-            tls_sock.settimeout(REQUEST_SECONDS)
+            tls_sock.settimeout(self.request_seconds)
             tls_sock.do_handshake()
             return tls_sock
         except (OSError, ValueError):
@@ -3481,13 +3482,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections=DEFAULT_MAX_CONNECTIONS,
                  log=None, jwt=None, memory_mode="local", supabase=None,
-                 memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None, max_parked=DEFAULT_MAX_PARKED):
+                 memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None, max_parked=DEFAULT_MAX_PARKED,
+                 request_seconds=DEFAULT_REQUEST_SECONDS):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
     app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit),
                   log, max_parked)
-    return SyncServer((host, port), app, max_connections, log, log.access, tls)
+    return SyncServer((host, port), app, max_connections, log, log.access, tls, request_seconds)
 
 
 def add_auth_flags(parser):
@@ -3588,6 +3590,9 @@ def serve_command(argv):
                         help="open connections at once (default %d); past it a new one gets 503" % DEFAULT_MAX_CONNECTIONS)
     parser.add_argument("--max-parked", type=int, default=DEFAULT_MAX_PARKED,
                         help="long-polls held at once (default %d); past it a pull answers at once" % DEFAULT_MAX_PARKED)
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_SECONDS, metavar="SECONDS",
+                        help="a request's headers and body must arrive within this, in total (default %d)"
+                        % DEFAULT_REQUEST_SECONDS)
     parser.add_argument("--quiet", action="store_true", help="no access log")
     parser.add_argument("--tls-cert", metavar="CERT.pem", help="serve HTTPS with this certificate (chain)")
     parser.add_argument("--tls-key", metavar="KEY.pem", help="and this private key; both are re-read on SIGHUP")
@@ -3597,6 +3602,8 @@ def serve_command(argv):
         raise UsageError("--port must be 0..65535")
     if args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
+    if not args.request_timeout > 0:
+        raise UsageError("--request-timeout must be positive")
     if args.max_parked < 0:
         raise UsageError("--max-parked must be 0 or more")
     if args.memory_rate_limit < 0:
@@ -3611,7 +3618,8 @@ def serve_command(argv):
     threading.stack_size(THREAD_STACK_BYTES)
     try:
         server = build_server(data_dir, args.host, args.port, args.max_connections, log,
-                              jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked)
+                              jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked,
+                              args.request_timeout)
     except OSError as exc:
         raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, exc.strerror or exc)) from None
     if tls is None and not is_loopback(args.host):
