@@ -90,6 +90,7 @@ MAX_HEADER_LINE = 65536             # bytes in the request line or one header li
 MAX_HEADERS = 100                   # header lines in one request
 DEFAULT_MAX_CONNECTIONS = 2000
 DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
+WAKER_SEND_BYTES = 32 * 1024        # larger long-poll answers are sent by their own thread, not the waker
 LISTEN_BACKLOG = 512
 THREAD_STACK_BYTES = 512 * 1024     # a thousand parked long-polls fit a 32-bit Pi
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
@@ -2960,7 +2961,7 @@ class Park:
 
 class _Waiter:
     """One parked pull: answered once, by the waker or (at its time-out) by its own thread."""
-    __slots__ = ("park", "send", "claimed", "sent", "failed", "listener")
+    __slots__ = ("park", "send", "claimed", "sent", "failed", "listener", "response")
 
     def __init__(self, park, send):
         self.park = park
@@ -2969,6 +2970,7 @@ class _Waiter:
         self.sent = threading.Event()
         self.failed = False
         self.listener = None
+        self.response = None  # a large answer, left for the pull's own thread to send
 
 
 class LongPolls:
@@ -3006,7 +3008,7 @@ class LongPolls:
             waiter.sent.wait()
             if waiter.failed:
                 raise ClientGone()
-            return None
+            return waiter.response
         finally:
             with self._lock:
                 self.parked -= 1
@@ -3032,6 +3034,9 @@ class LongPolls:
                     response = self._page(waiter.park)
                 except (FeedDamaged, StorageError) as exc:
                     response = self.error_response(exc)
+                if len(response.body) > WAKER_SEND_BYTES:
+                    waiter.response = response  # could block on a slow reader: its own thread sends it
+                    continue
                 try:
                     waiter.send(response)
                 except OSError:

@@ -3811,6 +3811,16 @@ class LongPollTest(ServerCase):
         self.assertEqual(len(results), 50)
         self.assertEqual(sum(answer.json["records"][0]["id"] == "later" for _, answer in results), 49)
 
+    def test_a_large_woken_page_is_sent_by_its_own_thread_and_arrives_whole(self):
+        results = []
+        thread = self.pull_in_thread(results, wait=10)
+        self.wait_parked(1)
+        big = [record(record_id=str(i), body="x" * 1000) for i in range(100)]  # about 130 KB of answer
+        self.push(self.alice, records=big)
+        thread.join(5)
+        self.assertGreater(len(results[0][1].raw), sync.WAKER_SEND_BYTES)
+        self.assertEqual(results[0][1].json["records"], big)
+
     def test_time_out_is_an_empty_200(self):
         results = []
         self.pull_in_thread(results, since=0, wait=1).join(5)
