@@ -38,6 +38,7 @@ import queue
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -90,7 +91,6 @@ MAX_HEADER_LINE = 65536             # bytes in the request line or one header li
 MAX_HEADERS = 100                   # header lines in one request
 DEFAULT_MAX_CONNECTIONS = 2000
 DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
-WAKER_SEND_BYTES = 32 * 1024        # larger long-poll answers are sent by their own thread, not the waker
 LISTEN_BACKLOG = 512
 THREAD_STACK_BYTES = 512 * 1024     # a thousand parked long-polls fit a 32-bit Pi
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
@@ -730,10 +730,16 @@ def memory_have(doc, quota=MEMORY_QUOTA):
     # Checked as two joined strings rather than key by key: a full `have` has thousands of entries.
     values = list(have.values())
     if have and not (all(type(value) is str for value in values) and set(map(len, values)) == {64}
-                     and _HEX_RUN.fullmatch("".join(values)) and _ID_LINES.fullmatch("\n".join(have))
-                     and RESERVED_IDS.isdisjoint(have)):
+                     and _HEX_RUN.fullmatch("".join(values)) and _valid_id_run(have)):
         raise MemoryApiError(400, "invalid_have", "have must map note ids to 64 lowercase hex hashes")
     return have
+
+
+def _valid_id_run(ids):
+    """True when every one of many ids is valid, checked as one joined string (no id holds a newline)."""
+    joined = "\n".join(ids)
+    return (_ID_LINES.fullmatch(joined) is not None and joined.count("\n") == len(ids) - 1
+            and RESERVED_IDS.isdisjoint(ids))
 
 
 def memory_changes(changes, quota=MEMORY_QUOTA):
@@ -1573,6 +1579,8 @@ class Authenticator:
         if self.memory_mode == "off":
             raise AuthNotConfigured("memory sync is turned off on this server")
         if self.memory_mode == "supabase":
+            if token.startswith(LOCAL_TOKEN_PREFIX):  # never hand one of our tokens to another service
+                raise AuthError("memory sync here needs an account token, not a local token")
             return self.supabase.verify(token)
         identity = self._session_identity(token)
         if identity.anonymous:
@@ -1860,11 +1868,11 @@ class Feed:
     the flush lock writes every queued line with one write and one fsync.
     """
 
-    def __init__(self, path, log):
+    def __init__(self, path, log, listeners=()):
         self.path = path
         self.log = log
         self.lock = threading.Lock()           # guards everything below
-        self._listeners = set()                # called once the next event is durable
+        self._listeners = set(listeners)       # called once the next event is durable
         self._load_lock = threading.Lock()
         self._flushing = False                 # a flush (write + fsync) is under way
         self.loaded = False
@@ -1884,28 +1892,34 @@ class Feed:
         if not self.loaded:
             with self._load_lock:
                 if not self.loaded and self.damage is None:
-                    self._load()
+                    try:
+                        self._load()
+                    except OSError as exc:  # e.g. out of file descriptors: try again on the next request
+                        raise StorageError("cannot read %s: %s" % (self.path, exc)) from None
         if self.damage is not None:
             raise FeedDamaged(self.damage)
 
     def _load(self):
+        """Rebuild the index from the file. It is built aside and kept only when the whole load succeeds,
+        so a failure half-way (a read error, no file descriptor left) leaves nothing half-built."""
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
             self.loaded = True
             return
+        count, offsets, keys, meta = 0, array.array("Q", [0]), set(), {}
         with f:
             offset = 0
             for line_number, line in enumerate(f, 1):
                 try:
                     number, kind, key, event = parse_feed_line(line)
-                    if number != self.count + 1:
-                        raise ValueError("event number %d where %d was expected" % (number, self.count + 1))
+                    if number != count + 1:
+                        raise ValueError("event number %d where %d was expected" % (number, count + 1))
                     if kind == b"s":
                         session = json.loads(event)
-                        self.meta[session["id"]] = (session["gen"], session["updatedAt"])
+                        meta[session["id"]] = (session["gen"], session["updatedAt"])
                     else:
-                        self.keys.add(key)
+                        keys.add(key)
                 except (ValueError, KeyError, TypeError) as exc:
                     if f.peek(1):
                         self.damage = "%s:%d: %s" % (self.path, line_number, exc)
@@ -1914,10 +1928,13 @@ class Feed:
                     self._cut_tail(offset, line_number)
                     break
                 offset += len(line)
-                self.count += 1
-                self.offsets.append(offset)
-        self.next_number = self.count + 1
-        self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+                count += 1
+                offsets.append(offset)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        with self.lock:
+            self.count, self.offsets, self.keys, self.meta = count, offsets, keys, meta
+            self.next_number = count + 1
+            self.fd = fd
         self.loaded = True
 
     def _cut_tail(self, offset, line_number):
@@ -2071,11 +2088,12 @@ class Feed:
         self._last_page = ((since, limit, count), page)
         return page
 
-    def listen(self, since, listener):
-        """Call listener() once an event after since is durable; False (and no call) if one already is."""
+    def listen(self, since, listener, stopping):
+        """Call listener() once an event after since is durable; False (and no call) if one already is,
+        or if stopping is set (checked under the lock that shutdown takes to call every listener)."""
         self.ensure_loaded()
         with self.lock:
-            if self.count > since:
+            if self.count > since or stopping.is_set():
                 return False
             self._listeners.add(listener)
             return True
@@ -2108,6 +2126,7 @@ class FeedStore:
         self.log = log or (lambda message: None)
         self.stopping = threading.Event()
         self._feeds = {}
+        self._waiting = {}                     # (owner, project) -> listeners of a feed not made yet
         self._lock = threading.Lock()
 
     def owner_dir(self, owner):
@@ -2127,7 +2146,7 @@ class FeedStore:
         with self._lock:
             feed = self._feeds.get(key)
             if feed is None and (create or os.path.exists(path)):
-                feed = self._feeds[key] = Feed(path, self.log)
+                feed = self._feeds[key] = Feed(path, self.log, self._waiting.pop(key, ()))
             return feed
 
     def push(self, owner, project, records, sessions):
@@ -2143,14 +2162,35 @@ class FeedStore:
 
     def listen(self, owner, project, since, listener):
         """Call listener() once (owner, project) has an event after since (at shutdown too);
-        False, without a call, when it has one already. The feed exists in memory meanwhile."""
-        if self.stopping.is_set():
-            return False
-        return self.feed(owner, project, create=True).listen(since, listener)
+        False, without a call, when it has one already.
+
+        A project without a feed gets no Feed object: its listeners wait in a table that the feed
+        adopts when its first push creates it, so long-polls on made-up names leave nothing behind.
+        """
+        key = (owner, project)
+        feed = self.feed(owner, project)
+        if feed is None:
+            with self._lock:
+                feed = self._feeds.get(key)
+                if feed is None:
+                    if self.stopping.is_set():
+                        return False
+                    self._waiting.setdefault(key, set()).add(listener)
+                    return True
+        return feed.listen(since, listener, self.stopping)
 
     def unlisten(self, owner, project, listener):
         """Forget a listener that was not called; False when it was (or is being) called."""
-        return self.feed(owner, project, create=True).unlisten(listener)
+        key = (owner, project)
+        with self._lock:
+            waiting = self._waiting.get(key)
+            if waiting is not None and listener in waiting:
+                waiting.remove(listener)
+                if not waiting:
+                    del self._waiting[key]
+                return True
+            feed = self._feeds.get(key)
+        return feed is not None and feed.unlisten(listener)
 
     def projects(self, owner):
         """The sorted project ids with a non-empty feed for owner."""
@@ -2170,8 +2210,12 @@ class FeedStore:
         self.stopping.set()
         with self._lock:
             feeds = list(self._feeds.values())
+            waiting, self._waiting = self._waiting, {}
         for feed in feeds:
             feed.call_listeners()
+        for listeners in waiting.values():
+            for listener in listeners:
+                listener()
 
 
 # ---------------------------------------------------------------------------
@@ -2781,13 +2825,13 @@ def json_response(status, value, headers=()):
 class Request:
     """What a handler sees of one HTTP request. The body is read only when asked for."""
 
-    def __init__(self, method, path, query, headers, read_body, send=None):
+    def __init__(self, method, path, query, headers, read_body, send_nowait=None):
         self.method = method
         self.path = path
         self.query = query
         self.headers = headers
         self.read_body = read_body  # read_body(limit, error) -> bytes; error(status, text) makes the exception
-        self.send = send            # send(Response), for an answer sent by another thread (long-polls)
+        self.send_nowait = send_nowait  # for an answer sent by another thread (long-polls): see LongPolls
         self.principal = None       # for the access log, once a token was verified
 
     def param(self, name):
@@ -2813,7 +2857,7 @@ class SyncApp:
         self.auth = auth
         self.rate_limiter = rate_limiter
         self.log = log or (lambda message: None)
-        self.long_polls = LongPolls(feeds, max_parked, self.error_response)
+        self.long_polls = LongPolls(feeds, max_parked, self.error_response, self.log)
 
     ROUTES = {
         "/v1/health": {"GET": "health"},
@@ -2902,7 +2946,7 @@ class SyncApp:
         page = self.feeds.pull(owner, project, since, limit)
         if page.records or page.sessions or wait == 0:
             return Response(200, page.to_json())
-        return self.long_polls.answer(Park(owner, project, since, limit, wait), request.send)
+        return self.long_polls.answer(Park(owner, project, since, limit, wait), request.send_nowait)
 
 
     # -- memory sync -------------------------------------------------------
@@ -2961,16 +3005,16 @@ class Park:
 
 class _Waiter:
     """One parked pull: answered once, by the waker or (at its time-out) by its own thread."""
-    __slots__ = ("park", "send", "claimed", "sent", "failed", "listener", "response")
+    __slots__ = ("park", "send_nowait", "claimed", "sent", "failed", "listener", "rest")
 
-    def __init__(self, park, send):
+    def __init__(self, park, send_nowait):
         self.park = park
-        self.send = send
+        self.send_nowait = send_nowait
         self.claimed = False
         self.sent = threading.Event()
         self.failed = False
         self.listener = None
-        self.response = None  # a large answer, left for the pull's own thread to send
+        self.rest = None  # what the socket did not take at once, for the pull's own thread to send
 
 
 class LongPolls:
@@ -2982,23 +3026,24 @@ class LongPolls:
     pull answers at once, as if its wait were 0.
     """
 
-    def __init__(self, feeds, max_parked, error_response):
+    def __init__(self, feeds, max_parked, error_response, log):
         self.feeds = feeds
         self.max_parked = max_parked
         self.error_response = error_response
+        self.log = log
         self.parked = 0
         self._lock = threading.Lock()
         self._woken = queue.SimpleQueue()
         threading.Thread(target=self._wake, name="long-poll waker", daemon=True).start()
 
-    def answer(self, park, send):
-        """Wait for park's feed to grow and answer the pull; None: the answer was sent with send()."""
+    def answer(self, park, send_nowait):
+        """Wait for park's feed to grow and answer the pull; None: the answer was sent (send_nowait)."""
         with self._lock:
             if self.parked >= self.max_parked:
                 return self._page(park)
             self.parked += 1
         try:
-            waiter = _Waiter(park, send)
+            waiter = _Waiter(park, send_nowait)
             waiter.listener = lambda: self._woken.put(waiter)
             if not self.feeds.listen(park.owner, park.project, park.since, waiter.listener):
                 return self._page(park)  # an event arrived since the read, or the server is stopping
@@ -3008,7 +3053,9 @@ class LongPolls:
             waiter.sent.wait()
             if waiter.failed:
                 raise ClientGone()
-            return waiter.response
+            if waiter.rest is not None:
+                waiter.rest()
+            return None
         finally:
             with self._lock:
                 self.parked -= 1
@@ -3029,22 +3076,28 @@ class LongPolls:
             while not self._woken.empty():
                 woken.append(self._woken.get())
             claimed = [waiter for waiter in woken if self._claim(waiter)]
-            for waiter in claimed:
-                try:
-                    response = self._page(waiter.park)
-                except (FeedDamaged, StorageError) as exc:
-                    response = self.error_response(exc)
-                if len(response.body) > WAKER_SEND_BYTES:
-                    waiter.response = response  # could block on a slow reader: its own thread sends it
-                    continue
-                try:
-                    waiter.send(response)
-                except OSError:
-                    waiter.failed = True
-            # Only now let the parked threads resume: had each resumed after its own answer, the
-            # waker would queue behind them for the interpreter lock before every further send.
-            for waiter in claimed:
-                waiter.sent.set()
+            try:
+                for waiter in claimed:
+                    self._send(waiter)
+            finally:
+                # Only now let the parked threads resume: had each resumed after its own answer, the
+                # waker would queue behind them for the interpreter lock before every further send.
+                for waiter in claimed:
+                    waiter.sent.set()
+
+    def _send(self, waiter):
+        """Send a woken pull its page, as far as its socket takes it without waiting."""
+        try:
+            response = self._page(waiter.park)
+        except (FeedDamaged, StorageError) as exc:
+            response = self.error_response(exc)
+        except Exception as exc:  # the waker must live on, whatever one page does
+            self.log("long-poll answer failed: %s: %s" % (type(exc).__name__, exc))
+            response = json_response(500, {"error": "internal server error"})
+        try:
+            waiter.rest = waiter.send_nowait(response)
+        except OSError:
+            waiter.failed = True
 
 
 def memory_body_error(status, text):
@@ -3204,7 +3257,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         if not self._body_pending:
             self.server.watchdog.disarm(self.connection)
         request = Request(self.command, path, urllib.parse.parse_qs(query, keep_blank_values=True),
-                          self.headers, self._read_body, self._send)
+                          self.headers, self._read_body, self._send_nowait)
         try:
             response = self.server.app.handle(request)
         except (ClientGone, ConnectionError, socket.timeout):
@@ -3281,6 +3334,31 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, response):
         """Write status line, headers and body with one send."""
+        self.wfile.write(self._render(response))
+
+    def _send_nowait(self, response):
+        """Send what the socket takes at once, without blocking (for the long-poll waker thread).
+
+        Returns None when all of it left, else a function that sends the rest, blocking: the pull's own
+        thread calls it, so a client that does not read holds up no one else.
+        """
+        data = self._render(response)
+        sock, sent = self.connection, 0
+        if not isinstance(sock, ssl.SSLSocket) and hasattr(socket, "MSG_DONTWAIT") and hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+            if poller.poll(0):  # writable now, so send() will not wait for room
+                try:
+                    sent = sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+        if sent == len(data):
+            return None
+        rest = memoryview(data)[sent:]
+        return lambda: self.wfile.write(rest)
+
+    def _render(self, response):
+        """The bytes of an answer: status line, headers, body (none for HEAD)."""
         close = response.close or self._body_pending or self.server.stopping.is_set()
         lines = ["HTTP/1.1 %d %s" % (response.status, http.server.BaseHTTPRequestHandler.responses.get(
             response.status, ("Unknown",))[0]),
@@ -3291,7 +3369,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             lines.append("Connection: close")
             self.close_connection = True
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        self.wfile.write(head if self.command == "HEAD" else head + response.body)
+        return head if self.command == "HEAD" else head + response.body
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own refusals (bad request line, bad headers) as JSON, closing the connection."""

@@ -1714,6 +1714,41 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual([json.loads(r)["id"] for r in page.records], ["a", "b", "c"])
         self.assertEqual([json.loads(s)["updatedAt"] for s in page.sessions], [5, 6])
 
+    def test_a_load_that_fails_half_way_leaves_nothing_half_built(self):
+        for events in (1, 2):
+            self.store.push(self.owner, "p%d" % events, *validated([record(record_id=str(i)) for i in range(events)]))
+            with open(self.path().replace("p-p.jsonl", "p-p%d.jsonl" % events), "rb") as f:
+                before = f.read()
+            store = self.reopen()
+            real_open = os.open
+            calls = []
+
+            def no_descriptor_once(path, flags, *mode):
+                if not calls and path.endswith("p-p%d.jsonl" % events):
+                    calls.append(path)
+                    raise OSError(errno.EMFILE, "Too many open files")
+                return real_open(path, flags, *mode)
+
+            with mock.patch.object(sync.os, "open", no_descriptor_once):
+                with self.assertRaises(sync.StorageError):
+                    store.pull(self.owner, "p%d" % events, 0, 500)
+            page = store.pull(self.owner, "p%d" % events, 0, 500)  # the next request loads it whole
+            self.assertEqual((page.cursor, len(page.records)), (events, events))
+            with open(self.path().replace("p-p.jsonl", "p-p%d.jsonl" % events), "rb") as f:
+                self.assertEqual(f.read(), before)
+
+    def test_long_polls_on_projects_without_a_feed_leave_nothing_behind(self):
+        called = []
+        for i in range(3):
+            self.assertTrue(self.store.listen(self.owner, "made-up-%d" % i, 0, called.append))
+        for i in range(3):
+            self.assertTrue(self.store.unlisten(self.owner, "made-up-%d" % i, called.append))
+        self.assertEqual((self.store._feeds, self.store._waiting, called), ({}, {}, []))
+        # A listener waiting for a feed is adopted by it and called by its first push.
+        self.store.listen(self.owner, "p", 0, lambda: called.append("woken"))
+        self.store.push(self.owner, "p", *validated([record()]))
+        self.assertEqual(called, ["woken"])
+
     def test_torn_last_line_is_cut_off_at_start(self):
         self.store.push(self.owner, "p", *validated([record(record_id="a"), record(record_id="b")]))
         with open(self.path(), "rb") as f:
@@ -1983,7 +2018,8 @@ class ValidationTest(unittest.TestCase):
     def test_invalid_have(self):
         good = "0123456789abcdef" * 4
         for have in (None, [], "x", {"a b": good}, {"__proto__": good}, {"n": good.upper()}, {"n": good[:-1]},
-                     {"n": good + "0"}, {"n": "g" * 64}, {"n": 5}, {"n": None}):
+                     {"n": good + "0"}, {"n": "g" * 64}, {"n": 5}, {"n": None}, {"a\nb": good},
+                     {"a": good, "b\n": good}, {"": good}):
             self.assertRefused("snapshot", memory_body(project="p", have=have), 400, "invalid_have")
             self.assertRefused("commit", commit_body([memory_put()], have=have), 400, "invalid_have")
         limit = 5000 * 2 + 1000
@@ -3818,8 +3854,53 @@ class LongPollTest(ServerCase):
         big = [record(record_id=str(i), body="x" * 1000) for i in range(100)]  # about 130 KB of answer
         self.push(self.alice, records=big)
         thread.join(5)
-        self.assertGreater(len(results[0][1].raw), sync.WAKER_SEND_BYTES)
+        self.assertGreater(len(results[0][1].raw), 100000)
         self.assertEqual(results[0][1].json["records"], big)
+
+    def test_the_waker_lives_on_after_an_unexpected_error(self):
+        results = []
+        thread = self.pull_in_thread(results, wait=10)
+        self.wait_parked(1)
+        real_pull = self.server.app.feeds.pull
+        failures = []
+
+        def pull_failing_once(*args):
+            if not failures:
+                failures.append(args)
+                raise RuntimeError("unexpected")
+            return real_pull(*args)
+
+        with mock.patch.object(self.server.app.feeds, "pull", pull_failing_once):
+            self.push(self.alice, records=[record()])
+            thread.join(5)
+        self.assertAnswer(results[0][1], 500, {"error": "internal server error"})
+        later = []
+        thread = self.pull_in_thread(later, since=1, wait=10)
+        self.wait_parked(1)
+        self.push(self.alice, records=[record(record_id="r2")])
+        thread.join(5)
+        self.assertEqual([r["id"] for r in later[0][1].json["records"]], ["r2"])
+
+    def test_a_client_that_does_not_read_holds_up_no_other_long_poll(self):
+        stuck = socket.create_connection(self.server.server_address[:2])
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.addCleanup(stuck.close)
+        stuck.sendall(b"GET /v1/pull?project=stuck&since=0&wait=20 HTTP/1.1\r\nHost: x\r\n"
+                      b"Authorization: Bearer " + self.alice.encode() + b"\r\n\r\n")  # and never reads
+        results = []
+        other = self.pull_in_thread(results, token=self.bob, project="other", wait=20)
+        self.wait_parked(2)
+        huge = "z" * 15000
+        for batch in range(2):  # about 7 MB of answer: far more than the socket buffers hold
+            answer = self.push(self.alice, "stuck", [record(record_id="%d-%d" % (batch, i), body=huge)
+                                                     for i in range(240)])
+            self.assertEqual(answer.status, 200)
+        pushed = time.monotonic()
+        self.push(self.bob, "other", [record()])
+        other.join(5)
+        self.assertEqual(len(results), 1)
+        self.assertLess(time.monotonic() - pushed, 1.0)
+        self.assertEqual(results[0][1].json["records"], [record()])
 
     def test_time_out_is_an_empty_200(self):
         results = []
@@ -4750,6 +4831,12 @@ class MemoryAuthModesTest(ServerCase):
                 wire_assert_code(self, answer, 401, "sign_in_required")
         wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": USER_ID}, None),
                          401, "sign_in_required")
+
+    def test_supabase_mode_never_sends_a_local_token_to_the_identity_service(self):
+        fake = self.wire_fake_supabase()
+        wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "alice"}, self.alice),
+                         401, "sign_in_required")
+        self.assertEqual(fake.requests, [])
 
     def test_supabase_unavailable(self):
         self.wire_fake_supabase()
