@@ -4549,7 +4549,7 @@ def park_and_wake(target, feeds, polls, processes=8):
         worker.start()
     for _ in projects:
         ready.get(timeout=60)
-    time.sleep(2.0)  # let every request reach the server and park
+    time.sleep(min(2.0, 0.2 + polls / 500.0))  # let every request reach the server and park
     rss_parked = target.rss_mib()
     client = BenchClient(target.url, target.token)
     pushed, first_only = time.time(), None
@@ -4684,14 +4684,16 @@ def bench_command(argv):
     parser.add_argument("--polls", type=int, default=1000, help="parked long-polls (default 1000)")
     parser.add_argument("--catchup-records", type=int, default=100000,
                         help="records in the catch-up pull's feed (default 100,000)")
+    parser.add_argument("--notes", type=int, default=5000, help="notes in the memory scope (default 5,000)")
     parser.add_argument("--big-records", type=int, default=1000000,
                         help="records in the start-up test's 10 feeds (default 1,000,000; 0 skips it)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     if bool(args.url) != bool(args.token):
         raise UsageError("--url and --token go together")
-    if args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1 or args.big_records < 0:
-        raise UsageError("--seconds, --clients, --polls and --catchup-records must be positive")
+    if (args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1 or args.notes < 1
+            or args.big_records < 0):
+        raise UsageError("--seconds, --clients, --polls, --catchup-records and --notes must be positive")
     raise_open_file_limit()
     report = BenchReport()
     scratch = tempfile.mkdtemp(prefix="oharness-bench-")
@@ -4752,11 +4754,11 @@ def run_bench(report, args, scratch):
         _, _, _, first_only = park_and_wake(target, args.polls, args.polls)
         report.add("polls answered by a push to 1 of %d feeds" % args.polls, first_only, "in 0.5 s",
                    target="1 (its own)")
-        etag, have = make_memory_scope(target, 5000)
+        etag, have = make_memory_scope(target, args.notes)
         unchanged, _ = bench_rate(target.url, target.token, "snapshot", clients, seconds, etag)
         report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health, "health",
                    ">= 0.67x")
-        report.add("memory snapshot, 5000 notes, full have", snapshot_rate(target, have, seconds), "/s",
+        report.add("memory snapshot, %d notes, full have" % args.notes, snapshot_rate(target, have, seconds), "/s",
                    target=">= 50/s")
         rss_end = target.rss_mib()
         if rss_end is not None:

@@ -5951,7 +5951,8 @@ class BenchCommandTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, out_dir, True)
         json_path = os.path.join(out_dir, "bench.json")
         result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.3", "--clients", "2", "--polls",
-                                 "20", "--catchup-records", "1200", "--big-records", "2000", "--json", json_path],
+                                 "20", "--catchup-records", "1200", "--notes", "300", "--big-records", "2000",
+                                 "--json", json_path],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
         self.assertEqual(result.returncode, 0, result.stderr)
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
@@ -5959,7 +5960,7 @@ class BenchCommandTest(unittest.TestCase):
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
                        "long-polls answered", "server memory growth while parked",
                        "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
-                       "memory snapshot, 5000 notes, full have", "server memory (start / end)",
+                       "memory snapshot, 300 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
