@@ -86,7 +86,7 @@ MAX_PULL_LIMIT = 500
 MAX_WAIT_SECONDS = 30
 
 DEFAULT_REQUEST_SECONDS = 30.0      # headers and body of one request must arrive within this, in total
-IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed; also bounds each send
+IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed; also bounds each answer's send
 MAX_HEADER_LINE = 65536             # bytes in the request line or one header line
 MAX_HEADERS = 100                   # header lines in one request
 DEFAULT_MAX_CONNECTIONS = 2000
@@ -3105,23 +3105,27 @@ def memory_body_error(status, text):
 
 
 class Watchdog:
-    """Closes connections whose request has not fully arrived in time.
+    """Closes connections that overstay a deadline: a request that has not fully arrived in time
+    (logged), or a connection idle, or stuck sending an answer, for too long (quietly).
 
-    A per-receive socket timeout is not enough: a client sending one byte a
-    second never trips it. One thread checks every deadline twice a second.
+    Connection sockets are blocking, with no timeout of their own: a per-receive timeout cannot
+    bound a whole request (a client sending one byte a second never trips it), and a socket timeout
+    costs a poll() before every receive and send. One thread checks every deadline four times a
+    second and shuts a late socket down, which ends whatever receive or send is waiting on it.
     """
 
     def __init__(self, log):
         self.log = log
-        self._deadlines = {}
+        self._deadlines = {}                   # socket -> (deadline, what to log or None)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self._thread.start()
 
-    def arm(self, sock, seconds):
+    def arm(self, sock, seconds, late_note=None):
+        """Shut sock down unless armed again or disarmed within seconds; log late_note if given."""
         with self._lock:
-            self._deadlines[sock] = time.monotonic() + seconds
+            self._deadlines[sock] = (time.monotonic() + seconds, late_note)
 
     def disarm(self, sock):
         with self._lock:
@@ -3131,18 +3135,24 @@ class Watchdog:
         while not self._stopped.wait(0.25):
             now = time.monotonic()
             with self._lock:
-                late = [sock for sock, deadline in self._deadlines.items() if deadline <= now]
-                for sock in late:
+                late = [(sock, note) for sock, (deadline, note) in self._deadlines.items() if deadline <= now]
+                for sock, _ in late:
                     del self._deadlines[sock]
-            for sock in late:
-                self.log("closed a connection whose request did not arrive in time")
+            for sock, note in late:
+                if note:
+                    self.log(note)
                 try:
-                    sock.shutdown(socket.SHUT_RDWR)
+                    # The plain socket's shutdown, also under TLS: the SSL object stays as it is for
+                    # the thread that is reading or writing through it.
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
                 except OSError:
                     pass
 
     def stop(self):
         self._stopped.set()
+
+
+LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
 
 
 class ClientGone(Exception):
@@ -3196,9 +3206,14 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def setup(self):
         super().setup()
-        # One timeout for every receive and send of the connection: the idle limit. The request
-        # limit (headers and body in total) is the watchdog's, since a timeout per receive cannot be.
-        self.connection.settimeout(IDLE_SECONDS)
+        # Blocking, without a timeout: every time limit of the connection is the watchdog's (after
+        # a TLS handshake, which had one of its own). Until the first request, the idle limit holds.
+        self.connection.settimeout(None)
+        self._wait_idle()
+
+    def _wait_idle(self):
+        """From here until the next request begins: the idle limit (which also bounds an answer's send)."""
+        self.server.watchdog.arm(self.connection, self.server.idle_seconds)
 
     def handle_one_request(self):
         sock = self.connection
@@ -3209,13 +3224,13 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True
             return
-        self.server.watchdog.arm(sock, self.server.request_seconds)
+        self.server.watchdog.arm(sock, self.server.request_seconds, LATE_REQUEST_NOTE)
         try:
             self._handle_request()
-        except (ClientGone, OSError):  # the client left, timed out, or was cut off by the watchdog
+        except (ClientGone, OSError):  # the client left, or was cut off by the watchdog
             self.close_connection = True
         finally:
-            self.server.watchdog.disarm(sock)
+            self._wait_idle()
 
     def _handle_request(self):
         self.command, self._body_pending = None, False
@@ -3334,7 +3349,9 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, response):
         """Write status line, headers and body with one send."""
-        self.wfile.write(self._render(response))
+        data = self._render(response)
+        self._wait_idle()  # a client that does not read its answer is cut off like an idle one
+        self.wfile.write(data)
 
     def _send_nowait(self, response):
         """Send what the socket takes at once, without blocking (for the long-poll waker thread).
@@ -3355,7 +3372,11 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         if sent == len(data):
             return None
         rest = memoryview(data)[sent:]
-        return lambda: self.wfile.write(rest)
+
+        def send_rest():
+            self._wait_idle()
+            self.wfile.write(rest)
+        return send_rest
 
     def _render(self, response):
         """The bytes of an answer: status line, headers, body (none for HEAD)."""
@@ -3413,12 +3434,13 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None, access_log=None,
-                 tls=None, request_seconds=DEFAULT_REQUEST_SECONDS):
+                 tls=None, request_seconds=DEFAULT_REQUEST_SECONDS, idle_seconds=IDLE_SECONDS):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.app = app
         self.tls = tls                         # a TlsFiles, or None for plain HTTP
         self.request_seconds = request_seconds
+        self.idle_seconds = idle_seconds
         self.max_connections = max_connections
         self.log = log or (lambda message: None)
         self.access_log = access_log
@@ -3491,7 +3513,7 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         except (OSError, ValueError):
             sock.close()
             return None
-        self.watchdog.arm(tls_sock, self.request_seconds)
+        self.watchdog.arm(tls_sock, self.request_seconds, LATE_REQUEST_NOTE)
         try:
             tls_sock.settimeout(self.request_seconds)
             tls_sock.do_handshake()
@@ -3519,6 +3541,10 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         except OSError:
             pass
         self.shutdown_request(sock)
+
+    def shutdown_request(self, request):
+        self.watchdog.disarm(request)
+        super().shutdown_request(request)
 
     def handle_error(self, request, client_address):
         exc = sys.exc_info()[1]
@@ -3566,13 +3592,13 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections=DEFAULT_MAX_CONNECTIONS,
                  log=None, jwt=None, memory_mode="local", supabase=None,
                  memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None, max_parked=DEFAULT_MAX_PARKED,
-                 request_seconds=DEFAULT_REQUEST_SECONDS):
+                 request_seconds=DEFAULT_REQUEST_SECONDS, idle_seconds=IDLE_SECONDS):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
     app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit),
                   log, max_parked)
-    return SyncServer((host, port), app, max_connections, log, log.access, tls, request_seconds)
+    return SyncServer((host, port), app, max_connections, log, log.access, tls, request_seconds, idle_seconds)
 
 
 def add_auth_flags(parser):

@@ -3672,6 +3672,59 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         self.assertDisconnected(b"GET /v1/health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 100)
 
 
+class IdleLimitTest(SessionWireMixin, ServerCase):
+    """Contract 6: the idle limit, kept by the watchdog (sockets have no timeout of their own). It closes
+    a keep-alive connection nobody uses, and a connection whose client does not read its answer."""
+
+    server_options = {"idle_seconds": 1.0}
+
+    def wait_for_connections(self, count, seconds):
+        deadline = time.monotonic() + seconds
+        while self.server.connections != count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.server.connections
+
+    def test_an_idle_keep_alive_connection_is_closed_quietly(self):
+        with open_raw(self.url) as sock:
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
+            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            started = time.monotonic()
+            self.assertTrue(server_closed(sock, 4), "an idle connection was kept past the idle limit")
+            self.assertGreater(time.monotonic() - started, 0.7)
+        self.assertEqual(self.wait_for_connections(0, 2), 0)
+        self.assertEqual([line for line in self.log_lines if "did not arrive" in line], [])
+
+    def test_a_connection_that_never_sends_a_request_is_closed(self):
+        with open_raw(self.url) as sock:
+            self.assertTrue(server_closed(sock, 4))
+        self.assertEqual(self.wait_for_connections(0, 2), 0)
+
+    def test_a_connection_used_within_the_idle_limit_stays_open(self):
+        with open_raw(self.url) as sock:
+            for _ in range(4):
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
+                self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+                time.sleep(0.5)  # 2 s in all, each pause within the limit
+
+    def test_a_client_that_does_not_read_its_answer_is_cut_off(self):
+        text = "x" * 20000
+        for start in range(0, 400, 100):
+            self.assertAnswer(self.push(self.alice, records=[record(record_id="r%d" % i, body={"text": text})
+                                                             for i in range(start, start + 100)]), 200)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.settimeout(5)
+        sock.connect(self.server.server_address[:2])
+        with sock:
+            sock.sendall(("GET /v1/pull?project=proj&since=0 HTTP/1.1\r\nHost: test\r\n"
+                          "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
+            time.sleep(0.3)
+            self.assertEqual(self.server.connections, 1, "the pull's connection is not being answered")
+            # An 8 MB answer cannot fit the socket buffers: the send waits until the watchdog ends it.
+            self.assertEqual(self.wait_for_connections(0, 4), 0, "a stuck send held its connection")
+        self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
+
+
 class ConnectionCapTest(ServerCase):
     server_options = {"max_connections": 3}
 
