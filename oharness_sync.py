@@ -936,7 +936,9 @@ class LocalTokenVerifier:
             except (OSError, ValueError) as exc:
                 self.log("token file unreadable, keeping the previous tokens: %s" % exc)
                 return
-            self._records = {record["id"]: record for record in records}
+            # Each token's Identity is made here, once, not on every request.
+            self._records = {record["id"]: (record, Identity(record["principal"], record.get("teams", ())))
+                             for record in records}
             self._version = version
 
     def verify(self, token):
@@ -944,7 +946,7 @@ class LocalTokenVerifier:
         if token_id is None:
             raise AuthError("unknown token")
         self._refresh()
-        record = self._records.get(token_id)
+        record, identity = self._records.get(token_id, (None, None))
         presented = token_hash(token)
         stored = record["hash"] if record else "0" * 64
         if not hmac.compare_digest(presented, stored) or record is None:
@@ -952,7 +954,7 @@ class LocalTokenVerifier:
         expires = record.get("expires")
         if expires is not None and self.clock() * 1000 >= expires:
             raise AuthError("token expired")
-        return Identity(record["principal"], record.get("teams", ()))
+        return identity
 
 
 # -- JWTs: HS256 with a shared secret, RS256 and ES256 against a JWKS -------
@@ -2237,7 +2239,7 @@ class Manifest:
     changed once built: a commit builds a new one, so readers may keep using the old one.
     """
 
-    __slots__ = ("etag", "entries", "live_count", "entry_bytes", "_sorted_ids", "_fragments")
+    __slots__ = ("etag", "entries", "live_count", "entry_bytes", "_sorted_ids", "_fragments", "_etag_json")
 
     def __init__(self, etag, entries):
         self.etag = etag
@@ -2254,6 +2256,13 @@ class Manifest:
         self.entry_bytes = size
         self._sorted_ids = None
         self._fragments = None
+        self._etag_json = None
+
+    def etag_json(self):
+        """The etag as a JSON value (null when there is no manifest), encoded once per manifest."""
+        if self._etag_json is None:
+            self._etag_json = encode_json(self.etag)
+        return self._etag_json
 
     def fragments(self):
         """[(id, hash, entry JSON without its note)] sorted by id, built once per manifest."""
@@ -2360,22 +2369,22 @@ class ScopeFiles:
 
 
 class MemoryAnswer:
-    """What a snapshot or commit answers: principal, etag, quota, and the entries as JSON fragments
-    (or `unchanged`)."""
+    """What a snapshot or commit answers: principal, etag and quota (as JSON bytes), and the entries as
+    JSON fragments (or `unchanged`)."""
 
-    __slots__ = ("principal", "etag", "quota", "entries", "unchanged")
+    __slots__ = ("principal", "etag_json", "quota_json", "entries", "unchanged")
 
-    def __init__(self, principal, etag, quota, entries=(), unchanged=False):
+    def __init__(self, principal, etag_json, quota_json, entries=(), unchanged=False):
         self.principal = principal
-        self.etag = etag
-        self.quota = quota
+        self.etag_json = etag_json
+        self.quota_json = quota_json
         self.entries = entries
         self.unchanged = unchanged
 
     def to_json(self):
-        head = b'{"principal":"%s","etag":%s,' % (self.principal.encode("ascii"), encode_json(self.etag))
         middle = b'"unchanged":true' if self.unchanged else b'"entries":[%s]' % b",".join(self.entries)
-        return b'%s%s,"quota":%s}' % (head, middle, encode_json(self.quota))
+        return b'{"principal":"%s","etag":%s,%s,"quota":%s}' % (
+            self.principal.encode("ascii"), self.etag_json, middle, self.quota_json)
 
     def to_dict(self):
         return json.loads(self.to_json())
@@ -2393,6 +2402,7 @@ class MemoryStore:
         self.clock = clock
         self.log = log or (lambda message: None)
         self.quota = dict(MEMORY_QUOTA)              # what is enforced and advertised; tests may lower it
+        self._quota_json = (None, b"")               # (the quota it was made from, its JSON)
         self.max_snapshot_bytes = MAX_SNAPSHOT_BYTES
         self.garbage_age = GARBAGE_AGE_SECONDS
         self._cache = ManifestCache()
@@ -2402,6 +2412,14 @@ class MemoryStore:
 
     def quota_doc(self):
         return dict(self.quota)
+
+    def quota_json(self):
+        """The quota as answered, encoded once (and again only if it was changed)."""
+        made_from, data = self._quota_json
+        if made_from != self.quota:
+            made_from, data = dict(self.quota), encode_json(self.quota)
+            self._quota_json = (made_from, data)
+        return data
 
     def _files(self, principal, scope):
         """The ScopeFiles of (principal, scope), remembered: they are asked for on every request."""
@@ -2418,11 +2436,20 @@ class MemoryStore:
     def snapshot(self, principal, scope, known_etag=None, have=None):
         """The snapshot answer body for principal's scope."""
         files = self._files(principal, scope)
+        if known_etag is not None:
+            # `unchanged` reads no note, so it needs no scope lock: the cached manifest is the
+            # published one (commits replace it under the lock), and the answer is true as of this read.
+            manifest = self._cache.get(files.root)
+            if manifest is not None and known_etag == manifest.etag:
+                return self._unchanged(principal, manifest)
         with self._scope_lock(files.root):
             manifest = self._manifest(files)
             if manifest.etag is not None and known_etag == manifest.etag:
-                return MemoryAnswer(principal, manifest.etag, self.quota_doc(), unchanged=True)
+                return self._unchanged(principal, manifest)
             return self._answer(principal, files, manifest, have)
+
+    def _unchanged(self, principal, manifest):
+        return MemoryAnswer(principal, manifest.etag_json(), self.quota_json(), unchanged=True)
 
     def commit(self, principal, scope, etag, changes, have=None):
         """Apply a list of MemoryChange if etag is still current; the snapshot answer with the new etag."""
@@ -2506,7 +2533,7 @@ class MemoryStore:
                 data = encode_json(note) if note is not None else self._read_note(files, note_id,
                                                                                    manifest.entries[note_id])
                 entries.append(b'%s,"note":%s}' % (fragment[:-1], data))
-        return MemoryAnswer(principal, manifest.etag, self.quota_doc(), entries)
+        return MemoryAnswer(principal, manifest.etag_json(), self.quota_json(), entries)
 
     def _read_note(self, files, note_id, entry):
         """The stored bytes of a live note, after checking that they hash to the manifest's hash."""
@@ -2823,7 +2850,8 @@ def json_response(status, value, headers=()):
 
 
 class Request:
-    """What a handler sees of one HTTP request. The body is read only when asked for."""
+    """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and the
+    body, read only when asked for."""
 
     def __init__(self, method, path, query, headers, read_body, send_nowait=None):
         self.method = method
@@ -2899,7 +2927,7 @@ class SyncApp:
 
     def session_identity(self, request):
         try:
-            identity = self.auth.identify(request.headers.get("Authorization"))
+            identity = self.auth.identify(request.headers.get("authorization"))
         except AuthError as exc:
             raise ApiError(401, str(exc), [("WWW-Authenticate", "Bearer")]) from None
         request.principal = identity.principal
@@ -2965,13 +2993,13 @@ class SyncApp:
 
     def memory_request(self, request, kind):
         """The contract's checks, in its order; (verified principal, MemoryRequest)."""
-        if request.headers.get("Origin") is not None:
+        if request.headers.get("origin") is not None:
             raise MemoryApiError(403, "native_client_required", "memory sync is for native clients only")
-        content_type = (request.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        content_type = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
         if content_type != "application/json":
             raise MemoryApiError(415, "json_required", "Content-Type must be application/json")
         try:
-            identity = self.auth.identify_for_memory(request.headers.get("Authorization"))
+            identity = self.auth.identify_for_memory(request.headers.get("authorization"))
         except AuthError as exc:
             raise MemoryApiError(401, "sign_in_required", str(exc), [("WWW-Authenticate", "Bearer")]) from None
         except AuthNotConfigured as exc:
@@ -3167,16 +3195,13 @@ class BadHead(Exception):
         self.status = status
 
 
-class Headers(dict):
-    """Request headers by lower-case name; a repeated header's values are joined with ', '."""
-
-    def get(self, name, default=None):
-        return dict.get(self, name.lower(), default)
+_HTTP_VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")
 
 
 def read_headers(rfile):
-    """The header block of a request from a buffered reader, up to its blank line."""
-    headers = Headers()
+    """The header block of a request from a buffered reader, up to its blank line: a dict by
+    lower-case name, where a repeated header's values are joined with ', '."""
+    headers = {}
     for _ in range(MAX_HEADERS + 1):
         line = rfile.readline(MAX_HEADER_LINE + 1)
         if not line:
@@ -3254,7 +3279,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         if len(line) > MAX_HEADER_LINE:
             raise BadHead(414, "request line too long")
         parts = line.decode("latin-1").split()
-        if len(parts) != 3 or re.fullmatch(r"HTTP/[0-9]\.[0-9]", parts[2]) is None:
+        if len(parts) != 3 or _HTTP_VERSION.fullmatch(parts[2]) is None:
             raise BadHead(400, "bad request line")
         self.command, self.path, self.request_version = parts
         if self.request_version not in ("HTTP/1.1", "HTTP/1.0"):
@@ -3271,8 +3296,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self._body_pending = self._declares_body()
         if not self._body_pending:
             self.server.watchdog.disarm(self.connection)
-        request = Request(self.command, path, urllib.parse.parse_qs(query, keep_blank_values=True),
-                          self.headers, self._read_body, self._send_nowait)
+        query = urllib.parse.parse_qs(query, keep_blank_values=True) if query else {}
+        request = Request(self.command, path, query, self.headers, self._read_body, self._send_nowait)
         try:
             response = self.server.app.handle(request)
         except (ClientGone, ConnectionError, socket.timeout):
