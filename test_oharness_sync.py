@@ -2157,6 +2157,25 @@ class StoreTest(unittest.TestCase):
         shutil.rmtree(self.files().root)  # the manifest is cached; the notes are not needed
         self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict()["unchanged"])
 
+    def test_unchanged_only_for_the_current_etag_with_a_cold_or_warm_cache(self):
+        first = self.commit([memory_put("a")])["etag"]
+        second = self.commit([memory_put("b")], etag=first)["etag"]
+        for store in (self.open_store(), self.store):  # a restarted server's empty cache, then a warm one
+            with self.subTest(cold=store is not self.store):
+                self.assertEqual(store.snapshot(P, PROJECT, known_etag=second).to_dict(),
+                                 {"principal": P, "etag": second, "unchanged": True, "quota": sync.MEMORY_QUOTA})
+                stale = store.snapshot(P, PROJECT, known_etag=first).to_dict()
+                self.assertEqual((stale["etag"], [entry["id"] for entry in stale["entries"]]), (second, ["a", "b"]))
+        self.assertEqual(self.store.snapshot(P, sync.USER_SCOPE, known_etag="anything").to_dict()["entries"], [])
+
+    def test_a_changed_quota_is_what_answers_advertise(self):
+        etag = self.commit([memory_put("a")])["etag"]
+        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict()["quota"], sync.MEMORY_QUOTA)
+        self.store.quota["maxNotes"] = 7
+        expected = dict(sync.MEMORY_QUOTA, maxNotes=7)
+        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict()["quota"], expected)
+        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["quota"], expected)
+
     def test_revision_conflict(self):
         etag = self.commit([memory_put("a")])["etag"]
         for stale in (None, "0" * 32, etag.upper()):
