@@ -924,6 +924,8 @@ class LocalTokenVerifier:
 
     def _refresh(self):
         now = time.monotonic()
+        if now - self._checked < TOKEN_RELOAD_SECONDS:
+            return  # looked at less than a second ago (checked again under the lock below)
         with self._lock:
             if now - self._checked < TOKEN_RELOAD_SECONDS:
                 return
@@ -2423,7 +2425,7 @@ class MemoryStore:
 
     def _files(self, principal, scope):
         """The ScopeFiles of (principal, scope), remembered: they are asked for on every request."""
-        key = (principal, scope)
+        key = (principal, scope.project)  # a scope is its project (None: the user scope)
         files = self._paths.get(key)
         if files is None:
             if len(self._paths) > 10000:
@@ -2995,8 +2997,9 @@ class SyncApp:
         """The contract's checks, in its order; (verified principal, MemoryRequest)."""
         if request.headers.get("origin") is not None:
             raise MemoryApiError(403, "native_client_required", "memory sync is for native clients only")
-        content_type = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-        if content_type != "application/json":
+        content_type = request.headers.get("content-type")
+        if content_type != "application/json" and (
+                content_type or "").split(";", 1)[0].strip().lower() != "application/json":
             raise MemoryApiError(415, "json_required", "Content-Type must be application/json")
         try:
             identity = self.auth.identify_for_memory(request.headers.get("authorization"))
