@@ -925,23 +925,29 @@ class LocalTokenVerifier:
     def _refresh(self):
         now = time.monotonic()
         if now - self._checked < TOKEN_RELOAD_SECONDS:
-            return  # looked at less than a second ago (checked again under the lock below)
+            return  # the file was looked at less than a second ago, and what it held is in force
         with self._lock:
             if now - self._checked < TOKEN_RELOAD_SECONDS:
                 return
-            self._checked = now
-            version = self.tokens.version()
-            if version == self._version:
-                return
             try:
-                records = self.tokens.read()
-            except (OSError, ValueError) as exc:
-                self.log("token file unreadable, keeping the previous tokens: %s" % exc)
-                return
-            # Each token's Identity is made here, once, not on every request.
-            self._records = {record["id"]: (record, Identity(record["principal"], record.get("teams", ())))
-                             for record in records}
-            self._version = version
+                self._reload()
+            finally:
+                # Only now: a request that skips the lock must find the look finished, not begun.
+                self._checked = now
+
+    def _reload(self):
+        version = self.tokens.version()
+        if version == self._version:
+            return
+        try:
+            records = self.tokens.read()
+        except (OSError, ValueError) as exc:
+            self.log("token file unreadable, keeping the previous tokens: %s" % exc)
+            return
+        # Each token's Identity is made here, once, not on every request.
+        self._records = {record["id"]: (record, Identity(record["principal"], record.get("teams", ())))
+                         for record in records}
+        self._version = version
 
     def verify(self, token):
         token_id = split_local_token(token)

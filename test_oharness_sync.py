@@ -630,6 +630,26 @@ class LocalTokenTest(unittest.TestCase):
         self.reload()
         self.assertEqual(self.verifier.verify(token).principal, "alice")
 
+    def test_requests_arriving_while_the_file_is_read_wait_for_it(self):
+        """A new server's first requests come at once: none may see the token set before it is loaded."""
+        token, _ = self.store.issue("alice")
+        read = self.store.read
+        self.store.read = lambda: (time.sleep(0.2), read())[1]  # a slow disk
+        results = []
+
+        def verify():
+            try:
+                results.append(self.verifier.verify(token).principal)
+            except sync.AuthError as exc:
+                results.append(str(exc))
+        threads = [threading.Thread(target=verify) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.01)
+        for thread in threads:
+            thread.join(5)
+        self.assertEqual(results, ["alice"] * 8)
+
     def test_bearer_header(self):
         self.assertEqual(sync.bearer_token("Bearer abc.def"), "abc.def")
         self.assertEqual(sync.bearer_token("bearer  xyz"), "xyz")
