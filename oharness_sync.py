@@ -92,6 +92,7 @@ MAX_HEADERS = 100                   # header lines in one request
 DEFAULT_MAX_CONNECTIONS = 2000
 DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
 LISTEN_BACKLOG = 512
+FLUSH_ROUNDS = 4                    # group commits one push may lead in a row before handing over
 THREAD_STACK_BYTES = 512 * 1024     # a thousand parked long-polls fit a 32-bit Pi
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
 
@@ -1996,14 +1997,20 @@ class Feed:
                 lead = not self._flushing
                 self._flushing = True
             if lead:
-                self._flush()
+                rounds = FLUSH_ROUNDS
+                while self._flush(rounds > 1):
+                    rounds -= 1
                 break
             batch.ready.wait()
             batch.ready.clear()  # the state, checked again under the lock, is what counts
         if batch.state == "failed":
             raise StorageError(batch.error)
 
-    def _flush(self):
+    def _flush(self, may_go_on):
+        """Write and fsync every queued batch and wake their threads. True when this thread is to flush
+        again: batches were queued meanwhile and may_go_on (the disk then never waits for a new
+        leader to wake up)."""
+        again = False
         with self.lock:
             group, self.pending = self.pending, []
         lines = [line for queued in group for line in queued.lines]
@@ -2027,14 +2034,17 @@ class Feed:
                 self.count += len(lines)
                 for queued in group:
                     queued.state = "done"
-                self._flushing = False
-                if self.pending:
-                    group.append(self.pending[0])  # queued meanwhile: it leads the next flush
+                again = may_go_on and bool(self.pending)
+                if not again:
+                    self._flushing = False
+                    if self.pending:
+                        group.append(self.pending[0])  # queued meanwhile: it leads the next flush
                 listeners, self._listeners = self._listeners, set()
         for queued in group:
             queued.ready.set()
         for listener in listeners:
             listener()
+        return again
 
     def _undo(self, batches, reason):
         """Forget queued batches whose write failed, newest first; they all answer 500."""

@@ -1870,6 +1870,43 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(sorted(accepted for _, accepted in results), [1] * 9)
         self.assertEqual(self.store.pull(self.owner, "p", 0, 500).cursor, 10)
 
+    def test_the_leader_flushes_what_queued_meanwhile_then_hands_over(self):
+        """The disk need not wait for a new leader to wake: whoever flushes goes on while pushes queue
+        behind it, FLUSH_ROUNDS times at most (its own client is waiting too), then hands over."""
+        self.store.push(self.owner, "p", *validated([record(record_id="first")]))
+        feed = self.store.feed(self.owner, "p")
+        rounds, flushers, threads, answers = sync.FLUSH_ROUNDS, [], [], {}
+        real_sync = sync.sync_file
+
+        def push(record_id):
+            answers[record_id] = self.store.push(self.owner, "p", *validated([record(record_id=record_id)]))
+
+        def sync_while_another_queues(fd):
+            flushers.append(threading.current_thread().name)
+            if len(flushers) <= rounds + 1:
+                queued = threading.Thread(target=push, args=("q%d" % len(flushers),), name="push-%d" % len(flushers))
+                threads.append(queued)
+                queued.start()
+                deadline = time.monotonic() + 5
+                while not feed.pending and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            real_sync(fd)
+
+        with mock.patch.object(sync, "sync_file", sync_while_another_queues):
+            leader = threading.Thread(target=push, args=("x",), name="leader")
+            leader.start()
+            leader.join(5)
+            for thread in threads:
+                thread.join(5)
+        self.assertEqual(flushers, ["leader"] * rounds + ["push-%d" % rounds] * 2)
+        page = self.store.pull(self.owner, "p", 0, 500)
+        numbers = {json.loads(event)["id"]: n for n, event in enumerate(page.records, 1)}
+        self.assertEqual(sorted(answers), sorted(set(numbers) - {"first"}))
+        for record_id, (cursor, accepted) in answers.items():  # each answered once its event was durable
+            self.assertEqual(accepted, 1)
+            self.assertTrue(numbers[record_id] <= cursor <= page.cursor, (record_id, cursor))
+        self.assertEqual(page.cursor, rounds + 3)
+
     def test_a_duplicate_of_an_in_flight_record_waits_for_it(self):
         gate, entered = threading.Event(), threading.Event()
 
