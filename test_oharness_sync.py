@@ -2076,7 +2076,8 @@ class ValidationTest(unittest.TestCase):
         good = "0123456789abcdef" * 4
         for have in (None, [], "x", {"a b": good}, {"__proto__": good}, {"n": good.upper()}, {"n": good[:-1]},
                      {"n": good + "0"}, {"n": "g" * 64}, {"n": 5}, {"n": None}, {"a\nb": good},
-                     {"a": good, "b\n": good}, {"": good}):
+                     {"a": good, "b\n": good}, {"": good}, {"n": good[:-1] + " "}, {"n": "\u0660" * 64},
+                     {"n": "\xe9" * 64}, {"a": good, "b": [good]}):
             self.assertRefused("snapshot", memory_body(project="p", have=have), 400, "invalid_have")
             self.assertRefused("commit", commit_body([memory_put()], have=have), 400, "invalid_have")
         limit = 5000 * 2 + 1000
@@ -2208,6 +2209,18 @@ class StoreTest(unittest.TestCase):
         # The commit answer honours have as well.
         answer = self.commit([memory_put("c")], etag=etag, have=have)
         self.assertEqual([len(entry) for entry in answer["entries"]], [2, 3, 3])
+
+    def test_a_have_of_every_note_gets_every_entry_and_reads_no_note(self):
+        etag = self.commit([memory_put("a"), memory_put("b"), memory_put("c")])["etag"]
+        self.commit([memory_delete("b")], etag=etag)
+        have = {"a": memory_put("a")["hash"], "c": memory_put("c")["hash"], "gone-elsewhere": "1" * 64}
+        shutil.rmtree(self.files().objects)  # nothing may be read
+        for store in (self.store, self.open_store()):
+            answer = store.snapshot(P, PROJECT, have=have).to_dict()
+            self.assertEqual(answer["entries"], [{"id": "a", "hash": have["a"]}, {"id": "b", "hash": None},
+                                                 {"id": "c", "hash": have["c"]}])
+        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT, have=dict(have, c="2" * 64)),
+                         (502, "missing_memory_object"))  # one hash the client lacks: that note is read
 
     def test_unchanged_reads_nothing(self):
         etag = self.commit([memory_put("a")])["etag"]
