@@ -6101,7 +6101,7 @@ class BenchCommandTest(unittest.TestCase):
                        "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
                        "long-polls answered", "server memory growth while parked",
-                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'",
+                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'", "vs health just before",
                        "memory snapshot, 300 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
