@@ -3244,6 +3244,8 @@ class BadHead(Exception):
         self.status = status
 
 
+_REASONS = {status: phrase.encode("latin-1")
+            for status, (phrase, _) in http.server.BaseHTTPRequestHandler.responses.items()}
 _HTTP_VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")
 
 
@@ -3283,9 +3285,9 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         # Blocking, without a timeout: every time limit of the connection is the watchdog's (after
         # a TLS handshake, which had one of its own). Until the first request, the idle limit holds.
         self.connection.settimeout(None)
-        self._wait_idle()
+        self._arm_idle_limit()
 
-    def _wait_idle(self):
+    def _arm_idle_limit(self):
         """From here until the next request begins: the idle limit (which also bounds an answer's send)."""
         self.server.watchdog.arm(self.connection, self.server.idle_seconds)
 
@@ -3300,11 +3302,9 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             return
         self.server.watchdog.arm(sock, self.server.request_seconds, LATE_REQUEST_NOTE)
         try:
-            self._handle_request()
+            self._handle_request()  # arms the idle limit once it answers
         except (ClientGone, OSError):  # the client left, or was cut off by the watchdog
             self.close_connection = True
-        finally:
-            self._wait_idle()
 
     def _handle_request(self):
         self.command, self._body_pending = None, False
@@ -3355,6 +3355,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             self.server.log("internal error on %s %s: %s: %s" % (self.command, path, type(exc).__name__, exc))
             response = json_response(500, {"error": "internal server error"})
         if response is None:  # a long-poll answered by the waker thread
+            self._arm_idle_limit()
             self.server.log_access(self.command, path, 200, started, request.principal)
             return
         self.server.log_access(self.command, path, response.status, started, request.principal)
@@ -3424,7 +3425,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
     def _send(self, response):
         """Write status line, headers and body with one send."""
         data = self._render(response)
-        self._wait_idle()  # a client that does not read its answer is cut off like an idle one
+        self._arm_idle_limit()  # a client that does not read its answer is cut off like an idle one
         self.wfile.write(data)
 
     def _send_nowait(self, response):
@@ -3448,22 +3449,19 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         rest = memoryview(data)[sent:]
 
         def send_rest():
-            self._wait_idle()
+            self._arm_idle_limit()
             self.wfile.write(rest)
         return send_rest
 
     def _render(self, response):
         """The bytes of an answer: status line, headers, body (none for HEAD)."""
         close = response.close or self._body_pending or self.server.stopping.is_set()
-        lines = ["HTTP/1.1 %d %s" % (response.status, http.server.BaseHTTPRequestHandler.responses.get(
-            response.status, ("Unknown",))[0]),
-                 "Content-Type: application/json",
-                 "Content-Length: %d" % len(response.body)]
-        lines.extend("%s: %s" % header for header in response.headers)
+        extra = "".join("%s: %s\r\n" % header for header in response.headers)
         if close:
-            lines.append("Connection: close")
+            extra += "Connection: close\r\n"
             self.close_connection = True
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
+            response.status, _REASONS.get(response.status, b"Unknown"), len(response.body), extra.encode("latin-1"))
         return head if self.command == "HEAD" else head + response.body
 
     def send_error(self, code, message=None, explain=None):
@@ -3522,7 +3520,6 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.connections = 0
         self._count_lock = threading.Lock()
         self.busy = 0                          # requests being answered, for a graceful stop
-        self._idle = threading.Condition()
         self.watchdog = Watchdog(self.log)
         super().__init__(address, SyncRequestHandler)
 
@@ -3538,19 +3535,21 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
                 method, path, status, (time.monotonic() - started) * 1000, principal or "-"))
 
     def begin_request(self):
-        with self._idle:
+        with self._count_lock:
             self.busy += 1
 
     def end_request(self):
-        with self._idle:
+        with self._count_lock:
             self.busy -= 1
-            if self.busy == 0:
-                self._idle.notify_all()
 
     def wait_idle(self, seconds):
-        """Wait until no request is being answered (in-flight pushes finish before exit)."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self.busy == 0, seconds)
+        """Wait until no request is being answered (in-flight pushes finish before exit); True if none is.
+        (It looks every 20 ms rather than being told: it runs once, at shutdown, while every request
+        would pay for the telling.)"""
+        deadline = time.monotonic() + seconds
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.busy == 0
 
     def process_request(self, request, client_address):
         with self._count_lock:
@@ -3672,7 +3671,8 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
     app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit),
                   log, max_parked)
-    return SyncServer((host, port), app, max_connections, log, log.access, tls, request_seconds, idle_seconds)
+    access_log = None if getattr(log, "quiet", False) else log.access  # --quiet: no line is even formatted
+    return SyncServer((host, port), app, max_connections, log, access_log, tls, request_seconds, idle_seconds)
 
 
 def add_auth_flags(parser):

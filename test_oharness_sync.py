@@ -3795,6 +3795,17 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
                 self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
                 time.sleep(0.5)  # 2 s in all, each pause within the limit
 
+    def test_after_a_long_poll_answer_the_idle_limit_holds_again(self):
+        with open_raw(self.url) as sock:
+            sock.sendall(("GET /v1/pull?project=proj&since=0&wait=10 HTTP/1.1\r\nHost: test\r\n"
+                          "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
+            time.sleep(1.3)  # parked longer than the idle limit: waiting for the feed is not idleness
+            self.assertAnswer(self.push(self.alice, records=[record()]), 200)
+            status, _, body = read_raw_answer(sock)  # sent by the waker thread
+            self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]), (200, ["r1"]))
+            self.assertTrue(server_closed(sock, 4), "the connection was kept past the idle limit")
+        self.assertEqual(self.wait_for_connections(0, 2), 0)
+
     def test_a_client_that_does_not_read_its_answer_is_cut_off(self):
         text = "x" * 20000
         for start in range(0, 400, 100):
