@@ -4349,6 +4349,21 @@ class MemoryWireFlowTest(ServerCase):
         wire_assert_ok(self, wire_snapshot(self), etag, expected)
         wire_assert_ok(self, wire_snapshot(self, knownEtag="some-other-etag"), etag, expected)
 
+    def test_a_repeated_snapshot_body_is_answered_as_if_new(self):
+        """The same bytes again (a client polling): another principal's token still gets account_mismatch,
+        and a stale knownEtag still gets the whole snapshot."""
+        first = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        body = wire_scope_body(P, "proj", {"knownEtag": first})
+        unchanged = {"principal": "alice", "etag": first, "unchanged": True, "quota": WIRE_QUOTA}
+        for _ in range(2):
+            self.assertAnswer(wire_post(self, "snapshot", body, self.alice), 200, unchanged)
+            wire_assert_code(self, wire_post(self, "snapshot", body, self.bob), 403, "account_mismatch")
+        second = wire_assert_ok(self, wire_commit(self, [memory_put("n2")], first),
+                                entries=[wire_entry("n1"), wire_entry("n2")])
+        wire_assert_ok(self, wire_post(self, "snapshot", body, self.alice), second,
+                       [wire_entry("n1"), wire_entry("n2")])
+        wire_assert_code(self, wire_post(self, "snapshot", dict(body, knownEtag=5), self.alice), 400, "invalid_body")
+
     def test_known_etag_is_unchanged(self):
         etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
         self.assertAnswer(wire_snapshot(self, knownEtag=etag), 200,
@@ -4878,6 +4893,12 @@ class MemoryRateLimitTest(ServerCase):
         wire_assert_code(self, wire_post(self, "identity", memory_body(), self.issue("alice")), 429, "rate_limited")
         # Session sync is not limited.
         self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+
+    def test_a_repeated_snapshot_body_takes_a_token_every_time(self):
+        """Snapshot bodies checked once are remembered; the rate limit still counts each request."""
+        for i in range(30):
+            self.assertAnswer(wire_snapshot(self), 200)
+        wire_assert_code(self, wire_snapshot(self), 429, "rate_limited")
 
     def test_refused_requests_before_check_7_take_no_token(self):
         for i in range(40):
