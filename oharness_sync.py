@@ -4422,6 +4422,29 @@ print("listening on http://127.0.0.1:%d" % server.server_address[1], flush=True)
 server.serve_forever()
 """
 
+# The same bare server for pushes: it appends each body to a file and fsyncs it, nothing else (no
+# parsing, no checks, no group commit). What it reaches is about the most any Python server can.
+REFERENCE_PUSH_SERVER = r"""
+import http.server, os, socketserver, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    def do_POST(self):
+        os.write(fd, self.rfile.read(int(self.headers["Content-Length"])) + b"\n")
+        os.fdatasync(fd)
+        self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 25\r\n\r\n"
+                         b'{"cursor":1,"accepted":1}')
+    def log_message(self, *args):
+        pass
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    request_queue_size = 512
+server = Server(("127.0.0.1", 0), Handler)
+print("listening on http://127.0.0.1:%d" % server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
 
 class BenchTarget:
     """The server being measured: a URL and a token, and (when bench started it) its process."""
@@ -4571,6 +4594,16 @@ def bench_rate(url, token, kind, clients, seconds, extra=None):
     for process in processes:
         process.join()
     return sum(c for c, _ in counts) / float(seconds), sum(e for _, e in counts)
+
+
+def bench_reference(script, arguments, kind, client_counts, seconds):
+    """Rates of kind against a reference server script (one per entry of client_counts)."""
+    process, url = start_subprocess([sys.executable, "-c", script] + arguments)
+    try:
+        return [bench_rate(url, None, kind, count, seconds)[0] for count in client_counts]
+    finally:
+        process.terminate()
+        process.wait()
 
 
 def disk_fsync_rate(directory, seconds):
@@ -4842,12 +4875,7 @@ def run_bench(report, args, scratch):
         rss_start = target.rss_mib()
         reference = None
         if own:
-            process, url = start_subprocess([sys.executable, "-c", REFERENCE_SERVER])
-            try:
-                reference, _ = bench_rate(url, None, "health", clients, seconds)
-            finally:
-                process.terminate()
-                process.wait()
+            reference = bench_reference(REFERENCE_SERVER, [], "health", [clients], seconds)[0]
         health, _ = bench_rate(target.url, target.token, "health", clients, seconds)
         report.add("health, %d keep-alive clients" % clients, health, "req/s", reference,
                    "bare http.server", ">= 0.85x")
@@ -4858,6 +4886,13 @@ def run_bench(report, args, scratch):
         push_n, errors_n = bench_rate(target.url, target.token, "push", clients, seconds)
         report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", disk, "disk fsyncs",
                    ">= 1.2x")
+        if own:
+            bare_pushes = bench_reference(REFERENCE_PUSH_SERVER, [os.path.join(scratch, "bare-pushes")], "push",
+                                          [1, clients], seconds)
+            report.add("  the same to a bare http.server, 1 client", bare_pushes[0], "push/s", disk,
+                       "disk fsyncs")
+            report.add("  the same to a bare http.server, %d clients" % clients, bare_pushes[1], "push/s", disk,
+                       "disk fsyncs")
         fill_feed(target, "bench-catchup-" + BENCH_RUN, args.catchup_records)
         records, elapsed = catch_up(target, "bench-catchup-" + BENCH_RUN)
         report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed, "records/s",

@@ -6131,6 +6131,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
                        "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
+                       "the same to a bare http.server, 1 client", "the same to a bare http.server, 2 clients",
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
                        "long-polls answered", "server memory growth while parked",
                        "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'", "vs health just before",
@@ -6141,7 +6142,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 15)
+        self.assertEqual(len(doc["figures"]), 17)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
