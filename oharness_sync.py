@@ -1815,6 +1815,7 @@ class TokenStore:
 
 _LINE_HEAD = re.compile(rb'\{"n":([0-9]{1,16}),"k":"([rs])"(?:,"h":"([0-9a-f]{32})")?,"e":')
 _LINE_TAIL = b',"c":"'
+_CHECKSUM = re.compile(rb"[0-9a-f]{8}")
 _TAIL_LENGTH = 17  # ,"c":"XXXXXXXX"}\n
 
 
@@ -1833,13 +1834,15 @@ def parse_feed_line(line):
         raise ValueError("incomplete or malformed line")
     content = line[:-_TAIL_LENGTH]
     checksum = line[-11:-3]
-    if re.fullmatch(rb"[0-9a-f]{8}", checksum) is None or int(checksum, 16) != zlib.crc32(content):
+    if _CHECKSUM.fullmatch(checksum) is None or int(checksum, 16) != zlib.crc32(content):
         raise ValueError("checksum mismatch")
     head = _LINE_HEAD.match(content)
-    if head is None or (head.group(2) == b"r") != (head.group(3) is not None):
+    if head is None:
         raise ValueError("malformed line")
-    key = int(head.group(3), 16) if head.group(3) else None
-    return int(head.group(1)), head.group(2), key, content[head.end():]
+    number, kind, key = head.groups()
+    if (kind == b"r") != (key is not None):
+        raise ValueError("malformed line")
+    return int(number), kind, None if key is None else int(key, 16), content[head.end():]
 
 
 def split_events(data):
