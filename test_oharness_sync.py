@@ -6134,7 +6134,7 @@ class BenchCommandTest(unittest.TestCase):
                        "the same to a bare http.server, 1 client", "the same to a bare http.server, 2 clients",
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
                        "long-polls answered", "server memory growth while parked",
-                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'", "vs health just before",
+                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'", "vs health in turns",
                        "memory snapshot, 300 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
