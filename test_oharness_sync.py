@@ -4119,8 +4119,24 @@ def https_health(url, timeout=5):
 class TlsTest(ServerCase):
     def setUp(self):
         self.server_options = {"tls": sync.TlsFiles(os.path.join(TLS_DATA, "cert.pem"),
-                                                    os.path.join(TLS_DATA, "key.pem"))}
+                                                    os.path.join(TLS_DATA, "key.pem")),
+                               "idle_seconds": 2.0}
         super().setUp()
+
+    def test_an_idle_tls_connection_is_closed_and_others_go_on(self):
+        host, port = self.server.server_address[:2]
+        raw = socket.create_connection((host, port), timeout=6)
+        with tls_client_context().wrap_socket(raw, server_hostname="localhost") as sock:
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
+            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            started = time.monotonic()
+            try:
+                data = sock.recv(1024)  # the watchdog shuts the connection under the TLS layer
+            except (ssl.SSLError, ConnectionError):
+                data = b""
+            self.assertEqual(data, b"")
+            self.assertGreater(time.monotonic() - started, 1.5)
+        self.assertEqual(https_health(self.url)[:2], (200, b'{"ok":true}'))
 
     def test_https_health_with_tls_1_2_at_least(self):
         self.assertTrue(self.url.startswith("https://127.0.0.1:"))
