@@ -3229,23 +3229,37 @@ class Watchdog:
 
     def _run(self):
         while not self._stopped.wait(0.25):
-            now = time.monotonic()
-            with self._lock:
-                late = [(sock, note) for sock, (deadline, note) in self._deadlines.items() if deadline <= now]
-                for sock, _ in late:
-                    del self._deadlines[sock]
-            for sock, note in late:
-                if note:
-                    self.log(note)
-                try:
-                    # The plain socket's shutdown, also under TLS: the SSL object stays as it is for
-                    # the thread that is reading or writing through it.
-                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            try:
+                self._close_late(time.monotonic())
+            except Exception as exc:  # it must live on: without it no connection has a time limit
+                self.log("watchdog: %s: %s" % (type(exc).__name__, exc))
+
+    def _close_late(self, now):
+        with self._lock:
+            late = [(sock, note) for sock, (deadline, note) in self._deadlines.items() if deadline <= now]
+            for sock, _ in late:
+                del self._deadlines[sock]
+        for sock, note in late:
+            if note:
+                self.log(note)
+            close_socket_under(sock)
 
     def stop(self):
+        """Stop watching, and shut every watched connection down: none may outlive the server's limits."""
         self._stopped.set()
+        with self._lock:
+            watched, self._deadlines = list(self._deadlines), {}
+        for sock in watched:
+            close_socket_under(sock)
+
+
+def close_socket_under(sock):
+    """Shut a connection down, which ends any receive or send waiting on it. The plain socket's shutdown,
+    also under TLS: the SSL object stays as it is for the thread reading or writing through it."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
@@ -3395,8 +3409,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         if encoding is not None:
             if encoding.strip().lower() != "chunked" or length is not None:
                 raise error(400, "unsupported Transfer-Encoding")
-            self._continue()
-            body = self._read_chunked(limit, error)
+            body = self._receive(lambda: self._read_chunked(limit, error))
         else:
             length = length.strip()
             if not _DECIMAL.fullmatch(length):
@@ -3405,13 +3418,21 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             if len(length) > 16 or int(length) > limit:
                 raise error(413, "request body is larger than %d bytes" % limit)
             size = int(length)
-            self._continue()
-            body = self.rfile.read(size)
+            body = self._receive(lambda: self.rfile.read(size))
             if len(body) < size:
                 raise ClientGone()
         self._body_pending = False
         self.server.watchdog.disarm(self.connection)
         return body
+
+    def _receive(self, read):
+        """read() the body after `100 Continue` where asked; a socket error (the watchdog's cut under TLS,
+        say) is the client gone, not an internal error."""
+        try:
+            self._continue()
+            return read()
+        except OSError:
+            raise ClientGone() from None
 
     def _continue(self):
         """Answer `Expect: 100-continue` once the body is wanted (curl waits a second otherwise)."""
@@ -3469,7 +3490,10 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
         def send_rest():
             self._arm_idle_limit()
-            self.wfile.write(rest)
+            try:
+                self.wfile.write(rest)
+            except OSError:  # cut off, or gone: the answer has begun, so no other may follow
+                raise ClientGone() from None
         return send_rest
 
     def _render(self, response):

@@ -74,9 +74,13 @@ class Answer:
 
 
 def http_request(url, method, path, body=None, token=None, headers=None, timeout=10):
-    """One request on a fresh connection; body may be bytes or a JSON value."""
+    """One request on a fresh connection (HTTPS for an https URL); body may be bytes or a JSON value."""
     host, port = url.split("//", 1)[1].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    if url.startswith("https:"):
+        conn = http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=timeout,
+                                           context=tls_client_context())
+    else:
+        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
     try:
         all_headers = dict(headers or {})
         if token is not None:
@@ -3795,6 +3799,17 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
                 self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
                 time.sleep(0.5)  # 2 s in all, each pause within the limit
 
+    def test_stopping_the_server_closes_its_open_connections(self):
+        """Sockets have no timeout of their own: at shutdown the watchdog closes what it still watches."""
+        with open_raw(self.url) as sock:
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
+            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.server.idle_seconds = 60.0  # so only the stop can close it within the test
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
+            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.stop_server(self.server, self.server_thread)
+            self.assertTrue(server_closed(sock, 3), "a keep-alive connection outlived the server")
+
     def test_after_a_long_poll_answer_the_idle_limit_holds_again(self):
         with open_raw(self.url) as sock:
             sock.sendall(("GET /v1/pull?project=proj&since=0&wait=10 HTTP/1.1\r\nHost: test\r\n"
@@ -4120,8 +4135,55 @@ class TlsTest(ServerCase):
     def setUp(self):
         self.server_options = {"tls": sync.TlsFiles(os.path.join(TLS_DATA, "cert.pem"),
                                                     os.path.join(TLS_DATA, "key.pem")),
-                               "idle_seconds": 2.0}
+                               "idle_seconds": 2.0, "request_seconds": 1.0}
         super().setUp()
+
+    def test_a_tls_long_poll_whose_client_stops_reading_is_cut_off_quietly(self):
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="first")]), 200)
+        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        raw.settimeout(10)
+        raw.connect(self.server.server_address[:2])
+        with tls_client_context().wrap_socket(raw, server_hostname="localhost") as sock:
+            sock.sendall(("GET /v1/pull?project=proj&since=1&wait=20 HTTP/1.1\r\nHost: test\r\n"
+                          "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
+            time.sleep(0.3)  # parked
+            text = "x" * 40000  # one push wakes the poll with an 8 MB answer, which the client never reads
+            self.assertAnswer(self.push(self.alice, records=[record(record_id="r%d" % i, body={"text": text})
+                                                             for i in range(200)]), 200)
+            deadline = time.monotonic() + 8
+            while self.server.connections and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertEqual(self.server.connections, 0, "the stuck send was not cut off")
+        self.assertEqual([line for line in self.log_lines if "internal error" in line], [])
+        self.assertEqual(https_health(self.url)[:2], (200, b'{"ok":true}'))
+
+    def test_a_slow_tls_body_is_cut_off_quietly(self):
+        raw = socket.create_connection(self.server.server_address[:2], timeout=6)
+        with tls_client_context().wrap_socket(raw, server_hostname="localhost") as sock:
+            sock.sendall(push_head(self.alice, length=100) + b'{"project":')  # and the rest never comes
+            started = time.monotonic()
+            try:
+                data = sock.recv(1024)
+            except (ssl.SSLError, ConnectionError):
+                data = b""
+            self.assertEqual(data, b"", "the server answered a request whose body never arrived")
+            self.assertLess(time.monotonic() - started, 3.5)
+        self.assertEqual([line for line in self.log_lines if "internal error" in line], [])
+        self.assertEqual(self.feed_files(), [])
+
+    def test_a_tls_body_broken_by_garbage_records_is_the_client_gone(self):
+        raw = socket.create_connection(self.server.server_address[:2], timeout=6)
+        with tls_client_context().wrap_socket(raw, server_hostname="localhost") as sock:
+            sock.sendall(push_head(self.alice, length=100))
+            os.write(sock.fileno(), b"\x17\x03\x03\x00\x20" + b"\x00" * 32)  # a record no key decrypts
+            try:
+                data = sock.recv(1024)
+            except (ssl.SSLError, ConnectionError):
+                data = b""
+            self.assertEqual(data, b"")
+        self.assertEqual([line for line in self.log_lines if "internal error" in line], [])
+        self.assertEqual(self.feed_files(), [])
 
     def test_an_idle_tls_connection_is_closed_and_others_go_on(self):
         host, port = self.server.server_address[:2]
