@@ -4576,9 +4576,19 @@ def bench_request(kind, worker, number, extra):
 BENCH_RUN = secrets.token_hex(4)
 
 
-def bench_worker(url, token, kind, extra, worker, start_at, stop_at, results):
-    """One client process: send kind requests back to back between start_at and stop_at."""
-    client = BenchClient(url, token)
+def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
+    """One client process: connect, say so on ready, and once go is set send kind requests back to back
+    within the window (start, stop) the parent set; (count, errors) on results."""
+    try:
+        client = BenchClient(url, token)
+    except OSError:
+        client = None
+    ready.put(1)
+    go.wait()
+    start_at, stop_at = window[0], window[1]
+    if client is None:
+        results.put((0, 1))
+        return
     count = errors = 0
     time.sleep(max(0.0, start_at - time.time()))
     while time.time() < stop_at:
@@ -4593,16 +4603,21 @@ def bench_worker(url, token, kind, extra, worker, start_at, stop_at, results):
 
 
 def bench_rate(url, token, kind, clients, seconds, extra=None):
-    """Requests per second of kind from clients processes; (rate, errors)."""
+    """Requests per second of kind from clients processes; (rate, errors). The timed window opens once
+    every client is connected."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    results = context.Queue()
-    start_at = time.time() + 0.5 + 0.02 * clients
+    ready, go, window, results = context.Queue(), context.Event(), context.Array("d", 2), context.Queue()
     if kind == "push":
-        extra = "%s-%d" % (BENCH_RUN, start_at * 1000)  # new records in every phase
-    processes = [context.Process(target=bench_worker, args=(url, token, kind, extra, i, start_at,
-                                                            start_at + seconds, results)) for i in range(clients)]
+        extra = "%s-%d" % (BENCH_RUN, time.time() * 1000)  # new records in every phase
+    processes = [context.Process(target=bench_worker, args=(url, token, kind, extra, i, ready, go, window,
+                                                            results)) for i in range(clients)]
     for process in processes:
         process.start()
+    for _ in processes:
+        ready.get(timeout=60)
+    window[0] = time.time() + 0.02
+    window[1] = window[0] + seconds
+    go.set()
     counts = [results.get() for _ in processes]
     for process in processes:
         process.join()
