@@ -2492,16 +2492,18 @@ class MemoryStore:
         if known_etag is not None:
             # `unchanged` reads no note, so it needs no scope lock: the cached manifest is the
             # published one (commits replace it under the lock), and the answer is true as of this read.
-            manifest = self._cache.get(files.root)
-            if manifest is not None and known_etag == manifest.etag:
-                return self._unchanged(principal, manifest)
+            answer = self._unchanged(principal, known_etag, self._cache.get(files.root))
+            if answer is not None:
+                return answer
         with self._scope_lock(files.root):
             manifest = self._manifest(files)
-            if manifest.etag is not None and known_etag == manifest.etag:
-                return self._unchanged(principal, manifest)
-            return self._answer(principal, files, manifest, have)
+            return (self._unchanged(principal, known_etag, manifest)
+                    or self._answer(principal, files, manifest, have))
 
-    def _unchanged(self, principal, manifest):
+    def _unchanged(self, principal, known_etag, manifest):
+        """The `unchanged` answer when known_etag is manifest's etag (there being one), else None."""
+        if manifest is None or known_etag is None or known_etag != manifest.etag:
+            return None
         return MemoryAnswer(principal, manifest.etag_json(), self.quota_json(), unchanged=True)
 
     def commit(self, principal, scope, etag, changes, have=None):
