@@ -26,11 +26,14 @@ line; main.
 import argparse
 import array
 import base64
+import collections
 import errno
 import hashlib
+import heapq
 import hmac
 import http.client
 import http.server
+import itertools
 import json
 import math
 import multiprocessing
@@ -38,11 +41,10 @@ import queue
 import os
 import re
 import secrets
-import select
+import selectors
 import shutil
 import signal
 import socket
-import socketserver
 import ssl
 import subprocess
 import sys
@@ -92,8 +94,12 @@ MAX_HEADERS = 100                   # header lines in one request
 DEFAULT_MAX_CONNECTIONS = 2000
 DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
 LISTEN_BACKLOG = 512
-FLUSH_ROUNDS = 4                    # group commits one push may lead in a row before handing over
-THREAD_STACK_BYTES = 512 * 1024     # a thousand parked long-polls fit a 32-bit Pi
+FLUSH_ROUNDS = 4                    # group commits of one feed in a row before other feeds get a turn
+FLUSH_THREADS = 4                   # feeds written and fsynced at once
+WORKER_THREADS = 8                  # requests that wait (network auth, memory commits) run at once
+SWEEP_SECONDS = 0.25                # how often the connections' deadlines are looked at
+ACCEPTS_PER_WAKE = 64               # connections accepted in one go
+THREAD_STACK_BYTES = 512 * 1024     # small stacks for the worker threads (a 32-bit Pi)
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
 
 LOCAL_TOKEN_PREFIX = "ohs_"
@@ -178,6 +184,11 @@ class StorageError(Exception):
 
 class FeedDamaged(Exception):
     """A feed file has a damaged line in the middle; the feed is refused until repaired."""
+
+
+class WouldBlock(Exception):
+    """Raised, before anything has changed, by what would wait (a network call, reading a whole feed,
+    a disk write) when asked not to: the event loop then runs the request again in a worker thread."""
 
 
 class UsageError(Exception):
@@ -1431,14 +1442,17 @@ class JwtVerifier:
         self.clock = clock
         self.cache = TokenCache()
 
-    def verify(self, token):
-        """The Identity a token speaks for; AuthError if it is not a valid token now."""
+    def verify(self, token, may_block=True):
+        """The Identity a token speaks for; AuthError if it is not a valid token now. Unless may_block,
+        a token not verified before raises WouldBlock (its keys may need fetching, ES256 is slow)."""
         if not isinstance(token, str) or not token:
             raise AuthError("missing bearer token")
         now = self.clock()
         identity = self.cache.get(token, now)
         if identity is not None:
             return identity
+        if not may_block:
+            raise WouldBlock()
         header, payload, signing_input, signature = decode_jwt(token)
         self._check_signature(header, signing_input, signature)
         identity, expires_at = self._check_claims(payload, now)
@@ -1520,7 +1534,8 @@ class SupabaseVerifier:
         self.cache = TokenCache()
         self._opener = urllib.request.build_opener(_NoRedirects)
 
-    def verify(self, token):
+    def verify(self, token, may_block=True):
+        """The Identity of a token, from the cache or the service (unless may_block: WouldBlock)."""
         if not isinstance(token, str) or not token:
             raise AuthError("missing bearer token")
         if len(token) > MAX_TOKEN_LENGTH or _TOKEN_CHARACTERS.fullmatch(token) is None:
@@ -1529,6 +1544,8 @@ class SupabaseVerifier:
         identity = self.cache.get(token, now)
         if identity is not None:
             return identity
+        if not may_block:
+            raise WouldBlock()
         identity = self._identity_from(self._ask(token))
         self.cache.put(token, identity, now + SUPABASE_CACHE_SECONDS)
         return identity
@@ -1588,27 +1605,28 @@ class Authenticator:
         self.memory_mode = memory_mode
         self.supabase = supabase
 
-    def identify(self, header):
-        """The Identity for an Authorization header; AuthError for any unusable token."""
-        return self._session_identity(bearer_token(header))
+    def identify(self, header, may_block=True):
+        """The Identity for an Authorization header; AuthError for any unusable token. Unless may_block,
+        a token that needs a network call or a signature check raises WouldBlock instead."""
+        return self._session_identity(bearer_token(header), may_block)
 
-    def _session_identity(self, token):
+    def _session_identity(self, token, may_block):
         if token.startswith(LOCAL_TOKEN_PREFIX):
             return self.local.verify(token)
         if self.jwt is not None and token.count(".") == 2:
-            return self.jwt.verify(token)
+            return self.jwt.verify(token, may_block)
         raise AuthError("unknown token")
 
-    def identify_for_memory(self, header):
-        """The Identity for memory sync; AuthError, AuthUnavailable or AuthNotConfigured."""
+    def identify_for_memory(self, header, may_block=True):
+        """The Identity for memory sync; AuthError, AuthUnavailable or AuthNotConfigured (or WouldBlock)."""
         token = bearer_token(header)
         if self.memory_mode == "off":
             raise AuthNotConfigured("memory sync is turned off on this server")
         if self.memory_mode == "supabase":
             if token.startswith(LOCAL_TOKEN_PREFIX):  # never hand one of our tokens to another service
                 raise AuthError("memory sync here needs an account token, not a local token")
-            return self.supabase.verify(token)
-        identity = self._session_identity(token)
+            return self.supabase.verify(token, may_block)
+        identity = self._session_identity(token, may_block)
         if identity.anonymous:
             raise AuthError("anonymous accounts cannot use memory sync")
         return identity
@@ -1617,6 +1635,50 @@ class Authenticator:
 # ---------------------------------------------------------------------------
 # Storage: files, the data-dir lock, tokens
 # ---------------------------------------------------------------------------
+
+class Workers:
+    """Daemon threads that run jobs handed to them: up to size at once, started as jobs come, ending
+    after a minute without one."""
+
+    def __init__(self, size, name, log=None):
+        self.size = size
+        self.name = name
+        self.log = log or (lambda message: None)
+        self._jobs = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0     # threads waiting for a job, less the jobs already handed to them
+
+    def submit(self, job):
+        """Run job() in one of the threads, soon."""
+        self._jobs.put(job)
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1
+                return
+            if self._threads >= self.size:
+                return  # every thread is busy: the job waits for one
+            self._threads += 1
+        threading.Thread(target=self._work, name=self.name, daemon=True).start()
+
+    def _work(self):
+        while True:
+            try:
+                job = self._jobs.get(timeout=60)
+            except queue.Empty:
+                with self._lock:
+                    if self._jobs.empty():
+                        self._idle -= 1
+                        self._threads -= 1
+                        return
+                continue
+            try:
+                job()
+            except Exception as exc:  # a job's failure must not end the thread
+                self.log("%s: %s: %s" % (self.name, type(exc).__name__, exc))
+            with self._lock:
+                self._idle += 1
+
 
 def sync_file(fd):
     """Make the bytes written to fd durable (fdatasync where there is one)."""
@@ -1876,18 +1938,14 @@ class Page:
 
 
 class _Batch:
-    """One push's new lines, waiting for the group commit that makes them durable."""
-    __slots__ = ("lines", "keys", "undo_meta", "state", "error", "ready")
+    """One push's new lines, waiting for the group commit that makes them durable, and what to call then."""
+    __slots__ = ("lines", "keys", "undo_meta", "done")
 
-    def __init__(self):
+    def __init__(self, done):
         self.lines = []
         self.keys = []
         self.undo_meta = []
-        self.state = "pending"
-        self.error = None
-        # A wake-up call, put when the batch is durable or failed, or may lead a flush: a queue, made
-        # in C, costs a twentieth of an Event; a call too many only makes its thread look once more.
-        self.ready = queue.SimpleQueue()
+        self.done = done
 
 
 class Feed:
@@ -1895,17 +1953,19 @@ class Feed:
 
     In memory: the durable event count, each event's byte offset, the dedupe keys
     of its records and the winning (gen, updatedAt) of each session. Pushes to a
-    feed share fsyncs (group commit): a push queues its lines, then whoever holds
-    the flush lock writes every queued line with one write and one fsync.
+    feed share fsyncs (group commit): a push queues its lines, and a flusher
+    thread writes every queued line with one write and one fsync, then tells
+    each push's caller.
     """
 
-    def __init__(self, path, log, listeners=()):
+    def __init__(self, path, log, listeners=(), schedule=None):
         self.path = path
         self.log = log
+        self.schedule = schedule or (lambda job: threading.Thread(target=job, daemon=True).start())
         self.lock = threading.Lock()           # guards everything below
         self._listeners = set(listeners)       # called once the next event is durable
         self._load_lock = threading.Lock()
-        self._flushing = False                 # a flush (write + fsync) is under way
+        self._flushing = False                 # a flush is scheduled or under way
         self.loaded = False
         self.damage = None                     # "file:line: reason" once a damaged line is found
         self.count = 0                         # durable events, the last cursor
@@ -1978,9 +2038,19 @@ class Feed:
     # -- appending ---------------------------------------------------------
 
     def append(self, records, sessions):
-        """Add new records and winning metadata; return (cursor, accepted) once durable."""
+        """Add new records and winning metadata; (cursor, accepted) once durable, or StorageError."""
+        box = queue.SimpleQueue()
+        self.submit(records, sessions, box.put)
+        outcome = box.get()
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def submit(self, records, sessions, done):
+        """Add new records and winning metadata, and call done((cursor, accepted)) once they are durable,
+        or done(StorageError) when they cannot be: from a flusher thread, or at once when nothing waits."""
         self.ensure_loaded()
-        batch = _Batch()
+        batch = _Batch(done)
         with self.lock:
             number = self.next_number
             for record in records:
@@ -1999,37 +2069,29 @@ class Feed:
                 batch.lines.append(feed_line(number, b"s", entry.event))
                 number += 1
             self.next_number = number
-            if not batch.lines and number == self.count + 1:
-                return self.count, 0
-            # Even an empty batch waits when events are in flight: what it found
-            # duplicate may be among them, and may yet fail.
-            self.pending.append(batch)
-        self._commit(batch)
-        return self.count, len(batch.lines)
-
-    def _commit(self, batch):
-        """Wait until batch is durable: lead a flush when none is running, else sleep until the
-        running one has finished (each waiter is woken once, not handed a lock in turn)."""
-        while True:
-            with self.lock:
-                if batch.state != "pending":
-                    break
-                lead = not self._flushing
+            settled = not batch.lines and number == self.count + 1
+            if not settled:
+                # Even an empty batch waits when events are in flight: what it found
+                # duplicate may be among them, and may yet fail.
+                self.pending.append(batch)
+                start = not self._flushing
                 self._flushing = True
-            if lead:
-                rounds = FLUSH_ROUNDS
-                while self._flush(rounds > 1):
-                    rounds -= 1
-                break
-            batch.ready.get()  # the state, checked again under the lock, is what counts
-        if batch.state == "failed":
-            raise StorageError(batch.error)
+            count = self.count
+        if settled:
+            done((count, 0))
+        elif start:
+            self.schedule(self.flush)
 
-    def _flush(self, may_go_on):
-        """Write and fsync every queued batch and wake their threads. True when this thread is to flush
-        again: batches were queued meanwhile and may_go_on (the disk then never waits for a new
-        leader to wake up)."""
-        again = False
+    def flush(self):
+        """Write and fsync what is queued, again while more queues meanwhile (FLUSH_ROUNDS times at
+        most, then the feed goes to the back of the flushers' queue, so other feeds get their turn)."""
+        for _ in range(FLUSH_ROUNDS):
+            if not self._flush():
+                return
+        self.schedule(self.flush)
+
+    def _flush(self):
+        """Write and fsync every queued batch and call their done; True when more were queued meanwhile."""
         with self.lock:
             group, self.pending = self.pending, []
         lines = [line for queued in group for line in queued.lines]
@@ -2041,9 +2103,12 @@ class Feed:
             with self.lock:
                 group += self.pending
                 self.pending = []
-                self._undo(group, "storage failure: %s" % (exc.strerror or exc))
+                self._undo(group)
                 self._flushing = False
+                again = False
             self.log("push to %s failed: %s" % (self.path, exc))
+            outcome = StorageError("storage failure: %s" % (exc.strerror or exc))
+            outcomes = [outcome] * len(group)
         else:
             with self.lock:
                 offset = self.offsets[-1]
@@ -2051,21 +2116,18 @@ class Feed:
                     offset += len(line)
                     self.offsets.append(offset)
                 self.count += len(lines)
-                for queued in group:
-                    queued.state = "done"
-                again = may_go_on and bool(self.pending)
+                outcomes = [(self.count, len(queued.lines)) for queued in group]
+                again = bool(self.pending)
                 if not again:
                     self._flushing = False
-                    if self.pending:
-                        group.append(self.pending[0])  # queued meanwhile: it leads the next flush
                 listeners, self._listeners = self._listeners, set()
-        for queued in group:
-            queued.ready.put(None)
+        for queued, outcome in zip(group, outcomes):
+            queued.done(outcome)
         for listener in listeners:
             listener()
         return again
 
-    def _undo(self, batches, reason):
+    def _undo(self, batches):
         """Forget queued batches whose write failed, newest first; they all answer 500."""
         for queued in reversed(batches):
             for session_id, old in reversed(queued.undo_meta):
@@ -2074,7 +2136,6 @@ class Feed:
                 else:
                     self.meta[session_id] = old
             self.keys.difference_update(queued.keys)
-            queued.state, queued.error = "failed", reason
         self.next_number = self.count + 1
 
     def _write(self, data):
@@ -2167,6 +2228,7 @@ class FeedStore:
         self._feeds = {}
         self._waiting = {}                     # (owner, project) -> listeners of a feed not made yet
         self._lock = threading.Lock()
+        self.flushers = Workers(FLUSH_THREADS, "flusher", self.log)
 
     def owner_dir(self, owner):
         kind, owner_id = owner
@@ -2185,18 +2247,29 @@ class FeedStore:
         with self._lock:
             feed = self._feeds.get(key)
             if feed is None and (create or os.path.exists(path)):
-                feed = self._feeds[key] = Feed(path, self.log, self._waiting.pop(key, ()))
+                feed = self._feeds[key] = Feed(path, self.log, self._waiting.pop(key, ()), self.flushers.submit)
             return feed
 
     def push(self, owner, project, records, sessions):
-        """Append a validated push; (cursor, accepted). A push that adds nothing creates nothing."""
+        """Append a validated push; (cursor, accepted) once durable. A push that adds nothing creates nothing."""
         return self.feed(owner, project, create=True).append(records, sessions)
 
-    def pull(self, owner, project, since, limit):
-        """The Page of at most limit events after since. A pull never creates a feed."""
+    def submit(self, owner, project, records, sessions, done, may_block=True):
+        """Append a validated push and call done((cursor, accepted) or StorageError) once it is durable
+        (see Feed.submit). Unless may_block, a feed not loaded yet raises WouldBlock instead."""
+        feed = self.feed(owner, project, create=True)
+        if not may_block and not feed.loaded:
+            raise WouldBlock()
+        feed.submit(records, sessions, done)
+
+    def pull(self, owner, project, since, limit, may_block=True):
+        """The Page of at most limit events after since. A pull never creates a feed. Unless may_block,
+        a feed not loaded yet (its whole file is read then) raises WouldBlock instead."""
         feed = self.feed(owner, project)
         if feed is None:
             return Page(since)
+        if not may_block and not feed.loaded:
+            raise WouldBlock()
         return feed.read(since, limit)
 
     def listen(self, owner, project, since, listener):
@@ -2486,8 +2559,9 @@ class MemoryStore:
 
     # -- the two operations ------------------------------------------------
 
-    def snapshot(self, principal, scope, known_etag=None, have=None):
-        """The snapshot answer body for principal's scope."""
+    def snapshot(self, principal, scope, known_etag=None, have=None, may_block=True):
+        """The snapshot answer body for principal's scope. Unless may_block, only an `unchanged` answer
+        from the cached manifest is given; anything else raises WouldBlock."""
         files = self._files(principal, scope)
         if known_etag is not None:
             # `unchanged` reads no note, so it needs no scope lock: the cached manifest is the
@@ -2495,6 +2569,8 @@ class MemoryStore:
             answer = self._unchanged(principal, known_etag, self._cache.get(files.root))
             if answer is not None:
                 return answer
+        if not may_block:
+            raise WouldBlock()
         with self._scope_lock(files.root):
             manifest = self._manifest(files)
             return (self._unchanged(principal, known_etag, manifest)
@@ -2906,18 +2982,29 @@ def json_response(status, value, headers=()):
     return Response(status, encode_json(value), headers)
 
 
+LATER = object()  # what a handler returns when request.answer_later(response) will answer
+
+
 class Request:
     """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and the
-    body, read only when asked for."""
+    body, read only when asked for.
 
-    def __init__(self, method, path, query, headers, read_body, send_nowait=None):
+    A request is first run in the event loop (may_block False): whatever would wait there (a network
+    call, reading a whole feed, a disk write) raises WouldBlock before it changes anything, and the
+    request is run again, from the start, in a worker thread (may_block True).
+    """
+
+    def __init__(self, method, path, query, headers, read_body, answer_later):
         self.method = method
         self.path = path
         self.query = query
         self.headers = headers
-        self.read_body = read_body  # read_body(limit, error) -> bytes; error(status, text) makes the exception
-        self.send_nowait = send_nowait  # for an answer sent by another thread (long-polls): see LongPolls
-        self.principal = None       # for the access log, once a token was verified
+        self.read_body = read_body      # read_body(limit, error) -> bytes; error(status, text) makes the exception
+        self.answer_later = answer_later  # answer_later(response), from any thread, after a handler returned LATER
+        self.may_block = False
+        self.body = None                # once read
+        self.rate_counted = False       # counted by the memory rate limiter: once, however often it is run
+        self.principal = None           # for the access log, once a token was verified
 
     def param(self, name):
         """A query parameter's value, None when absent; 400 when it is given twice."""
@@ -2933,16 +3020,35 @@ def session_error(status, text):
     return ApiError(status, text)
 
 
-class SyncApp:
-    """The protocol: routes to thin handlers that parse, call storage and answer."""
+def memory_body_error(status, text):
+    return MemoryApiError(status, "memory_quota_exceeded" if status == 413 else "invalid_body", text)
 
-    def __init__(self, feeds, memory, auth, rate_limiter, log=None, max_parked=DEFAULT_MAX_PARKED):
+
+class Park:
+    """A pull with nothing after its cursor yet, and how long it may wait for the feed to grow."""
+    __slots__ = ("owner", "project", "since", "limit", "seconds")
+
+    def __init__(self, owner, project, since, limit, seconds):
+        self.owner = owner
+        self.project = project
+        self.since = since
+        self.limit = limit
+        self.seconds = seconds
+
+
+class SyncApp:
+    """The protocol: routes to thin handlers that parse, call storage and answer.
+
+    A handler returns a Response, a Park (a long-poll, for the transport to hold), or LATER (a push:
+    request.answer_later is called once its events are durable).
+    """
+
+    def __init__(self, feeds, memory, auth, rate_limiter, log=None):
         self.feeds = feeds
         self.memory = memory
         self.auth = auth
         self.rate_limiter = rate_limiter
         self.log = log or (lambda message: None)
-        self.long_polls = LongPolls(feeds, max_parked, self.error_response, self.log)
         self._checked_snapshots = {}  # (principal, body) -> MemoryRequest, for small snapshot bodies
 
     ROUTES = {
@@ -2985,7 +3091,7 @@ class SyncApp:
 
     def session_identity(self, request):
         try:
-            identity = self.auth.identify(request.headers.get("authorization"))
+            identity = self.auth.identify(request.headers.get("authorization"), request.may_block)
         except AuthError as exc:
             raise ApiError(401, str(exc), [("WWW-Authenticate", "Bearer")]) from None
         request.principal = identity.principal
@@ -3017,8 +3123,15 @@ class SyncApp:
             raise BadRequest(str(exc)) from None
         push = validate_push(doc)
         owner = self.feed_owner(identity, push.team)
-        cursor, accepted = self.feeds.push(owner, push.project, push.records, push.sessions)
-        return Response(200, b'{"cursor":%d,"accepted":%d}' % (cursor, accepted))
+        self.feeds.submit(owner, push.project, push.records, push.sessions,
+                          lambda outcome: request.answer_later(self.push_answer(outcome)), request.may_block)
+        return LATER
+
+    def push_answer(self, outcome):
+        """The answer to a push, from what its group commit gave: (cursor, accepted) or the error."""
+        if isinstance(outcome, Exception):
+            return self.error_response(outcome)
+        return Response(200, b'{"cursor":%d,"accepted":%d}' % outcome)
 
     def pull(self, request):
         identity = self.session_identity(request)
@@ -3029,11 +3142,10 @@ class SyncApp:
         since = parse_cursor(request.param("since"))
         limit = parse_clamped(request.param("limit"), "limit", 1, MAX_PULL_LIMIT, MAX_PULL_LIMIT)
         wait = parse_clamped(request.param("wait"), "wait", 0, MAX_WAIT_SECONDS, 0)
-        page = self.feeds.pull(owner, project, since, limit)
+        page = self.feeds.pull(owner, project, since, limit, request.may_block)
         if page.records or page.sessions or wait == 0:
             return Response(200, page.to_json())
-        return self.long_polls.answer(Park(owner, project, since, limit, wait), request.send_nowait)
-
+        return Park(owner, project, since, limit, wait)
 
     # -- memory sync -------------------------------------------------------
 
@@ -3043,9 +3155,12 @@ class SyncApp:
 
     def memory_snapshot(self, request):
         principal, req = self.memory_request(request, "snapshot")
-        return Response(200, self.memory.snapshot(principal, req.scope, req.known_etag, req.have).to_json())
+        answer = self.memory.snapshot(principal, req.scope, req.known_etag, req.have, request.may_block)
+        return Response(200, answer.to_json())
 
     def memory_commit(self, request):
+        if not request.may_block:
+            raise WouldBlock()  # a commit always writes: all of it runs in a worker thread
         principal, req = self.memory_request(request, "commit")
         return Response(200, self.memory.commit(principal, req.scope, req.etag, req.changes, req.have).to_json())
 
@@ -3058,7 +3173,7 @@ class SyncApp:
                 content_type or "").split(";", 1)[0].strip().lower() != "application/json":
             raise MemoryApiError(415, "json_required", "Content-Type must be application/json")
         try:
-            identity = self.auth.identify_for_memory(request.headers.get("authorization"))
+            identity = self.auth.identify_for_memory(request.headers.get("authorization"), request.may_block)
         except AuthError as exc:
             raise MemoryApiError(401, "sign_in_required", str(exc), [("WWW-Authenticate", "Bearer")]) from None
         except AuthNotConfigured as exc:
@@ -3077,9 +3192,11 @@ class SyncApp:
             except ValueError as exc:
                 raise MemoryApiError(400, "invalid_body", str(exc)) from None
             check_memory_envelope(kind, doc, identity.principal)
-        wait = self.rate_limiter.retry_after(identity.principal)
-        if wait:
-            raise MemoryApiError(429, "rate_limited", "too many memory requests", [("Retry-After", str(wait))])
+        if not request.rate_counted:
+            request.rate_counted = True
+            wait = self.rate_limiter.retry_after(identity.principal)
+            if wait:
+                raise MemoryApiError(429, "rate_limited", "too many memory requests", [("Retry-After", str(wait))])
         if fields is None:
             fields = memory_fields(kind, doc, self.memory.quota)
             if remembered:
@@ -3089,186 +3206,10 @@ class SyncApp:
         return identity.principal, fields
 
 
-class Park:
-    """A pull with nothing after its cursor yet, and how long it may wait for the feed to grow."""
-    __slots__ = ("owner", "project", "since", "limit", "seconds")
-
-    def __init__(self, owner, project, since, limit, seconds):
-        self.owner = owner
-        self.project = project
-        self.since = since
-        self.limit = limit
-        self.seconds = seconds
-
-
-class _Waiter:
-    """One parked pull: answered once, by the waker or (at its time-out) by its own thread."""
-    __slots__ = ("park", "send_nowait", "claimed", "sent", "failed", "listener", "rest")
-
-    def __init__(self, park, send_nowait):
-        self.park = park
-        self.send_nowait = send_nowait
-        self.claimed = False
-        self.sent = threading.Event()
-        self.failed = False
-        self.listener = None
-        self.rest = None  # what the socket did not take at once, for the pull's own thread to send
-
-
-class LongPolls:
-    """Parked long-polls, answered by one waker thread when their feed grows.
-
-    A parked pull costs a sleeping thread. When a push arrives, the waker reads the page once and
-    sends it to every pull parked on that feed itself: a thousand answers leave in a few milliseconds,
-    instead of after a thousand threads have each queued for the interpreter lock. Past max_parked a
-    pull answers at once, as if its wait were 0.
-    """
-
-    def __init__(self, feeds, max_parked, error_response, log):
-        self.feeds = feeds
-        self.max_parked = max_parked
-        self.error_response = error_response
-        self.log = log
-        self.parked = 0
-        self._lock = threading.Lock()
-        self._woken = queue.SimpleQueue()
-        threading.Thread(target=self._wake, name="long-poll waker", daemon=True).start()
-
-    def answer(self, park, send_nowait):
-        """Wait for park's feed to grow and answer the pull; None: the answer was sent (send_nowait)."""
-        with self._lock:
-            if self.parked >= self.max_parked:
-                return self._page(park)
-            self.parked += 1
-        try:
-            waiter = _Waiter(park, send_nowait)
-            waiter.listener = lambda: self._woken.put(waiter)
-            if not self.feeds.listen(park.owner, park.project, park.since, waiter.listener):
-                return self._page(park)  # an event arrived since the read, or the server is stopping
-            if not waiter.sent.wait(park.seconds) and self._claim(waiter):
-                self.feeds.unlisten(park.owner, park.project, waiter.listener)
-                return self._page(park)  # timed out: an empty page (or what arrived just now)
-            waiter.sent.wait()
-            if waiter.failed:
-                raise ClientGone()
-            if waiter.rest is not None:
-                waiter.rest()
-            return None
-        finally:
-            with self._lock:
-                self.parked -= 1
-
-    def _claim(self, waiter):
-        with self._lock:
-            if waiter.claimed:
-                return False
-            waiter.claimed = True
-            return True
-
-    def _page(self, park):
-        return Response(200, self.feeds.pull(park.owner, park.project, park.since, park.limit).to_json())
-
-    def _wake(self):
-        while True:
-            woken = [self._woken.get()]
-            while not self._woken.empty():
-                woken.append(self._woken.get())
-            claimed = [waiter for waiter in woken if self._claim(waiter)]
-            try:
-                for waiter in claimed:
-                    self._send(waiter)
-            finally:
-                # Only now let the parked threads resume: had each resumed after its own answer, the
-                # waker would queue behind them for the interpreter lock before every further send.
-                for waiter in claimed:
-                    waiter.sent.set()
-
-    def _send(self, waiter):
-        """Send a woken pull its page, as far as its socket takes it without waiting."""
-        try:
-            response = self._page(waiter.park)
-        except (FeedDamaged, StorageError) as exc:
-            response = self.error_response(exc)
-        except Exception as exc:  # the waker must live on, whatever one page does
-            self.log("long-poll answer failed: %s: %s" % (type(exc).__name__, exc))
-            response = json_response(500, {"error": "internal server error"})
-        try:
-            waiter.rest = waiter.send_nowait(response)
-        except OSError:
-            waiter.failed = True
-
-
-def memory_body_error(status, text):
-    return MemoryApiError(status, "memory_quota_exceeded" if status == 413 else "invalid_body", text)
-
-
-class Watchdog:
-    """Closes connections that overstay a deadline: a request that has not fully arrived in time
-    (logged), or a connection idle, or stuck sending an answer, for too long (quietly).
-
-    Connection sockets are blocking, with no timeout of their own: a per-receive timeout cannot
-    bound a whole request (a client sending one byte a second never trips it), and a socket timeout
-    costs a poll() before every receive and send. One thread checks every deadline four times a
-    second and shuts a late socket down, which ends whatever receive or send is waiting on it.
-    """
-
-    def __init__(self, log):
-        self.log = log
-        self._deadlines = {}                   # socket -> (deadline, what to log or None)
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
-        self._thread.start()
-
-    def arm(self, sock, seconds, late_note=None):
-        """Shut sock down unless armed again or disarmed within seconds; log late_note if given."""
-        with self._lock:
-            self._deadlines[sock] = (time.monotonic() + seconds, late_note)
-
-    def disarm(self, sock):
-        with self._lock:
-            self._deadlines.pop(sock, None)
-
-    def _run(self):
-        while not self._stopped.wait(0.25):
-            try:
-                self._close_late(time.monotonic())
-            except Exception as exc:  # it must live on: without it no connection has a time limit
-                self.log("watchdog: %s: %s" % (type(exc).__name__, exc))
-
-    def _close_late(self, now):
-        with self._lock:
-            late = [(sock, note) for sock, (deadline, note) in self._deadlines.items() if deadline <= now]
-            for sock, _ in late:
-                del self._deadlines[sock]
-        for sock, note in late:
-            if note:
-                self.log(note)
-            close_socket_under(sock)
-
-    def stop(self):
-        """Stop watching, and shut every watched connection down: none may outlive the server's limits."""
-        self._stopped.set()
-        with self._lock:
-            watched, self._deadlines = list(self._deadlines), {}
-        for sock in watched:
-            close_socket_under(sock)
-
-
-def close_socket_under(sock):
-    """Shut a connection down, which ends any receive or send waiting on it. The plain socket's shutdown,
-    also under TLS: the SSL object stays as it is for the thread reading or writing through it."""
-    try:
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
-
+# ---- request heads and bodies ----------------------------------------------
 
 class ClientGone(Exception):
-    """The client closed its connection before its request arrived."""
+    """The client closed its connection, or broke the framing of its request."""
 
 
 class BadHead(Exception):
@@ -3279,244 +3220,650 @@ class BadHead(Exception):
         self.status = status
 
 
+class NeedBody(Exception):
+    """A handler asked for a body that has not fully arrived: the transport reads it, then runs the
+    request again."""
+
+    def __init__(self, reader):
+        super().__init__("the request body has not arrived yet")
+        self.reader = reader
+
+
 _REASONS = {status: phrase.encode("latin-1")
             for status, (phrase, _) in http.server.BaseHTTPRequestHandler.responses.items()}
 _HTTP_VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,8}")
 
 
-def read_headers(rfile):
-    """The header block of a request from a buffered reader, up to its blank line: a dict by
-    lower-case name, where a repeated header's values are joined with ', '."""
+def head_end(buf, start=0):
+    """Where the request head at the start of buf ends (just after its blank line), or -1."""
+    crlf = buf.find(b"\n\r\n", start)
+    lf = buf.find(b"\n\n", start)
+    if lf >= 0 and (crlf < 0 or lf < crlf):
+        return lf + 2
+    return crlf + 3 if crlf >= 0 else -1
+
+
+def parse_head(head):
+    """(method, target, version, headers) of a whole request head, ending with its blank line.
+
+    Headers are a dict by lower-case name, a repeated header's values joined with ', '. BadHead for
+    a malformed or oversized head (without http.server's email parser, the slowest part of a request).
+    """
+    lines = head.split(b"\n")[:-2]
+    if len(lines[0]) >= MAX_HEADER_LINE:
+        raise BadHead(414, "request line too long")
+    parts = lines[0].decode("latin-1").split()
+    if len(parts) != 3 or _HTTP_VERSION.fullmatch(parts[2]) is None:
+        raise BadHead(400, "bad request line")
+    if parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
+        raise BadHead(505, "HTTP/1.1 only")
+    if len(lines) > MAX_HEADERS + 1:
+        raise BadHead(431, "too many header lines")
     headers = {}
-    for _ in range(MAX_HEADERS + 1):
-        line = rfile.readline(MAX_HEADER_LINE + 1)
-        if not line:
-            raise ClientGone()
-        if len(line) > MAX_HEADER_LINE:
+    for line in lines[1:]:
+        if len(line) >= MAX_HEADER_LINE:
             raise BadHead(431, "header line too long")
-        if line in (b"\r\n", b"\n"):
-            return headers
         name, sep, value = line.decode("latin-1").partition(":")
         if not sep or not name or name != name.strip() or name[0] in " \t":
             raise BadHead(400, "malformed header line")
         name, value = name.lower(), value.strip()
         headers[name] = headers[name] + ", " + value if name in headers else value
-    raise BadHead(431, "too many header lines")
+    return parts[0], parts[1], parts[2], headers
 
 
-class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
-    """HTTP/1.1 transport: reads one request at a time, hands it to the app, writes one answer.
+def declares_body(headers):
+    if headers.get("transfer-encoding") is not None:
+        return True
+    length = headers.get("content-length")
+    return length is not None and length.strip() != "0"
 
-    Every method reaches the app (so an unknown one is a 405, never http.server's
-    501), and each answer leaves in one send with TCP_NODELAY set.
-    """
 
-    protocol_version = "HTTP/1.1"
-    server_version = "oharness-sync/" + __version__
-    disable_nagle_algorithm = True
+def body_reader(headers, limit, error):
+    """A reader for the body the headers declare, of at most limit bytes; error(status, text) builds
+    what is raised for a bad or oversized one (before any of it is read)."""
+    encoding = headers.get("transfer-encoding")
+    length = headers.get("content-length")
+    if encoding is not None:
+        if encoding.strip().lower() != "chunked" or length is not None:
+            raise error(400, "unsupported Transfer-Encoding")
+        return ChunkedBody(limit, error)
+    length = length.strip()
+    if not _DECIMAL.fullmatch(length):
+        raise error(400, "bad Content-Length")
+    length = length.lstrip("0") or "0"  # int() refuses strings of over 4,300 digits, zeros too
+    if len(length) > 16 or int(length) > limit:
+        raise error(413, "request body is larger than %d bytes" % limit)
+    return SizedBody(int(length))
 
-    def setup(self):
-        super().setup()
-        # Blocking, without a timeout: every time limit of the connection is the watchdog's (after
-        # a TLS handshake, which had one of its own). Until the first request, the idle limit holds.
-        self.connection.settimeout(None)
-        self._arm_idle_limit()
 
-    def _arm_idle_limit(self):
-        """From here until the next request begins: the idle limit (which also bounds an answer's send)."""
-        self.server.watchdog.arm(self.connection, self.server.idle_seconds)
+class SizedBody:
+    """A body of Content-Length bytes."""
 
-    def handle_one_request(self):
-        sock = self.connection
-        try:
-            if not self.rfile.peek(1):
-                self.close_connection = True
-                return
-        except OSError:
-            self.close_connection = True
-            return
-        self.server.watchdog.arm(sock, self.server.request_seconds, LATE_REQUEST_NOTE)
-        try:
-            self._handle_request()  # arms the idle limit once it answers
-        except (ClientGone, OSError):  # the client left, or was cut off by the watchdog
-            self.close_connection = True
+    def __init__(self, size):
+        self.size = size
 
-    def _handle_request(self):
-        self.command, self._body_pending = None, False
-        try:
-            self._parse_head()
-        except BadHead as exc:
-            self.send_error(exc.status, str(exc))
-            return
-        started = time.monotonic()
-        self.server.begin_request()
-        try:
-            self._answer(started)
-        finally:
-            self.server.end_request()
-
-    def _parse_head(self):
-        """Request line and headers, without http.server's email parser (the slowest part of a request)."""
-        line = self.rfile.readline(MAX_HEADER_LINE + 1)
-        if not line:
-            raise ClientGone()
-        if len(line) > MAX_HEADER_LINE:
-            raise BadHead(414, "request line too long")
-        parts = line.decode("latin-1").split()
-        if len(parts) != 3 or _HTTP_VERSION.fullmatch(parts[2]) is None:
-            raise BadHead(400, "bad request line")
-        self.command, self.path, self.request_version = parts
-        if self.request_version not in ("HTTP/1.1", "HTTP/1.0"):
-            raise BadHead(505, "HTTP/1.1 only")
-        self.headers = read_headers(self.rfile)
-        connection = (self.headers.get("connection") or "").lower()
-        if self.request_version == "HTTP/1.0":
-            self.close_connection = "keep-alive" not in connection
-        else:
-            self.close_connection = "close" in connection
-
-    def _answer(self, started):
-        path, _, query = self.path.partition("?")
-        self._body_pending = self._declares_body()
-        if not self._body_pending:
-            self.server.watchdog.disarm(self.connection)
-        query = urllib.parse.parse_qs(query, keep_blank_values=True) if query else {}
-        request = Request(self.command, path, query, self.headers, self._read_body, self._send_nowait)
-        try:
-            response = self.server.app.handle(request)
-        except (ClientGone, ConnectionError, socket.timeout):
-            raise
-        except Exception as exc:  # never a stack trace to the client or the log
-            self.server.log("internal error on %s %s: %s: %s" % (self.command, path, type(exc).__name__, exc))
-            response = json_response(500, {"error": "internal server error"})
-        if response is None:  # a long-poll answered by the waker thread
-            self._arm_idle_limit()
-            self.server.log_access(self.command, path, 200, started, request.principal)
-            return
-        self.server.log_access(self.command, path, response.status, started, request.principal)
-        self._send(response)
-
-    def _declares_body(self):
-        if self.headers.get("transfer-encoding") is not None:
-            return True
-        length = self.headers.get("content-length")
-        return length is not None and length.strip() != "0"
-
-    def _read_body(self, limit, error):
-        """The request body, at most limit bytes; error(status, text) builds what is raised."""
-        if not self._body_pending:
-            return b""
-        encoding = self.headers.get("transfer-encoding")
-        length = self.headers.get("content-length")
-        if encoding is not None:
-            if encoding.strip().lower() != "chunked" or length is not None:
-                raise error(400, "unsupported Transfer-Encoding")
-            body = self._receive(lambda: self._read_chunked(limit, error))
-        else:
-            length = length.strip()
-            if not _DECIMAL.fullmatch(length):
-                raise error(400, "bad Content-Length")
-            length = length.lstrip("0") or "0"  # int() refuses strings of over 4,300 digits, zeros too
-            if len(length) > 16 or int(length) > limit:
-                raise error(413, "request body is larger than %d bytes" % limit)
-            size = int(length)
-            body = self._receive(lambda: self.rfile.read(size))
-            if len(body) < size:
-                raise ClientGone()
-        self._body_pending = False
-        self.server.watchdog.disarm(self.connection)
+    def take(self, buf):
+        """The body, cut from the front of buf, once all of it is there; else None."""
+        if len(buf) < self.size:
+            return None
+        body = bytes(buf[:self.size])
+        del buf[:self.size]
         return body
 
-    def _receive(self, read):
-        """read() the body after `100 Continue` where asked; a socket error (the watchdog's cut under TLS,
-        say) is the client gone, not an internal error."""
-        try:
-            self._continue()
-            return read()
-        except OSError:
-            raise ClientGone() from None
 
-    def _continue(self):
-        """Answer `Expect: 100-continue` once the body is wanted (curl waits a second otherwise)."""
-        if self.request_version == "HTTP/1.1" and (self.headers.get("expect") or "").lower() == "100-continue":
-            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+class ChunkedBody:
+    """A chunked body, parsed as it arrives (each byte once); trailer fields are ignored."""
 
-    def _read_chunked(self, limit, error):
-        chunks, total = [], 0
+    def __init__(self, limit, error):
+        self.limit = limit
+        self.error = error
+        self.chunks = []
+        self.total = 0
+        self.remaining = None    # bytes still to come of the current chunk (and its CRLF), or None
+        self.trailers = False    # the last chunk was seen: reading trailer lines up to a blank one
+        self.trailer_lines = 0
+
+    def take(self, buf):
+        """The body once the whole of it is there, else None; consumed bytes are cut from buf."""
         while True:
-            line = self.rfile.readline(1024)
-            if not line.endswith(b"\n"):
+            if self.remaining is not None:
+                if len(buf) < self.remaining + 1:
+                    return None
+                end = self.remaining
+                if buf[end:end + 2] == b"\r\n":
+                    skip = 2
+                elif buf[end:end + 1] == b"\n":
+                    skip = 1
+                elif len(buf) < end + 2:
+                    return None
+                else:
+                    raise ClientGone()
+                self.chunks.append(bytes(buf[:end]))
+                del buf[:end + skip]
+                self.remaining = None
+                continue
+            newline = buf.find(b"\n")
+            if newline < 0:
+                if len(buf) > 1024:
+                    raise ClientGone()
+                return None
+            line = bytes(buf[:newline + 1])
+            del buf[:newline + 1]
+            if len(line) > 1024:
                 raise ClientGone()
+            if self.trailers:
+                if line in (b"\r\n", b"\n"):
+                    return b"".join(self.chunks)
+                self.trailer_lines += 1
+                if self.trailer_lines > MAX_HEADERS:
+                    raise ClientGone()
+                continue
             size_text = line.split(b";", 1)[0].strip()
-            if not re.fullmatch(rb"[0-9A-Fa-f]{1,8}", size_text):
-                raise error(400, "bad chunk size")
+            if not _CHUNK_SIZE.fullmatch(size_text):
+                raise self.error(400, "bad chunk size")
             size = int(size_text, 16)
             if size == 0:
-                break
-            total += size
-            if total > limit:
-                raise error(413, "request body is larger than %d bytes" % limit)
-            chunk = self.rfile.read(size)
-            if len(chunk) < size or self.rfile.readline(3) not in (b"\r\n", b"\n"):
-                raise ClientGone()
-            chunks.append(chunk)
-        while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-            pass  # trailer fields are ignored
-        return b"".join(chunks)
+                self.trailers = True
+                continue
+            self.total += size
+            if self.total > self.limit:
+                raise self.error(413, "request body is larger than %d bytes" % self.limit)
+            self.remaining = size
 
-    def _send(self, response):
-        """Write status line, headers and body with one send."""
-        data = self._render(response)
-        self._arm_idle_limit()  # a client that does not read its answer is cut off like an idle one
-        self.wfile.write(data)
 
-    def _send_nowait(self, response):
-        """Send what the socket takes at once, without blocking (for the long-poll waker thread).
+def render(response, method, close):
+    """The bytes of an answer: status line, headers, body (none for HEAD), in one piece for one send."""
+    extra = "".join("%s: %s\r\n" % header for header in response.headers)
+    if close:
+        extra += "Connection: close\r\n"
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
+        response.status, _REASONS.get(response.status, b"Unknown"), len(response.body), extra.encode("latin-1"))
+    return head if method == "HEAD" else head + response.body
 
-        Returns None when all of it left, else a function that sends the rest, blocking: the pull's own
-        thread calls it, so a client that does not read holds up no one else.
-        """
-        data = self._render(response)
-        sock, sent = self.connection, 0
-        if not isinstance(sock, ssl.SSLSocket) and hasattr(socket, "MSG_DONTWAIT") and hasattr(select, "poll"):
-            poller = select.poll()
-            poller.register(sock, select.POLLOUT)
-            if poller.poll(0):  # writable now, so send() will not wait for room
-                try:
-                    sent = sock.send(data, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    sent = 0
-        if sent == len(data):
-            return None
-        rest = memoryview(data)[sent:]
 
-        def send_rest():
-            self._arm_idle_limit()
+# ---- the event loop ----------------------------------------------------------
+
+class Timer:
+    """A call the event loop makes at a given time, unless cancelled first."""
+    __slots__ = ("when", "function", "args", "cancelled")
+
+    def __init__(self, when, function, args):
+        self.when = when
+        self.function = function
+        self.args = args
+        self.cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class EventLoop:
+    """One thread that waits on every socket at once (selectors), runs timers, and runs the calls
+    other threads hand it (flushers, workers, the long-poll listeners) through a wake-up socket.
+
+    Every connection is served by this one thread: no thread per connection, so no thread stacks
+    for a thousand parked long-polls, and no hand-over of the interpreter lock between requests.
+    """
+
+    def __init__(self, log):
+        self.log = log
+        self.selector = selectors.DefaultSelector()
+        self._calls = collections.deque()
+        self._timers = []                      # heap of (when, sequence, Timer)
+        self._sequence = itertools.count()
+        self._wake_in, self._wake_out = socket.socketpair()
+        self._wake_in.setblocking(False)
+        self._wake_out.setblocking(False)
+        self._signalled = False
+        self.selector.register(self._wake_in, selectors.EVENT_READ, self._drain)
+
+    def call_soon(self, function, *args):
+        """Run function(*args) in the loop's thread, soon. Safe from any thread."""
+        self._calls.append((function, args))
+        if not self._signalled:
+            self._signalled = True
             try:
-                self.wfile.write(rest)
-            except OSError:  # cut off, or gone: the answer has begun, so no other may follow
-                raise ClientGone() from None
-        return send_rest
+                self._wake_out.send(b"\0")
+            except OSError:
+                pass  # full of wake-ups already, or closed at shutdown
 
-    def _render(self, response):
-        """The bytes of an answer: status line, headers, body (none for HEAD)."""
-        close = response.close or self._body_pending or self.server.stopping.is_set()
-        extra = "".join("%s: %s\r\n" % header for header in response.headers)
-        if close:
-            extra += "Connection: close\r\n"
-            self.close_connection = True
-        head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
-            response.status, _REASONS.get(response.status, b"Unknown"), len(response.body), extra.encode("latin-1"))
-        return head if self.command == "HEAD" else head + response.body
+    def call_later(self, seconds, function, *args):
+        """Run function(*args) in the loop after seconds; a Timer to cancel it. Loop thread only."""
+        timer = Timer(time.monotonic() + seconds, function, args)
+        heapq.heappush(self._timers, (timer.when, next(self._sequence), timer))
+        return timer
 
-    def send_error(self, code, message=None, explain=None):
-        """http.server's own refusals (bad request line, bad headers) as JSON, closing the connection."""
-        self._body_pending = True
-        self._send(Response(code, encode_json({"error": message or "bad request"}), close=True))
+    def _drain(self, mask):
+        self._signalled = False  # before reading: a call handed in from now on sends a new wake-up
+        try:
+            while self._wake_in.recv(4096):
+                pass
+        except OSError:
+            pass
 
-    def log_message(self, format, *args):
-        pass  # the server writes its own access log
+    def run_once(self, longest):
+        """Wait up to longest seconds for something to do, and do it."""
+        timeout = longest
+        if self._calls:
+            timeout = 0
+        elif self._timers:
+            timeout = min(longest, max(0.0, self._timers[0][0] - time.monotonic()))
+        for key, mask in self.selector.select(timeout):
+            self._run(key.data, mask)
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            timer = heapq.heappop(self._timers)[2]
+            if not timer.cancelled:
+                self._run(timer.function, *timer.args)
+        for _ in range(len(self._calls)):
+            function, args = self._calls.popleft()
+            self._run(function, *args)
 
+    def _run(self, function, *args):
+        try:
+            function(*args)
+        except Exception as exc:  # the loop must live on, whatever one call does
+            self.log("event loop: %s: %s" % (type(exc).__name__, exc))
+
+    def close(self):
+        self.selector.close()
+        self._wake_in.close()
+        self._wake_out.close()
+
+
+class LongPolls:
+    """Parked long-polls: each is a listener on its feed and a timer in the event loop, not a thread.
+
+    A push's flush calls its feed's listeners; the loop then answers every pull parked there, reading
+    the page once (a feed keeps its latest page). Past max_parked a pull answers at once, as if its
+    wait were 0.
+    """
+
+    def __init__(self, feeds, loop, max_parked, error_response, log):
+        self.feeds = feeds
+        self.loop = loop
+        self.max_parked = max_parked
+        self.error_response = error_response
+        self.log = log
+        self.parked = 0
+
+    def park(self, park, answer):
+        """Call answer(response) in the loop once park's feed has grown or its wait is over."""
+        if self.parked >= self.max_parked:
+            return self._answer(park, answer)
+        waiter = _Waiter(park, answer)
+        waiter.listener = lambda: self.loop.call_soon(self._finish, waiter)
+        try:
+            listening = self.feeds.listen(park.owner, park.project, park.since, waiter.listener)
+        except (FeedDamaged, StorageError) as exc:
+            return answer(self.error_response(exc))
+        if not listening:
+            return self._answer(park, answer)  # an event arrived since the read, or the server is stopping
+        self.parked += 1
+        waiter.timer = self.loop.call_later(park.seconds, self._time_out, waiter)
+
+    def _time_out(self, waiter):
+        self.feeds.unlisten(waiter.park.owner, waiter.park.project, waiter.listener)
+        self._finish(waiter)  # an empty page, or what arrived just now
+
+    def _finish(self, waiter):
+        if waiter.done:
+            return
+        waiter.done = True
+        waiter.timer.cancel()
+        self.parked -= 1
+        self._answer(waiter.park, waiter.answer)
+
+    def _answer(self, park, answer):
+        """Answer a pull with the page after its cursor (an unexpected error answers this pull alone)."""
+        try:
+            response = Response(200, self.feeds.pull(park.owner, park.project, park.since, park.limit).to_json())
+        except (FeedDamaged, StorageError) as exc:
+            response = self.error_response(exc)
+        except Exception as exc:
+            self.log("long-poll answer failed: %s: %s" % (type(exc).__name__, exc))
+            response = json_response(500, {"error": "internal server error"})
+        answer(response)
+
+
+class _Waiter:
+    """One parked pull."""
+    __slots__ = ("park", "answer", "listener", "timer", "done")
+
+    def __init__(self, park, answer):
+        self.park = park
+        self.answer = answer
+        self.listener = None
+        self.timer = None
+        self.done = False
+
+
+# ---- connections -------------------------------------------------------------
+
+LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
+RECEIVE_BYTES = 65536
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+
+
+class Connection:
+    """One client connection, driven by the event loop: read a request, run it, send the answer.
+
+    The states: "handshake" (TLS), "head" (waiting for a request), "body" (reading a body the handler
+    asked for), "busy" (the app, a worker, a flush or a long-poll has the request), "send", and
+    "linger" (refused past the connection cap: the 503 is sent, what comes in is dropped). Each state
+    has at most one deadline, kept by the server's sweep: the request limit from a request's first
+    byte until its body is in, the idle limit while waiting for a request or sending an answer.
+    """
+
+    def __init__(self, server, sock, state):
+        self.server = server
+        self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.state = state
+        self.events = 0
+        self.inbuf = bytearray()
+        self.out = None
+        self.request = None
+        self.started = None          # when the current request's first byte arrived
+        self.scanned = 0             # how much of inbuf was searched for the head's end
+        self.head_lines = 0          # line ends among those bytes
+        self.line_start = 0          # where the last, unfinished line of the head begins
+        self.version = None
+        self.body_pending = False    # a declared body not read (yet): answering it closes the connection
+        self.body_reader = None
+        self.close_after = False
+        self.deadline = None
+        self.late_note = None
+        self.closed = False
+
+    # -- readiness -------------------------------------------------------
+
+    def watch(self, events):
+        """Wait for these selector events (0: none) on the socket."""
+        if events == self.events or self.closed:
+            return
+        selector = self.server.loop.selector
+        if not self.events:
+            selector.register(self.sock, events, self.on_ready)
+        elif not events:
+            selector.unregister(self.sock)
+        else:
+            selector.modify(self.sock, events, self.on_ready)
+        self.events = events
+
+    def on_ready(self, mask):
+        try:
+            if self.state == "handshake":
+                self.handshake()
+            elif self.state == "send":
+                self.send_more()
+            else:
+                self.receive()
+        except ClientGone:
+            self.close()
+
+    def set_deadline(self, seconds, note=None):
+        self.deadline = time.monotonic() + seconds
+        self.late_note = note
+
+    def handshake(self):
+        """A step of the TLS handshake, without waiting: a stalled client holds up no one."""
+        try:
+            self.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            return self.watch(_READ)
+        except ssl.SSLWantWriteError:
+            return self.watch(_WRITE)
+        except (OSError, ValueError):
+            return self.close()
+        self.state = "head"
+        self.set_deadline(self.server.idle_seconds)
+        self.watch(_READ)
+        self.receive()  # the first request may have come with the handshake's last flight
+
+    def receive(self):
+        try:
+            data = self.sock.recv(RECEIVE_BYTES)
+            while self.tls and self.sock.pending():
+                data += self.sock.recv(self.sock.pending())
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return
+        except ssl.SSLWantWriteError:
+            return self.watch(_READ | _WRITE)
+        except OSError:  # reset, or a TLS record no key decrypts: the client is gone
+            return self.close()
+        if not data:
+            return self.close()
+        if self.state == "linger":
+            return
+        self.inbuf += data
+        if self.state in ("head", "body"):
+            self.advance()
+        elif len(self.inbuf) > RECEIVE_BYTES:
+            self.watch(0)  # pipelined past the limit while the current request is under way: wait
+
+
+    # -- requests --------------------------------------------------------
+
+    def advance(self):
+        """Go on with what is in inbuf: a request head, or the body being waited for."""
+        if self.state == "body":
+            return self.read_more_body()
+        if self.state != "head" or not self.inbuf:
+            return
+        if self.started is None:
+            self.started = time.monotonic()
+            self.set_deadline(self.server.request_seconds, LATE_REQUEST_NOTE)
+        buf = self.inbuf
+        end = head_end(buf, max(0, self.scanned - 2))
+        try:
+            if end < 0:
+                self.check_partial_head()
+                return
+            method, target, version, headers = parse_head(bytes(buf[:end]))
+        except BadHead as exc:
+            return self.send(render(json_response(exc.status, {"error": str(exc)}), None, True), True)
+        del buf[:end]
+        self.scanned = self.head_lines = self.line_start = 0
+        self.begin(method, target, version, headers)
+
+    def check_partial_head(self):
+        """BadHead as soon as an incomplete head is already too long; each byte is looked at once."""
+        buf = self.inbuf
+        newline = buf.rfind(b"\n", self.scanned)
+        if newline >= 0:
+            self.head_lines += buf.count(b"\n", self.scanned)
+            self.line_start = newline + 1
+        self.scanned = len(buf)
+        if len(buf) - self.line_start >= MAX_HEADER_LINE:
+            if self.head_lines == 0:
+                raise BadHead(414, "request line too long")
+            raise BadHead(431, "header line too long")
+        if self.head_lines > MAX_HEADERS + 1:
+            raise BadHead(431, "too many header lines")
+
+    def begin(self, method, target, version, headers):
+        self.server.busy_begin()
+        connection = (headers.get("connection") or "").lower()
+        if version == "HTTP/1.0":
+            self.close_after = "keep-alive" not in connection
+        else:
+            self.close_after = "close" in connection
+        self.version = version
+        path, _, query = target.partition("?")
+        query = urllib.parse.parse_qs(query, keep_blank_values=True) if query else {}
+        self.request = Request(method, path, query, headers, self.read_body, self.answer_later)
+        self.body_pending = declares_body(headers)
+        if not self.body_pending:
+            self.deadline = None
+        self.state = "busy"
+        self.run()
+
+    def run(self):
+        """Run the request in the loop; hand it to a worker when it would wait."""
+        try:
+            outcome = self.server.app.handle(self.request)
+        except WouldBlock:
+            self.watch(0)
+            self.server.workers.submit(self.run_in_worker)
+            return
+        except NeedBody as need:
+            return self.wait_for_body(need.reader)
+        except ClientGone:  # it broke its body's framing
+            return self.close()
+        except Exception as exc:  # never a stack trace to the client or the log
+            outcome = self.internal_error(exc)
+        self.finish(outcome)
+
+    def run_in_worker(self):
+        request = self.request
+        request.may_block = True
+        try:
+            outcome = self.server.app.handle(request)
+        except (NeedBody, ClientGone) as exc:
+            outcome = exc
+        except Exception as exc:
+            outcome = self.internal_error(exc)
+        finally:
+            request.may_block = False
+        self.server.loop.call_soon(self.finish, outcome)
+
+    def internal_error(self, exc):
+        request = self.request
+        self.server.log("internal error on %s %s: %s: %s" % (request.method, request.path, type(exc).__name__, exc))
+        return json_response(500, {"error": "internal server error"})
+
+    def finish(self, outcome):
+        """Act on what running the request gave (in the loop)."""
+        if self.closed:
+            return
+        if isinstance(outcome, Response):
+            self.answer(outcome)
+        elif isinstance(outcome, Park):
+            self.server.long_polls.park(outcome, self.answer)
+        elif isinstance(outcome, NeedBody):
+            self.wait_for_body(outcome.reader)
+        elif isinstance(outcome, ClientGone):
+            self.close()
+        # else LATER: answer_later will be called. The socket stays watched: a client that leaves
+        # meanwhile is closed at once, and what it pipelines waits in inbuf (up to a limit).
+
+    def answer_later(self, response):
+        self.server.loop.call_soon(self.answer, response)
+
+    def read_body(self, limit, error):
+        """The body (handlers call this); NeedBody while it has not all arrived."""
+        request = self.request
+        if request.body is not None:
+            return request.body
+        if not self.body_pending:
+            return b""
+        reader = self.body_reader or body_reader(request.headers, limit, error)
+        body = reader.take(self.inbuf)
+        if body is None:
+            raise NeedBody(reader)
+        self.got_body(body)
+        return body
+
+    def got_body(self, body):
+        self.request.body = body
+        self.body_pending = False
+        self.body_reader = None
+        self.deadline = None
+
+    def wait_for_body(self, reader):
+        self.body_reader = reader
+        self.state = "body"
+        request = self.request
+        if self.version == "HTTP/1.1" and (request.headers.get("expect") or "").lower() == "100-continue":
+            # Asked for once the body is wanted (curl waits a second otherwise); it fits any new socket.
+            try:
+                if self.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n") != 25:
+                    return self.close()
+            except OSError:
+                return self.close()
+        self.watch(_READ)
+        self.read_more_body()
+
+    def read_more_body(self):
+        try:
+            body = self.body_reader.take(self.inbuf)
+        except ClientGone:
+            return self.close()
+        except (ApiError, MemoryApiError) as exc:  # a bad chunk size, or a body over the limit
+            self.state = "busy"
+            return self.answer(self.server.app.error_response(exc))
+        if body is None:
+            return
+        self.got_body(body)
+        self.state = "busy"
+        self.run()
+
+    # -- answers ---------------------------------------------------------
+
+    def answer(self, response):
+        """Send the answer to the current request (in the loop)."""
+        if self.closed:
+            return
+        request = self.request
+        self.server.log_access(request.method, request.path, response.status, self.started, request.principal)
+        close = response.close or self.close_after or self.body_pending or self.server.stopping.is_set()
+        self.send(render(response, request.method, close), close)
+
+    def send(self, data, close):
+        self.out = data
+        self.close_after = close
+        self.state = "send"
+        self.set_deadline(self.server.idle_seconds)  # a client that does not read is cut off like an idle one
+        self.send_more()
+
+    def send_more(self):
+        try:
+            sent = self.sock.send(self.out)
+        except (BlockingIOError, ssl.SSLWantWriteError):
+            return self.watch(_WRITE)
+        except ssl.SSLWantReadError:
+            return self.watch(_READ)
+        except OSError:
+            return self.close()
+        if sent < len(self.out):
+            self.out = memoryview(self.out)[sent:]
+            return self.watch(_WRITE)
+        self.out = None
+        self.started = None
+        if self.request is not None:
+            self.request = None
+            self.server.busy_end()
+        if self.close_after:
+            return self.close(gently=True)
+        self.state = "head"
+        self.set_deadline(self.server.idle_seconds)
+        self.watch(_READ)
+        if self.inbuf:  # pipelined: the next request is here already (a call, not a deeper stack)
+            self.server.loop.call_soon(self.advance)
+
+    def close(self, gently=False):
+        """Close the connection; gently: after a whole answer, so it is not reset away."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.events:
+            self.server.loop.selector.unregister(self.sock)
+            self.events = 0
+        try:
+            if gently:
+                socket.socket.shutdown(self.sock, socket.SHUT_WR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self.request is not None:
+            self.server.busy_end()
+            self.request = None
+        self.server.forget(self)
+
+
+# ---- the server --------------------------------------------------------------
 
 class TlsFiles:
     """A certificate and key for HTTPS, re-read on demand (SIGHUP) for renewed certificates."""
@@ -3542,18 +3889,22 @@ class TlsFiles:
             log("kept the old TLS certificate: cannot load %s: %s" % (self.cert_path, exc))
 
 
-class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    """A threaded HTTP server with a connection cap, a request watchdog and a quiet error path."""
+_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 64\r\n"
+            b"Retry-After: 1\r\nConnection: close\r\n\r\n"
+            b'{"error":"server is at its connection limit; try again shortly"}')
 
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
-    request_queue_size = LISTEN_BACKLOG
+
+class SyncServer:
+    """The HTTP/1.1 server: one event loop for every connection, worker threads for what would wait.
+
+    serve_forever() runs the loop in the calling thread until shutdown() (from another thread).
+    Every method reaches the app (an unknown one is a 405), each answer leaves in one send with
+    TCP_NODELAY set, and every time limit is kept by a sweep of the connections four times a second.
+    """
 
     def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None, access_log=None,
-                 tls=None, request_seconds=DEFAULT_REQUEST_SECONDS, idle_seconds=IDLE_SECONDS):
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
+                 tls=None, request_seconds=DEFAULT_REQUEST_SECONDS, idle_seconds=IDLE_SECONDS,
+                 max_parked=DEFAULT_MAX_PARKED):
         self.app = app
         self.tls = tls                         # a TlsFiles, or None for plain HTTP
         self.request_seconds = request_seconds
@@ -3561,12 +3912,27 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.max_connections = max_connections
         self.log = log or (lambda message: None)
         self.access_log = access_log
-        self.stopping = threading.Event()
-        self.connections = 0
-        self._count_lock = threading.Lock()
+        self.stopping = threading.Event()      # set: answers close their connections
+        self.connections = 0                   # open connections (past the cap: refused)
         self.busy = 0                          # requests being answered, for a graceful stop
-        self.watchdog = Watchdog(self.log)
-        super().__init__(address, SyncRequestHandler)
+        self._open = set()                     # every Connection, lingering refusals too
+        self.socket = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(address)
+            self.socket.listen(LISTEN_BACKLOG)
+            self.socket.setblocking(False)
+        except OSError:
+            self.socket.close()
+            raise
+        self.server_address = self.socket.getsockname()
+        self.loop = EventLoop(self.log)
+        self.workers = Workers(WORKER_THREADS, "request worker", self.log)
+        self.long_polls = LongPolls(app.feeds, self.loop, max_parked, app.error_response, self.log)
+        self._stop_asked = False
+        self._stopped = threading.Event()
+        self.loop.selector.register(self.socket, _READ, self._accept)
+        self.loop.call_later(SWEEP_SECONDS, self._sweep)
 
     @property
     def url(self):
@@ -3574,104 +3940,141 @@ class SyncServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         scheme = "https" if self.tls else "http"
         return "%s://%s:%d" % (scheme, "[%s]" % host if ":" in host else host, port)
 
-    def log_access(self, method, path, status, started, principal):
-        if self.access_log is not None:
-            self.access_log("%s %s %d %.1fms %s" % (
-                method, path, status, (time.monotonic() - started) * 1000, principal or "-"))
+    # -- running and stopping ----------------------------------------------
 
-    def begin_request(self):
-        with self._count_lock:
-            self.busy += 1
+    def serve_forever(self, poll_interval=0.5):
+        """Serve until shutdown() is called (poll_interval: how often the loop looks at least)."""
+        self._stopped.clear()
+        try:
+            while not self._stop_asked:
+                self.loop.run_once(poll_interval)
+        finally:
+            self._stop_asked = False
+            self._stopped.set()
 
-    def end_request(self):
-        with self._count_lock:
-            self.busy -= 1
+    def shutdown(self):
+        """Make serve_forever return, and wait until it has. From another thread."""
+        self._stop_asked = True
+        self.loop.call_soon(lambda: None)
+        self._stopped.wait()
+
+    def stop_accepting(self):
+        """Accept no new connection; the open ones are served on. Safe from any thread."""
+        self.loop.call_soon(self._close_listener)
+
+    def _close_listener(self):
+        if self.socket.fileno() >= 0:
+            try:
+                self.loop.selector.unregister(self.socket)
+            except KeyError:
+                pass  # accepting was paused
+            self.socket.close()
 
     def wait_idle(self, seconds):
         """Wait until no request is being answered (in-flight pushes finish before exit); True if none is.
-        (It looks every 20 ms rather than being told: it runs once, at shutdown, while every request
-        would pay for the telling.)"""
+        (It looks every 20 ms rather than being told: it runs once, at shutdown.)"""
         deadline = time.monotonic() + seconds
         while self.busy and time.monotonic() < deadline:
             time.sleep(0.02)
         return self.busy == 0
 
-    def process_request(self, request, client_address):
-        with self._count_lock:
-            full = self.connections >= self.max_connections
-            if not full:
-                self.connections += 1
-        if full:
-            self._refuse(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except Exception:
-            with self._count_lock:
-                self.connections -= 1
-            raise
+    def server_close(self):
+        """Close the listening socket and every connection: none outlives the server. After shutdown()."""
+        if self.socket.fileno() >= 0:
+            self.socket.close()
+        for connection in list(self._open):
+            connection.close()
+        self.loop.close()
 
-    def process_request_thread(self, request, client_address):
-        try:
-            if self.tls is not None:
-                request = self._handshake(request)
-            if request is not None:
-                super().process_request_thread(request, client_address)
-        finally:
-            with self._count_lock:
-                self.connections -= 1
+    # -- connections ---------------------------------------------------------
 
-    def _handshake(self, sock):
-        """TLS handshake in the connection's own thread, bounded by the request time limit.
-
-        A client that stalls its handshake, or speaks plain HTTP, costs only its own thread.
-        """
-        try:
-            tls_sock = self.tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        except (OSError, ValueError):
-            sock.close()
-            return None
-        self.watchdog.arm(tls_sock, self.request_seconds, LATE_REQUEST_NOTE)
-        try:
-            tls_sock.settimeout(self.request_seconds)
-            tls_sock.do_handshake()
-            return tls_sock
-        except (OSError, ValueError):
-            tls_sock.close()
-            return None
-        finally:
-            self.watchdog.disarm(tls_sock)
-
-    def _refuse(self, sock):
-        """Past the connection cap: a 503 JSON answer rather than a hang (with TLS: closed at once)."""
-        if self.tls is not None:
-            self.shutdown_request(sock)
-            return
-        body = b'{"error":"server is at its connection limit; try again shortly"}'
-        try:
-            sock.settimeout(0.05)
+    def _accept(self, mask):
+        for _ in range(ACCEPTS_PER_WAKE):
             try:
-                sock.recv(65536)  # read what was sent, so closing does not reset the answer away
-            except OSError:
-                pass
-            sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                sock, _ = self.socket.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:  # out of file descriptors, say: look again shortly, not in a busy loop
+                self.log("cannot accept a connection: %s" % (exc.strerror or exc))
+                self.loop.selector.unregister(self.socket)
+                self.loop.call_later(0.1, self._resume_accepting)
+                return
+            self._admit(sock)
+
+    def _resume_accepting(self):
+        if self.socket.fileno() >= 0:
+            self.loop.selector.register(self.socket, _READ, self._accept)
+
+    def _admit(self, sock):
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        self.shutdown_request(sock)
+        if self.connections >= self.max_connections:
+            return self._refuse(sock)
+        if self.tls is not None:
+            try:
+                sock = self.tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ValueError):
+                sock.close()
+                return
+        connection = Connection(self, sock, "head" if self.tls is None else "handshake")
+        self.connections += 1
+        self._open.add(connection)
+        if self.tls is None:
+            connection.set_deadline(self.idle_seconds)
+            connection.watch(_READ)
+        else:
+            connection.set_deadline(self.request_seconds, LATE_REQUEST_NOTE)
+            connection.handshake()
 
-    def shutdown_request(self, request):
-        self.watchdog.disarm(request)
-        super().shutdown_request(request)
+    def _refuse(self, sock):
+        """Past the connection cap: a 503 JSON answer rather than a hang (with TLS: closed at once). The
+        socket lingers a second, dropping what the client sends, so closing does not reset the answer away."""
+        if self.tls is not None:
+            sock.close()
+            return
+        try:
+            sock.send(_REFUSAL)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            sock.close()
+            return
+        connection = Connection(self, sock, "linger")
+        connection.set_deadline(1.0)
+        self._open.add(connection)
+        connection.watch(_READ)
 
-    def handle_error(self, request, client_address):
-        exc = sys.exc_info()[1]
-        if not isinstance(exc, (ConnectionError, socket.timeout)):
-            self.log("connection error: %s: %s" % (type(exc).__name__, exc))
+    def forget(self, connection):
+        """A connection has closed."""
+        self._open.discard(connection)
+        if connection.state != "linger":
+            self.connections -= 1
 
-    def server_close(self):
-        self.watchdog.stop()
-        super().server_close()
+    def _sweep(self):
+        """Close the connections past their deadline (a late request is logged)."""
+        now = time.monotonic()
+        late = [connection for connection in self._open
+                if connection.deadline is not None and connection.deadline <= now]
+        for connection in late:
+            if connection.late_note:
+                self.log(connection.late_note)
+            connection.close()
+        self.loop.call_later(SWEEP_SECONDS, self._sweep)
+
+    # -- requests ------------------------------------------------------------
+
+    def busy_begin(self):
+        self.busy += 1
+
+    def busy_end(self):
+        self.busy -= 1
+
+    def log_access(self, method, path, status, started, principal):
+        if self.access_log is not None:
+            self.access_log("%s %s %d %.1fms %s" % (
+                method, path, status, (time.monotonic() - started) * 1000, principal or "-"))
 
 
 # ---------------------------------------------------------------------------
@@ -3714,10 +4117,10 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
-    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit),
-                  log, max_parked)
+    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit), log)
     access_log = None if getattr(log, "quiet", False) else log.access  # --quiet: no line is even formatted
-    return SyncServer((host, port), app, max_connections, log, access_log, tls, request_seconds, idle_seconds)
+    return SyncServer((host, port), app, max_connections, log, access_log, tls, request_seconds, idle_seconds,
+                      max_parked)
 
 
 def add_auth_flags(parser):
@@ -3875,9 +4278,10 @@ def run_until_signalled(server, ready):
     while not stop.wait(0.5):
         pass
     server.stopping.set()
-    server.shutdown()
+    server.stop_accepting()
     server.app.feeds.stop()
     server.wait_idle(10.0)
+    server.shutdown()
     server.server_close()
 
 

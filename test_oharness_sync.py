@@ -1874,13 +1874,14 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(sorted(accepted for _, accepted in results), [1] * 9)
         self.assertEqual(self.store.pull(self.owner, "p", 0, 500).cursor, 10)
 
-    def test_the_leader_flushes_what_queued_meanwhile_then_hands_over(self):
-        """The disk need not wait for a new leader to wake: whoever flushes goes on while pushes queue
-        behind it, FLUSH_ROUNDS times at most (its own client is waiting too), then hands over."""
+    def test_the_flusher_flushes_what_queued_meanwhile_then_lets_other_feeds_have_a_turn(self):
+        """The disk need not wait for a new flush to be scheduled: the flusher goes on while pushes queue
+        behind it, FLUSH_ROUNDS times at most, then puts the feed at the back of the flushers' queue."""
         self.store.push(self.owner, "p", *validated([record(record_id="first")]))
         feed = self.store.feed(self.owner, "p")
-        rounds, flushers, threads, answers = sync.FLUSH_ROUNDS, [], [], {}
-        real_sync = sync.sync_file
+        rounds, flushers, threads, answers, scheduled = sync.FLUSH_ROUNDS, [], [], {}, []
+        real_sync, real_schedule = sync.sync_file, feed.schedule
+        feed.schedule = lambda job: (scheduled.append(job), real_schedule(job))
 
         def push(record_id):
             answers[record_id] = self.store.push(self.owner, "p", *validated([record(record_id=record_id)]))
@@ -1888,7 +1889,7 @@ class FeedStoreTest(unittest.TestCase):
         def sync_while_another_queues(fd):
             flushers.append(threading.current_thread().name)
             if len(flushers) <= rounds + 1:
-                queued = threading.Thread(target=push, args=("q%d" % len(flushers),), name="push-%d" % len(flushers))
+                queued = threading.Thread(target=push, args=("q%d" % len(flushers),))
                 threads.append(queued)
                 queued.start()
                 deadline = time.monotonic() + 5
@@ -1897,12 +1898,13 @@ class FeedStoreTest(unittest.TestCase):
             real_sync(fd)
 
         with mock.patch.object(sync, "sync_file", sync_while_another_queues):
-            leader = threading.Thread(target=push, args=("x",), name="leader")
-            leader.start()
-            leader.join(5)
+            first = threading.Thread(target=push, args=("x",))
+            first.start()
+            first.join(5)
             for thread in threads:
                 thread.join(5)
-        self.assertEqual(flushers, ["leader"] * rounds + ["push-%d" % rounds] * 2)
+        self.assertEqual(flushers, ["flusher"] * (rounds + 2))  # x, then each push queued behind a sync
+        self.assertEqual(len(scheduled), 2)  # the first push, then once more after FLUSH_ROUNDS in a row
         page = self.store.pull(self.owner, "p", 0, 500)
         numbers = {json.loads(event)["id"]: n for n, event in enumerate(page.records, 1)}
         self.assertEqual(sorted(answers), sorted(set(numbers) - {"first"}))
@@ -3883,7 +3885,7 @@ class ParkedCapTest(ServerCase):
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 5
-        while self.server.app.long_polls.parked < 2:
+        while self.server.long_polls.parked < 2:
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
         started = time.monotonic()
@@ -3895,7 +3897,7 @@ class ParkedCapTest(ServerCase):
             thread.join(5)
         self.assertEqual([len(answer.json["records"]) for answer in results], [1, 1])
         deadline = time.monotonic() + 5
-        while self.server.app.long_polls.parked:  # the places are given back once the threads resume
+        while self.server.long_polls.parked:  # the places are given back once the threads resume
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
 
