@@ -3435,12 +3435,14 @@ class EventLoop:
         return timer
 
     def _drain(self, mask):
-        self._signalled = False  # before reading: a call handed in from now on sends a new wake-up
         try:
             while self._wake_in.recv(4096):
                 pass
         except OSError:
             pass
+        # Only after reading: cleared before, a wake-up sent meanwhile would be read away with the flag
+        # left set, and the next call would wait for a timer. Calls handed in so far run after this.
+        self._signalled = False
 
     def run_once(self, longest):
         """Wait up to longest seconds for something to do, and do it."""
@@ -3489,7 +3491,8 @@ class LongPolls:
         self.parked = 0
 
     def park(self, park, answer):
-        """Call answer(response) in the loop once park's feed has grown or its wait is over."""
+        """Call answer(response) in the loop once park's feed has grown or its wait is over; the waiter,
+        to cancel when the client leaves first (None when answered at once)."""
         if self.parked >= self.max_parked:
             return self._answer(park, answer)
         waiter = _Waiter(park, answer)
@@ -3502,10 +3505,19 @@ class LongPolls:
             return self._answer(park, answer)  # an event arrived since the read, or the server is stopping
         self.parked += 1
         waiter.timer = self.loop.call_later(park.seconds, self._time_out, waiter)
+        return waiter
 
     def _time_out(self, waiter):
         self.feeds.unlisten(waiter.park.owner, waiter.park.project, waiter.listener)
         self._finish(waiter)  # an empty page, or what arrived just now
+
+    def cancel(self, waiter):
+        """Forget a parked pull whose client has gone: its place is free at once."""
+        if not waiter.done:
+            waiter.done = True
+            waiter.timer.cancel()
+            self.parked -= 1
+            self.feeds.unlisten(waiter.park.owner, waiter.park.project, waiter.listener)
 
     def _finish(self, waiter):
         if waiter.done:
@@ -3575,6 +3587,7 @@ class Connection:
         self.close_after = False
         self.deadline = None
         self.late_note = None
+        self.waiter = None           # a parked long-poll's
         self.closed = False
 
     # -- readiness -------------------------------------------------------
@@ -3601,6 +3614,9 @@ class Connection:
             else:
                 self.receive()
         except ClientGone:
+            self.close()
+        except Exception as exc:  # a fault of this connection ends it, and only it
+            self.server.log("connection error: %s: %s" % (type(exc).__name__, exc))
             self.close()
 
     def set_deadline(self, seconds, note=None):
@@ -3718,6 +3734,8 @@ class Connection:
 
     def run_in_worker(self):
         request = self.request
+        if request is None:  # closed (timed out) before a worker was free
+            return
         request.may_block = True
         try:
             outcome = self.server.app.handle(request)
@@ -3741,7 +3759,7 @@ class Connection:
         if isinstance(outcome, Response):
             self.answer(outcome)
         elif isinstance(outcome, Park):
-            self.server.long_polls.park(outcome, self.answer)
+            self.waiter = self.server.long_polls.park(outcome, self.answer)
         elif isinstance(outcome, NeedBody):
             self.wait_for_body(outcome.reader)
         elif isinstance(outcome, ClientGone):
@@ -3832,6 +3850,7 @@ class Connection:
             return self.watch(_WRITE)
         self.out = None
         self.started = None
+        self.waiter = None
         if self.request is not None:
             self.request = None
             self.server.busy_end()
@@ -3857,6 +3876,8 @@ class Connection:
         except OSError:
             pass
         self.sock.close()
+        if self.waiter is not None:
+            self.server.long_polls.cancel(self.waiter)
         if self.request is not None:
             self.server.busy_end()
             self.request = None

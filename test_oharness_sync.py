@@ -4271,6 +4271,278 @@ class TlsCommandLineTest(unittest.TestCase):
 
 
 # ---------------------------------------------------------------------------
+# The HTTP layer: request heads and bodies, the event loop, worker threads
+# ---------------------------------------------------------------------------
+
+class HeadParsingTest(unittest.TestCase):
+    def test_the_head_ends_after_its_first_blank_line_crlf_or_lf(self):
+        self.assertEqual(sync.head_end(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET"), 27)
+        self.assertEqual(sync.head_end(b"GET / HTTP/1.1\nHost: x\n\nrest"), 24)
+        self.assertEqual(sync.head_end(b"GET / HTTP/1.1\r\nHost: x\r\n"), -1)
+        self.assertEqual(sync.head_end(bytearray(b"GET / HTTP/1.1\r\nA: b\n\n\r\n\r\n")), 22)
+
+    def test_headers_are_by_lower_case_name_and_repeats_are_joined(self):
+        head = b"POST /v1/push?x=1 HTTP/1.1\r\nHost: x\r\nX-Tag: a\r\nx-tag:  b \r\n\r\n"
+        self.assertEqual(sync.parse_head(head), ("POST", "/v1/push?x=1", "HTTP/1.1", {"host": "x", "x-tag": "a, b"}))
+
+    def test_malformed_and_oversized_heads_are_refused_with_their_status(self):
+        cases = [
+            (b"GET /\r\n\r\n", 400),
+            (b"GET / HTTP/2.0\r\n\r\n", 505),
+            (b"GET / HTTP/1.1\r\n Folded: x\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nNo colon\r\n\r\n", 400),
+            (b"GET /" + b"a" * sync.MAX_HEADER_LINE + b" HTTP/1.1\r\n\r\n", 414),
+            (b"GET / HTTP/1.1\r\nX: " + b"a" * sync.MAX_HEADER_LINE + b"\r\n\r\n", 431),
+            (b"GET / HTTP/1.1\r\n" + b"X: a\r\n" * (sync.MAX_HEADERS + 1) + b"\r\n", 431),
+        ]
+        for head, status in cases:
+            with self.assertRaises(sync.BadHead) as caught:
+                sync.parse_head(head)
+            self.assertEqual(caught.exception.status, status, head[:40])
+        self.assertEqual(len(sync.parse_head(b"GET / HTTP/1.1\r\n" + b"X: a\r\n" * sync.MAX_HEADERS + b"\r\n")[3]), 1)
+
+
+class BodyReaderTest(unittest.TestCase):
+    CHUNKED = b"4;ext=1\r\nWiki\r\n5\r\npedia\r\nE\r\n in\r\n\r\nchunks.\r\n0\r\nTrailer: x\r\n\r\nNEXT"
+
+    def test_a_chunked_body_fed_a_byte_at_a_time_is_the_whole_body_and_leaves_the_rest(self):
+        reader, buf = sync.ChunkedBody(1000, sync.session_error), bytearray()
+        results = []
+        for byte in self.CHUNKED:
+            buf.append(byte)
+            body = reader.take(buf)
+            if body is not None:
+                results.append(body)
+                break
+        self.assertEqual(results, [b"Wikipedia in\r\n\r\nchunks."])
+        self.assertEqual(bytes(buf), b"")  # the body ended with the trailer's blank line; NEXT never came
+        buf = bytearray(self.CHUNKED)
+        self.assertEqual(sync.ChunkedBody(1000, sync.session_error).take(buf), b"Wikipedia in\r\n\r\nchunks.")
+        self.assertEqual(bytes(buf), b"NEXT")
+
+    def test_chunked_refusals(self):
+        for data, status in ((b"zz\r\n", 400), (b"10\r\n" + b"a" * 16 + b"\r\n", 413)):
+            with self.assertRaises(sync.ApiError) as caught:
+                sync.ChunkedBody(15, sync.session_error).take(bytearray(data))
+            self.assertEqual(caught.exception.status, status)
+        for data in (b"3\r\nabcX\r\n", b"1" * 1100, b"0\r\n" + b"T: x\r\n" * (sync.MAX_HEADERS + 1)):
+            with self.assertRaises(sync.ClientGone):
+                sync.ChunkedBody(15, sync.session_error).take(bytearray(data))
+
+    def test_a_sized_body_waits_for_all_of_it_and_leaves_the_rest(self):
+        reader, buf = sync.SizedBody(5), bytearray(b"abc")
+        self.assertIsNone(reader.take(buf))
+        buf += b"deGET"
+        self.assertEqual(reader.take(buf), b"abcde")
+        self.assertEqual(bytes(buf), b"GET")
+
+    def test_declared_bodies_are_checked_before_any_of_them_is_read(self):
+        for headers, status in (({"content-length": "12x"}, 400), ({"content-length": "0" * 5000 + "9" * 17}, 413),
+                                ({"transfer-encoding": "gzip"}, 400),
+                                ({"transfer-encoding": "chunked", "content-length": "3"}, 400)):
+            with self.assertRaises(sync.ApiError) as caught:
+                sync.body_reader(headers, 10 ** 9, sync.session_error)
+            self.assertEqual(caught.exception.status, status, headers)
+        self.assertEqual(sync.body_reader({"content-length": " 007 "}, 10, sync.session_error).size, 7)
+
+
+class EventLoopTest(unittest.TestCase):
+    def setUp(self):
+        self.log_lines = []
+        self.loop = sync.EventLoop(CapturingLog(self.log_lines))
+        self.addCleanup(self.loop.close)
+
+    def run_until(self, condition, seconds=2.0):
+        deadline = time.monotonic() + seconds
+        while not condition() and time.monotonic() < deadline:
+            self.loop.run_once(0.5)
+        return condition()
+
+    def test_a_call_from_another_thread_wakes_the_loop_at_once(self):
+        ran = []
+        threading.Timer(0.05, lambda: self.loop.call_soon(ran.append, 1)).start()
+        started = time.monotonic()
+        self.loop.run_once(5.0)  # would sleep 5 s without the wake-up
+        if not ran:
+            self.loop.run_once(5.0)  # the timer thread may not have run yet
+        self.assertEqual(ran, [1])
+        self.assertLess(time.monotonic() - started, 2.0)
+
+    def test_a_wake_up_sent_while_the_loop_drains_is_not_lost(self):
+        """A call handed in while the loop reads its wake-ups must still wake it later: were the flag
+        cleared before reading, that call's wake-up would be read away and the next call would wait."""
+        loop, ran = self.loop, []
+
+        class InterleavingSocket:
+            def __init__(self, real):
+                self.real, self.once = real, True
+
+            def recv(self, size):
+                if self.once:  # another thread hands a call in, in the middle of the drain
+                    self.once = False
+                    loop.call_soon(ran.append, "during")
+                return self.real.recv(size)
+
+        loop.call_soon(ran.append, "first")
+        real = loop._wake_in
+        loop._wake_in = InterleavingSocket(real)
+        try:
+            loop.run_once(1.0)
+        finally:
+            loop._wake_in = real
+        self.assertEqual(ran, ["first", "during"])
+        threading.Timer(0.05, lambda: loop.call_soon(ran.append, "later")).start()
+        started = time.monotonic()
+        loop.run_once(3.0)
+        if ran[-1] != "later":
+            loop.run_once(3.0)
+        self.assertEqual(ran[-1], "later")
+        self.assertLess(time.monotonic() - started, 1.5)
+
+    def test_timers_run_in_time_order_and_cancelled_ones_do_not(self):
+        ran = []
+        self.loop.call_later(0.06, ran.append, "b")
+        self.loop.call_later(0.03, ran.append, "a")
+        self.loop.call_later(0.04, ran.append, "cancelled").cancel()
+        self.assertTrue(self.run_until(lambda: len(ran) == 2))
+        self.loop.run_once(0.05)
+        self.assertEqual(ran, ["a", "b"])
+
+    def test_a_failing_call_is_logged_and_the_loop_lives_on(self):
+        ran = []
+        self.loop.call_soon(lambda: 1 / 0)
+        self.loop.call_soon(ran.append, "after")
+        self.loop.run_once(0.1)
+        self.assertEqual(ran, ["after"])
+        self.assertEqual(self.log_lines, ["event loop: ZeroDivisionError: division by zero"])
+
+
+class WorkersTest(unittest.TestCase):
+    def test_jobs_run_on_at_most_size_threads_and_a_failure_ends_only_its_job(self):
+        log_lines = []
+        workers = sync.Workers(2, "test worker", CapturingLog(log_lines))
+        gate, lock, running, peak, done = threading.Event(), threading.Lock(), [0], [0], []
+
+        def job(number):
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            gate.wait(5)
+            with lock:
+                running[0] -= 1
+            if number == 3:
+                raise ValueError("job 3 fails")
+            done.append(number)
+
+        for number in range(6):
+            workers.submit(lambda number=number: job(number))
+        time.sleep(0.2)
+        self.assertEqual((peak[0], workers._threads), (2, 2))
+        gate.set()
+        deadline = time.monotonic() + 5
+        while len(done) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(sorted(done), [0, 1, 2, 4, 5])
+        self.assertEqual(log_lines, ["test worker: ValueError: job 3 fails"])
+
+
+class TransportTest(ServerCase):
+    """The event loop on the wire: what waits runs aside, pipelining, clients that leave early."""
+
+    def test_a_request_waiting_for_the_network_does_not_hold_up_others(self):
+        release = threading.Event()
+
+        def slow_supabase(handler):
+            release.wait(5)
+            return supabase_answer(handler)
+
+        fake = FakeServer(slow_supabase)
+        self.addCleanup(fake.stop)
+        self.addCleanup(release.set)
+        wire_restart(self, memory_mode="supabase", supabase=SupabaseVerifier(fake.url, "anon-key-123", timeout=5))
+        results = []
+        thread = threading.Thread(target=lambda: results.append(
+            wire_post(self, "identity", {"expectedPrincipal": USER_ID}, "normal")))
+        thread.start()
+        deadline = time.monotonic() + 5
+        while not fake.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(len(fake.requests), 1, "the identity service was not asked")
+        started = time.monotonic()
+        for _ in range(5):
+            self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertLess(time.monotonic() - started, 2.0)
+        self.assertEqual(results, [])  # still waiting for the identity service
+        release.set()
+        thread.join(5)
+        self.assertEqual(results[0].status, 200)
+        self.assertEqual(results[0].json["principal"], USER_ID)
+
+    def test_three_hundred_pipelined_requests_are_answered_in_order(self):
+        with open_raw(self.url) as sock:
+            requests = []
+            for i in range(300):
+                path = "/v1/health" if i % 2 else "/v1/pull?project=p%d" % i
+                requests.append(("GET %s HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n\r\n"
+                                 % (path, self.alice)).encode("ascii"))
+            sock.sendall(b"".join(requests))
+            reader = sock.makefile("rb")
+            for i in range(300):
+                status = int(reader.readline().split()[1])
+                length = None
+                while True:
+                    line = reader.readline()
+                    if line == b"\r\n":
+                        break
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                body = reader.read(length)
+                expected = {"ok": True} if i % 2 else EMPTY_PULL
+                self.assertEqual((status, json.loads(body)), (200, expected), i)
+        self.assertEqual([line for line in self.log_lines if "error" in line], [])
+
+    def test_a_parked_pull_whose_client_leaves_gives_its_place_back_at_once(self):
+        with open_raw(self.url) as sock:
+            sock.sendall(("GET /v1/pull?project=proj&since=0&wait=30 HTTP/1.1\r\nHost: t\r\n"
+                          "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
+            deadline = time.monotonic() + 5
+            while self.server.long_polls.parked != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertEqual(self.server.long_polls.parked, 1)
+        deadline = time.monotonic() + 5
+        while (self.server.long_polls.parked or self.server.connections) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual((self.server.long_polls.parked, self.server.connections, self.server.busy), (0, 0, 0))
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+
+    def test_a_push_whose_client_leaves_before_its_fsync_is_stored_all_the_same(self):
+        entered, gate = threading.Event(), threading.Event()
+        real_sync = sync.sync_file
+
+        def slow_sync(fd):
+            entered.set()
+            gate.wait(5)
+            real_sync(fd)
+
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        with mock.patch.object(sync, "sync_file", slow_sync):
+            with open_raw(self.url) as sock:
+                sock.sendall(push_head(self.alice, len(body)) + body)
+                self.assertTrue(entered.wait(5))
+            deadline = time.monotonic() + 5
+            while self.server.connections and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertEqual(self.server.connections, 0)
+            gate.set()
+        deadline = time.monotonic() + 5
+        while self.server.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(self.pull(self.alice).json["records"], [record()])
+        self.assertEqual([line for line in self.log_lines if "error" in line], [])
+
+
+# ---------------------------------------------------------------------------
 # The HTTP layer: memory sync on the wire
 # ---------------------------------------------------------------------------
 
