@@ -1958,10 +1958,10 @@ class Feed:
     each push's caller.
     """
 
-    def __init__(self, path, log, listeners=(), schedule=None):
+    def __init__(self, path, log, listeners, schedule):
         self.path = path
         self.log = log
-        self.schedule = schedule or (lambda job: threading.Thread(target=job, daemon=True).start())
+        self.schedule = schedule               # schedule(job): job() soon, in a flusher thread
         self.lock = threading.Lock()           # guards everything below
         self._listeners = set(listeners)       # called once the next event is durable
         self._load_lock = threading.Lock()
@@ -3003,7 +3003,7 @@ class Request:
         self.answer_later = answer_later  # answer_later(response), from any thread, after a handler returned LATER
         self.may_block = False
         self.body = None                # once read
-        self.rate_counted = False       # counted by the memory rate limiter: once, however often it is run
+        self.checked = None             # (principal, MemoryRequest) once the memory checks have passed
         self.principal = None           # for the access log, once a token was verified
 
     def param(self, name):
@@ -3165,7 +3165,13 @@ class SyncApp:
         return Response(200, self.memory.commit(principal, req.scope, req.etag, req.changes, req.have).to_json())
 
     def memory_request(self, request, kind):
-        """The contract's checks, in its order; (verified principal, MemoryRequest)."""
+        """The contract's checks, in its order; (verified principal, MemoryRequest). Done once: a request
+        run again in a worker thread keeps what its first run checked (and counted against the rate limit)."""
+        if request.checked is None:
+            request.checked = self._check_memory_request(request, kind)
+        return request.checked
+
+    def _check_memory_request(self, request, kind):
         if request.headers.get("origin") is not None:
             raise MemoryApiError(403, "native_client_required", "memory sync is for native clients only")
         content_type = request.headers.get("content-type")
@@ -3192,11 +3198,9 @@ class SyncApp:
             except ValueError as exc:
                 raise MemoryApiError(400, "invalid_body", str(exc)) from None
             check_memory_envelope(kind, doc, identity.principal)
-        if not request.rate_counted:
-            request.rate_counted = True
-            wait = self.rate_limiter.retry_after(identity.principal)
-            if wait:
-                raise MemoryApiError(429, "rate_limited", "too many memory requests", [("Retry-After", str(wait))])
+        wait = self.rate_limiter.retry_after(identity.principal)
+        if wait:
+            raise MemoryApiError(429, "rate_limited", "too many memory requests", [("Retry-After", str(wait))])
         if fields is None:
             fields = memory_fields(kind, doc, self.memory.quota)
             if remembered:
@@ -3606,6 +3610,8 @@ class Connection:
         self.events = events
 
     def on_ready(self, mask):
+        if self.closed:  # closed by an earlier event of the same wake-up
+            return
         try:
             if self.state == "handshake":
                 self.handshake()
@@ -3659,11 +3665,12 @@ class Connection:
         elif len(self.inbuf) > RECEIVE_BYTES:
             self.watch(0)  # pipelined past the limit while the current request is under way: wait
 
-
     # -- requests --------------------------------------------------------
 
     def advance(self):
         """Go on with what is in inbuf: a request head, or the body being waited for."""
+        if self.closed:
+            return
         if self.state == "body":
             return self.read_more_body()
         if self.state != "head" or not self.inbuf:
@@ -3729,7 +3736,7 @@ class Connection:
         except ClientGone:  # it broke its body's framing
             return self.close()
         except Exception as exc:  # never a stack trace to the client or the log
-            outcome = self.internal_error(exc)
+            outcome = self.internal_error(self.request, exc)
         self.finish(outcome)
 
     def run_in_worker(self):
@@ -3742,13 +3749,12 @@ class Connection:
         except (NeedBody, ClientGone) as exc:
             outcome = exc
         except Exception as exc:
-            outcome = self.internal_error(exc)
+            outcome = self.internal_error(request, exc)
         finally:
             request.may_block = False
         self.server.loop.call_soon(self.finish, outcome)
 
-    def internal_error(self, exc):
-        request = self.request
+    def internal_error(self, request, exc):
         self.server.log("internal error on %s %s: %s: %s" % (request.method, request.path, type(exc).__name__, exc))
         return json_response(500, {"error": "internal server error"})
 
@@ -3773,6 +3779,8 @@ class Connection:
     def read_body(self, limit, error):
         """The body (handlers call this); NeedBody while it has not all arrived."""
         request = self.request
+        if request is None:  # closed meanwhile (a worker thread was running the request)
+            raise ClientGone()
         if request.body is not None:
             return request.body
         if not self.body_pending:
