@@ -3254,10 +3254,10 @@ def parse_head(head):
     Headers are a dict by lower-case name, a repeated header's values joined with ', '. BadHead for
     a malformed or oversized head (without http.server's email parser, the slowest part of a request).
     """
-    lines = head.split(b"\n")[:-2]
+    lines = head.decode("latin-1").split("\n")[:-2]
     if len(lines[0]) >= MAX_HEADER_LINE:
         raise BadHead(414, "request line too long")
-    parts = lines[0].decode("latin-1").split()
+    parts = lines[0].split()
     if len(parts) != 3 or _HTTP_VERSION.fullmatch(parts[2]) is None:
         raise BadHead(400, "bad request line")
     if parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
@@ -3268,8 +3268,8 @@ def parse_head(head):
     for line in lines[1:]:
         if len(line) >= MAX_HEADER_LINE:
             raise BadHead(431, "header line too long")
-        name, sep, value = line.decode("latin-1").partition(":")
-        if not sep or not name or name != name.strip() or name[0] in " \t":
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():  # no name, or space around it (folding too)
             raise BadHead(400, "malformed header line")
         name, value = name.lower(), value.strip()
         headers[name] = headers[name] + ", " + value if name in headers else value
