@@ -98,6 +98,7 @@ FLUSH_ROUNDS = 4                    # group commits of one feed in a row before 
 FLUSH_THREADS = 4                   # feeds written and fsynced at once
 WORKER_THREADS = 8                  # requests that wait (network auth, memory commits) run at once
 SWEEP_SECONDS = 0.25                # how often the connections' deadlines are looked at
+LINGER_SECONDS = 2.0                # after a last answer, what the client still sends is dropped this long
 ACCEPTS_PER_WAKE = 64               # connections accepted in one go
 THREAD_STACK_BYTES = 512 * 1024     # small stacks for the worker threads (a 32-bit Pi)
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
@@ -1647,37 +1648,47 @@ class Workers:
         self._jobs = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0
-        self._idle = 0     # threads waiting for a job, less the jobs already handed to them
+        self._waiting = 0  # threads waiting for a job
 
     def submit(self, job):
         """Run job() in one of the threads, soon."""
         self._jobs.put(job)
         with self._lock:
-            if self._idle > 0:
-                self._idle -= 1
-                return
-            if self._threads >= self.size:
-                return  # every thread is busy: the job waits for one
+            if self._jobs.qsize() <= self._waiting or self._threads >= self.size:
+                return  # a waiting thread takes it, or the first to finish its job
             self._threads += 1
-        threading.Thread(target=self._work, name=self.name, daemon=True).start()
+        try:
+            threading.Thread(target=self._work, name=self.name, daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had (memory, a process limit): the caller runs it
+            with self._lock:
+                self._threads -= 1
+            self.log("%s: cannot start a thread (%s); running the job here" % (self.name, exc))
+            try:
+                self._run(self._jobs.get_nowait())
+            except queue.Empty:
+                pass  # a thread took it after all
 
     def _work(self):
         while True:
+            with self._lock:
+                self._waiting += 1
             try:
                 job = self._jobs.get(timeout=60)
             except queue.Empty:
-                with self._lock:
-                    if self._jobs.empty():
-                        self._idle -= 1
-                        self._threads -= 1
-                        return
-                continue
-            try:
-                job()
-            except Exception as exc:  # a job's failure must not end the thread
-                self.log("%s: %s: %s" % (self.name, type(exc).__name__, exc))
+                job = None
             with self._lock:
-                self._idle += 1
+                self._waiting -= 1
+                if job is None and self._jobs.empty():
+                    self._threads -= 1
+                    return
+            if job is not None:
+                self._run(job)
+
+    def _run(self, job):
+        try:
+            job()
+        except Exception as exc:  # a job's failure must not end its thread
+            self.log("%s: %s: %s" % (self.name, type(exc).__name__, exc))
 
 
 def sync_file(fd):
@@ -3005,6 +3016,8 @@ class Request:
         self.body = None                # once read
         self.checked = None             # (principal, MemoryRequest) once the memory checks have passed
         self.principal = None           # for the access log, once a token was verified
+        self.answer_pending = False     # the handler returned LATER and answer_later will be called
+        self.ended = False              # no longer counted as in flight (see SyncServer.request_ended)
 
     def param(self, name):
         """A query parameter's value, None when absent; 400 when it is given twice."""
@@ -3125,6 +3138,7 @@ class SyncApp:
         owner = self.feed_owner(identity, push.team)
         self.feeds.submit(owner, push.project, push.records, push.sessions,
                           lambda outcome: request.answer_later(self.push_answer(outcome)), request.may_block)
+        request.answer_pending = True
         return LATER
 
     def push_answer(self, outcome):
@@ -3592,6 +3606,7 @@ class Connection:
         self.deadline = None
         self.late_note = None
         self.waiter = None           # a parked long-poll's
+        self.admitted = False        # counted in server.connections (a refused one lingers uncounted)
         self.closed = False
 
     # -- readiness -------------------------------------------------------
@@ -3645,6 +3660,8 @@ class Connection:
         self.receive()  # the first request may have come with the handshake's last flight
 
     def receive(self):
+        if self.events & _WRITE:
+            self.watch(_READ)  # WRITE was for the TLS layer's own write inside a recv (a KeyUpdate reply)
         try:
             data = self.sock.recv(RECEIVE_BYTES)
             while self.tls and self.sock.pending():
@@ -3716,7 +3733,8 @@ class Connection:
         self.version = version
         path, _, query = target.partition("?")
         query = urllib.parse.parse_qs(query, keep_blank_values=True) if query else {}
-        self.request = Request(method, path, query, headers, self.read_body, self.answer_later)
+        self.request = request = Request(method, path, query, headers, self.read_body, None)
+        request.answer_later = lambda response: self.server.loop.call_soon(self.answer, response, request)
         self.body_pending = declares_body(headers)
         if not self.body_pending:
             self.deadline = None
@@ -3770,11 +3788,10 @@ class Connection:
             self.wait_for_body(outcome.reader)
         elif isinstance(outcome, ClientGone):
             self.close()
-        # else LATER: answer_later will be called. The socket stays watched: a client that leaves
-        # meanwhile is closed at once, and what it pipelines waits in inbuf (up to a limit).
-
-    def answer_later(self, response):
-        self.server.loop.call_soon(self.answer, response)
+        if self.state == "busy" and len(self.inbuf) <= RECEIVE_BYTES:
+            # Parked, or LATER (answer_later will be called): watched meanwhile (again, after a worker),
+            # so a client that leaves is closed at once; what it pipelines waits in inbuf, up to a limit.
+            self.watch(_READ)
 
     def read_body(self, limit, error):
         """The body (handlers call this); NeedBody while it has not all arrived."""
@@ -3828,9 +3845,11 @@ class Connection:
 
     # -- answers ---------------------------------------------------------
 
-    def answer(self, response):
-        """Send the answer to the current request (in the loop)."""
+    def answer(self, response, request=None):
+        """Send the answer to the current request (in the loop). request: the one answer_later was for."""
         if self.closed:
+            if request is not None:
+                self.server.request_ended(request)  # a push whose client left: durable (or failed) now
             return
         request = self.request
         self.server.log_access(request.method, request.path, response.status, self.started, request.principal)
@@ -3860,8 +3879,8 @@ class Connection:
         self.started = None
         self.waiter = None
         if self.request is not None:
+            self.server.request_ended(self.request)
             self.request = None
-            self.server.busy_end()
         if self.close_after:
             return self.close(gently=True)
         self.state = "head"
@@ -3871,9 +3890,12 @@ class Connection:
             self.server.loop.call_soon(self.advance)
 
     def close(self, gently=False):
-        """Close the connection; gently: after a whole answer, so it is not reset away."""
+        """Close the connection; gently: after a whole answer, so it is not reset away (a request body
+        left unread is first read and dropped, for a while: closing on unread bytes resets the answer)."""
         if self.closed:
             return
+        if gently and self.body_pending and self.state != "linger":
+            return self.linger()
         self.closed = True
         if self.events:
             self.server.loop.selector.unregister(self.sock)
@@ -3886,10 +3908,22 @@ class Connection:
         self.sock.close()
         if self.waiter is not None:
             self.server.long_polls.cancel(self.waiter)
-        if self.request is not None:
-            self.server.busy_end()
-            self.request = None
+        request, self.request = self.request, None
+        if request is not None and not request.answer_pending:
+            self.server.request_ended(request)  # else it ends when its answer comes
         self.server.forget(self)
+
+    def linger(self):
+        """After the last answer: send nothing more, drop what arrives until the client closes or
+        LINGER_SECONDS pass. (An early 401 or 413 then reaches a client still sending its body.)"""
+        try:
+            socket.socket.shutdown(self.sock, socket.SHUT_WR)
+        except OSError:
+            return self.close()
+        self.state = "linger"
+        self.inbuf = bytearray()
+        self.set_deadline(LINGER_SECONDS)
+        self.watch(_READ)
 
 
 # ---- the server --------------------------------------------------------------
@@ -4049,6 +4083,7 @@ class SyncServer:
                 sock.close()
                 return
         connection = Connection(self, sock, "head" if self.tls is None else "handshake")
+        connection.admitted = True
         self.connections += 1
         self._open.add(connection)
         if self.tls is None:
@@ -4071,14 +4106,14 @@ class SyncServer:
             sock.close()
             return
         connection = Connection(self, sock, "linger")
-        connection.set_deadline(1.0)
+        connection.set_deadline(LINGER_SECONDS)
         self._open.add(connection)
         connection.watch(_READ)
 
     def forget(self, connection):
         """A connection has closed."""
         self._open.discard(connection)
-        if connection.state != "linger":
+        if connection.admitted:
             self.connections -= 1
 
     def _sweep(self):
@@ -4097,8 +4132,11 @@ class SyncServer:
     def busy_begin(self):
         self.busy += 1
 
-    def busy_end(self):
-        self.busy -= 1
+    def request_ended(self, request):
+        """A request is answered, or will never be: it is no longer in flight (counted once)."""
+        if not request.ended:
+            request.ended = True
+            self.busy -= 1
 
     def log_access(self, method, path, status, started, principal):
         if self.access_log is not None:

@@ -4446,6 +4446,16 @@ class WorkersTest(unittest.TestCase):
         self.assertEqual(log_lines, ["test worker: ValueError: job 3 fails"])
 
 
+    def test_when_no_thread_can_be_started_the_caller_runs_the_job(self):
+        log_lines, ran = [], []
+        workers = sync.Workers(2, "test worker", CapturingLog(log_lines))
+        with mock.patch.object(threading.Thread, "start", side_effect=RuntimeError("can't start new thread")):
+            workers.submit(lambda: ran.append(threading.current_thread().name))
+        self.assertEqual(ran, [threading.current_thread().name])
+        self.assertEqual(workers._threads, 0)
+        self.assertEqual(log_lines, ["test worker: cannot start a thread (can't start new thread); running the job here"])
+
+
 class TransportTest(ServerCase):
     """The event loop on the wire: what waits runs aside, pipelining, clients that leave early."""
 
@@ -4516,6 +4526,75 @@ class TransportTest(ServerCase):
         self.assertEqual((self.server.long_polls.parked, self.server.connections, self.server.busy), (0, 0, 0))
         self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
 
+    def test_an_early_answer_reaches_a_client_still_sending_its_body(self):
+        """A 401 sent before a 4 MiB body was read: the connection lingers, dropping the body, so closing
+        it does not reset the answer away before a client that sends first and reads after sees it."""
+        body = b"x" * (4 * 1024 * 1024)
+        for _ in range(3):
+            connection = http.client.HTTPConnection(*self.server.server_address[:2], timeout=10)
+            connection.request("POST", "/v1/push", body=body, headers={"Authorization": "Bearer nope"})
+            answer = connection.getresponse()
+            self.assertEqual((answer.status, answer.getheader("Connection")), (401, "close"))
+            self.assertIsInstance(json.loads(answer.read())["error"], str)
+            connection.close()
+        deadline = time.monotonic() + 5
+        while self.server.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(self.server.connections, 0)
+
+    def test_a_parked_pull_run_by_a_worker_still_sees_its_client_leave(self):
+        """After a restart a feed is not loaded yet, so the first pull runs in a worker thread; parked
+        from there, its connection is watched again, and a client that leaves frees its place."""
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200)
+        self.restart_server()
+        with open_raw(self.url) as sock:
+            sock.sendall(("GET /v1/pull?project=proj&since=1&wait=30 HTTP/1.1\r\nHost: t\r\n"
+                          "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
+            deadline = time.monotonic() + 5
+            while self.server.long_polls.parked != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertEqual(self.server.long_polls.parked, 1)
+        deadline = time.monotonic() + 5
+        while (self.server.long_polls.parked or self.server.connections) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual((self.server.long_polls.parked, self.server.connections, self.server.busy), (0, 0, 0))
+
+    def test_a_tls_write_wanted_inside_a_receive_does_not_spin_the_loop(self):
+        """A TLS recv may need to write first (a KeyUpdate's reply): the loop then waits for the socket to
+        be writable, once, not for as long as the connection lives (every wake-up would be at once)."""
+        class KeyUpdateSocket:  # a b"K" arriving stands for a KeyUpdate whose reply cannot be written yet
+            def __init__(self, sock):
+                self.sock = sock
+
+            def recv(self, size):
+                data = self.sock.recv(size)
+                if data == b"K":
+                    raise ssl.SSLWantWriteError("a KeyUpdate reply is pending")
+                return data
+
+            def __getattr__(self, name):
+                return getattr(self.sock, name)
+
+        calls, real_init, real_ready = [0], sync.Connection.__init__, sync.Connection.on_ready
+
+        def counting_ready(connection, mask):
+            calls[0] += 1
+            return real_ready(connection, mask)
+
+        with mock.patch.object(sync.Connection, "__init__", lambda connection, server, sock, state: real_init(
+                connection, server, KeyUpdateSocket(sock), state)), \
+                mock.patch.object(sync.Connection, "on_ready", counting_ready):
+            with open_raw(self.url) as sock:
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n")
+                self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+                sock.sendall(b"K")
+                time.sleep(0.1)
+                calls[0] = 0
+                time.sleep(0.5)
+                self.assertLess(calls[0], 10)
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n")
+                self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+
     def test_a_push_whose_client_leaves_before_its_fsync_is_stored_all_the_same(self):
         entered, gate = threading.Event(), threading.Event()
         real_sync = sync.sync_file
@@ -4534,10 +4613,10 @@ class TransportTest(ServerCase):
             while self.server.connections and time.monotonic() < deadline:
                 time.sleep(0.01)
             self.assertEqual(self.server.connections, 0)
+            # Still in flight: a graceful stop waits for it (wait_idle), though its client has gone.
+            self.assertEqual((self.server.busy, self.server.wait_idle(0.1)), (1, False))
             gate.set()
-        deadline = time.monotonic() + 5
-        while self.server.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.assertTrue(self.server.wait_idle(5))
         self.assertEqual(self.pull(self.alice).json["records"], [record()])
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
 
