@@ -2361,7 +2361,7 @@ class Manifest:
     """
 
     __slots__ = ("etag", "entries", "live_count", "entry_bytes", "_sorted_ids", "_fragments", "_etag_json",
-                 "_live_hashes", "_all_fragments")
+                 "_live_hashes", "_all_fragments", "unchanged_answer")
 
     def __init__(self, etag, entries):
         self.etag = etag
@@ -2381,6 +2381,7 @@ class Manifest:
         self._etag_json = None
         self._live_hashes = None
         self._all_fragments = None
+        self.unchanged_answer = None  # the MemoryAnswer `unchanged`, once asked for
 
     def etag_json(self):
         """The etag as a JSON value (null when there is no manifest), encoded once per manifest."""
@@ -2509,7 +2510,7 @@ class MemoryAnswer:
     """What a snapshot or commit answers: principal, etag and quota (as JSON bytes), and the entries as
     JSON fragments (or `unchanged`)."""
 
-    __slots__ = ("principal", "etag_json", "quota_json", "entries", "unchanged")
+    __slots__ = ("principal", "etag_json", "quota_json", "entries", "unchanged", "_json")
 
     def __init__(self, principal, etag_json, quota_json, entries=(), unchanged=False):
         self.principal = principal
@@ -2517,11 +2518,14 @@ class MemoryAnswer:
         self.quota_json = quota_json
         self.entries = entries
         self.unchanged = unchanged
+        self._json = None
 
     def to_json(self):
-        middle = b'"unchanged":true' if self.unchanged else b'"entries":[%s]' % b",".join(self.entries)
-        return b'{"principal":"%s","etag":%s,%s,"quota":%s}' % (
-            self.principal.encode("ascii"), self.etag_json, middle, self.quota_json)
+        if self._json is None:  # built once: an `unchanged` answer is given again and again
+            middle = b'"unchanged":true' if self.unchanged else b'"entries":[%s]' % b",".join(self.entries)
+            self._json = b'{"principal":"%s","etag":%s,%s,"quota":%s}' % (
+                self.principal.encode("ascii"), self.etag_json, middle, self.quota_json)
+        return self._json
 
     def to_dict(self):
         return json.loads(self.to_json())
@@ -2591,7 +2595,12 @@ class MemoryStore:
         """The `unchanged` answer when known_etag is manifest's etag (there being one), else None."""
         if manifest is None or known_etag is None or known_etag != manifest.etag:
             return None
-        return MemoryAnswer(principal, manifest.etag_json(), self.quota_json(), unchanged=True)
+        quota_json = self.quota_json()
+        answer = manifest.unchanged_answer  # a scope has one principal: the answer is the manifest's
+        if answer is None or answer.quota_json is not quota_json:
+            answer = manifest.unchanged_answer = MemoryAnswer(principal, manifest.etag_json(), quota_json,
+                                                              unchanged=True)
+        return answer
 
     def commit(self, principal, scope, etag, changes, have=None):
         """Apply a list of MemoryChange if etag is still current; the snapshot answer with the new etag."""
@@ -3005,19 +3014,23 @@ class Request:
     request is run again, from the start, in a worker thread (may_block True).
     """
 
-    def __init__(self, method, path, query, headers, read_body, answer_later):
+    def __init__(self, method, path, query, headers, read_body, deliver):
         self.method = method
         self.path = path
         self.query = query
         self.headers = headers
         self.read_body = read_body      # read_body(limit, error) -> bytes; error(status, text) makes the exception
-        self.answer_later = answer_later  # answer_later(response), from any thread, after a handler returned LATER
+        self._deliver = deliver         # deliver(response, request): the transport's, from any thread
         self.may_block = False
         self.body = None                # once read
         self.checked = None             # (principal, MemoryRequest) once the memory checks have passed
         self.principal = None           # for the access log, once a token was verified
         self.answer_pending = False     # the handler returned LATER and answer_later will be called
         self.ended = False              # no longer counted as in flight (see SyncServer.request_ended)
+
+    def answer_later(self, response):
+        """Answer, from any thread, a request whose handler returned LATER."""
+        self._deliver(response, self)
 
     def param(self, name):
         """A query parameter's value, None when absent; 400 when it is given twice."""
@@ -3307,7 +3320,7 @@ def body_reader(headers, limit, error):
             raise error(400, "unsupported Transfer-Encoding")
         return ChunkedBody(limit, error)
     length = length.strip()
-    if not _DECIMAL.fullmatch(length):
+    if not (length.isascii() and length.isdigit()):
         raise error(400, "bad Content-Length")
     length = length.lstrip("0") or "0"  # int() refuses strings of over 4,300 digits, zeros too
     if len(length) > 16 or int(length) > limit:
@@ -3325,7 +3338,8 @@ class SizedBody:
         """The body, cut from the front of buf, once all of it is there; else None."""
         if len(buf) < self.size:
             return None
-        body = bytes(buf[:self.size])
+        with memoryview(buf) as view:
+            body = bytes(view[:self.size])  # one copy (a bytearray slice would be a second)
         del buf[:self.size]
         return body
 
@@ -3532,17 +3546,21 @@ class LongPolls:
     def cancel(self, waiter):
         """Forget a parked pull whose client has gone: its place is free at once."""
         if not waiter.done:
-            waiter.done = True
-            waiter.timer.cancel()
-            self.parked -= 1
             self.feeds.unlisten(waiter.park.owner, waiter.park.project, waiter.listener)
+            self._forget(waiter)
+
+    def _forget(self, waiter):
+        """A waiter's end: its place is free, and it no longer refers to itself (its listener and timer
+        do), so it is freed at once rather than at the next garbage collection."""
+        waiter.done = True
+        waiter.timer.cancel()
+        waiter.timer = waiter.listener = None
+        self.parked -= 1
 
     def _finish(self, waiter):
         if waiter.done:
             return
-        waiter.done = True
-        waiter.timer.cancel()
-        self.parked -= 1
+        self._forget(waiter)
         self._answer(waiter.park, waiter.answer)
 
     def _answer(self, park, answer):
@@ -3662,21 +3680,25 @@ class Connection:
     def receive(self):
         if self.events & _WRITE:
             self.watch(_READ)  # WRITE was for the TLS layer's own write inside a recv (a KeyUpdate reply)
+        # Into the loop's one receive buffer, then onto inbuf: a 64 KiB allocation per receive, cut down to
+        # a few hundred bytes, would leave the heap fragmented.
+        buffer = self.server.receive_buffer
         try:
-            data = self.sock.recv(RECEIVE_BYTES)
-            while self.tls and self.sock.pending():
-                data += self.sock.recv(self.sock.pending())
+            count = self.sock.recv_into(buffer)
+            if count and self.state != "linger":
+                self.inbuf += buffer[:count]
+                while self.tls and self.sock.pending():
+                    self.inbuf += buffer[:self.sock.recv_into(buffer)]
         except (BlockingIOError, ssl.SSLWantReadError):
             return
         except ssl.SSLWantWriteError:
             return self.watch(_READ | _WRITE)
         except OSError:  # reset, or a TLS record no key decrypts: the client is gone
             return self.close()
-        if not data:
+        if not count:
             return self.close()
         if self.state == "linger":
             return
-        self.inbuf += data
         if self.state in ("head", "body"):
             self.advance()
         elif len(self.inbuf) > RECEIVE_BYTES:
@@ -3733,8 +3755,9 @@ class Connection:
         self.version = version
         path, _, query = target.partition("?")
         query = urllib.parse.parse_qs(query, keep_blank_values=True) if query else {}
-        self.request = request = Request(method, path, query, headers, self.read_body, None)
-        request.answer_later = lambda response: self.server.loop.call_soon(self.answer, response, request)
+        # No reference from the request back to itself (a closure would make one): a request, and the
+        # body and checked fields it holds, is freed as soon as it is answered, not at the next collection.
+        self.request = Request(method, path, query, headers, self.read_body, self.deliver)
         self.body_pending = declares_body(headers)
         if not self.body_pending:
             self.deadline = None
@@ -3792,6 +3815,10 @@ class Connection:
             # Parked, or LATER (answer_later will be called): watched meanwhile (again, after a worker),
             # so a client that leaves is closed at once; what it pipelines waits in inbuf, up to a limit.
             self.watch(_READ)
+
+    def deliver(self, response, request):
+        """request.answer_later's: answer in the loop (from any thread)."""
+        self.server.loop.call_soon(self.answer, response, request)
 
     def read_body(self, limit, error):
         """The body (handlers call this); NeedBody while it has not all arrived."""
@@ -3989,6 +4016,7 @@ class SyncServer:
             self.socket.close()
             raise
         self.server_address = self.socket.getsockname()
+        self.receive_buffer = memoryview(bytearray(RECEIVE_BYTES))  # the loop's, for every receive
         self.loop = EventLoop(self.log)
         self.workers = Workers(WORKER_THREADS, "request worker", self.log)
         self.long_polls = LongPolls(app.feeds, self.loop, max_parked, app.error_response, self.log)
