@@ -4514,10 +4514,11 @@ class TransportTest(ServerCase):
                 self.assertEqual((status, json.loads(body)), (200, expected), i)
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
 
-    def test_a_parked_pull_whose_client_leaves_gives_its_place_back_at_once(self):
+    def park_and_leave(self, since):
+        """Park a pull on alice's proj after since, close its connection, and see its place given back."""
         with open_raw(self.url) as sock:
-            sock.sendall(("GET /v1/pull?project=proj&since=0&wait=30 HTTP/1.1\r\nHost: t\r\n"
-                          "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
+            sock.sendall(("GET /v1/pull?project=proj&since=%d&wait=30 HTTP/1.1\r\nHost: t\r\n"
+                          "Authorization: Bearer %s\r\n\r\n" % (since, self.alice)).encode("ascii"))
             deadline = time.monotonic() + 5
             while self.server.long_polls.parked != 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -4526,6 +4527,9 @@ class TransportTest(ServerCase):
         while (self.server.long_polls.parked or self.server.connections) and time.monotonic() < deadline:
             time.sleep(0.01)
         self.assertEqual((self.server.long_polls.parked, self.server.connections, self.server.busy), (0, 0, 0))
+
+    def test_a_parked_pull_whose_client_leaves_gives_its_place_back_at_once(self):
+        self.park_and_leave(since=0)
         self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
 
     def test_an_early_answer_reaches_a_client_still_sending_its_body(self):
@@ -4549,17 +4553,8 @@ class TransportTest(ServerCase):
         from there, its connection is watched again, and a client that leaves frees its place."""
         self.assertAnswer(self.push(self.alice, records=[record()]), 200)
         self.restart_server()
-        with open_raw(self.url) as sock:
-            sock.sendall(("GET /v1/pull?project=proj&since=1&wait=30 HTTP/1.1\r\nHost: t\r\n"
-                          "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
-            deadline = time.monotonic() + 5
-            while self.server.long_polls.parked != 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            self.assertEqual(self.server.long_polls.parked, 1)
-        deadline = time.monotonic() + 5
-        while (self.server.long_polls.parked or self.server.connections) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.assertEqual((self.server.long_polls.parked, self.server.connections, self.server.busy), (0, 0, 0))
+        self.assertFalse(self.server.app.feeds.feed(("u", "alice"), "proj").loaded)  # a worker will load it
+        self.park_and_leave(since=1)
 
     def test_a_tls_write_wanted_inside_a_receive_does_not_spin_the_loop(self):
         """A TLS recv may need to write first (a KeyUpdate's reply): the loop then waits for the socket to
