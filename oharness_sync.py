@@ -2984,8 +2984,16 @@ class DataDirCheck:
 
 
 # ---------------------------------------------------------------------------
-# The HTTP layer: requests and answers, the route table, the handlers
+# The HTTP layer: requests and answers, the route table, the handlers; then the
+# transport: request heads and bodies, the event loop, long-polls, connections,
+# and the server
 # ---------------------------------------------------------------------------
+#
+# One thread runs an event loop that reads every request and writes every answer.
+# A handler runs in the loop; what would make it wait raises WouldBlock first, and
+# the request runs again in a worker thread. A push is answered once a flusher
+# thread has written and fsynced it (Feed.submit); a parked long-poll is a
+# listener on its feed and a timer.
 
 class Response:
     """An answer: status, JSON body bytes, extra headers, and whether to close the connection."""
