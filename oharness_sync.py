@@ -1638,51 +1638,49 @@ class Authenticator:
 # ---------------------------------------------------------------------------
 
 class Workers:
-    """Daemon threads that run jobs handed to them: up to size at once, started as jobs come, ending
-    after a minute without one."""
+    """Up to size daemon threads that run submitted jobs; a thread ends after 60 s without one."""
 
     def __init__(self, size, name, log=None):
         self.size = size
         self.name = name
         self.log = log or (lambda message: None)
-        self._jobs = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._jobs = collections.deque()  # guarded by _cond, like the counts: a taken job is no longer waiting
         self._threads = 0
         self._waiting = 0  # threads waiting for a job
 
     def submit(self, job):
         """Run job() in one of the threads, soon."""
-        self._jobs.put(job)
-        with self._lock:
-            if self._jobs.qsize() <= self._waiting or self._threads >= self.size:
-                return  # a waiting thread takes it, or the first to finish its job
+        with self._cond:
+            self._jobs.append(job)
+            if len(self._jobs) <= self._waiting:
+                self._cond.notify()
+                return
+            if self._threads >= self.size:
+                return  # the first thread to finish its job takes it
             self._threads += 1
         try:
             threading.Thread(target=self._work, name=self.name, daemon=True).start()
         except RuntimeError as exc:  # no thread to be had (memory, a process limit): the caller runs it
-            with self._lock:
+            with self._cond:
                 self._threads -= 1
+                job = self._jobs.popleft() if self._jobs else None
             self.log("%s: cannot start a thread (%s); running the job here" % (self.name, exc))
-            try:
-                self._run(self._jobs.get_nowait())
-            except queue.Empty:
-                pass  # a thread took it after all
+            if job is not None:
+                self._run(job)
 
     def _work(self):
         while True:
-            with self._lock:
-                self._waiting += 1
-            try:
-                job = self._jobs.get(timeout=60)
-            except queue.Empty:
-                job = None
-            with self._lock:
-                self._waiting -= 1
-                if job is None and self._jobs.empty():
-                    self._threads -= 1
-                    return
-            if job is not None:
-                self._run(job)
+            with self._cond:
+                if not self._jobs:
+                    self._waiting += 1
+                    self._cond.wait_for(lambda: self._jobs, timeout=60)
+                    self._waiting -= 1
+                    if not self._jobs:
+                        self._threads -= 1
+                        return
+                job = self._jobs.popleft()
+            self._run(job)
 
     def _run(self, job):
         try:
@@ -3436,6 +3434,7 @@ class Timer:
 
     def cancel(self):
         self.cancelled = True
+        self.function = self.args = None  # it waits in the heap until its time: let it hold nothing
 
 
 class EventLoop:
@@ -3941,8 +3940,10 @@ class Connection:
         except OSError:
             pass
         self.sock.close()
+        self.inbuf = bytearray()
         if self.waiter is not None:
             self.server.long_polls.cancel(self.waiter)
+            self.waiter = None
         request, self.request = self.request, None
         if request is not None and not request.answer_pending:
             self.server.request_ended(request)  # else it ends when its answer comes

@@ -4531,7 +4531,19 @@ class TransportTest(ServerCase):
         self.assertEqual((self.server.long_polls.parked, self.server.connections, self.server.busy), (0, 0, 0))
 
     def test_a_parked_pull_whose_client_leaves_gives_its_place_back_at_once(self):
-        self.park_and_leave(since=0)
+        gc.collect()
+        gc.disable()
+        self.addCleanup(gc.enable)
+        real_park, parked = self.server.long_polls.park, []
+
+        def park(park, answer):
+            parked.append(weakref.ref(answer.__self__))  # the Connection, and with it what it buffered
+            return real_park(park, answer)
+
+        with mock.patch.object(self.server.long_polls, "park", park):
+            self.park_and_leave(since=0)
+        self.assertEqual(len(parked), 1)
+        self.assertIsNone(parked[0](), "a closed connection is held (by its cancelled timer, say)")
         self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
 
     def test_an_early_answer_reaches_a_client_still_sending_its_body(self):
