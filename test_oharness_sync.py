@@ -3770,7 +3770,7 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
 
 
 class IdleLimitTest(SessionWireMixin, ServerCase):
-    """Contract 6: the idle limit, kept by the watchdog (sockets have no timeout of their own). It closes
+    """Contract 6: the idle limit, kept by the server's sweep of its connections. It closes
     a keep-alive connection nobody uses, and a connection whose client does not read its answer."""
 
     server_options = {"idle_seconds": 1.0}
@@ -3805,7 +3805,7 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
                 self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
 
     def test_stopping_the_server_closes_its_open_connections(self):
-        """Sockets have no timeout of their own: at shutdown the watchdog closes what it still watches."""
+        """At shutdown the server closes every connection it still has."""
         with open_raw(self.url) as sock:
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
             self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
@@ -3821,7 +3821,7 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
             time.sleep(1.1)  # parked longer than the idle limit: waiting for the feed is not idleness
             self.assertAnswer(self.push(self.alice, records=[record()]), 200)
-            status, _, body = read_raw_answer(sock)  # sent by the waker thread
+            status, _, body = read_raw_answer(sock)  # answered when the push woke it
             self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]), (200, ["r1"]))
             self.assertTrue(server_closed(sock, 4), "the connection was kept past the idle limit")
         self.assertEqual(self.wait_for_connections(0, 2), 0)
@@ -3840,7 +3840,7 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
             time.sleep(0.3)
             self.assertEqual(self.server.connections, 1, "the pull's connection is not being answered")
-            # An 8 MB answer cannot fit the socket buffers: the send waits until the watchdog ends it.
+            # An 8 MB answer cannot fit the socket buffers: the send waits until the idle limit ends it.
             self.assertEqual(self.wait_for_connections(0, 4), 0, "a stuck send held its connection")
         self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
 
@@ -4200,7 +4200,7 @@ class TlsTest(ServerCase):
             self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
             started = time.monotonic()
             try:
-                data = sock.recv(1024)  # the watchdog shuts the connection under the TLS layer
+                data = sock.recv(1024)  # the idle limit closes the connection
             except (ssl.SSLError, ConnectionError):
                 data = b""
             self.assertEqual(data, b"")
