@@ -3031,8 +3031,13 @@ class Request:
         self.body = None                # once read
         self.checked = None             # (principal, MemoryRequest) once the memory checks have passed
         self.principal = None           # for the access log, once a token was verified
-        self.answer_pending = False     # the handler returned LATER and answer_later will be called
+        self.answer_pending = False     # the handler returned later(): answer_later will be called
         self.ended = False              # no longer counted as in flight (see SyncServer.request_ended)
+
+    def later(self):
+        """What a handler returns once something (a group commit) is to call answer_later."""
+        self.answer_pending = True
+        return LATER
 
     def answer_later(self, response):
         """Answer, from any thread, a request whose handler returned LATER."""
@@ -3157,8 +3162,7 @@ class SyncApp:
         owner = self.feed_owner(identity, push.team)
         self.feeds.submit(owner, push.project, push.records, push.sessions,
                           lambda outcome: request.answer_later(self.push_answer(outcome)), request.may_block)
-        request.answer_pending = True
-        return LATER
+        return request.later()
 
     def push_answer(self, outcome):
         """The answer to a push, from what its group commit gave: (cursor, accepted) or the error."""
