@@ -3031,7 +3031,7 @@ class Request:
         self.body = None                # once read
         self.checked = None             # (principal, MemoryRequest) once the memory checks have passed
         self.principal = None           # for the access log, once a token was verified
-        self.answer_pending = False     # the handler returned later(): answer_later will be called
+        self.answer_pending = False     # the handler returned later(), and its answer has not come yet
         self.ended = False              # no longer counted as in flight (see SyncServer.request_ended)
 
     def later(self):
@@ -3890,6 +3890,7 @@ class Connection:
                 self.server.request_ended(request)  # a push whose client left: durable (or failed) now
             return
         request = self.request
+        request.answer_pending = False  # it has come: from here the request ends as any other does
         self.server.log_access(request.method, request.path, response.status, self.started, request.principal)
         close = response.close or self.close_after or self.body_pending or self.server.stopping.is_set()
         self.send(render(response, request.method, close), close)

@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import tempfile
@@ -4660,6 +4661,33 @@ class TransportTest(ServerCase):
         self.assertTrue(self.server.wait_idle(5))
         self.assertEqual(self.pull(self.alice).json["records"], [record()])
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
+
+    def test_a_push_whose_answer_meets_a_reset_connection_is_no_longer_in_flight(self):
+        entered, gate = threading.Event(), threading.Event()
+        real_sync = sync.sync_file
+
+        def slow_sync(fd):
+            entered.set()
+            gate.wait(5)
+            real_sync(fd)
+
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        # More than RECEIVE_BYTES pipelined after the push: the loop stops reading, so it does not see the
+        # reset; the answer's send does (ECONNRESET), and that must end the request.
+        padding = b"POST /v1/push HTTP/1.1\r\nContent-Length: 200000\r\n\r\n" + b" " * 100000
+        with mock.patch.object(sync, "sync_file", slow_sync):
+            with open_raw(self.url) as sock:
+                sock.sendall(push_head(self.alice, len(body)) + body + padding)
+                self.assertTrue(entered.wait(5))
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and not any(
+                        len(connection.inbuf) > sync.RECEIVE_BYTES for connection in list(self.server._open)):
+                    time.sleep(0.01)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            gate.set()
+            self.assertTrue(self.server.wait_idle(5))
+        self.assertEqual((self.server.busy, self.server.connections), (0, 0))
+        self.assertEqual(self.pull(self.alice).json["records"], [record()])
 
 
 # ---------------------------------------------------------------------------
