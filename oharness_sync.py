@@ -3279,7 +3279,9 @@ _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,8}")
 def head_end(buf, start=0):
     """Where the request head at the start of buf ends (just after its blank line), or -1."""
     crlf = buf.find(b"\n\r\n", start)
-    lf = buf.find(b"\n\n", start)
+    # A bare-LF end only counts before the first CRLF one: searched no further, or each request of a long
+    # pipeline would scan all of what follows it (a CRLF client never sends one).
+    lf = buf.find(b"\n\n", start, len(buf) if crlf < 0 else crlf + 2)
     if lf >= 0 and (crlf < 0 or lf < crlf):
         return lf + 2
     return crlf + 3 if crlf >= 0 else -1
@@ -3733,6 +3735,7 @@ class Connection:
         try:
             if end < 0:
                 self.check_partial_head()
+                self.watch(_READ)  # the rest of the head is to come (reading may have paused for a backlog)
                 return
             method, target, version, headers = parse_head(bytes(buf[:end]))
         except BadHead as exc:
@@ -3924,8 +3927,10 @@ class Connection:
             return self.close(gently=True)
         self.state = "head"
         self.set_deadline(self.server.idle_seconds)
-        self.watch(_READ)
-        if self.inbuf:  # pipelined: the next request is here already (a call, not a deeper stack)
+        # Pipelined: the next request is here already (a call, not a deeper stack). Past RECEIVE_BYTES of
+        # them, nothing more is read until they are answered (advance reads on for an unfinished head).
+        self.watch(_READ if len(self.inbuf) <= RECEIVE_BYTES else 0)
+        if self.inbuf:
             self.server.loop.call_soon(self.advance)
 
     def close(self, gently=False):

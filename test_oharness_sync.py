@@ -4517,6 +4517,40 @@ class TransportTest(ServerCase):
                 self.assertEqual((status, json.loads(body)), (200, expected), i)
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
 
+    def test_a_long_pipeline_is_read_no_faster_than_it_is_answered(self):
+        # Each request searched to the end of all that was pipelined after it, and every wake-up read
+        # 64 KiB more while about two requests were answered: inbuf held the whole pipeline.
+        largest, real_advance = [0], sync.Connection.advance
+
+        def advance(connection):
+            largest[0] = max(largest[0], len(connection.inbuf))
+            return real_advance(connection)
+
+        one = b"GET /v1/health HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"p" * 1000 + b"\r\n\r\n"
+        count = 4000
+        with mock.patch.object(sync.Connection, "advance", advance), open_raw(self.url, timeout=60) as sock:
+            answers = []
+
+            def read():
+                data = b""
+                while len(answers) < count:
+                    chunk = sock.recv(1 << 20)
+                    if not chunk:
+                        break
+                    data += chunk
+                    while True:
+                        end = data.find(b"\r\n\r\n")
+                        if end < 0 or len(data) < end + 4 + 11:
+                            break
+                        answers.append(data[:12])
+                        data = data[end + 4 + 11:]
+            reader = threading.Thread(target=read)
+            reader.start()
+            sock.sendall(one * count)
+            reader.join(60)
+        self.assertEqual(answers, [b"HTTP/1.1 200"] * count)
+        self.assertLessEqual(largest[0], 2 * sync.RECEIVE_BYTES + len(one))
+
     def park_and_leave(self, since):
         """Park a pull on alice's proj after since, close its connection, and see its place given back."""
         with open_raw(self.url) as sock:
