@@ -3639,11 +3639,14 @@ class Connection:
         self.waiter = None           # a parked long-poll's
         self.admitted = False        # counted in server.connections (a refused one lingers uncounted)
         self.closed = False
+        self.read_eof = False        # the client half-closed: what it sent is answered, then the connection closes
 
     # -- readiness -------------------------------------------------------
 
     def watch(self, events):
         """Wait for these selector events (0: none) on the socket."""
+        if self.read_eof:
+            events &= ~_READ  # at its end a socket is always readable: waiting for that would spin
         if events == self.events or self.closed:
             return
         selector = self.server.loop.selector
@@ -3709,13 +3712,25 @@ class Connection:
         except OSError:  # reset, or a TLS record no key decrypts: the client is gone
             return self.close()
         if not count:
-            return self.close()
+            return self.end_of_input()
         if self.state == "linger":
             return
         if self.state in ("head", "body"):
             self.advance()
         elif len(self.inbuf) > RECEIVE_BYTES:
             self.watch(0)  # pipelined past the limit while the current request is under way: wait
+
+    def end_of_input(self):
+        """The client has sent all it will send (EOF). Gone, or half-closed: a request under way (a push
+        being made durable, say) or already pipelined is still answered, then the connection closes. A
+        parked pull, an unfinished head or body, or nothing at all: closed now."""
+        if self.state == "busy" and self.waiter is None or self.state == "head" and self.inbuf:
+            self.read_eof = True
+            self.watch(self.events)
+            if self.state == "head":
+                self.advance()
+            return
+        self.close()
 
     # -- requests --------------------------------------------------------
 
@@ -3734,6 +3749,8 @@ class Connection:
         end = head_end(buf, max(0, self.scanned - 2))
         try:
             if end < 0:
+                if self.read_eof:
+                    return self.close()  # the rest of this head will never come
                 self.check_partial_head()
                 self.watch(_READ)  # the rest of the head is to come (reading may have paused for a backlog)
                 return
@@ -3820,6 +3837,8 @@ class Connection:
         if isinstance(outcome, Response):
             self.answer(outcome)
         elif isinstance(outcome, Park):
+            if self.read_eof:
+                return self.close()  # as for a parked pull whose client leaves
             self.waiter = self.server.long_polls.park(outcome, self.answer)
         elif isinstance(outcome, NeedBody):
             self.wait_for_body(outcome.reader)
@@ -3879,6 +3898,8 @@ class Connection:
             self.state = "busy"
             return self.answer(self.server.app.error_response(exc))
         if body is None:
+            if self.read_eof:
+                self.close()  # the rest of this body will never come
             return
         self.got_body(body)
         self.state = "busy"
@@ -3923,7 +3944,7 @@ class Connection:
         if self.request is not None:
             self.server.request_ended(self.request)
             self.request = None
-        if self.close_after:
+        if self.close_after or self.read_eof and not self.inbuf:
             return self.close(gently=True)
         self.state = "head"
         self.set_deadline(self.server.idle_seconds)

@@ -2975,6 +2975,23 @@ def open_raw(url, timeout=5.0):
     return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
 
 
+def read_pipelined_answers(sock, count):
+    """Read count HTTP answers, one after another, from a raw socket: [(status, body bytes)]."""
+    reader = sock.makefile("rb")
+    answers = []
+    for _ in range(count):
+        status = int(reader.readline().split()[1])
+        length = None
+        while True:
+            line = reader.readline()
+            if line == b"\r\n":
+                break
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        answers.append((status, reader.read(length)))
+    return answers, reader
+
+
 def read_raw_answer(sock):
     """Read one HTTP answer from a raw socket: (status, headers with lower-case names, body bytes).
 
@@ -4502,17 +4519,8 @@ class TransportTest(ServerCase):
                 requests.append(("GET %s HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n\r\n"
                                  % (path, self.alice)).encode("ascii"))
             sock.sendall(b"".join(requests))
-            reader = sock.makefile("rb")
-            for i in range(300):
-                status = int(reader.readline().split()[1])
-                length = None
-                while True:
-                    line = reader.readline()
-                    if line == b"\r\n":
-                        break
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                body = reader.read(length)
+            answers, _ = read_pipelined_answers(sock, 300)
+            for i, (status, body) in enumerate(answers):
                 expected = {"ok": True} if i % 2 else EMPTY_PULL
                 self.assertEqual((status, json.loads(body)), (200, expected), i)
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
@@ -4550,6 +4558,27 @@ class TransportTest(ServerCase):
             reader.join(60)
         self.assertEqual(answers, [b"HTTP/1.1 200"] * count)
         self.assertLessEqual(largest[0], 2 * sync.RECEIVE_BYTES + len(one))
+
+    def test_a_client_that_half_closes_gets_every_answer_it_asked_for(self):
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        health = b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n"
+        with open_raw(self.url) as sock:
+            # A push (answered after its fsync, in a flusher thread) and pipelined requests, then EOF.
+            sock.sendall(health * 3 + push_head(self.alice, len(body)) + body + health * 2)
+            sock.shutdown(socket.SHUT_WR)
+            answers, reader = read_pipelined_answers(sock, 6)
+            self.assertEqual(reader.read(), b"")  # then closed
+        health_answer = (200, b'{"ok":true}')
+        self.assertEqual(answers, [health_answer] * 3 + [(200, b'{"cursor":1,"accepted":1}')] + [health_answer] * 2)
+        with open_raw(self.url) as sock:  # an unfinished request at EOF: closed, nothing answered
+            sock.sendall(health + health[:20])
+            sock.shutdown(socket.SHUT_WR)
+            self.assertEqual(read_raw_answer(sock)[0], 200)
+            self.assertTrue(server_closed(sock, 5))
+        deadline = time.monotonic() + 5
+        while (self.server.connections or self.server.busy) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual((self.server.connections, self.server.busy), (0, 0))
 
     def park_and_leave(self, since):
         """Park a pull on alice's proj after since, close its connection, and see its place given back."""
@@ -4685,14 +4714,15 @@ class TransportTest(ServerCase):
             with open_raw(self.url) as sock:
                 sock.sendall(push_head(self.alice, len(body)) + body)
                 self.assertTrue(entered.wait(5))
-            deadline = time.monotonic() + 5
-            while self.server.connections and time.monotonic() < deadline:
-                time.sleep(0.01)
-            self.assertEqual(self.server.connections, 0)
-            # Still in flight: a graceful stop waits for it (wait_idle), though its client has gone.
+            # Still in flight: a graceful stop waits for it (wait_idle), though its client has gone (its
+            # connection is kept for the answer: an EOF may be a half-close).
             self.assertEqual((self.server.busy, self.server.wait_idle(0.1)), (1, False))
             gate.set()
         self.assertTrue(self.server.wait_idle(5))
+        deadline = time.monotonic() + 5
+        while self.server.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(self.server.connections, 0)
         self.assertEqual(self.pull(self.alice).json["records"], [record()])
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
 
