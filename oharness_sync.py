@@ -1271,20 +1271,24 @@ class JwksSource:
     its mtime changes, looked at most once a second. A URL is fetched on first
     use, refetched on an unknown kid at most once a minute, and refreshed on use
     once its keys are JWKS_MAX_AGE old. A failed or unparsable re-read keeps the
-    last good key set.
+    last good key set, and is logged. While the last fetch or re-read has failed, a
+    token whose key is not in that set cannot be judged: AuthUnavailable, not a 401
+    (which would stop the client's mirror for a token that may well be good).
     """
 
-    def __init__(self, path=None, url=None, timeout=5.0, clock=time.monotonic):
+    def __init__(self, path=None, url=None, timeout=5.0, clock=time.monotonic, log=None):
         if (path is None) == (url is None):
             raise ValueError("give exactly one of path and url")
         self.path = path
         self.url = url
         self.timeout = timeout
         self.clock = clock
+        self.log = log or (lambda message: None)
         self.keys = {}
         self._lock = threading.Lock()
         self._last_load = None     # clock() of the last fetch or file check, good or bad
         self._loaded_at = None     # clock() of the last good fetch
+        self._failed = False       # the last fetch or re-read failed
         self._file_stamp = None
         if path is not None:
             self._file_stamp = self._stamp()
@@ -1299,6 +1303,9 @@ class JwksSource:
             if key is None and self.url is not None and self._may_fetch():
                 self._fetch()
                 key = self._pick(kid, alg)
+            failed = self._failed
+        if key is None and failed:
+            raise AuthUnavailable("the signing keys cannot be read now")
         if key is None:
             raise AuthError("no signing key for this token")
         if key.token_alg != alg or (key.alg is not None and key.alg != alg):
@@ -1329,10 +1336,15 @@ class JwksSource:
         self._last_load = self.clock()
         try:
             keys = fetch_jwks_url(self.url, self.timeout)
-        except Exception:  # any failure of the key service: keep the last good keys
+        except Exception as exc:  # any failure of the key service: keep the last good keys
+            self._failed = True
+            self.log("cannot fetch the JWKS from %s (%s: %s); keeping the last good keys (%d), trying again "
+                     "in %d s at the earliest" % (self.url, type(exc).__name__, exc, len(self.keys),
+                                                  JWKS_REFETCH_INTERVAL))
             return
         self.keys = keys
         self._loaded_at = self._last_load
+        self._failed = False
 
     def _stamp(self):
         info = os.stat(self.path)
@@ -1345,8 +1357,12 @@ class JwksSource:
                 return
             self._file_stamp = stamp
             self.keys = read_jwks_file(self.path)
-        except (OSError, ValueError, RecursionError):
-            pass
+            self._failed = False
+        except (OSError, ValueError, RecursionError) as exc:
+            if not self._failed:  # once, not at every look while it stays unreadable
+                self.log("cannot re-read the JWKS file %s (%s); keeping the last good keys (%d)" % (
+                    self.path, exc, len(self.keys)))
+            self._failed = True
 
 
 def read_secret_file(path):
@@ -3131,6 +3147,8 @@ class SyncApp:
             identity = self.auth.identify(request.headers.get("authorization"), request.may_block)
         except AuthError as exc:
             raise ApiError(401, str(exc), [("WWW-Authenticate", "Bearer")]) from None
+        except AuthUnavailable as exc:
+            raise ApiError(503, "cannot check this token now (%s); try again later" % exc) from None
         request.principal = identity.principal
         return identity
 
@@ -4274,17 +4292,18 @@ def add_auth_flags(parser):
                        help="memory requests per minute and principal, bursts of N/2 (0: no limit)")
 
 
-def auth_from_flags(args):
-    """(JwtVerifier or None, SupabaseVerifier or None) from the command line; UsageError when unusable."""
+def auth_from_flags(args, log=None):
+    """(JwtVerifier or None, SupabaseVerifier or None) from the command line; UsageError when unusable.
+    log: where a JWKS that cannot be fetched or re-read is reported."""
     try:
         secret = read_secret_file(args.jwt_secret_file) if args.jwt_secret_file else None
         jwks = None
         if args.jwks_file:
-            jwks = JwksSource(path=args.jwks_file)
+            jwks = JwksSource(path=args.jwks_file, log=log)
         elif args.jwks_url:
             if not args.jwks_url.startswith(("https://", "http://")):
                 raise UsageError("--jwks-url must be an http(s) URL")
-            jwks = JwksSource(url=args.jwks_url)
+            jwks = JwksSource(url=args.jwks_url, log=log)
         anon_key = None
         if args.supabase_anon_key_file:
             anon_key = read_secret_file(args.supabase_anon_key_file).decode("utf-8").strip()
@@ -4374,12 +4393,12 @@ def serve_command(argv):
         raise UsageError("--max-parked must be 0 or more")
     if args.memory_rate_limit < 0:
         raise UsageError("--memory-rate-limit must be 0 or more")
-    jwt, supabase = auth_from_flags(args)
+    log = Log(quiet=args.quiet)
+    jwt, supabase = auth_from_flags(args, log)
     tls = tls_from_flags(args)
     data_dir = open_data_dir(args.data)
     lock = DataDirLock(data_dir)
     lock.acquire()
-    log = Log(quiet=args.quiet)
     raise_open_file_limit()
     threading.stack_size(THREAD_STACK_BYTES)
     try:

@@ -1066,15 +1066,26 @@ class JwksFileTest(unittest.TestCase):
         self.clock.advance(0.5)
         self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
 
-    def test_broken_rewrite_keeps_last_good_keys(self):
-        self.write(JWKS, 100)
-        source = JwksSource(path=self.path, clock=self.clock)
+    def test_broken_rewrite_keeps_last_good_keys_and_is_logged_once(self):
+        self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
+        log_lines = []
+        source = JwksSource(path=self.path, clock=self.clock, log=log_lines.append)
         self.write("{broken", 200)
         self.clock.advance(2)
         self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
+        with self.assertRaises(AuthUnavailable):  # its key may be in the file that cannot be read: not a 401
+            source.key("ec-p256", "ES256")
         os.remove(self.path)
         self.clock.advance(2)
         self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
+        self.assertEqual(len(log_lines), 1)
+        self.assertTrue(log_lines[0].startswith("cannot re-read the JWKS file %s (" % self.path), log_lines)
+        self.assertTrue(log_lines[0].endswith("); keeping the last good keys (1)"), log_lines)
+        self.write(JWKS, 300)
+        self.clock.advance(2)
+        self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
+        with self.assertRaises(AuthError):  # read again: now it is really unknown
+            source.key("no-such-key", "RS256")
 
     def test_exactly_one_of_path_and_url(self):
         with self.assertRaises(ValueError):
@@ -1090,7 +1101,8 @@ class JwksUrlTest(unittest.TestCase):
         self.server = FakeServer(lambda handler: (self.status, self.body, {"Content-Type": "application/json"}))
         self.url = self.server.url + "/.well-known/jwks.json"
         self.clock = FakeClock(5000.0)
-        self.source = JwksSource(url=self.url, timeout=2.0, clock=self.clock)
+        self.log_lines = []
+        self.source = JwksSource(url=self.url, timeout=2.0, clock=self.clock, log=self.log_lines.append)
         self.verifier = JwtVerifier(jwks=self.source, clock=FakeClock(NOW))
 
     def tearDown(self):
@@ -1139,7 +1151,7 @@ class JwksUrlTest(unittest.TestCase):
         self.source.key("rsa-2048", "RS256")
         self.server.stop()
         self.clock.advance(61)
-        with self.assertRaises(AuthError):
+        with self.assertRaises(AuthUnavailable):  # its key may be new: not a 401 while they cannot be read
             self.verifier.verify(TOKENS["rs256_unknown_kid"])
         self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]), Identity("user_rsa2048"))
         self.clock.advance(sync.JWKS_MAX_AGE + 1)  # refresh due, still down
@@ -1150,25 +1162,35 @@ class JwksUrlTest(unittest.TestCase):
         for body in [b"<html>oops</html>", b'{"keys": 3}', b"\xff\xfe", b"[" * 100000]:
             self.body = body
             self.clock.advance(61)
-            with self.assertRaises(AuthError):
+            with self.assertRaises(AuthUnavailable):
                 self.source.key("no-such-key", "RS256")
             self.assertEqual(self.source.key("rsa-2048", "RS256").kid, "rsa-2048")
         self.assertEqual(self.fetches(), 5)
+        self.assertEqual(len(self.log_lines), 4)
+        self.assertTrue(all(line.startswith("cannot fetch the JWKS from %s (" % self.url) for line in self.log_lines))
 
     def test_http_error_keeps_last_good_keys(self):
         self.source.key("rsa-2048", "RS256")
         self.status = 500
         self.clock.advance(61)
-        with self.assertRaises(AuthError):
+        with self.assertRaises(AuthUnavailable):
             self.source.key("no-such-key", "RS256")
         self.assertEqual(self.fetches(), 2)
         self.assertEqual(self.source.key("rsa-2048", "RS256").kid, "rsa-2048")
+        self.assertEqual(self.log_lines, [
+            "cannot fetch the JWKS from %s (HTTPError: HTTP Error 500: Internal Server Error); keeping the last "
+            "good keys (1), trying again in 60 s at the earliest" % self.url])
+        self.status = 200
+        self.clock.advance(61)
+        with self.assertRaises(AuthError):  # fetched again: now it is really unknown
+            self.source.key("no-such-key", "RS256")
+        self.assertEqual(self.fetches(), 3)
 
-    def test_first_fetch_failing_raises_only_auth_error_and_retries_after_a_minute(self):
+    def test_first_fetch_failing_is_unavailable_not_a_401_and_retries_after_a_minute(self):
         self.status = 503
-        with self.assertRaises(AuthError):
+        with self.assertRaises(AuthUnavailable):
             self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"])
-        with self.assertRaises(AuthError):
+        with self.assertRaises(AuthUnavailable):
             self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"])
         self.assertEqual(self.fetches(), 1)
         self.status = 200
@@ -1186,7 +1208,7 @@ class JwksUrlTest(unittest.TestCase):
 
     def test_unreachable_url(self):
         source = JwksSource(url="http://127.0.0.1:%d/jwks" % closed_port(), timeout=1.0, clock=self.clock)
-        with self.assertRaises(AuthError):
+        with self.assertRaises(AuthUnavailable):
             JwtVerifier(jwks=source, clock=FakeClock(NOW)).verify(TOKENS["rs256_2048_valid_no_exp"])
 
 
@@ -3985,6 +4007,21 @@ class JwtOnTheWireTest(ServerCase):
             self.assertAnswer(answer, 401)
             self.assertEqual(answer.headers.get("www-authenticate"), "Bearer", name)
         self.assertEqual(self.feed_files(), [])
+
+    def test_a_jwks_url_that_cannot_be_fetched_gives_503_and_502_never_401(self):
+        # A 401 would stop the client's mirror for a token that may be good: its keys just cannot be read.
+        url = "http://127.0.0.1:%d/jwks.json" % closed_port()
+        source = JwksSource(url=url, timeout=1.0, log=lambda line: self.log_lines.append(line))
+        wire_restart(self, jwt=JwtVerifier(jwks=source))
+        token = TOKENS["rs256_2048_valid_no_exp"]
+        self.assertAnswer(self.push(token, "p", [record()]), 503, {
+            "error": "cannot check this token now (the signing keys cannot be read now); try again later"})
+        wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "user_rsa2048"}, token),
+                         502, "auth_unavailable")
+        self.assertEqual(self.feed_files(), [])
+        fetch_failures = [line for line in self.log_lines if line.startswith("cannot fetch the JWKS from " + url)]
+        self.assertEqual(len(fetch_failures), 1, self.log_lines)  # tried once: again a minute later at most
+        self.assertNotIn(token, "\n".join(self.log_lines))
 
 
 class LongPollTest(ServerCase):
