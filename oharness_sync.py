@@ -949,6 +949,9 @@ class LocalTokenVerifier:
         self._checked = float("-inf")
         self._version = None
         self._records = {}
+        # Read now, not at the first request: if the file breaks before that, the set in force from the
+        # start is the last good one. (The first request still looks at the file again, as ever.)
+        self._reload()
 
     def _refresh(self):
         now = time.monotonic()
@@ -4363,6 +4366,12 @@ def open_data_dir(path):
         os.unlink(probe)
     except OSError as exc:
         raise UsageError("cannot use data dir %s: %s" % (data_dir, exc.strerror or exc)) from None
+    tokens = TokenStore(data_dir)
+    try:
+        tokens.read()  # the server starts with the tokens in force: a damaged file is the admin's to see now
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise UsageError("cannot use the token file %s: %s" % (tokens.path, reason)) from None
     return data_dir
 
 

@@ -637,6 +637,16 @@ class LocalTokenTest(unittest.TestCase):
         self.reload()
         self.assertEqual(self.verifier.verify(token).principal, "alice")
 
+    def test_a_file_damaged_before_the_first_request_keeps_the_set_read_at_start(self):
+        token, _ = self.store.issue("alice")
+        log_lines = []
+        verifier = sync.LocalTokenVerifier(self.store, log=log_lines.append)  # a server starting
+        with open(self.store.path, "w") as f:
+            f.write("{not json")
+        self.assertEqual(verifier.verify(token).principal, "alice")
+        self.assertEqual(len(log_lines), 1, log_lines)
+        self.assertTrue(log_lines[0].startswith("token file unreadable, keeping the previous tokens: "), log_lines)
+
     def test_requests_arriving_while_the_file_is_read_wait_for_it(self):
         """A new server's first requests come at once: none may see the token set before it is loaded."""
         token, _ = self.store.issue("alice")
@@ -6476,6 +6486,19 @@ class CommandLineTest(unittest.TestCase):
             self.assertEqual(result.returncode, 2, args)
             self.assertEqual(len(result.stderr.strip().splitlines()), 1, (args, result.stderr))
             self.assertNotIn("Traceback", result.stderr)
+
+    def test_a_damaged_token_file_stops_start_up_and_token_commands_with_one_line(self):
+        path = os.path.join(self.data_dir, "tokens.json")
+        with open(path, "w") as f:
+            f.write('{"tokens": [{"id": "x"}]}')
+        for args in (["--data", self.data_dir, "--port", "0"],
+                     ["token", "issue", "--data", self.data_dir, "--principal", "alice"]):
+            result = self.run_cli(*args)
+            self.assertEqual(result.returncode, 2, args)
+            self.assertEqual(result.stderr, "oharness-sync: error: cannot use the token file %s: %s is not a token "
+                                            "file\n" % (path, path), args)
+        with open(path) as f:
+            self.assertEqual(f.read(), '{"tokens": [{"id": "x"}]}')  # left as it was
 
     def test_token_issue_list_revoke(self):
         result = self.run_cli("token", "issue", "--data", self.data_dir, "--principal", "alice",
