@@ -1308,7 +1308,7 @@ class JwksSource:
                 key = self._pick(kid, alg)
             failed = self._failed
         if key is None and failed:
-            raise AuthUnavailable("the signing keys cannot be read now")
+            raise AuthUnavailable("its signing keys cannot be read")
         if key is None:
             raise AuthError("no signing key for this token")
         if key.token_alg != alg or (key.alg is not None and key.alg != alg):

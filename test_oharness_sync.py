@@ -4025,7 +4025,7 @@ class JwtOnTheWireTest(ServerCase):
         wire_restart(self, jwt=JwtVerifier(jwks=source))
         token = TOKENS["rs256_2048_valid_no_exp"]
         self.assertAnswer(self.push(token, "p", [record()]), 503, {
-            "error": "cannot check this token now (the signing keys cannot be read now); try again later"})
+            "error": "cannot check this token now (its signing keys cannot be read); try again later"})
         wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "user_rsa2048"}, token),
                          502, "auth_unavailable")
         self.assertEqual(self.feed_files(), [])
