@@ -740,8 +740,10 @@ def memory_have(doc, quota=MEMORY_QUOTA):
     if "have" not in doc:
         return None
     have = doc["have"]
-    if not isinstance(have, dict) or len(have) > quota["maxNotes"] * 2 + 1000:
-        raise MemoryApiError(400, "invalid_have", "have must map at most maxNotes * 2 + 1000 ids to hashes")
+    if not isinstance(have, dict):
+        raise MemoryApiError(400, "invalid_have", "have must be an object mapping note ids to hashes")
+    if len(have) > quota["maxNotes"] * 2 + 1000:
+        raise MemoryApiError(400, "invalid_have", "have may hold at most maxNotes * 2 + 1000 ids")
     # Checked as two joined strings rather than key by key: a full `have` has thousands of entries.
     values = list(have.values())
     try:

@@ -5269,6 +5269,15 @@ class MemoryWireErrorsTest(ServerCase):
         self.assertAnswer(wire_snapshot(self, have=at_the_limit), 200,
                           {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
 
+    def test_invalid_have_says_what_is_wrong(self):
+        good = "ab" * 32
+        too_many = dict(("n%d" % i, good) for i in range(WIRE_QUOTA["maxNotes"] * 2 + 1001))
+        for have, error in (([good], "have must be an object mapping note ids to hashes"),
+                            (too_many, "have may hold at most maxNotes * 2 + 1000 ids"),
+                            ({"n1": good.upper()}, "have must map note ids to 64 lowercase hex hashes")):
+            with self.subTest(error=error):
+                self.assertAnswer(wire_snapshot(self, have=have), 400, {"code": "invalid_have", "error": error})
+
     def test_invalid_changes(self):
         put = memory_put("n1")
         cases = [
