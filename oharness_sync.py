@@ -196,6 +196,12 @@ class UsageError(Exception):
     """A command-line problem: printed as one line, exit code 2."""
 
 
+def reason(exc):
+    """The short reason of an error for a one-line message: an OSError's text without its errno and
+    path, else the error's own text."""
+    return getattr(exc, "strerror", None) or exc
+
+
 # ---------------------------------------------------------------------------
 # Validation and encoding (pure functions)
 # ---------------------------------------------------------------------------
@@ -2137,7 +2143,7 @@ class Feed:
                 self._flushing = False
                 again = False
             self.log("push to %s failed: %s" % (self.path, exc))
-            outcome = StorageError("storage failure: %s" % (exc.strerror or exc))
+            outcome = StorageError("storage failure: %s" % reason(exc))
             outcomes = [outcome] * len(group)
         else:
             with self.lock:
@@ -4149,7 +4155,7 @@ class SyncServer:
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
             except OSError as exc:  # out of file descriptors, say: look again shortly, not in a busy loop
-                self.log("cannot accept a connection: %s" % (exc.strerror or exc))
+                self.log("cannot accept a connection: %s" % reason(exc))
                 self.loop.selector.unregister(self.socket)
                 self.loop.call_later(0.1, self._resume_accepting)
                 return
@@ -4300,20 +4306,20 @@ def add_auth_flags(parser):
 def auth_from_flags(args, log=None):
     """(JwtVerifier or None, SupabaseVerifier or None) from the command line; UsageError when unusable.
     log: where a JWKS that cannot be fetched or re-read is reported."""
+    path = None  # the file being read, named if it cannot be used
     try:
-        secret = read_secret_file(args.jwt_secret_file) if args.jwt_secret_file else None
-        jwks = None
-        if args.jwks_file:
-            jwks = JwksSource(path=args.jwks_file, log=log)
-        elif args.jwks_url:
-            if not args.jwks_url.startswith(("https://", "http://")):
-                raise UsageError("--jwks-url must be an http(s) URL")
-            jwks = JwksSource(url=args.jwks_url, log=log)
-        anon_key = None
-        if args.supabase_anon_key_file:
-            anon_key = read_secret_file(args.supabase_anon_key_file).decode("utf-8").strip()
+        path = args.jwt_secret_file
+        secret = read_secret_file(path) if path else None
+        path = args.jwks_file
+        jwks = JwksSource(path=path, log=log) if path else None
+        path = args.supabase_anon_key_file
+        anon_key = read_secret_file(path).decode("utf-8").strip() if path else None
     except (OSError, ValueError) as exc:
-        raise UsageError("cannot use a token file: %s" % (getattr(exc, "strerror", None) or exc)) from None
+        raise UsageError("cannot use %s: %s" % (path, reason(exc))) from None
+    if args.jwks_url:
+        if not args.jwks_url.startswith(("https://", "http://")):
+            raise UsageError("--jwks-url must be an http(s) URL")
+        jwks = JwksSource(url=args.jwks_url, log=log)
     if (args.jwt_issuer or args.jwt_audience) and secret is None and jwks is None:
         raise UsageError("--jwt-issuer and --jwt-audience need --jwt-secret-file, --jwks-url or --jwks-file")
     jwt = None
@@ -4336,7 +4342,7 @@ def tls_from_flags(args):
     try:
         return TlsFiles(args.tls_cert, args.tls_key)
     except (ssl.SSLError, OSError) as exc:
-        raise UsageError("cannot use the TLS certificate or key: %s" % (getattr(exc, "strerror", None) or exc)) from None
+        raise UsageError("cannot use the TLS certificate or key: %s" % reason(exc)) from None
 
 
 def raise_open_file_limit():
@@ -4367,13 +4373,12 @@ def open_data_dir(path):
             pass
         os.unlink(probe)
     except OSError as exc:
-        raise UsageError("cannot use data dir %s: %s" % (data_dir, exc.strerror or exc)) from None
+        raise UsageError("cannot use data dir %s: %s" % (data_dir, reason(exc))) from None
     tokens = TokenStore(data_dir)
     try:
         tokens.read()  # the server starts with the tokens in force: a damaged file is the admin's to see now
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or exc
-        raise UsageError("cannot use the token file %s: %s" % (tokens.path, reason)) from None
+        raise UsageError("cannot use the token file %s: %s" % (tokens.path, reason(exc))) from None
     return data_dir
 
 
@@ -4417,7 +4422,7 @@ def serve_command(argv):
                               jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked,
                               args.request_timeout)
     except OSError as exc:
-        raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, exc.strerror or exc)) from None
+        raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, reason(exc))) from None
     if tls is None and not is_loopback(args.host):
         log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for localhost, "
             "127.0.0.1 and [::1]: put TLS in front of this server" % args.host)

@@ -6509,6 +6509,19 @@ class CommandLineTest(unittest.TestCase):
         with open(path) as f:
             self.assertEqual(f.read(), '{"tokens": [{"id": "x"}]}')  # left as it was
 
+    def test_a_token_flag_file_that_cannot_be_used_is_named(self):
+        missing = os.path.join(self.data_dir, "no-such-secret")
+        empty = os.path.join(self.data_dir, "empty-secret")
+        open(empty, "w").close()
+        for flag, path, why in (("--jwt-secret-file", missing, "No such file or directory"),
+                                ("--jwt-secret-file", empty, "the JWT secret file is empty"),
+                                ("--jwks-file", missing, "No such file or directory"),
+                                ("--supabase-anon-key-file", missing, "No such file or directory")):
+            with self.subTest(flag=flag, path=path):
+                result = self.run_cli("--data", self.data_dir, "--port", "0", flag, path)
+                self.assertEqual(result.returncode, 2)
+                self.assertEqual(result.stderr, "oharness-sync: error: cannot use %s: %s\n" % (path, why))
+
     def test_token_issue_list_revoke(self):
         result = self.run_cli("token", "issue", "--data", self.data_dir, "--principal", "alice",
                               "--team", "platform", "--team", "ops", "--name", "laptop", "--expires-days", "30")
