@@ -5035,12 +5035,31 @@ server.serve_forever()
 """
 
 
-class BenchTarget:
-    """The server being measured: a URL and a token, and (when bench started it) its process."""
+class BenchRefused(RuntimeError):
+    """A bench request was answered with another status than 200."""
 
-    def __init__(self, url, token, process=None, data_dir=None):
+    def __init__(self, what, status, body=b""):
+        try:
+            shown = excerpt(json.loads(body))
+        except ValueError:
+            shown = excerpt(body.decode("utf-8", "replace"))
+        RuntimeError.__init__(self, "%s was answered %d, not 200: %s" % (what, status, shown))
+        self.status = status
+
+
+# Memory answers that mean "memory sync cannot be measured on this server with this token" (not signed in,
+# another account, rate-limited, no identity service, memory sync off): the memory figures are skipped.
+MEMORY_NOT_MEASURABLE = (401, 403, 429, 502, 503)
+
+
+class BenchTarget:
+    """The server being measured: a URL, a token and its principal (None: unknown, no memory figures),
+    and (when bench started it) its process."""
+
+    def __init__(self, url, token, principal=None, process=None, data_dir=None):
         self.url = url
         self.token = token
+        self.principal = principal
         self.process = process
         self.data_dir = data_dir
 
@@ -5051,7 +5070,7 @@ class BenchTarget:
         token, _ = TokenStore(data_dir).issue("bench", ["bench-team"], name="bench")
         process, url = start_subprocess([sys.executable, os.path.abspath(__file__), "--data", data_dir,
                                          "--port", "0", "--quiet"] + list(flags))
-        return cls(url, token, process, data_dir)
+        return cls(url, token, "bench", process, data_dir)
 
     def rss_mib(self):
         """The server's resident memory in MiB (Linux), or None."""
@@ -5130,22 +5149,27 @@ class BenchClient:
         self.reader.close()
         self.sock.close()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
 
 _BENCH_PUSH = b'{"project":"bench-push","records":[{"session":"w%d","id":"%s-%d","seq":%d,"device":"bench",' \
               b'"at":1,"body":{"text":"' + b"x" * 150 + b'"}}]}'
-_BENCH_SNAPSHOT = b'{"expectedPrincipal":"bench","project":"bench-memory","knownEtag":"%s"}'
 
 
 def bench_request(kind, worker, number, extra):
     """(method, path, body bytes) of a benchmark request: 'health', 'push' (a new record each time) or
-    'snapshot' (answered `unchanged`: extra is the current etag). Bodies are filled into templates, not
+    'snapshot' (extra is the whole body, encoded once). Bodies are filled into templates, not
     encoded from objects: the clients share the cores with the server, and their cost is not its."""
     if kind == "health":
         return "GET", "/v1/health", None
     if kind == "push":
         return "POST", "/v1/push", _BENCH_PUSH % (worker, extra.encode("ascii"), number, number)
     if kind == "snapshot":
-        return "POST", "/v1/memory/snapshot", _BENCH_SNAPSHOT % extra.encode("ascii")
+        return "POST", "/v1/memory/snapshot", extra
     raise ValueError(kind)
 
 
@@ -5154,7 +5178,8 @@ BENCH_RUN = secrets.token_hex(4)
 
 def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
     """One client process: connect, say so on ready, and once go is set send kind requests back to back
-    within the window (start, stop) the parent set; (count, errors) on results."""
+    within the window (start, stop) the parent set; on results (count, None), or (count, (status, body))
+    of the first answer that was not 200, which ends its requests."""
     try:
         client = BenchClient(url, token)
     except OSError:
@@ -5163,24 +5188,24 @@ def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
     go.wait()
     start_at, stop_at = window[0], window[1]
     if client is None:
-        results.put((0, 1))
+        results.put((0, (0, b"could not connect")))
         return
-    count = errors = 0
+    count, refused = 0, None
     time.sleep(max(0.0, start_at - time.time()))
     while time.time() < stop_at:
-        method, path, body = bench_request(kind, worker, count + errors, extra)
-        status, _ = client.call(method, path, body)
-        if status == 200:
-            count += 1
-        else:
-            errors += 1
+        method, path, body = bench_request(kind, worker, count, extra)
+        status, answer = client.call(method, path, body)
+        if status != 200:
+            refused = (status, answer)
+            break
+        count += 1
     client.close()
-    results.put((count, errors))
+    results.put((count, refused))
 
 
 def bench_rate(url, token, kind, clients, seconds, extra=None):
-    """Requests per second of kind from clients processes; (rate, errors). The timed window opens once
-    every client is connected."""
+    """Requests per second of kind from clients processes; BenchRefused if one was not answered 200.
+    The timed window opens once every client is connected."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     ready, go, window, results = context.Queue(), context.Event(), context.Array("d", 2), context.Queue()
     if kind == "push":
@@ -5197,14 +5222,17 @@ def bench_rate(url, token, kind, clients, seconds, extra=None):
     counts = [results.get() for _ in processes]
     for process in processes:
         process.join()
-    return sum(c for c, _ in counts) / float(seconds), sum(e for _, e in counts)
+    for _, refused in counts:
+        if refused is not None:
+            raise BenchRefused("a %s request" % kind, *refused)
+    return sum(c for c, _ in counts) / float(seconds)
 
 
 def bench_reference(script, arguments, kind, client_counts, seconds):
     """Rates of kind against a reference server script (one per entry of client_counts)."""
     process, url = start_subprocess([sys.executable, "-c", script] + arguments)
     try:
-        return [bench_rate(url, None, kind, count, seconds)[0] for count in client_counts]
+        return [bench_rate(url, None, kind, count, seconds) for count in client_counts]
     finally:
         process.terminate()
         process.wait()
@@ -5229,29 +5257,29 @@ def disk_fsync_rate(directory, seconds):
 
 def fill_feed(target, project, records, body_bytes=200):
     """Push records records (about body_bytes each) into project, 500 a push."""
-    client = BenchClient(target.url, target.token)
-    text = "y" * (body_bytes - 60)
-    for start in range(0, records, MAX_PUSH_RECORDS):
-        batch = [{"session": "s%d" % (i // 1000), "id": "r%d" % i, "seq": i, "device": "bench", "at": i,
-                  "body": {"role": "assistant", "text": text}} for i in range(start, min(records, start + 500))]
-        status, _ = client.call("POST", "/v1/push", {"project": project, "records": batch})
-        if status != 200:
-            raise RuntimeError("filling the feed failed with %d" % status)
-    client.close()
+    with BenchClient(target.url, target.token) as client:
+        text = "y" * (body_bytes - 60)
+        for start in range(0, records, MAX_PUSH_RECORDS):
+            batch = [{"session": "s%d" % (i // 1000), "id": "r%d" % i, "seq": i, "device": "bench", "at": i,
+                      "body": {"role": "assistant", "text": text}} for i in range(start, min(records, start + 500))]
+            status, answer = client.call("POST", "/v1/push", {"project": project, "records": batch})
+            if status != 200:
+                raise BenchRefused("a push filling the catch-up feed", status, answer)
 
 
 def catch_up(target, project, limit=MAX_PULL_LIMIT):
     """Pull a whole feed page by page; (records, seconds)."""
-    client = BenchClient(target.url, target.token)
-    since, records, started = 0, 0, time.monotonic()
-    while True:
-        status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d" % (project, since, limit))
-        page = json.loads(body)
-        records += len(page["records"])
-        since = page["cursor"]
-        if not page["more"]:
-            break
-    client.close()
+    with BenchClient(target.url, target.token) as client:
+        since, records, started = 0, 0, time.monotonic()
+        while True:
+            status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d" % (project, since, limit))
+            if status != 200:
+                raise BenchRefused("a catch-up pull", status, body)
+            page = json.loads(body)
+            records += len(page["records"])
+            since = page["cursor"]
+            if not page["more"]:
+                break
     return records, time.monotonic() - started
 
 
@@ -5307,15 +5335,14 @@ def park_and_wake(target, feeds, polls, processes=8):
         ready.get(timeout=60)
     time.sleep(min(2.0, 0.2 + polls / 500.0))  # let every request reach the server and park
     rss_parked = target.rss_mib()
-    client = BenchClient(target.url, target.token)
-    pushed, first_only = time.time(), None
-    for project in sorted(set(projects)):
-        client.call("POST", "/v1/push", {"project": project, "records": [
-            {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
-        if first_only is None:
-            time.sleep(0.5)
-            first_only = answered.value
-    client.close()
+    with BenchClient(target.url, target.token) as client:
+        pushed, first_only = time.time(), None
+        for project in sorted(set(projects)):
+            client.call("POST", "/v1/push", {"project": project, "records": [
+                {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
+            if first_only is None:
+                time.sleep(0.5)
+                first_only = answered.value
     woke = [at for _ in workers for at in results.get(timeout=60)]
     for worker in workers:
         worker.join()
@@ -5329,39 +5356,68 @@ def percentile(values, fraction):
     return values[min(len(values) - 1, int(round(fraction * (len(values) - 1))))]
 
 
-def make_memory_scope(target, notes):
-    """Commit notes notes into the bench-memory project; the note hashes (for a full `have`)."""
-    client = BenchClient(target.url, target.token)
-    etag, have = None, {}
-    for start in range(0, notes, 500):
-        changes = []
-        for i in range(start, min(notes, start + 500)):
-            note = {"id": "note-%d" % i, "summary": "note %d" % i, "body": "body of note %d " % i + "z" * 200,
-                    "tags": ["bench"], "createdAt": 1}
-            have[note["id"]] = note_hash(note)
-            changes.append({"id": note["id"], "hash": have[note["id"]], "note": note})
-        status, body = client.call("POST", "/v1/memory/commit", {
-            "expectedPrincipal": "bench", "project": "bench-memory", "etag": etag, "changes": changes})
-        if status != 200:
-            raise RuntimeError("memory commit failed with %d: %s" % (status, body[:200]))
-        etag = json.loads(body)["etag"]
-    client.close()
+def make_memory_scope(target, project, notes):
+    """Commit notes notes into project (a new one); its etag and the note hashes (for a full `have`)."""
+    with BenchClient(target.url, target.token) as client:
+        etag, have = None, {}
+        for start in range(0, notes, 500):
+            changes = []
+            for i in range(start, min(notes, start + 500)):
+                note = {"id": "note-%d" % i, "summary": "note %d" % i, "body": "body of note %d " % i + "z" * 200,
+                        "tags": ["bench"], "createdAt": 1}
+                have[note["id"]] = note_hash(note)
+                changes.append({"id": note["id"], "hash": have[note["id"]], "note": note})
+            status, body = client.call("POST", "/v1/memory/commit", {
+                "expectedPrincipal": target.principal, "project": project, "etag": etag, "changes": changes})
+            if status != 200:
+                raise BenchRefused("a memory commit", status, body)
+            etag = json.loads(body)["etag"]
     return etag, have
 
 
-def snapshot_rate(target, have, seconds):
-    """Full snapshots per second of the bench-memory scope with every note in `have` (one client)."""
-    client = BenchClient(target.url, target.token)
-    # Encoded once: the figure is the server's, not the bench client's JSON encoder's.
-    body = encode_json({"expectedPrincipal": "bench", "project": "bench-memory", "have": have})
-    count, stop_at = 0, time.monotonic() + seconds
-    while time.monotonic() < stop_at:
-        status, _ = client.call("POST", "/v1/memory/snapshot", body)
-        if status != 200:
-            raise RuntimeError("snapshot failed with %d" % status)
-        count += 1
-    client.close()
+def snapshot_rate(target, project, have, seconds):
+    """Full snapshots per second of project with every note in `have` (one client)."""
+    with BenchClient(target.url, target.token) as client:
+        # Encoded once: the figure is the server's, not the bench client's JSON encoder's.
+        body = encode_json({"expectedPrincipal": target.principal, "project": project, "have": have})
+        count, stop_at = 0, time.monotonic() + seconds
+        while time.monotonic() < stop_at:
+            status, answer = client.call("POST", "/v1/memory/snapshot", body)
+            if status != 200:
+                raise BenchRefused("a memory snapshot", status, answer)
+            count += 1
     return count / float(seconds)
+
+
+def bench_memory(report, target, args):
+    """The memory figures, on a new project of this run: snapshots answered `unchanged` against health
+    requests, and full snapshots of args.notes notes. Where the server cannot be measured so (no principal
+    given, an answer in MEMORY_NOT_MEASURABLE), a note line says why and the rest is left out."""
+    if target.principal is None:
+        report.note("no memory figures: give --principal (the token's principal) to measure them")
+        return
+    try:
+        measure_memory(report, target, args.clients, args.seconds, args.notes)
+    except BenchRefused as exc:
+        if exc.status not in MEMORY_NOT_MEASURABLE:
+            raise
+        report.note("no more memory figures: %s" % exc)
+
+
+def measure_memory(report, target, clients, seconds, notes):
+    project = "bench-memory-" + BENCH_RUN
+    etag, have = make_memory_scope(target, project, notes)
+    unchanged_body = encode_json({"expectedPrincipal": target.principal, "project": project, "knownEtag": etag})
+    # Health once more, in turns with the snapshots: the machine may have grown busier or calmer since
+    # the start, and taking turns lets any drift weigh on both alike.
+    health_now = unchanged = 0.0
+    for _ in range(2):
+        health_now += bench_rate(target.url, target.token, "health", clients, seconds / 2) / 2
+        unchanged += bench_rate(target.url, target.token, "snapshot", clients, seconds / 2, unchanged_body) / 2
+    report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health_now,
+               "health in turns", ">= 0.67x")
+    report.add("memory snapshot, %d notes, full have" % notes, snapshot_rate(target, project, have, seconds),
+               "/s", target=">= 50/s")
 
 
 def write_big_data_dir(data_dir, feeds, records_per_feed):
@@ -5387,14 +5443,13 @@ def big_start(data_dir, feeds, records_per_feed):
     started = time.monotonic()
     target = BenchTarget.start(data_dir)
     try:
-        client = BenchClient(target.url, target.token)
-        for f in range(feeds):
-            since = max(0, records_per_feed - MAX_PULL_LIMIT)
-            status, body = client.call("GET", "/v1/pull?project=big-%d&since=%d" % (f, since))
-            if status != 200 or len(json.loads(body)["records"]) != records_per_feed - since:
-                raise RuntimeError("the big feed did not answer its last page")
-        elapsed = time.monotonic() - started
-        client.close()
+        with BenchClient(target.url, target.token) as client:
+            for f in range(feeds):
+                since = max(0, records_per_feed - MAX_PULL_LIMIT)
+                status, body = client.call("GET", "/v1/pull?project=big-%d&since=%d" % (f, since))
+                if status != 200 or len(json.loads(body)["records"]) != records_per_feed - since:
+                    raise RuntimeError("the big feed did not answer its last page")
+            elapsed = time.monotonic() - started
         return elapsed, target.rss_mib()
     finally:
         target.stop()
@@ -5436,6 +5491,8 @@ def bench_command(argv):
     parser = ArgumentParser(prog="oharness_sync.py bench", description="Measure a server's speed.")
     parser.add_argument("--url", help="measure this server instead of starting one (needs --token)")
     parser.add_argument("--token", help="a token for --url")
+    parser.add_argument("--principal", metavar="ID",
+                        help="the token's principal, for the memory figures with --url (without it they are skipped)")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed phase (default 3)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent client processes (default 16)")
     parser.add_argument("--polls", type=int, default=1000, help="parked long-polls (default 1000)")
@@ -5448,6 +5505,8 @@ def bench_command(argv):
     args = parser.parse_args(argv)
     if bool(args.url) != bool(args.token):
         raise UsageError("--url and --token go together")
+    if args.principal is not None and (not args.url or not is_valid_id(args.principal)):
+        raise UsageError("--principal goes with --url, and must be an id")
     if (args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1 or args.notes < 1
             or args.big_records < 0):
         raise UsageError("--seconds, --clients, --polls, --catchup-records and --notes must be positive")
@@ -5469,8 +5528,11 @@ def bench_command(argv):
 def run_bench(report, args, scratch):
     seconds, clients = args.seconds, args.clients
     own = not args.url
-    target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0") if own else BenchTarget(args.url, args.token)
-    report.note("oharness-sync bench: %s, %s; %d client processes, %.0f s a phase; Python %s on %s, %d CPUs" % (
+    if own:
+        target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0")
+    else:
+        target = BenchTarget(args.url, args.token, args.principal)
+    report.note("oharness-sync bench: %s, %s; %d client processes, %g s a phase; Python %s on %s, %d CPUs" % (
         "a server started on a temporary data dir" if own else target.url,
         "writes bench data" if own else "WRITES test data to that server",
         clients, seconds, sys.version.split()[0], os.uname().machine if hasattr(os, "uname") else "?",
@@ -5480,14 +5542,14 @@ def run_bench(report, args, scratch):
         reference = None
         if own:
             reference = bench_reference(REFERENCE_SERVER, [], "health", [clients], seconds)[0]
-        health, _ = bench_rate(target.url, target.token, "health", clients, seconds)
+        health = bench_rate(target.url, target.token, "health", clients, seconds)
         report.add("health, %d keep-alive clients" % clients, health, "req/s", reference,
                    "bare http.server", ">= 0.85x")
         disk = disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds)
         report.add("disk: serial append+fsync (reference)", disk, "/s")
-        push_1, errors_1 = bench_rate(target.url, target.token, "push", 1, seconds)
+        push_1 = bench_rate(target.url, target.token, "push", 1, seconds)
         report.add("1-record pushes, 1 client", push_1, "push/s", disk, "disk fsyncs", ">= 0.6x")
-        push_n, errors_n = bench_rate(target.url, target.token, "push", clients, seconds)
+        push_n = bench_rate(target.url, target.token, "push", clients, seconds)
         report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", disk, "disk fsyncs",
                    ">= 1.2x")
         if own:
@@ -5513,17 +5575,7 @@ def run_bench(report, args, scratch):
         _, _, _, first_only = park_and_wake(target, args.polls, args.polls)
         report.add("polls answered by a push to 1 of %d feeds" % args.polls, first_only, "in 0.5 s",
                    target="1 (its own)")
-        etag, have = make_memory_scope(target, args.notes)
-        # Health once more, in turns with the snapshots: the machine may have grown busier or calmer since
-        # the start, and taking turns lets any drift weigh on both alike.
-        health_now = unchanged = 0.0
-        for _ in range(2):
-            health_now += bench_rate(target.url, target.token, "health", clients, seconds / 2)[0] / 2
-            unchanged += bench_rate(target.url, target.token, "snapshot", clients, seconds / 2, etag)[0] / 2
-        report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health_now,
-                   "health in turns", ">= 0.67x")
-        report.add("memory snapshot, %d notes, full have" % args.notes, snapshot_rate(target, have, seconds), "/s",
-                   target=">= 50/s")
+        bench_memory(report, target, args)
         rss_end = target.rss_mib()
         if rss_end is not None:
             report.add("server memory (start / end)", rss_end, "MiB", rss_start, "at start")

@@ -6,6 +6,7 @@ Wire-level cases start a real server on port 0 (in a thread, or as a
 subprocess where a crash or a signal is part of the test).
 """
 
+import argparse
 import base64
 import concurrent.futures
 import contextlib
@@ -6771,7 +6772,7 @@ class BenchCommandTest(unittest.TestCase):
         out_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, out_dir, True)
         json_path = os.path.join(out_dir, "bench.json")
-        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.2", "--clients", "2", "--polls",
+        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.1", "--clients", "2", "--polls",
                                  "20", "--catchup-records", "1200", "--notes", "300", "--big-records", "2000",
                                  "--json", json_path],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
@@ -6785,6 +6786,7 @@ class BenchCommandTest(unittest.TestCase):
                        "memory snapshot, 300 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
+        self.assertIn("2 client processes, 0.1 s a phase", result.stdout)
         self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
         self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
         with open(json_path) as f:
@@ -6792,6 +6794,96 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(len(doc["figures"]), 17)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
+
+    def test_a_running_server_is_measured_with_url_token_and_principal(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        token, _ = sync.TokenStore(data_dir).issue("alice", [])
+        server = SubprocessServer(data_dir, "--memory-rate-limit", "0")
+        self.addCleanup(server.stop)
+        result = subprocess.run([sys.executable, MODULE, "bench", "--url", server.url, "--token", token,
+                                 "--principal", "alice", "--seconds", "0.1", "--clients", "1", "--polls", "2",
+                                 "--catchup-records", "10", "--notes", "5"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("%s, WRITES test data to that server" % server.url, result.stdout)
+        for figure in ("health, 1 keep-alive clients", "1-record pushes, 1 client", "catch-up pull of 10 records",
+                       "long-polls answered", "memory snapshot 'unchanged', 1 clients",
+                       "memory snapshot, 5 notes, full have"):
+            self.assertIn(figure, result.stdout)
+        for only_own in ("bare http.server", "server memory", "start-up"):  # nothing measured on its machine
+            self.assertNotIn(only_own, result.stdout)
+        projects = os.listdir(os.path.join(data_dir, "memory", "u-alice"))
+        self.assertEqual(len(projects), 1)
+        self.assertRegex(projects[0], r"^p-bench-memory-[0-9a-f]{8}$")
+
+    def test_a_token_the_server_refuses_stops_bench_with_its_answer(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        server = SubprocessServer(data_dir)
+        self.addCleanup(server.stop)
+        result = subprocess.run([sys.executable, MODULE, "bench", "--url", server.url, "--token", "ohs_0_unknown",
+                                 "--seconds", "0.1", "--clients", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        self.assertEqual(result.returncode, 1)
+        self.assertEqual(result.stderr, 'oharness-sync bench: stopped: a push request was answered 401, not 200: '
+                                        '{"error": "unknown token"}\n')
+        self.assertNotIn("1-record pushes", result.stdout)
+
+    def test_principal_goes_with_url_and_must_be_an_id(self):
+        for args in (["--principal", "alice"], ["--url", "http://127.0.0.1:9", "--token", "t", "--principal", "a/b"]):
+            result = subprocess.run([sys.executable, MODULE, "bench"] + args, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
+            self.assertEqual(result.returncode, 2, args)
+            self.assertEqual(result.stderr, "oharness-sync: error: --principal goes with --url, and must be an id\n")
+
+
+class BenchMemoryTest(ServerCase):
+    """bench's memory figures against a server in this process: what is measured, and what leaves them out."""
+
+    server_options = {"memory_rate_limit": 0}
+    args = argparse.Namespace(clients=1, seconds=0.05, notes=3)
+
+    def bench_memory(self, principal, token=None):
+        out = io.StringIO()
+        target = sync.BenchTarget(self.url, token or self.alice, principal)
+        sync.bench_memory(sync.BenchReport(out), target, self.args)
+        return out.getvalue()
+
+    def test_each_run_commits_to_a_project_of_its_own(self):
+        for run in ("0000aaaa", "0000bbbb"):
+            with mock.patch.object(sync, "BENCH_RUN", run):
+                out = self.bench_memory("alice")
+            self.assertIn("memory snapshot 'unchanged', 1 clients", out)
+            self.assertIn("memory snapshot, 3 notes, full have", out)
+        self.assertEqual(sorted(os.listdir(os.path.join(self.data_dir, "memory", "u-alice"))),
+                         ["p-bench-memory-0000aaaa", "p-bench-memory-0000bbbb"])
+
+    def test_without_a_principal_a_line_says_how_to_get_them(self):
+        self.assertEqual(self.bench_memory(None),
+                         "no memory figures: give --principal (the token's principal) to measure them\n")
+        self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
+
+    def test_another_accounts_principal_leaves_them_out_with_the_answer(self):
+        self.assertEqual(self.bench_memory("bob"),
+                         'no more memory figures: a memory commit was answered 403, not 200: '
+                         '{"code": "account_mismatch", "error": "the token belongs to another account"}\n')
+
+    def test_a_rate_limit_leaves_the_rest_out_with_the_answer(self):
+        self.server.app.rate_limiter = sync.RateLimiter(2)  # one request in a burst: the commit
+        out = self.bench_memory("alice")
+        self.assertRegex(out, r'no more memory figures: a snapshot request was answered 429, not 200: '
+                              r'\{"code": "rate_limited", "error": "too many memory requests"\}\n$')
+        self.assertNotIn("full have", out)
+
+    def test_memory_sync_turned_off_leaves_them_out_and_other_answers_stop_bench(self):
+        self.server.app.auth.memory_mode = "off"
+        self.assertEqual(self.bench_memory("alice"),
+                         'no more memory figures: a memory commit was answered 503, not 200: '
+                         '{"code": "auth_not_configured", "error": "memory sync is turned off on this server"}\n')
+        with mock.patch.object(sync, "MEMORY_NOT_MEASURABLE", ()):
+            with self.assertRaisesRegex(sync.BenchRefused, "a memory commit was answered 503"):
+                self.bench_memory("alice")
 
 
 if __name__ == "__main__":
