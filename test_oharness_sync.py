@@ -3002,6 +3002,22 @@ class TenancyTest(ServerCase):
 EMPTY_PULL = {"cursor": 0, "records": [], "sessions": [], "more": False}
 
 
+@contextlib.contextmanager
+def fsyncs_held():
+    """Every sync_file waits for release: yields (entered, release), two Events; entered is set by the
+    first sync to start."""
+    entered, release = threading.Event(), threading.Event()
+    real_sync = sync.sync_file
+
+    def held_sync(fd):
+        entered.set()
+        release.wait(5)
+        real_sync(fd)
+
+    with mock.patch.object(sync, "sync_file", held_sync):
+        yield entered, release
+
+
 def open_raw(url, timeout=5.0):
     """A plain TCP socket to the server at url, for requests written by hand."""
     host, port = url.split("//", 1)[1].rsplit(":", 1)
@@ -4749,16 +4765,8 @@ class TransportTest(ServerCase):
         self.assertEqual([ref() for ref in seen], [None] * len(seen))
 
     def test_a_push_whose_client_leaves_before_its_fsync_is_stored_all_the_same(self):
-        entered, gate = threading.Event(), threading.Event()
-        real_sync = sync.sync_file
-
-        def slow_sync(fd):
-            entered.set()
-            gate.wait(5)
-            real_sync(fd)
-
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
-        with mock.patch.object(sync, "sync_file", slow_sync):
+        with fsyncs_held() as (entered, gate):
             with open_raw(self.url) as sock:
                 sock.sendall(push_head(self.alice, len(body)) + body)
                 self.assertTrue(entered.wait(5))
@@ -4775,19 +4783,11 @@ class TransportTest(ServerCase):
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
 
     def test_a_push_whose_answer_meets_a_reset_connection_is_no_longer_in_flight(self):
-        entered, gate = threading.Event(), threading.Event()
-        real_sync = sync.sync_file
-
-        def slow_sync(fd):
-            entered.set()
-            gate.wait(5)
-            real_sync(fd)
-
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
         # More than RECEIVE_BYTES pipelined after the push: the loop stops reading, so it does not see the
         # reset; the answer's send does (ECONNRESET), and that must end the request.
         padding = b"POST /v1/push HTTP/1.1\r\nContent-Length: 200000\r\n\r\n" + b" " * 100000
-        with mock.patch.object(sync, "sync_file", slow_sync):
+        with fsyncs_held() as (entered, gate):
             with open_raw(self.url) as sock:
                 sock.sendall(push_head(self.alice, len(body)) + body + padding)
                 self.assertTrue(entered.wait(5))
