@@ -3189,9 +3189,16 @@ class SyncApp:
             raise BadRequest(str(exc)) from None
         push = validate_push(doc)
         owner = self.feed_owner(identity, push.team)
-        self.feeds.submit(owner, push.project, push.records, push.sessions,
-                          lambda outcome: request.answer_later(self.push_answer(outcome)), request.may_block)
-        return request.later()
+        # Marked before submit: the answer may come before submit returns (at once, for a push that adds
+        # nothing; or from a flusher), and from a worker thread the loop may send it before this returns.
+        later = request.later()
+        try:
+            self.feeds.submit(owner, push.project, push.records, push.sessions,
+                              lambda outcome: request.answer_later(self.push_answer(outcome)), request.may_block)
+        except BaseException:
+            request.answer_pending = False  # no answer will come: it ends as any other request does
+            raise
+        return later
 
     def push_answer(self, outcome):
         """The answer to a push, from what its group commit gave: (cursor, accepted) or the error."""
@@ -3853,15 +3860,16 @@ class Connection:
             outcome = self.internal_error(request, exc)
         finally:
             request.may_block = False
-        self.server.loop.call_soon(self.finish, outcome)
+        self.server.loop.call_soon(self.finish, outcome, request)
 
     def internal_error(self, request, exc):
         self.server.log("internal error on %s %s: %s: %s" % (request.method, request.path, type(exc).__name__, exc))
         return json_response(500, {"error": "internal server error"})
 
-    def finish(self, outcome):
-        """Act on what running the request gave (in the loop)."""
-        if self.closed:
+    def finish(self, outcome, request=None):
+        """Act on what running the request gave (in the loop). request: the one a worker ran, which may
+        have been answered meanwhile (a push's answer can overtake its worker's return)."""
+        if self.closed or request is not None and request is not self.request:
             return
         if isinstance(outcome, Response):
             self.answer(outcome)

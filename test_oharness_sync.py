@@ -4801,6 +4801,47 @@ class TransportTest(ServerCase):
         self.assertEqual((self.server.busy, self.server.connections), (0, 0))
         self.assertEqual(self.pull(self.alice).json["records"], [record()])
 
+    def test_a_push_answered_before_its_worker_returns_is_not_left_awaiting_its_answer(self):
+        # A push run in a worker thread (its feed not loaded yet) that adds nothing is answered at once:
+        # done runs in that thread, and the loop may send the answer before the handler returns (the worker
+        # loses the interpreter lock on the wake-up send). Then later() marked an answered request as
+        # awaiting its answer (busy stuck if its connection closed mid-send), and the worker's finish ran
+        # for the next request, watching READ while that one's worker might be reading its body.
+        for project in ("proj", "other"):
+            self.assertAnswer(self.push(self.alice, project, [record()]), 200)
+        self.restart_server()
+        feeds = self.server.app.feeds
+        real_submit, real_ended = feeds.submit, self.server.request_ended
+        ended, second_in_worker, release_second = [], threading.Event(), threading.Event()
+
+        def request_ended(request):
+            ended.append(request)
+            real_ended(request)
+
+        def submit(owner, project, records, sessions, done, may_block=True):
+            if may_block and project == "other":
+                second_in_worker.set()
+                release_second.wait(5)
+            real_submit(owner, project, records, sessions, done, may_block)
+            if may_block and project == "proj":
+                second_in_worker.wait(5)  # the first push is answered, the second is in its worker
+
+        body = {p: json.dumps({"project": p, "records": [record()]}).encode() for p in ("proj", "other")}
+        with mock.patch.object(feeds, "submit", submit), \
+                mock.patch.object(self.server, "request_ended", request_ended), open_raw(self.url) as sock:
+            sock.sendall(push_head(self.alice, len(body["proj"])) + body["proj"]
+                         + push_head(self.alice, len(body["other"])) + body["other"])
+            self.assertTrue(second_in_worker.wait(5))
+            time.sleep(0.3)  # the first push's worker returns, and its finish runs in the loop
+            connection = next(iter(self.server._open))
+            events, first = connection.events, ended[0]
+            release_second.set()
+            answers, _ = read_pipelined_answers(sock, 2)
+        self.assertEqual(answers, [(200, b'{"cursor":1,"accepted":0}')] * 2)
+        self.assertFalse(first.answer_pending)
+        self.assertEqual(events, 0)  # not read while the second push's worker may read its body
+        self.assertTrue(self.server.wait_idle(5))
+
 
 # ---------------------------------------------------------------------------
 # The HTTP layer: memory sync on the wire
