@@ -3313,14 +3313,24 @@ _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,8}")
 
 
 def head_end(buf, start=0):
-    """Where the request head at the start of buf ends (just after its blank line), or -1."""
-    crlf = buf.find(b"\n\r\n", start)
-    # A bare-LF end only counts before the first CRLF one: searched no further, or each request of a long
-    # pipeline would scan all of what follows it (a CRLF client never sends one).
-    lf = buf.find(b"\n\n", start, len(buf) if crlf < 0 else crlf + 2)
-    if lf >= 0 and (crlf < 0 or lf < crlf):
-        return lf + 2
-    return crlf + 3 if crlf >= 0 else -1
+    """Where the request head at the start of buf ends (just after its blank line), or -1.
+
+    Searched in growing windows, so that neither ending is looked for far past the head's own end: each
+    request of a long pipeline would otherwise scan all that follows it (for a CRLF end, by a bare-LF
+    client; for a bare-LF one, by every other)."""
+    size, window = len(buf), 4096
+    while True:
+        stop = min(size, start + window)
+        crlf = buf.find(b"\n\r\n", start, stop)
+        # A bare-LF end only counts before the first CRLF one (none straddles the window's edge before it).
+        lf = buf.find(b"\n\n", start, stop if crlf < 0 else crlf + 2)
+        if lf >= 0:
+            return lf + 2
+        if crlf >= 0:
+            return crlf + 3
+        if stop == size:
+            return -1
+        start, window = stop - 2, window * 2  # an end may straddle the edge
 
 
 def parse_head(head):

@@ -4367,6 +4367,33 @@ class HeadParsingTest(unittest.TestCase):
         self.assertEqual(sync.head_end(b"GET / HTTP/1.1\r\nHost: x\r\n"), -1)
         self.assertEqual(sync.head_end(bytearray(b"GET / HTTP/1.1\r\nA: b\n\n\r\n\r\n")), 22)
 
+    def test_the_head_end_is_searched_no_further_than_near_the_head(self):
+        class Recording(bytearray):
+            def find(self, sub, start=0, end=None):
+                """Also keeps how far any search looked: to its match's end, else to its bound."""
+                found = bytearray.find(self, sub, start, len(self) if end is None else end)
+                reach = found + len(sub) if found >= 0 else len(self) if end is None else end
+                self.reach = max(getattr(self, "reach", 0), reach)
+                return found
+
+        for ending in (b"\r\n", b"\n"):
+            one = ending.join([b"GET /v1/health HTTP/1.1", b"Host: x", b"", b""])
+            pipeline = Recording(one * 20000)
+            self.assertEqual(sync.head_end(pipeline), len(one))
+            self.assertLess(pipeline.reach, 10000, ending)
+        for ending, mixed in ((b"\n\n", 7), (b"\r\n\r\n", 8)):  # an end across each window edge
+            for at in range(4086, 4100):
+                buf = b"x" * at + ending + b"GET / HTTP/1.1\r\n\r\n" * 3
+                self.assertEqual(sync.head_end(buf), at + len(ending), (at, ending))
+                self.assertEqual(sync.head_end(bytearray(buf), 100), at + len(ending))
+        for at in range(4080, 4100):  # a bare-LF end before a CRLF one, around the edge
+            buf = b"x" * at + b"\n\n" + b"y" * (at % 7) + b"\n\r\n"
+            self.assertEqual(sync.head_end(buf), at + 2)
+            buf = b"x" * at + b"\n\r\n" + b"y" * (at % 7) + b"\n\n"
+            self.assertEqual(sync.head_end(buf), at + 3)
+        self.assertEqual(sync.head_end(b"a" * 100000), -1)
+        self.assertEqual(sync.head_end(b"a" * 100000 + b"\n\n"), 100002)
+
     def test_headers_are_by_lower_case_name_and_repeats_are_joined(self):
         head = b"POST /v1/push?x=1 HTTP/1.1\r\nHost: x\r\nX-Tag: a\r\nx-tag:  b \r\n\r\n"
         self.assertEqual(sync.parse_head(head), ("POST", "/v1/push?x=1", "HTTP/1.1", {"host": "x", "x-tag": "a, b"}))
@@ -4622,6 +4649,34 @@ class TransportTest(ServerCase):
             reader.join(60)
         self.assertEqual(answers, [b"HTTP/1.1 200"] * count)
         self.assertLessEqual(largest[0], 2 * sync.RECEIVE_BYTES + len(one))
+
+    def test_a_head_unfinished_after_a_read_pause_is_read_on(self):
+        # More than RECEIVE_BYTES pipelined behind a push (reading pauses), and the last head unfinished
+        # when the push is answered: advance must read on, or the head waits for the request time-out.
+        entered, gate = threading.Event(), threading.Event()
+        real_sync = sync.sync_file
+
+        def slow_sync(fd):
+            entered.set()
+            gate.wait(5)
+            real_sync(fd)
+
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        big = b"GET /v1/health HTTP/1.1\r\nHost: t\r\n" + b"".join(
+            b"X-Pad%d: %s\r\n" % (i, b"p" * 30000) for i in range(4))
+        with mock.patch.object(sync, "sync_file", slow_sync), open_raw(self.url) as sock:
+            sock.sendall(push_head(self.alice, len(body)) + body + big)
+            self.assertTrue(entered.wait(5))
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not any(
+                    len(connection.inbuf) > sync.RECEIVE_BYTES for connection in list(self.server._open)):
+                time.sleep(0.01)
+            gate.set()
+            self.assertEqual(read_raw_answer(sock)[0], 200)
+            time.sleep(0.1)
+            sock.sendall(b"\r\n")
+            sock.settimeout(2)
+            self.assertEqual(read_raw_answer(sock)[:3:2], (200, b'{"ok":true}'))
 
     def test_a_client_that_half_closes_gets_every_answer_it_asked_for(self):
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
