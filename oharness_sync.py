@@ -4006,8 +4006,8 @@ class Connection:
         left unread is first read and dropped, for a while: closing on unread bytes resets the answer)."""
         if self.closed:
             return
-        if gently and self.body_pending and self.state != "linger":
-            return self.linger()
+        if gently and self.body_pending and self.state != "linger" and not self.read_eof:
+            return self.linger()  # (after an EOF nothing more comes: nothing to drop, nothing to reset)
         self.closed = True
         if self.events:
             self.server.loop.selector.unregister(self.sock)

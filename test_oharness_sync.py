@@ -4699,6 +4699,34 @@ class TransportTest(ServerCase):
             time.sleep(0.01)
         self.assertEqual((self.server.connections, self.server.busy), (0, 0))
 
+    def test_a_half_closed_connection_does_not_linger_after_an_early_answer(self):
+        # The EOF is seen while a push is in flight; the next request (a 401 before its body is read) would
+        # close by lingering, waiting LINGER_SECONDS for bytes that can no longer come.
+        entered, gate = threading.Event(), threading.Event()
+        real_sync = sync.sync_file
+
+        def slow_sync(fd):
+            entered.set()
+            gate.wait(5)
+            real_sync(fd)
+
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        with mock.patch.object(sync, "sync_file", slow_sync), open_raw(self.url) as sock:
+            sock.sendall(push_head(self.alice, len(body)) + body + push_head("unknown", len(body)) + body)
+            sock.shutdown(socket.SHUT_WR)
+            self.assertTrue(entered.wait(5))
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not any(c.read_eof for c in list(self.server._open)):
+                time.sleep(0.01)
+            gate.set()
+            answers, reader = read_pipelined_answers(sock, 2)
+            self.assertEqual([status for status, _ in answers], [200, 401])
+            self.assertEqual(reader.read(), b"")
+        deadline = time.monotonic() + sync.LINGER_SECONDS / 2
+        while self.server.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual((self.server.connections, self.server.busy), (0, 0))
+
     def park_and_leave(self, since):
         """Park a pull on alice's proj after since, close its connection, and see its place given back."""
         with open_raw(self.url) as sock:
