@@ -4653,18 +4653,10 @@ class TransportTest(ServerCase):
     def test_a_head_unfinished_after_a_read_pause_is_read_on(self):
         # More than RECEIVE_BYTES pipelined behind a push (reading pauses), and the last head unfinished
         # when the push is answered: advance must read on, or the head waits for the request time-out.
-        entered, gate = threading.Event(), threading.Event()
-        real_sync = sync.sync_file
-
-        def slow_sync(fd):
-            entered.set()
-            gate.wait(5)
-            real_sync(fd)
-
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
         big = b"GET /v1/health HTTP/1.1\r\nHost: t\r\n" + b"".join(
             b"X-Pad%d: %s\r\n" % (i, b"p" * 30000) for i in range(4))
-        with mock.patch.object(sync, "sync_file", slow_sync), open_raw(self.url) as sock:
+        with fsyncs_held() as (entered, gate), open_raw(self.url) as sock:
             sock.sendall(push_head(self.alice, len(body)) + body + big)
             self.assertTrue(entered.wait(5))
             deadline = time.monotonic() + 5
@@ -4702,16 +4694,8 @@ class TransportTest(ServerCase):
     def test_a_half_closed_connection_does_not_linger_after_an_early_answer(self):
         # The EOF is seen while a push is in flight; the next request (a 401 before its body is read) would
         # close by lingering, waiting LINGER_SECONDS for bytes that can no longer come.
-        entered, gate = threading.Event(), threading.Event()
-        real_sync = sync.sync_file
-
-        def slow_sync(fd):
-            entered.set()
-            gate.wait(5)
-            real_sync(fd)
-
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
-        with mock.patch.object(sync, "sync_file", slow_sync), open_raw(self.url) as sock:
+        with fsyncs_held() as (entered, gate), open_raw(self.url) as sock:
             sock.sendall(push_head(self.alice, len(body)) + body + push_head("unknown", len(body)) + body)
             sock.shutdown(socket.SHUT_WR)
             self.assertTrue(entered.wait(5))
