@@ -956,6 +956,7 @@ class LocalTokenVerifier:
         self._lock = threading.Lock()
         self._checked = float("-inf")
         self._version = None
+        self._bad_version = None   # the stamp of the damaged file last logged
         self._records = {}
         # Read now, not at the first request: if the file breaks before that, the set in force from the
         # start is the last good one. (The first request still looks at the file again, as ever.)
@@ -981,8 +982,12 @@ class LocalTokenVerifier:
         try:
             records = self.tokens.read()
         except (OSError, ValueError) as exc:
-            self.log("token file unreadable, keeping the previous tokens: %s" % exc)
+            # Read again at every look (a chmod mends it without a new stamp), but logged once a version.
+            if version != self._bad_version:
+                self.log("token file unreadable, keeping the previous tokens: %s" % exc)
+                self._bad_version = version
             return
+        self._bad_version = None
         # Each token's Identity is made here, once, not on every request.
         self._records = {record["id"]: (record, Identity(record["principal"], record.get("teams", ())))
                          for record in records}
@@ -1262,7 +1267,12 @@ def parse_jwks(obj):
 def read_jwks_file(path):
     """Parse a JWKS file. Raises OSError or ValueError."""
     with open(path, "rb") as handle:
-        return parse_jwks(json.loads(handle.read().decode("utf-8")))
+        data = handle.read()
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    return parse_jwks(obj)
 
 
 def fetch_jwks_url(url, timeout):
@@ -1374,6 +1384,9 @@ class JwksSource:
                 self.log("cannot re-read the JWKS file %s (%s); keeping the last good keys (%d)" % (
                     self.path, exc, len(self.keys)))
             self._failed = True
+            # Read it again at the next look even if its stamp stays the same: a chmod, or a file moved
+            # away and back, makes it readable without changing its mtime or size.
+            self._file_stamp = None
 
 
 def read_secret_file(path):
@@ -1847,6 +1860,8 @@ class TokenStore:
                 doc = json.loads(f.read().decode("utf-8"))
         except FileNotFoundError:
             return []
+        except RecursionError:
+            raise ValueError("%s is not a token file: JSON nested too deeply" % self.path) from None
         records = doc.get("tokens") if isinstance(doc, dict) else None
         if not isinstance(records, list) or not all(map(self._well_formed, records)):
             raise ValueError("%s is not a token file" % self.path)

@@ -648,6 +648,24 @@ class LocalTokenTest(unittest.TestCase):
         self.assertEqual(len(log_lines), 1, log_lines)
         self.assertTrue(log_lines[0].startswith("token file unreadable, keeping the previous tokens: "), log_lines)
 
+    def test_a_damaged_file_is_logged_once_and_a_deeply_nested_one_is_damaged_too(self):
+        token, _ = self.store.issue("alice")
+        log_lines = []
+        verifier = sync.LocalTokenVerifier(self.store, log=log_lines.append)
+        os.rename(self.store.path, self.store.path + ".good")
+        with open(self.store.path + ".tmp", "w") as f:
+            f.write("[" * 100000)  # RecursionError in json: before, every request that looked got a 500
+        os.replace(self.store.path + ".tmp", self.store.path)
+        for _ in range(5):  # a look a second while it stays damaged: one log line, not one a second
+            verifier._checked = float("-inf")
+            self.assertEqual(verifier.verify(token).principal, "alice")
+        self.assertEqual(len(log_lines), 1, log_lines)
+        self.assertIn("nested too deeply", log_lines[0])
+        os.replace(self.store.path + ".good", self.store.path)
+        other, _ = self.store.issue("bob")  # mended: read again
+        verifier._checked = float("-inf")
+        self.assertEqual(verifier.verify(other).principal, "bob")
+
     def test_requests_arriving_while_the_file_is_read_wait_for_it(self):
         """A new server's first requests come at once: none may see the token set before it is loaded."""
         token, _ = self.store.issue("alice")
@@ -1097,6 +1115,36 @@ class JwksFileTest(unittest.TestCase):
         self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
         with self.assertRaises(AuthError):  # read again: now it is really unknown
             source.key("no-such-key", "RS256")
+
+    def test_a_failed_re_read_is_tried_again_though_the_file_keeps_its_stamp(self):
+        # A chmod mends a file without changing its mtime or size, and so does moving it away and back:
+        # before, the file was not read again, its new keys never came and unknown kids got 503 for good.
+        self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
+        log_lines = []
+        source = JwksSource(path=self.path, clock=self.clock, log=log_lines.append)
+        self.write(JWKS, 200)
+        with mock.patch.object(sync, "read_jwks_file", side_effect=PermissionError(13, "Permission denied")):
+            self.clock.advance(2)
+            with self.assertRaises(AuthUnavailable):
+                source.key("ec-p256", "ES256")
+        self.clock.advance(2)  # chmod'ed back: same stamp
+        self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
+        with self.assertRaises(AuthError):
+            source.key("no-such-key", "RS256")
+        os.rename(self.path, self.path + ".away")
+        self.clock.advance(2)
+        with self.assertRaises(AuthUnavailable):
+            source.key("no-such-key", "RS256")
+        os.rename(self.path + ".away", self.path)
+        self.clock.advance(2)
+        with self.assertRaises(AuthError):  # readable again: really unknown, a 401
+            source.key("no-such-key", "RS256")
+        self.assertEqual(len(log_lines), 2, log_lines)
+
+    def test_a_deeply_nested_file_is_a_value_error(self):
+        self.write("[" * 100000, 1)
+        with self.assertRaises(ValueError):
+            JwksSource(path=self.path)
 
     def test_exactly_one_of_path_and_url(self):
         with self.assertRaises(ValueError):
@@ -6617,6 +6665,20 @@ class CommandLineTest(unittest.TestCase):
                                             "file\n" % (path, path), args)
         with open(path) as f:
             self.assertEqual(f.read(), '{"tokens": [{"id": "x"}]}')  # left as it was
+
+    def test_deeply_nested_token_and_jwks_files_stop_start_up_with_one_line(self):
+        deep = os.path.join(self.data_dir, "deep.json")
+        with open(deep, "w") as f:
+            f.write("[" * 100000)
+        result = self.run_cli("--data", self.data_dir, "--port", "0", "--jwks-file", deep)
+        self.assertEqual((result.returncode, result.stderr),
+                         (2, "oharness-sync: error: cannot use %s: JSON nested too deeply\n" % deep))
+        shutil.copy(deep, os.path.join(self.data_dir, "tokens.json"))
+        for args in (["--data", self.data_dir, "--port", "0"], ["token", "list", "--data", self.data_dir]):
+            result = self.run_cli(*args)
+            self.assertEqual(result.returncode, 2, (args, result.stderr))
+            self.assertEqual(len(result.stderr.splitlines()), 1, (args, result.stderr))
+            self.assertIn("nested too deeply", result.stderr)
 
     def test_a_token_flag_file_that_cannot_be_used_is_named(self):
         missing = os.path.join(self.data_dir, "no-such-secret")
