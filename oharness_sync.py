@@ -5076,7 +5076,10 @@ class BenchRefused(RuntimeError):
             shown = excerpt(json.loads(body))
         except ValueError:
             shown = excerpt(body.decode("utf-8", "replace"))
-        RuntimeError.__init__(self, "%s was answered %d, not 200: %s" % (what, status, shown))
+        if status == 0:  # no answer at all: body says why, in words
+            RuntimeError.__init__(self, "%s got no answer: %s" % (what, body.decode("utf-8", "replace")))
+        else:
+            RuntimeError.__init__(self, "%s was answered %d, not 200: %s" % (what, status, shown))
         self.status = status
 
 
@@ -5138,6 +5141,17 @@ def start_subprocess(command):
     return process, line.split()[-1]
 
 
+def bench_address(url):
+    """(scheme, host, port) of a bench URL such as https://sync.example.com or http://127.0.0.1:8787/;
+    ValueError if it is not one (a path other than / cannot be kept: requests go to /v1/...)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
+            or parts.query or parts.username is not None:
+        raise ValueError("not a server URL (http(s)://HOST[:PORT]): %s" % url)
+    port = parts.port  # ValueError when it is not a number
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
 class BenchClient:
     """A lean keep-alive HTTP/1.1 client for the bench: each request leaves in one send.
 
@@ -5146,10 +5160,8 @@ class BenchClient:
     """
 
     def __init__(self, url, token=None, timeout=60):
-        scheme, rest = url.split("://", 1)
-        host, port = rest.rsplit(":", 1)
-        host = host.strip("[]")
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        scheme, host, port = bench_address(url)
+        sock = socket.create_connection((host, port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if scheme == "https":
             sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
@@ -5214,25 +5226,29 @@ def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
     within the window (start, stop) the parent set; on results (count, None), or (count, (status, body))
     of the first answer that was not 200, which ends its requests."""
     try:
-        client = BenchClient(url, token)
-    except OSError:
-        client = None
+        client, failure = BenchClient(url, token), None
+    except (OSError, ValueError) as exc:
+        client, failure = None, "could not connect: %s" % exc
     ready.put(1)
     go.wait()
     start_at, stop_at = window[0], window[1]
     if client is None:
-        results.put((0, (0, b"could not connect")))
+        results.put((0, (0, failure.encode("utf-8", "replace"))))
         return
     count, refused = 0, None
     time.sleep(max(0.0, start_at - time.time()))
-    while time.time() < stop_at:
-        method, path, body = bench_request(kind, worker, count, extra)
-        status, answer = client.call(method, path, body)
-        if status != 200:
-            refused = (status, answer)
-            break
-        count += 1
-    client.close()
+    try:
+        while time.time() < stop_at:
+            method, path, body = bench_request(kind, worker, count, extra)
+            status, answer = client.call(method, path, body)
+            if status != 200:
+                refused = (status, answer)
+                break
+            count += 1
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # the parent waits for a result: always one
+        refused = (0, str(exc).encode("utf-8", "replace"))
+    finally:
+        client.close()
     results.put((count, refused))
 
 
@@ -5368,14 +5384,23 @@ def park_and_wake(target, feeds, polls, processes=8):
         ready.get(timeout=60)
     time.sleep(min(2.0, 0.2 + polls / 500.0))  # let every request reach the server and park
     rss_parked = target.rss_mib()
-    with BenchClient(target.url, target.token) as client:
-        pushed, first_only = time.time(), None
-        for project in sorted(set(projects)):
-            client.call("POST", "/v1/push", {"project": project, "records": [
-                {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
-            if first_only is None:
-                time.sleep(0.5)
-                first_only = answered.value
+    try:
+        with BenchClient(target.url, target.token) as client:
+            pushed, first_only = time.time(), None
+            for project in sorted(set(projects)):
+                status, answer = client.call("POST", "/v1/push", {"project": project, "records": [
+                    {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
+                if status != 200:  # the parked polls would wait out their 30 s and look unanswered
+                    raise BenchRefused("a push waking long-polls", status, answer)
+                if first_only is None:
+                    time.sleep(0.5)
+                    first_only = answered.value
+    except BaseException:
+        for worker in workers:  # their polls would hold bench's exit for up to 30 s
+            worker.terminate()
+        for worker in workers:
+            worker.join(5)
+        raise
     woke = [at for _ in workers for at in results.get(timeout=60)]
     for worker in workers:
         worker.join()
@@ -5538,6 +5563,11 @@ def bench_command(argv):
     args = parser.parse_args(argv)
     if bool(args.url) != bool(args.token):
         raise UsageError("--url and --token go together")
+    if args.url:
+        try:
+            bench_address(args.url)
+        except ValueError as exc:
+            raise UsageError("--url: %s" % exc) from None
     if args.principal is not None and (not args.url or not is_valid_id(args.principal)):
         raise UsageError("--principal goes with --url, and must be an id")
     if (args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1 or args.notes < 1

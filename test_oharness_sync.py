@@ -18,6 +18,7 @@ import hmac
 import http.client
 import io
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -7006,6 +7007,38 @@ class BenchCommandTest(unittest.TestCase):
                                     stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
             self.assertEqual(result.returncode, 2, args)
             self.assertEqual(result.stderr, "oharness-sync: error: --principal goes with --url, and must be an id\n")
+
+    def test_a_url_without_a_port_is_understood_and_a_bad_one_is_a_usage_error(self):
+        # The README's own example has no port: before, it failed after a minute with two tracebacks.
+        self.assertEqual(sync.bench_address("https://sync.example.com"), ("https", "sync.example.com", 443))
+        self.assertEqual(sync.bench_address("http://127.0.0.1:8787/"), ("http", "127.0.0.1", 8787))
+        result = subprocess.run([sys.executable, MODULE, "bench", "--url", "http://127.0.0.1:9/sync", "--token", "t"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
+        self.assertEqual(result.returncode, 2)
+        self.assertEqual(len(result.stderr.splitlines()), 1, result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
+
+    def test_a_connection_the_server_closes_stops_bench_instead_of_hanging(self):
+        server = FakeServer(lambda handler: (200, b'{"ok":true}', {"Content-Type": "application/json"}))
+        self.addCleanup(server.stop)  # HTTP/1.0: it closes the connection after each answer
+        result = subprocess.run([sys.executable, MODULE, "bench", "--url", server.url, "--token", "t",
+                                 "--seconds", "0.1", "--clients", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60, universal_newlines=True)
+        self.assertEqual(result.returncode, 1)
+        self.assertEqual(result.stderr, "oharness-sync bench: stopped: a health request got no answer: "
+                                        "the server closed the connection\n")
+
+    def test_a_wake_push_the_server_refuses_stops_bench(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        token, _ = sync.TokenStore(data_dir).issue("alice", [])
+        server = SubprocessServer(data_dir, "--max-connections", "4")  # the parked polls fill it
+        self.addCleanup(server.stop)
+        started = time.monotonic()
+        with self.assertRaisesRegex(sync.BenchRefused, "a push waking long-polls was answered 503"):
+            sync.park_and_wake(sync.BenchTarget(server.url, token), 1, 6, processes=2)
+        self.assertLess(time.monotonic() - started, 20)  # not the polls' 30 s
+        self.assertEqual([p for p in multiprocessing.active_children() if p.is_alive()], [])
 
 
 class BenchMemoryTest(ServerCase):
