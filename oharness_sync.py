@@ -123,7 +123,7 @@ TOKEN_CACHE_SIZE = 10000       # verified tokens remembered (least recently used
 TOKEN_CACHE_MAX_AGE = 3600     # a verified token is re-checked at least hourly
 JWKS_REFETCH_INTERVAL = 60     # an unknown kid refetches a JWKS URL at most this often
 JWKS_MAX_AGE = 600             # a JWKS URL is refreshed on use once its keys are this old
-JWKS_FILE_CHECK_INTERVAL = 1   # a JWKS file's mtime is looked at most this often
+JWKS_FILE_CHECK_INTERVAL = 1   # a JWKS file's mtime is looked at this often at most (and for an unknown kid)
 MAX_RESPONSE_BYTES = 1 << 20   # largest JWKS or user answer read from the network
 
 
@@ -1289,12 +1289,18 @@ class JwksSource:
     """The public keys tokens may be signed with, from a file (path=) or a URL (url=).
 
     A file is read at once (so a bad --jwks-file stops start-up) and re-read when
-    its mtime changes, looked at most once a second. A URL is fetched on first
-    use, refetched on an unknown kid at most once a minute, and refreshed on use
-    once its keys are JWKS_MAX_AGE old. A failed or unparsable re-read keeps the
-    last good key set, and is logged. While the last fetch or re-read has failed, a
-    token whose key is not in that set cannot be judged: AuthUnavailable, not a 401
-    (which would stop the client's mirror for a token that may well be good).
+    its mtime changes: looked at once a second at most, and at once for a token
+    whose key it has not got. A URL is fetched on first use, refetched on an
+    unknown kid at most once a minute, and refreshed on use once its keys are
+    JWKS_MAX_AGE old. A failed or unparsable re-read keeps the last good key set,
+    and is logged.
+
+    A token whose key is not in the set is only refused (AuthError, a 401) when the
+    set was read for it and read well: a file looked at again, a URL fetched again.
+    Otherwise (the last fetch or re-read failed, or a URL was fetched less than a
+    minute ago, perhaps before the key was published) it cannot be judged yet:
+    AuthUnavailable, not a 401, which would stop the client's mirror for a token
+    that may well be good.
     """
 
     def __init__(self, path=None, url=None, timeout=5.0, clock=time.monotonic, log=None):
@@ -1310,6 +1316,7 @@ class JwksSource:
         self._last_load = None     # clock() of the last fetch or file check, good or bad
         self._loaded_at = None     # clock() of the last good fetch
         self._failed = False       # the last fetch or re-read failed
+        self._looks = 0            # fetches and file checks so far
         self._file_stamp = None
         if path is not None:
             self._file_stamp = self._stamp()
@@ -1319,14 +1326,21 @@ class JwksSource:
     def key(self, kid, alg):
         """The key for a token's kid and alg; AuthError if there is none or it is for another alg."""
         with self._lock:
+            looks = self._looks
             self._refresh_if_due()
             key = self._pick(kid, alg)
-            if key is None and self.url is not None and self._may_fetch():
-                self._fetch()
+            if key is None and self._looks == looks:  # not looked at for this token yet
+                if self.path is not None:  # a stat: its key may have been written this second
+                    self._check_file()
+                elif self._may_fetch():
+                    self._fetch()
                 key = self._pick(kid, alg)
-            failed = self._failed
+            read_for_it, failed = self._looks != looks, self._failed
         if key is None and failed:
             raise AuthUnavailable("its signing keys cannot be read")
+        if key is None and not read_for_it:
+            raise AuthUnavailable("its key is not among the signing keys fetched less than %d s ago" %
+                                  JWKS_REFETCH_INTERVAL)
         if key is None:
             raise AuthError("no signing key for this token")
         if key.token_alg != alg or (key.alg is not None and key.alg != alg):
@@ -1346,8 +1360,7 @@ class JwksSource:
         now = self.clock()
         if self.path is not None:
             if now - self._last_load >= JWKS_FILE_CHECK_INTERVAL:
-                self._last_load = now
-                self._reread_file()
+                self._check_file()
         elif self._last_load is None:  # first use
             self._fetch()
         elif self._loaded_at is not None and now - self._loaded_at >= JWKS_MAX_AGE and self._may_fetch():
@@ -1355,6 +1368,7 @@ class JwksSource:
 
     def _fetch(self):
         self._last_load = self.clock()
+        self._looks += 1
         try:
             keys = fetch_jwks_url(self.url, self.timeout)
         except Exception as exc:  # any failure of the key service: keep the last good keys
@@ -1371,7 +1385,10 @@ class JwksSource:
         info = os.stat(self.path)
         return (info.st_mtime_ns, info.st_size)
 
-    def _reread_file(self):
+    def _check_file(self):
+        """Read the file again if its stamp has changed (or its last read failed)."""
+        self._last_load = self.clock()
+        self._looks += 1
         try:
             stamp = self._stamp()
             if stamp == self._file_stamp:
