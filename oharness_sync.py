@@ -984,7 +984,8 @@ class LocalTokenVerifier:
         except (OSError, ValueError) as exc:
             # Read again at every look (a chmod mends it without a new stamp), but logged once a version.
             if version != self._bad_version:
-                self.log("token file unreadable, keeping the previous tokens: %s" % exc)
+                self.log("token file %s unreadable, keeping the previous tokens: %s" % (
+                    self.tokens.path, reason(exc)))
                 self._bad_version = version
             return
         self._bad_version = None
@@ -1878,10 +1879,10 @@ class TokenStore:
         except FileNotFoundError:
             return []
         except RecursionError:
-            raise ValueError("%s is not a token file: JSON nested too deeply" % self.path) from None
+            raise ValueError("not a token file: JSON nested too deeply") from None
         records = doc.get("tokens") if isinstance(doc, dict) else None
         if not isinstance(records, list) or not all(map(self._well_formed, records)):
-            raise ValueError("%s is not a token file" % self.path)
+            raise ValueError("not a token file")
         return records
 
     @staticmethod
@@ -1891,7 +1892,9 @@ class TokenStore:
                 and isinstance(record.get("hash"), str) and re.fullmatch(r"[0-9a-f]{64}", record["hash"]) is not None
                 and is_valid_id(record.get("principal"))
                 and isinstance(record.get("teams"), list) and all(map(is_valid_id, record["teams"]))
-                and (record.get("expires") is None or as_safe_int(record["expires"]) is not None))
+                and isinstance(record.get("name", ""), str)
+                and all(record.get(stamp) is None or as_safe_int(record[stamp]) is not None
+                        for stamp in ("created", "expires")))
 
     def _update(self, change):
         """Apply change(records) under the command-line lock and write the file atomically."""

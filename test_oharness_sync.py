@@ -647,7 +647,9 @@ class LocalTokenTest(unittest.TestCase):
             f.write("{not json")
         self.assertEqual(verifier.verify(token).principal, "alice")
         self.assertEqual(len(log_lines), 1, log_lines)
-        self.assertTrue(log_lines[0].startswith("token file unreadable, keeping the previous tokens: "), log_lines)
+        self.assertEqual(len(log_lines), 1, log_lines)
+        self.assertTrue(log_lines[0].startswith("token file %s unreadable, keeping the previous tokens: Expecting "
+                                                % self.store.path), log_lines)  # json's reason, with where
 
     def test_a_damaged_file_is_logged_once_and_a_deeply_nested_one_is_damaged_too(self):
         token, _ = self.store.issue("alice")
@@ -6661,16 +6663,25 @@ class CommandLineTest(unittest.TestCase):
 
     def test_a_damaged_token_file_stops_start_up_and_token_commands_with_one_line(self):
         path = os.path.join(self.data_dir, "tokens.json")
+        good = {"id": "0123456789ab", "hash": "0" * 64, "principal": "alice", "teams": [], "name": "laptop",
+                "created": 1, "expires": None}
+        # A record without its hash, and records a hand edit broke in a field only `token list` shows.
+        for damaged in ([{"id": "x"}], [dict(good, created="yesterday")], [dict(good, name=5)]):
+            text = json.dumps({"version": 1, "tokens": damaged})
+            with open(path, "w") as f:
+                f.write(text)
+            for args in (["--data", self.data_dir, "--port", "0"], ["token", "list", "--data", self.data_dir],
+                         ["token", "issue", "--data", self.data_dir, "--principal", "alice"]):
+                result = self.run_cli(*args)
+                self.assertEqual(result.returncode, 2, args)
+                self.assertEqual(result.stderr, "oharness-sync: error: cannot use the token file %s: not a token "
+                                                "file\n" % path, args)
+            with open(path) as f:
+                self.assertEqual(f.read(), text)  # left as it was
         with open(path, "w") as f:
-            f.write('{"tokens": [{"id": "x"}]}')
-        for args in (["--data", self.data_dir, "--port", "0"],
-                     ["token", "issue", "--data", self.data_dir, "--principal", "alice"]):
-            result = self.run_cli(*args)
-            self.assertEqual(result.returncode, 2, args)
-            self.assertEqual(result.stderr, "oharness-sync: error: cannot use the token file %s: %s is not a token "
-                                            "file\n" % (path, path), args)
-        with open(path) as f:
-            self.assertEqual(f.read(), '{"tokens": [{"id": "x"}]}')  # left as it was
+            f.write(json.dumps({"version": 1, "tokens": [good]}))
+        result = self.run_cli("token", "list", "--data", self.data_dir)
+        self.assertEqual((result.returncode, result.stdout.splitlines()[1].split()[:2]), (0, ["0123456789ab", "alice"]))
 
     def test_deeply_nested_token_and_jwks_files_stop_start_up_with_one_line(self):
         deep = os.path.join(self.data_dir, "deep.json")
