@@ -6994,7 +6994,8 @@ class BenchCommandTest(unittest.TestCase):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("%s, WRITES test data to that server" % server.url, result.stdout)
-        for figure in ("health, 1 keep-alive clients", "1-record pushes, 1 client", "catch-up pull of 10 records",
+        for figure in ("health, 1 keep-alive clients", "this machine's disk: serial append+fsync",
+                       "1-record pushes, 1 client", "vs this machine's disk fsyncs", "catch-up pull of 10 records",
                        "long-polls answered", "memory snapshot 'unchanged', 1 clients",
                        "memory snapshot, 5 notes, full have"):
             self.assertIn(figure, result.stdout)
@@ -7047,6 +7048,16 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(result.returncode, 1)
         self.assertEqual(result.stderr, "oharness-sync bench: stopped: a health request got no answer: "
                                         "the server closed the connection\n")
+
+    def test_polls_answered_without_a_push_are_not_counted_as_woken(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        token, _ = sync.TokenStore(data_dir).issue("alice", [])
+        server = SubprocessServer(data_dir, "--max-parked", "0")  # every pull with wait answers at once, empty
+        self.addCleanup(server.stop)
+        latencies, failures, _, first_only = sync.park_and_wake(sync.BenchTarget(server.url, token), 2, 4,
+                                                                processes=2)
+        self.assertEqual((latencies, failures, first_only), ([], 4, 0))
 
     def test_a_wake_push_the_server_refuses_stops_bench(self):
         data_dir = tempfile.mkdtemp(prefix="ohs-test-")
