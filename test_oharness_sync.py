@@ -3074,6 +3074,14 @@ def fsyncs_held():
         yield entered, release
 
 
+def wait_until_reading_pauses(server, seconds=5):
+    """Until a connection holds more than RECEIVE_BYTES unanswered (the loop stops reading it)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not any(
+            len(connection.inbuf) > sync.RECEIVE_BYTES for connection in list(server._open)):
+        time.sleep(0.01)
+
+
 def open_raw(url, timeout=5.0):
     """A plain TCP socket to the server at url, for requests written by hand."""
     host, port = url.split("//", 1)[1].rsplit(":", 1)
@@ -4715,10 +4723,7 @@ class TransportTest(ServerCase):
         with fsyncs_held() as (entered, gate), open_raw(self.url) as sock:
             sock.sendall(push_head(self.alice, len(body)) + body + big)
             self.assertTrue(entered.wait(5))
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not any(
-                    len(connection.inbuf) > sync.RECEIVE_BYTES for connection in list(self.server._open)):
-                time.sleep(0.01)
+            wait_until_reading_pauses(self.server)
             gate.set()
             self.assertEqual(read_raw_answer(sock)[0], 200)
             time.sleep(0.1)
@@ -4914,10 +4919,7 @@ class TransportTest(ServerCase):
             with open_raw(self.url) as sock:
                 sock.sendall(push_head(self.alice, len(body)) + body + padding)
                 self.assertTrue(entered.wait(5))
-                deadline = time.monotonic() + 5
-                while time.monotonic() < deadline and not any(
-                        len(connection.inbuf) > sync.RECEIVE_BYTES for connection in list(self.server._open)):
-                    time.sleep(0.01)
+                wait_until_reading_pauses(self.server)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             gate.set()
             self.assertTrue(self.server.wait_idle(5))
