@@ -6958,14 +6958,25 @@ class CheckUsageTest(unittest.TestCase):
 class BenchCommandTest(unittest.TestCase):
     """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
 
+    def run_bench(self, *args, timeout=120):
+        return subprocess.run([sys.executable, MODULE, "bench"] + list(args), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=timeout, universal_newlines=True)
+
+    def start_server(self, *flags):
+        """A server process on a fresh data dir, stopped at the test's end; (server, alice's token, data dir)."""
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        token, _ = sync.TokenStore(data_dir).issue("alice", [])
+        server = SubprocessServer(data_dir, *flags)
+        self.addCleanup(server.stop)
+        return server, token, data_dir
+
     def test_bench_prints_every_figure_and_writes_json(self):
         out_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, out_dir, True)
         json_path = os.path.join(out_dir, "bench.json")
-        result = subprocess.run([sys.executable, MODULE, "bench", "--seconds", "0.1", "--clients", "2", "--polls",
-                                 "20", "--catchup-records", "1200", "--notes", "300", "--big-records", "2000",
-                                 "--json", json_path],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        result = self.run_bench("--seconds", "0.1", "--clients", "2", "--polls", "20", "--catchup-records", "1200",
+                                "--notes", "300", "--big-records", "2000", "--json", json_path)
         self.assertEqual(result.returncode, 0, result.stderr)
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
                        "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
@@ -6986,15 +6997,9 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
 
     def test_a_running_server_is_measured_with_url_token_and_principal(self):
-        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
-        self.addCleanup(shutil.rmtree, data_dir, True)
-        token, _ = sync.TokenStore(data_dir).issue("alice", [])
-        server = SubprocessServer(data_dir, "--memory-rate-limit", "0")
-        self.addCleanup(server.stop)
-        result = subprocess.run([sys.executable, MODULE, "bench", "--url", server.url, "--token", token,
-                                 "--principal", "alice", "--seconds", "0.1", "--clients", "1", "--polls", "2",
-                                 "--catchup-records", "10", "--notes", "5"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        server, token, data_dir = self.start_server("--memory-rate-limit", "0")
+        result = self.run_bench("--url", server.url, "--token", token, "--principal", "alice", "--seconds", "0.1",
+                                "--clients", "1", "--polls", "2", "--catchup-records", "10", "--notes", "5")
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("%s, WRITES test data to that server" % server.url, result.stdout)
         for figure in ("health, 1 keep-alive clients", "this machine's disk: serial append+fsync",
@@ -7009,13 +7014,8 @@ class BenchCommandTest(unittest.TestCase):
         self.assertRegex(projects[0], r"^p-bench-memory-[0-9a-f]{8}$")
 
     def test_a_token_the_server_refuses_stops_bench_with_its_answer(self):
-        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
-        self.addCleanup(shutil.rmtree, data_dir, True)
-        server = SubprocessServer(data_dir)
-        self.addCleanup(server.stop)
-        result = subprocess.run([sys.executable, MODULE, "bench", "--url", server.url, "--token", "ohs_0_unknown",
-                                 "--seconds", "0.1", "--clients", "1"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+        server, _, _ = self.start_server()
+        result = self.run_bench("--url", server.url, "--token", "ohs_0_unknown", "--seconds", "0.1", "--clients", "1")
         self.assertEqual(result.returncode, 1)
         self.assertEqual(result.stderr, 'oharness-sync bench: stopped: a push request was answered 401, not 200: '
                                         '{"error": "unknown token"}\n')
@@ -7023,8 +7023,7 @@ class BenchCommandTest(unittest.TestCase):
 
     def test_principal_goes_with_url_and_must_be_an_id(self):
         for args in (["--principal", "alice"], ["--url", "http://127.0.0.1:9", "--token", "t", "--principal", "a/b"]):
-            result = subprocess.run([sys.executable, MODULE, "bench"] + args, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
+            result = self.run_bench(*args, timeout=30)
             self.assertEqual(result.returncode, 2, args)
             self.assertEqual(result.stderr, "oharness-sync: error: --principal goes with --url, and must be an id\n")
 
@@ -7036,8 +7035,7 @@ class BenchCommandTest(unittest.TestCase):
                 with self.assertRaisesRegex(OSError, "stop here"):
                     sync.BenchClient(url)
                 self.assertEqual(connect.call_args[0][0], address)
-        result = subprocess.run([sys.executable, MODULE, "bench", "--url", "http://127.0.0.1:9/sync", "--token", "t"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
+        result = self.run_bench("--url", "http://127.0.0.1:9/sync", "--token", "t", timeout=30)
         self.assertEqual(result.returncode, 2)
         self.assertEqual(result.stderr, "oharness-sync: error: --url must be http(s)://host[:port], with no path, "
                                         "query or credentials\n")
@@ -7045,29 +7043,19 @@ class BenchCommandTest(unittest.TestCase):
     def test_a_connection_the_server_closes_stops_bench_instead_of_hanging(self):
         server = FakeServer(lambda handler: (200, b'{"ok":true}', {"Content-Type": "application/json"}))
         self.addCleanup(server.stop)  # HTTP/1.0: it closes the connection after each answer
-        result = subprocess.run([sys.executable, MODULE, "bench", "--url", server.url, "--token", "t",
-                                 "--seconds", "0.1", "--clients", "1"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60, universal_newlines=True)
+        result = self.run_bench("--url", server.url, "--token", "t", "--seconds", "0.1", "--clients", "1", timeout=60)
         self.assertEqual(result.returncode, 1)
         self.assertEqual(result.stderr, "oharness-sync bench: stopped: a health request got no answer: "
                                         "the server closed the connection\n")
 
     def test_polls_answered_without_a_push_are_not_counted_as_woken(self):
-        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
-        self.addCleanup(shutil.rmtree, data_dir, True)
-        token, _ = sync.TokenStore(data_dir).issue("alice", [])
-        server = SubprocessServer(data_dir, "--max-parked", "0")  # every pull with wait answers at once, empty
-        self.addCleanup(server.stop)
+        server, token, _ = self.start_server("--max-parked", "0")  # every pull with wait answers at once, empty
         latencies, failures, _, first_only = sync.park_and_wake(sync.BenchTarget(server.url, token), 2, 4,
                                                                 processes=2)
         self.assertEqual((latencies, failures, first_only), ([], 4, 0))
 
     def test_a_wake_push_the_server_refuses_stops_bench(self):
-        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
-        self.addCleanup(shutil.rmtree, data_dir, True)
-        token, _ = sync.TokenStore(data_dir).issue("alice", [])
-        server = SubprocessServer(data_dir, "--max-connections", "4")  # the parked polls fill it
-        self.addCleanup(server.stop)
+        server, token, _ = self.start_server("--max-connections", "4")  # the parked polls fill it
         started = time.monotonic()
         with self.assertRaisesRegex(sync.BenchRefused, "a push waking long-polls was answered 503"):
             sync.park_and_wake(sync.BenchTarget(server.url, token), 1, 6, processes=2)
