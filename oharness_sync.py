@@ -124,6 +124,7 @@ TOKEN_CACHE_MAX_AGE = 3600     # a verified token is re-checked at least hourly
 JWKS_REFETCH_INTERVAL = 60     # an unknown kid refetches a JWKS URL at most this often
 JWKS_MAX_AGE = 600             # a JWKS URL is refreshed on use once its keys are this old
 JWKS_FILE_CHECK_INTERVAL = 1   # a JWKS file's mtime is looked at this often at most (and for an unknown kid)
+JWKS_UNKNOWN_KIDS = 1024       # unknown kids remembered with the fetch they were first asked for after
 MAX_RESPONSE_BYTES = 1 << 20   # largest JWKS or user answer read from the network
 
 
@@ -1318,6 +1319,7 @@ class JwksSource:
         self._loaded_at = None     # clock() of the last good fetch
         self._failed = False       # the last fetch or re-read failed
         self._looks = 0            # fetches and file checks so far
+        self._unknown = OrderedDict()  # (kid, alg) -> self._looks when it first got a 503 for want of a fetch
         self._file_stamp = None
         if path is not None:
             self._file_stamp = self._stamp()
@@ -1331,12 +1333,21 @@ class JwksSource:
             self._refresh_if_due()
             key = self._pick(kid, alg)
             if key is None and self._looks == looks:  # not looked at for this token yet
-                if self.path is not None:  # a stat: its key may have been written this second
-                    self._check_file()
+                if self.path is not None:
+                    if not self._failed:  # a stat: its key may have been written this second (while the
+                        self._check_file()  # file is unreadable, a 503 anyway: no read per request)
                 elif self._may_fetch():
                     self._fetch()
                 key = self._pick(kid, alg)
             read_for_it, failed = self._looks != looks, self._failed
+            if key is None and not failed and not read_for_it:
+                # Asked for before: a good fetch since then, whoever's request made it, settles it.
+                first = self._unknown.setdefault((kid, alg), self._looks)
+                read_for_it = self._looks > first
+                if len(self._unknown) > JWKS_UNKNOWN_KIDS:
+                    self._unknown.popitem(last=False)
+            elif key is not None and self._unknown:
+                self._unknown.pop((kid, alg), None)  # published since: a later removal starts afresh
         if key is None and failed:
             raise AuthUnavailable("its signing keys cannot be read")
         if key is None and not read_for_it:
@@ -1384,7 +1395,9 @@ class JwksSource:
 
     def _stamp(self):
         info = os.stat(self.path)
-        return (info.st_mtime_ns, info.st_size)
+        # The inode and ctime too: a file renamed into place may have the old one's size and mtime
+        # (cp -p, rsync -t, a Nix store path's mtime of 1), and its keys would never be read.
+        return (info.st_dev, info.st_ino, info.st_ctime_ns, info.st_mtime_ns, info.st_size)
 
     def _check_file(self):
         """Read the file again if its stamp has changed (or its last read failed)."""

@@ -1148,6 +1148,36 @@ class JwksFileTest(unittest.TestCase):
             source.key("no-such-key", "RS256")
         self.assertEqual(len(log_lines), 2, log_lines)
 
+    def test_a_key_renamed_into_place_with_the_old_files_size_and_mtime_is_read(self):
+        # cp -p, rsync -t or a Nix store path (mtime 1) give the new file the old one's mtime; with the same
+        # size, (mtime, size) did not change, the new keys were never read and their tokens got 401 for good.
+        old = dict(jwk_by_kid("rsa-2048"), kid="rsa-XXXX")
+        self.write({"keys": [old]}, 1)
+        source = JwksSource(path=self.path, clock=self.clock)
+        new_path = os.path.join(self.dir, "new.json")
+        with open(new_path, "w") as handle:
+            handle.write(json.dumps({"keys": [jwk_by_kid("rsa-2048")]}))
+        os.utime(new_path, (1, 1))
+        self.assertEqual(os.path.getsize(new_path), os.path.getsize(self.path))
+        os.replace(new_path, self.path)
+        self.clock.advance(2)
+        self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
+
+    def test_unknown_kids_do_not_read_an_unreadable_file_at_every_request(self):
+        self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
+        source = JwksSource(path=self.path, clock=self.clock)
+        self.write("{broken", 200)
+        self.clock.advance(2)
+        with mock.patch.object(sync, "read_jwks_file", wraps=sync.read_jwks_file) as reads:
+            for i in range(100):
+                with self.assertRaises(AuthUnavailable):
+                    source.key("attacker-%d" % i, "RS256")
+            self.assertEqual(reads.call_count, 1)  # the look due once a second, not one a request
+            self.clock.advance(1)
+            with self.assertRaises(AuthUnavailable):
+                source.key("attacker", "RS256")
+            self.assertEqual(reads.call_count, 2)
+
     def test_a_deeply_nested_file_is_a_value_error(self):
         self.write("[" * 100000, 1)
         with self.assertRaises(ValueError):
@@ -1203,6 +1233,24 @@ class JwksUrlTest(unittest.TestCase):
         with self.assertRaises(AuthError):  # fetched again for it: really unknown
             self.verifier.verify(TOKENS["rs256_unknown_kid"])
         self.assertEqual(self.fetches(), 3)
+
+    def test_a_fetch_made_for_another_token_settles_a_kid_asked_for_before_it(self):
+        # A token signed with a key the provider has retired got 503 within the minute after each fetch;
+        # when another token's unknown kid (or an attacker's) took every refetch, it got 503 for good, never
+        # its 401, and its client retried forever instead of asking its user to sign in again.
+        self.source.key("rsa-2048", "RS256")
+        self.clock.advance(30)
+        with self.assertRaises(AuthUnavailable):
+            self.source.key("retired", "RS256")
+        self.clock.advance(30)
+        with self.assertRaises(AuthError):
+            self.source.key("attacker", "RS256")  # this request's refetch
+        self.clock.advance(1)
+        with self.assertRaises(AuthError):  # fetched since it was asked for: really unknown
+            self.source.key("retired", "RS256")
+        self.assertEqual(self.fetches(), 2)
+        with self.assertRaises(AuthUnavailable):  # asked for after the last fetch: it may be newer
+            self.source.key("brand-new", "RS256")
 
     def test_a_key_published_just_after_a_fetch_is_unavailable_not_a_401_until_the_next(self):
         self.source.key("rsa-2048", "RS256")
