@@ -5274,6 +5274,9 @@ def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
     results.put((count, refused))
 
 
+BENCH_RESULT_WAIT = 60  # seconds bench waits for a client process to be ready, or for its result past the window
+
+
 def bench_rate(url, token, kind, clients, seconds, extra=None):
     """Requests per second of kind from clients processes; BenchRefused if one was not answered 200.
     The timed window opens once every client is connected."""
@@ -5285,12 +5288,21 @@ def bench_rate(url, token, kind, clients, seconds, extra=None):
                                                             results)) for i in range(clients)]
     for process in processes:
         process.start()
-    for _ in processes:
-        ready.get(timeout=60)
-    window[0] = time.time() + 0.02
-    window[1] = window[0] + seconds
-    go.set()
-    counts = [results.get(timeout=seconds + 60) for _ in processes]
+    try:
+        for _ in processes:
+            ready.get(timeout=BENCH_RESULT_WAIT)
+        window[0] = time.time() + 0.02
+        window[1] = window[0] + seconds
+        go.set()
+        counts = [results.get(timeout=seconds + BENCH_RESULT_WAIT) for _ in processes]
+    except BaseException:
+        # Those still waiting for go, or stuck in a request, would hold bench's exit (multiprocessing
+        # joins its children at exit): a stop after a minute would still be a hang.
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(5)
+        raise
     for process in processes:
         process.join()
     for _, refused in counts:

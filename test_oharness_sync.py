@@ -7096,6 +7096,27 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(result.stderr, "oharness-sync bench: stopped: a health request got no answer: "
                                         "the server closed the connection\n")
 
+    def test_a_client_process_slow_to_connect_stops_bench_and_leaves_no_process_behind(self):
+        # Before, the others waited for go for ever and bench hung at exit after its "stopped" line.
+        server = FakeServer(lambda handler: (200, b'{"ok":true}', {"Content-Type": "application/json"}))
+        self.addCleanup(server.stop)
+        connect, parent = sync.BenchClient.__init__, os.getpid()
+        marker = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "slow")
+        self.addCleanup(shutil.rmtree, os.path.dirname(marker), True)
+
+        def slow(client, *args, **kwargs):
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))  # the first client process only
+                time.sleep(30)
+            except FileExistsError:
+                pass
+            connect(client, *args, **kwargs)
+        with mock.patch.object(sync, "BENCH_RESULT_WAIT", 1), mock.patch.object(sync.BenchClient, "__init__", slow):
+            with self.assertRaises(sync.queue.Empty):
+                sync.bench_rate(server.url, "t", "health", 3, 1)
+        self.assertEqual(os.getpid(), parent)
+        self.assertEqual(sync.multiprocessing.active_children(), [])
+
     def test_polls_answered_without_a_push_are_not_counted_as_woken(self):
         server, token, _ = self.start_server("--max-parked", "0")  # every pull with wait answers at once, empty
         latencies, failures, _, first_only = sync.park_and_wake(sync.BenchTarget(server.url, token), 2, 4,
