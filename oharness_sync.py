@@ -5384,8 +5384,8 @@ def park_worker(url, token, projects, ready, results, answered):
             status, body = client.call("GET", "/v1/pull?project=%s&since=0&wait=30" % project)
             at = time.time()
             ok = status == 200 and b'"records":[]' not in body
-            if ok:  # woken by a push: a refusal or an empty time-out is not
-                with answered.get_lock():
+            if status == 200:  # an empty answer too: a poll of another feed the push woke for nothing
+                with answered.get_lock():  # (a refusal is no answer; park_and_wake leaves out those before it)
                     answered.value += 1
         except (OSError, ValueError):
             at, ok = None, False
@@ -5409,7 +5409,8 @@ def park_and_wake(target, feeds, polls, processes=8):
     of the push to the first feed: with more than one feed, only its own should)."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     ready, results, answered = context.Queue(), context.Queue(), context.Value("i", 0)
-    projects = ["bench-wake-%s-%d" % (BENCH_RUN, i % feeds) for i in range(polls)]
+    # Feeds of this call's own: a feed an earlier call pushed to answers its polls at once, with that record.
+    projects = ["bench-wake-%s-%d-%d" % (BENCH_RUN, time.time() * 1000, i % feeds) for i in range(polls)]
     workers = [context.Process(target=park_worker, args=(target.url, target.token, projects[i::processes],
                                                          ready, results, answered))
                for i in range(min(processes, polls))]
@@ -5421,7 +5422,7 @@ def park_and_wake(target, feeds, polls, processes=8):
     rss_parked = target.rss_mib()
     try:
         with BenchClient(target.url, target.token) as client:
-            pushed, first_only = time.time(), None
+            pushed, first_only, before = time.time(), None, answered.value  # answered without a push: not counted
             for project in sorted(set(projects)):
                 status, answer = client.call("POST", "/v1/push", {"project": project, "records": [
                     {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
@@ -5430,7 +5431,7 @@ def park_and_wake(target, feeds, polls, processes=8):
                 if first_only is None:
                     if feeds > 1:  # the polls of other feeds must not wake: give them the time to show it
                         time.sleep(0.5)
-                    first_only = answered.value
+                    first_only = answered.value - before
     except BaseException:
         for worker in workers:  # their polls would hold bench's exit for up to 30 s
             worker.terminate()

@@ -7123,6 +7123,60 @@ class BenchCommandTest(unittest.TestCase):
                                                                 processes=2)
         self.assertEqual((latencies, failures, first_only), ([], 4, 0))
 
+    def test_a_second_park_and_wake_does_not_count_the_first_ones_record_as_a_wake(self):
+        # bench parks polls on one feed, then on many: the many's first feed was the one's, and its poll was
+        # answered at once, before any push, with the record pushed then; it showed as "1 (its own)".
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        token, _ = sync.TokenStore(data_dir).issue("alice", [])
+        server = SubprocessServer(data_dir)
+        self.addCleanup(server.stop)
+        target = sync.BenchTarget(server.url, token)
+        self.assertEqual(sync.park_and_wake(target, 1, 2, processes=1)[1], 0)
+        latencies, failures, _, first_only = sync.park_and_wake(target, 3, 3, processes=1)
+        self.assertEqual((len(latencies), failures, first_only), (3, 0, 1))
+        self.assertGreater(latencies[0], 0)  # answered after the push, not before it
+
+    def test_polls_of_other_feeds_a_push_answers_empty_are_counted(self):
+        # A server that answers every parked poll at any push, the other feeds' with no records, must not
+        # show "1 (its own)": before, an empty answer was not counted, and such a server passed.
+        pushed, lock = set(), threading.Condition()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def answer(self, body):
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                project = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)["project"][0]
+                with lock:
+                    lock.wait_for(lambda: pushed, timeout=30)
+                    mine = project in pushed
+                self.answer(b'{"records":[{"id":"wake"}],"next":1}' if mine else b'{"records":[],"next":0}')
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    pushed.add(body["project"])
+                    lock.notify_all()
+                self.answer(b'{"accepted":1}')
+
+            def log_message(self, *args):
+                pass
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+        self.addCleanup(httpd.server_close)
+        self.addCleanup(httpd.shutdown)
+        url = "http://127.0.0.1:%d" % httpd.server_address[1]
+        _, _, _, first_only = sync.park_and_wake(sync.BenchTarget(url, "t"), 4, 4, processes=2)
+        self.assertEqual(first_only, 4)
+
     def test_a_wake_push_the_server_refuses_stops_bench(self):
         server, token, _ = self.start_server("--max-connections", "4")  # the parked polls fill it
         started = time.monotonic()
