@@ -4661,11 +4661,11 @@ def parse_base_url(url):
         port = parts.port
     except ValueError:
         parts = None
-    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
-            or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username):
+    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0
+            or parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc):
         raise UsageError("--url must be http(s)://host[:port], with no path, query or credentials")
     https = parts.scheme == "https"
-    return https, parts.hostname, port or (443 if https else 80)
+    return https, parts.hostname, port if port is not None else (443 if https else 80)
 
 
 class ConformanceCheck:

@@ -7088,6 +7088,13 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(result.stderr, "oharness-sync: error: --url must be http(s)://host[:port], with no path, "
                                         "query or credentials\n")
 
+    def test_a_url_with_an_empty_user_or_port_0_is_a_usage_error(self):
+        # Before, http://:secret@host dropped its password unsaid (an empty user is false), and :0 meant :80.
+        for url in ("http://:secret@example.com", "http://@example.com", "http://example.com:0"):
+            with self.assertRaises(sync.UsageError, msg=url):
+                sync.parse_base_url(url)
+        self.assertEqual(sync.parse_base_url("http://[::1]:8787/"), (False, "::1", 8787))
+
     def test_a_connection_the_server_closes_stops_bench_instead_of_hanging(self):
         server = FakeServer(lambda handler: (200, b'{"ok":true}', {"Content-Type": "application/json"}))
         self.addCleanup(server.stop)  # HTTP/1.0: it closes the connection after each answer
