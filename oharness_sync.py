@@ -1298,11 +1298,11 @@ class JwksSource:
     and is logged.
 
     A token whose key is not in the set is only refused (AuthError, a 401) when the
-    set was read for it and read well: a file looked at again, a URL fetched again.
-    Otherwise (the last fetch or re-read failed, or a URL was fetched less than a
-    minute ago, perhaps before the key was published) it cannot be judged yet:
-    AuthUnavailable, not a 401, which would stop the client's mirror for a token
-    that may well be good.
+    set was read well since the token was first seen: a file looked at again, a URL
+    fetched again (for it or for another token). Otherwise (the last fetch or re-read
+    failed, or a URL was fetched less than a minute ago, perhaps before the key was
+    published) it cannot be judged yet: AuthUnavailable, not a 401, which would stop
+    the client's mirror for a token that may well be good.
     """
 
     def __init__(self, path=None, url=None, timeout=5.0, clock=time.monotonic, log=None):
