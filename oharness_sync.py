@@ -1410,7 +1410,7 @@ class JwksSource:
             self._file_stamp = stamp
             self.keys = read_jwks_file(self.path)
             self._failed = False
-        except (OSError, ValueError, RecursionError) as exc:
+        except (OSError, ValueError) as exc:  # read_jwks_file turns a RecursionError into one
             if not self._failed:  # once, not at every look while it stays unreadable
                 self.log("cannot re-read the JWKS file %s (%s); keeping the last good keys (%d)" % (
                     self.path, exc, len(self.keys)))
