@@ -26,14 +26,11 @@ line; main.
 import argparse
 import array
 import base64
-import collections
 import errno
 import hashlib
-import heapq
 import hmac
 import http.client
 import http.server
-import itertools
 import json
 import math
 import multiprocessing
@@ -41,7 +38,6 @@ import queue
 import os
 import re
 import secrets
-import selectors
 import shutil
 import signal
 import socket
@@ -94,13 +90,11 @@ MAX_HEADERS = 100                   # header lines in one request
 DEFAULT_MAX_CONNECTIONS = 2000
 DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
 LISTEN_BACKLOG = 512
-FLUSH_ROUNDS = 4                    # group commits of one feed in a row before other feeds get a turn
-FLUSH_THREADS = 4                   # feeds written and fsynced at once
-WORKER_THREADS = 8                  # requests that wait (network auth, memory commits) run at once
-SWEEP_SECONDS = 0.25                # how often the connections' deadlines are looked at
+MAX_HEAD_BYTES = 65536              # the request line and every header line together
+SWEEP_SECONDS = 0.25                # how often the watchdog looks at the connections' deadlines
 LINGER_SECONDS = 2.0                # after a last answer, what the client still sends is dropped this long
-ACCEPTS_PER_WAKE = 64               # connections accepted in one go
-THREAD_STACK_BYTES = 512 * 1024     # small stacks for the worker threads (a 32-bit Pi)
+PARKED_CHECK_SECONDS = 1.0          # how often a parked pull looks whether its client has left
+THREAD_STACK_BYTES = 512 * 1024     # small stacks for the connection threads (1,000 parked pulls on a 32-bit Pi)
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
 
 LOCAL_TOKEN_PREFIX = "ohs_"
@@ -186,11 +180,6 @@ class StorageError(Exception):
 
 class FeedDamaged(Exception):
     """A feed file has a damaged line in the middle; the feed is refused until repaired."""
-
-
-class WouldBlock(Exception):
-    """Raised, before anything has changed, by what would wait (a network call, reading a whole feed,
-    a disk write) when asked not to: the event loop then runs the request again in a worker thread."""
 
 
 class UsageError(Exception):
@@ -1514,17 +1503,14 @@ class JwtVerifier:
         self.clock = clock
         self.cache = TokenCache()
 
-    def verify(self, token, may_block=True):
-        """The Identity a token speaks for; AuthError if it is not a valid token now. Unless may_block,
-        a token not verified before raises WouldBlock (its keys may need fetching, ES256 is slow)."""
+    def verify(self, token):
+        """The Identity a token speaks for; AuthError if it is not a valid token now."""
         if not isinstance(token, str) or not token:
             raise AuthError("missing bearer token")
         now = self.clock()
         identity = self.cache.get(token, now)
         if identity is not None:
             return identity
-        if not may_block:
-            raise WouldBlock()
         header, payload, signing_input, signature = decode_jwt(token)
         self._check_signature(header, signing_input, signature)
         identity, expires_at = self._check_claims(payload, now)
@@ -1606,8 +1592,8 @@ class SupabaseVerifier:
         self.cache = TokenCache()
         self._opener = urllib.request.build_opener(_NoRedirects)
 
-    def verify(self, token, may_block=True):
-        """The Identity of a token, from the cache or the service (unless may_block: WouldBlock)."""
+    def verify(self, token):
+        """The Identity of a token, from the cache or the service."""
         if not isinstance(token, str) or not token:
             raise AuthError("missing bearer token")
         if len(token) > MAX_TOKEN_LENGTH or _TOKEN_CHARACTERS.fullmatch(token) is None:
@@ -1616,8 +1602,6 @@ class SupabaseVerifier:
         identity = self.cache.get(token, now)
         if identity is not None:
             return identity
-        if not may_block:
-            raise WouldBlock()
         identity = self._identity_from(self._ask(token))
         self.cache.put(token, identity, now + SUPABASE_CACHE_SECONDS)
         return identity
@@ -1677,28 +1661,27 @@ class Authenticator:
         self.memory_mode = memory_mode
         self.supabase = supabase
 
-    def identify(self, header, may_block=True):
-        """The Identity for an Authorization header; AuthError for any unusable token. Unless may_block,
-        a token that needs a network call or a signature check raises WouldBlock instead."""
-        return self._session_identity(bearer_token(header), may_block)
+    def identify(self, header):
+        """The Identity for an Authorization header; AuthError for any unusable token."""
+        return self._session_identity(bearer_token(header))
 
-    def _session_identity(self, token, may_block):
+    def _session_identity(self, token):
         if token.startswith(LOCAL_TOKEN_PREFIX):
             return self.local.verify(token)
         if self.jwt is not None and token.count(".") == 2:
-            return self.jwt.verify(token, may_block)
+            return self.jwt.verify(token)
         raise AuthError("unknown token")
 
-    def identify_for_memory(self, header, may_block=True):
-        """The Identity for memory sync; AuthError, AuthUnavailable or AuthNotConfigured (or WouldBlock)."""
+    def identify_for_memory(self, header):
+        """The Identity for memory sync; AuthError, AuthUnavailable or AuthNotConfigured."""
         token = bearer_token(header)
         if self.memory_mode == "off":
             raise AuthNotConfigured("memory sync is turned off on this server")
         if self.memory_mode == "supabase":
             if token.startswith(LOCAL_TOKEN_PREFIX):  # never hand one of our tokens to another service
                 raise AuthError("memory sync here needs an account token, not a local token")
-            return self.supabase.verify(token, may_block)
-        identity = self._session_identity(token, may_block)
+            return self.supabase.verify(token)
+        identity = self._session_identity(token)
         if identity.anonymous:
             raise AuthError("anonymous accounts cannot use memory sync")
         return identity
@@ -1707,58 +1690,6 @@ class Authenticator:
 # ---------------------------------------------------------------------------
 # Storage: files, the data-dir lock, tokens
 # ---------------------------------------------------------------------------
-
-class Workers:
-    """Up to size daemon threads that run submitted jobs; a thread ends after 60 s without one."""
-
-    def __init__(self, size, name, log=None):
-        self.size = size
-        self.name = name
-        self.log = log or (lambda message: None)
-        self._cond = threading.Condition()
-        self._jobs = collections.deque()  # guarded by _cond, like the counts: a taken job is no longer waiting
-        self._threads = 0
-        self._waiting = 0  # threads waiting for a job
-
-    def submit(self, job):
-        """Run job() in one of the threads, soon."""
-        with self._cond:
-            self._jobs.append(job)
-            if len(self._jobs) <= self._waiting:
-                self._cond.notify()
-                return
-            if self._threads >= self.size:
-                return  # the first thread to finish its job takes it
-            self._threads += 1
-        try:
-            threading.Thread(target=self._work, name=self.name, daemon=True).start()
-        except RuntimeError as exc:  # no thread to be had (memory, a process limit): the caller runs it
-            with self._cond:
-                self._threads -= 1
-                job = self._jobs.popleft() if self._jobs else None
-            self.log("%s: cannot start a thread (%s); running the job here" % (self.name, exc))
-            if job is not None:
-                self._run(job)
-
-    def _work(self):
-        while True:
-            with self._cond:
-                if not self._jobs:
-                    self._waiting += 1
-                    self._cond.wait_for(lambda: self._jobs, timeout=60)
-                    self._waiting -= 1
-                    if not self._jobs:
-                        self._threads -= 1
-                        return
-                job = self._jobs.popleft()
-            self._run(job)
-
-    def _run(self, job):
-        try:
-            job()
-        except Exception as exc:  # a job's failure must not end its thread
-            self.log("%s: %s: %s" % (self.name, type(exc).__name__, exc))
-
 
 def sync_file(fd):
     """Make the bytes written to fd durable (fdatasync where there is one)."""
@@ -2022,14 +1953,15 @@ class Page:
 
 
 class _Batch:
-    """One push's new lines, waiting for the group commit that makes them durable, and what to call then."""
-    __slots__ = ("lines", "keys", "undo_meta", "done")
+    """One push's new lines, waiting for the group commit that makes them durable, and its outcome:
+    (cursor, accepted) once durable, or the StorageError that stopped it."""
+    __slots__ = ("lines", "keys", "undo_meta", "outcome")
 
-    def __init__(self, done):
+    def __init__(self):
         self.lines = []
         self.keys = []
         self.undo_meta = []
-        self.done = done
+        self.outcome = None
 
 
 class Feed:
@@ -2037,19 +1969,20 @@ class Feed:
 
     In memory: the durable event count, each event's byte offset, the dedupe keys
     of its records and the winning (gen, updatedAt) of each session. Pushes to a
-    feed share fsyncs (group commit): a push queues its lines, and a flusher
-    thread writes every queued line with one write and one fsync, then tells
-    each push's caller.
+    feed share fsyncs (group commit): a push queues its lines; the push that finds
+    no flush under way writes every queued line with one write and one fsync, and
+    the others wait on a Condition for the flush that holds theirs. Long-polls wait
+    on another Condition of the same lock, notified when events become durable.
     """
 
-    def __init__(self, path, log, listeners, schedule):
+    def __init__(self, path, log):
         self.path = path
         self.log = log
-        self.schedule = schedule               # schedule(job): job() soon, in a flusher thread
-        self.lock = threading.Lock()           # guards everything below
-        self._listeners = set(listeners)       # called once the next event is durable
+        self.lock = threading.Lock()                 # guards everything below
+        self.flushed = threading.Condition(self.lock)  # a flush ended: waiting pushes look again
+        self.grew = threading.Condition(self.lock)     # events became durable: parked pulls look again
         self._load_lock = threading.Lock()
-        self._flushing = False                 # a flush is scheduled or under way
+        self._flushing = False                 # a push is writing and fsyncing queued batches
         self.loaded = False
         self.damage = None                     # "file:line: reason" once a damaged line is found
         self.count = 0                         # durable events, the last cursor
@@ -2122,94 +2055,84 @@ class Feed:
     # -- appending ---------------------------------------------------------
 
     def append(self, records, sessions):
-        """Add new records and winning metadata; (cursor, accepted) once durable, or StorageError."""
-        box = queue.SimpleQueue()
-        self.submit(records, sessions, box.put)
-        outcome = box.get()
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    def submit(self, records, sessions, done):
-        """Add new records and winning metadata, and call done((cursor, accepted)) once they are durable,
-        or done(StorageError) when they cannot be: from a flusher thread, or at once when nothing waits."""
+        """Add new records and winning metadata; (cursor, accepted) once they are durable, StorageError
+        when they cannot be. Blocks until the group commit that holds them has fsynced."""
         self.ensure_loaded()
-        batch = _Batch(done)
         with self.lock:
-            number = self.next_number
-            for record in records:
-                if record.key in self.keys:
-                    continue
-                self.keys.add(record.key)
-                batch.keys.append(record.key)
-                batch.lines.append(feed_line(number, b"r", record.event, record.key))
-                number += 1
-            for entry in sessions:
-                old = self.meta.get(entry.session_id)
-                if not metadata_wins(entry.stamp, old):
-                    continue
-                self.meta[entry.session_id] = entry.stamp
-                batch.undo_meta.append((entry.session_id, old))
-                batch.lines.append(feed_line(number, b"s", entry.event))
-                number += 1
-            self.next_number = number
-            settled = not batch.lines and number == self.count + 1
-            if not settled:
-                # Even an empty batch waits when events are in flight: what it found
-                # duplicate may be among them, and may yet fail.
-                self.pending.append(batch)
-                start = not self._flushing
-                self._flushing = True
-            count = self.count
-        if settled:
-            done((count, 0))
-        elif start:
-            self.schedule(self.flush)
+            batch = self._queue(records, sessions)
+            if batch is None:
+                return self.count, 0
+            while batch.outcome is None:
+                if self._flushing:
+                    self.flushed.wait()
+                else:
+                    self._flush()
+        if isinstance(batch.outcome, Exception):
+            raise batch.outcome
+        return batch.outcome
 
-    def flush(self):
-        """Write and fsync what is queued, again while more queues meanwhile (FLUSH_ROUNDS times at
-        most, then the feed goes to the back of the flushers' queue, so other feeds get their turn)."""
-        for _ in range(FLUSH_ROUNDS):
-            if not self._flush():
-                return
-        self.schedule(self.flush)
+    def _queue(self, records, sessions):
+        """Number the new events and queue them as a batch (lock held); None when nothing need wait."""
+        batch = _Batch()
+        number = self.next_number
+        for record in records:
+            if record.key in self.keys:
+                continue
+            self.keys.add(record.key)
+            batch.keys.append(record.key)
+            batch.lines.append(feed_line(number, b"r", record.event, record.key))
+            number += 1
+        for entry in sessions:
+            old = self.meta.get(entry.session_id)
+            if not metadata_wins(entry.stamp, old):
+                continue
+            self.meta[entry.session_id] = entry.stamp
+            batch.undo_meta.append((entry.session_id, old))
+            batch.lines.append(feed_line(number, b"s", entry.event))
+            number += 1
+        self.next_number = number
+        if not batch.lines and number == self.count + 1:
+            return None
+        # Even an empty batch waits when events are in flight: what it found
+        # duplicate may be among them, and may yet fail.
+        self.pending.append(batch)
+        return batch
 
     def _flush(self):
-        """Write and fsync every queued batch and call their done; True when more were queued meanwhile."""
-        with self.lock:
-            group, self.pending = self.pending, []
+        """Write and fsync every queued batch, and settle each one's outcome (called with the lock held;
+        it is let go for the disk work, so more pushes queue meanwhile for the next flush)."""
+        group, self.pending = self.pending, []
         lines = [line for queued in group for line in queued.lines]
-        listeners = ()
+        self._flushing = True
+        self.lock.release()
+        failure = None
         try:
             if lines:
                 self._write(b"".join(lines))
-        except OSError as exc:
-            with self.lock:
-                group += self.pending
-                self.pending = []
-                self._undo(group)
-                self._flushing = False
-                again = False
-            self.log("push to %s failed: %s" % (self.path, exc))
-            outcome = StorageError("storage failure: %s" % reason(exc))
-            outcomes = [outcome] * len(group)
+        except Exception as exc:  # whatever it is, every push of the group must get its answer
+            failure = exc
+        finally:
+            self.lock.acquire()
+            self._flushing = False
+        if failure is None:
+            offset = self.offsets[-1]
+            for line in lines:
+                offset += len(line)
+                self.offsets.append(offset)
+            self.count += len(lines)
+            for queued in group:
+                queued.outcome = (self.count, len(queued.lines))
+            if lines:
+                self.grew.notify_all()
         else:
-            with self.lock:
-                offset = self.offsets[-1]
-                for line in lines:
-                    offset += len(line)
-                    self.offsets.append(offset)
-                self.count += len(lines)
-                outcomes = [(self.count, len(queued.lines)) for queued in group]
-                again = bool(self.pending)
-                if not again:
-                    self._flushing = False
-                listeners, self._listeners = self._listeners, set()
-        for queued, outcome in zip(group, outcomes):
-            queued.done(outcome)
-        for listener in listeners:
-            listener()
-        return again
+            group += self.pending  # numbered after the failed events: they fail with them
+            self.pending = []
+            self._undo(group)
+            self.log("push to %s failed: %s" % (self.path, reason(failure)))
+            outcome = StorageError("storage failure: %s" % reason(failure))
+            for queued in group:
+                queued.outcome = outcome
+        self.flushed.notify_all()
 
     def _undo(self, batches):
         """Forget queued batches whose write failed, newest first; they all answer 500."""
@@ -2272,30 +2195,16 @@ class Feed:
         self._last_page = ((since, limit, count), page)
         return page
 
-    def listen(self, since, listener, stopping):
-        """Call listener() once an event after since is durable; False (and no call) if one already is,
-        or if stopping is set (checked under the lock that shutdown takes to call every listener)."""
+    def wait(self, since, timeout, stopping):
+        """Wait up to timeout seconds for an event after since; True once there is one, or stopping is set."""
         self.ensure_loaded()
         with self.lock:
-            if self.count > since or stopping.is_set():
-                return False
-            self._listeners.add(listener)
-            return True
+            return self.grew.wait_for(lambda: self.count > since or stopping.is_set(), timeout)
 
-    def unlisten(self, listener):
-        """Forget a listener that has not been called; False when it was called already."""
+    def wake(self):
+        """Wake every parked pull, to look at stopping (shutdown)."""
         with self.lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-                return True
-            return False
-
-    def call_listeners(self):
-        """Call every listener now (shutdown)."""
-        with self.lock:
-            listeners, self._listeners = self._listeners, set()
-        for listener in listeners:
-            listener()
+            self.grew.notify_all()
 
 
 class FeedStore:
@@ -2310,9 +2219,8 @@ class FeedStore:
         self.log = log or (lambda message: None)
         self.stopping = threading.Event()
         self._feeds = {}
-        self._waiting = {}                     # (owner, project) -> listeners of a feed not made yet
         self._lock = threading.Lock()
-        self.flushers = Workers(FLUSH_THREADS, "flusher", self.log)
+        self._made = threading.Condition(self._lock)  # a Feed was made: pulls parked on no feed look again
 
     def owner_dir(self, owner):
         kind, owner_id = owner
@@ -2331,62 +2239,39 @@ class FeedStore:
         with self._lock:
             feed = self._feeds.get(key)
             if feed is None and (create or os.path.exists(path)):
-                feed = self._feeds[key] = Feed(path, self.log, self._waiting.pop(key, ()), self.flushers.submit)
+                feed = self._feeds[key] = Feed(path, self.log)
+                self._made.notify_all()
             return feed
 
     def push(self, owner, project, records, sessions):
         """Append a validated push; (cursor, accepted) once durable. A push that adds nothing creates nothing."""
         return self.feed(owner, project, create=True).append(records, sessions)
 
-    def submit(self, owner, project, records, sessions, done, may_block=True):
-        """Append a validated push and call done((cursor, accepted) or StorageError) once it is durable
-        (see Feed.submit). Unless may_block, a feed not loaded yet raises WouldBlock instead."""
-        feed = self.feed(owner, project, create=True)
-        if not may_block and not feed.loaded:
-            raise WouldBlock()
-        feed.submit(records, sessions, done)
-
-    def pull(self, owner, project, since, limit, may_block=True):
-        """The Page of at most limit events after since. A pull never creates a feed. Unless may_block,
-        a feed not loaded yet (its whole file is read then) raises WouldBlock instead."""
+    def pull(self, owner, project, since, limit):
+        """The Page of at most limit events after since. A pull never creates a feed."""
         feed = self.feed(owner, project)
         if feed is None:
             return Page(since)
-        if not may_block and not feed.loaded:
-            raise WouldBlock()
         return feed.read(since, limit)
 
-    def listen(self, owner, project, since, listener):
-        """Call listener() once (owner, project) has an event after since (at shutdown too);
-        False, without a call, when it has one already.
+    def wait(self, owner, project, since, timeout):
+        """Wait up to timeout seconds for (owner, project) to have an event after since; True once it
+        has, or once the store is stopping.
 
-        A project without a feed gets no Feed object: its listeners wait in a table that the feed
-        adopts when its first push creates it, so long-polls on made-up names leave nothing behind.
+        A project without a feed gets no Feed object (long-polls on made-up names leave nothing
+        behind): its pulls wait on the store's Condition until some feed is made, then on that feed.
         """
+        deadline = time.monotonic() + timeout
         key = (owner, project)
         feed = self.feed(owner, project)
         if feed is None:
             with self._lock:
+                if not self._made.wait_for(lambda: key in self._feeds or self.stopping.is_set(), timeout):
+                    return False
                 feed = self._feeds.get(key)
-                if feed is None:
-                    if self.stopping.is_set():
-                        return False
-                    self._waiting.setdefault(key, set()).add(listener)
-                    return True
-        return feed.listen(since, listener, self.stopping)
-
-    def unlisten(self, owner, project, listener):
-        """Forget a listener that was not called; False when it was (or is being) called."""
-        key = (owner, project)
-        with self._lock:
-            waiting = self._waiting.get(key)
-            if waiting is not None and listener in waiting:
-                waiting.remove(listener)
-                if not waiting:
-                    del self._waiting[key]
-                return True
-            feed = self._feeds.get(key)
-        return feed is not None and feed.unlisten(listener)
+            if feed is None:
+                return True  # stopping
+        return feed.wait(since, deadline - time.monotonic(), self.stopping)
 
     def projects(self, owner):
         """The sorted project ids with a non-empty feed for owner."""
@@ -2402,16 +2287,13 @@ class FeedStore:
         return sorted(names)
 
     def stop(self):
-        """Call every listener now, so parked long-polls answer (shutdown)."""
+        """Wake every parked pull to answer now (shutdown)."""
         self.stopping.set()
         with self._lock:
             feeds = list(self._feeds.values())
-            waiting, self._waiting = self._waiting, {}
+            self._made.notify_all()
         for feed in feeds:
-            feed.call_listeners()
-        for listeners in waiting.values():
-            for listener in listeners:
-                listener()
+            feed.wake()
 
 
 # ---------------------------------------------------------------------------
@@ -2647,9 +2529,8 @@ class MemoryStore:
 
     # -- the two operations ------------------------------------------------
 
-    def snapshot(self, principal, scope, known_etag=None, have=None, may_block=True):
-        """The snapshot answer body for principal's scope. Unless may_block, only an `unchanged` answer
-        from the cached manifest is given; anything else raises WouldBlock."""
+    def snapshot(self, principal, scope, known_etag=None, have=None):
+        """The snapshot answer body for principal's scope."""
         files = self._files(principal, scope)
         if known_etag is not None:
             # `unchanged` reads no note, so it needs no scope lock: the cached manifest is the
@@ -2657,8 +2538,6 @@ class MemoryStore:
             answer = self._unchanged(principal, known_etag, self._cache.get(files.root))
             if answer is not None:
                 return answer
-        if not may_block:
-            raise WouldBlock()
         with self._scope_lock(files.root):
             manifest = self._manifest(files)
             return (self._unchanged(principal, known_etag, manifest)
@@ -3058,15 +2937,14 @@ class DataDirCheck:
 
 # ---------------------------------------------------------------------------
 # The HTTP layer: requests and answers, the route table, the handlers; then the
-# transport: request heads and bodies, the event loop, long-polls, connections,
-# and the server
+# transport on http.server
 # ---------------------------------------------------------------------------
 #
-# One thread runs an event loop that reads every request and writes every answer.
-# A handler runs in the loop; what would make it wait raises WouldBlock first, and
-# the request runs again in a worker thread. A push is answered once a flusher
-# thread has written and fsynced it (Feed.submit); a parked long-poll is a
-# listener on its feed and a timer.
+# http.server's ThreadingHTTPServer gives every connection a thread, and its
+# BaseHTTPRequestHandler reads the request line and headers. A handler simply
+# blocks: a push returns once its group commit is fsynced (Feed.append), a
+# long-poll waits on its feed's Condition (FeedStore.wait). A watchdog thread
+# keeps the time limits by shutting late sockets down.
 
 class Response:
     """An answer: status, JSON body bytes, extra headers, and whether to close the connection."""
@@ -3083,40 +2961,22 @@ def json_response(status, value, headers=()):
     return Response(status, encode_json(value), headers)
 
 
-LATER = object()  # what a handler returns when request.answer_later(response) will answer
+class ClientGone(Exception):
+    """The client closed its connection, or broke the framing of its request: no answer is sent."""
 
 
 class Request:
     """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and the
-    body, read only when asked for.
+    body, read only when asked for."""
 
-    A request is first run in the event loop (may_block False): whatever would wait there (a network
-    call, reading a whole feed, a disk write) raises WouldBlock before it changes anything, and the
-    request is run again, from the start, in a worker thread (may_block True).
-    """
-
-    def __init__(self, method, path, query, headers, read_body, deliver):
+    def __init__(self, method, path, query, headers, read_body, client_gone=lambda: False):
         self.method = method
         self.path = path
         self.query = query
         self.headers = headers
         self.read_body = read_body      # read_body(limit, error) -> bytes; error(status, text) makes the exception
-        self._deliver = deliver         # deliver(response, request): the transport's, from any thread
-        self.may_block = False
-        self.body = None                # once read
-        self.checked = None             # (principal, MemoryRequest) once the memory checks have passed
+        self.client_gone = client_gone  # () -> True once the client has left (a parked pull stops waiting)
         self.principal = None           # for the access log, once a token was verified
-        self.answer_pending = False     # the handler returned later(), and its answer has not come yet
-        self.ended = False              # no longer counted as in flight (see SyncServer.request_ended)
-
-    def later(self):
-        """What a handler returns once something (a group commit) is to call answer_later."""
-        self.answer_pending = True
-        return LATER
-
-    def answer_later(self, response):
-        """Answer, from any thread, a request whose handler returned LATER."""
-        self._deliver(response, self)
 
     def param(self, name):
         """A query parameter's value, None when absent; 400 when it is given twice."""
@@ -3136,32 +2996,19 @@ def memory_body_error(status, text):
     return MemoryApiError(status, "memory_quota_exceeded" if status == 413 else "invalid_body", text)
 
 
-class Park:
-    """A pull with nothing after its cursor yet, and how long it may wait for the feed to grow."""
-    __slots__ = ("owner", "project", "since", "limit", "seconds")
-
-    def __init__(self, owner, project, since, limit, seconds):
-        self.owner = owner
-        self.project = project
-        self.since = since
-        self.limit = limit
-        self.seconds = seconds
-
-
 class SyncApp:
-    """The protocol: routes to thin handlers that parse, call storage and answer.
+    """The protocol: routes to thin handlers that parse, call storage and answer."""
 
-    A handler returns a Response, a Park (a long-poll, for the transport to hold), or LATER (a push:
-    request.answer_later is called once its events are durable).
-    """
-
-    def __init__(self, feeds, memory, auth, rate_limiter, log=None):
+    def __init__(self, feeds, memory, auth, rate_limiter, log=None, max_parked=DEFAULT_MAX_PARKED):
         self.feeds = feeds
         self.memory = memory
         self.auth = auth
         self.rate_limiter = rate_limiter
         self.log = log or (lambda message: None)
-        self._checked_snapshots = {}  # (principal, body) -> MemoryRequest, for small snapshot bodies
+        self.max_parked = max_parked
+        self.parked = 0                   # long-polls waiting now
+        self._parked_lock = threading.Lock()
+        self._checked_snapshots = {}      # (principal, body) -> MemoryRequest, for small snapshot bodies
 
     ROUTES = {
         "/v1/health": {"GET": "health"},
@@ -3203,7 +3050,7 @@ class SyncApp:
 
     def session_identity(self, request):
         try:
-            identity = self.auth.identify(request.headers.get("authorization"), request.may_block)
+            identity = self.auth.identify(request.headers.get("authorization"))
         except AuthError as exc:
             raise ApiError(401, str(exc), [("WWW-Authenticate", "Bearer")]) from None
         except AuthUnavailable as exc:
@@ -3237,22 +3084,8 @@ class SyncApp:
             raise BadRequest(str(exc)) from None
         push = validate_push(doc)
         owner = self.feed_owner(identity, push.team)
-        # Marked before submit: the answer may come before submit returns (at once, for a push that adds
-        # nothing; or from a flusher), and from a worker thread the loop may send it before this returns.
-        later = request.later()
-        try:
-            self.feeds.submit(owner, push.project, push.records, push.sessions,
-                              lambda outcome: request.answer_later(self.push_answer(outcome)), request.may_block)
-        except BaseException:
-            request.answer_pending = False  # no answer will come: it ends as any other request does
-            raise
-        return later
-
-    def push_answer(self, outcome):
-        """The answer to a push, from what its group commit gave: (cursor, accepted) or the error."""
-        if isinstance(outcome, Exception):
-            return self.error_response(outcome)
-        return Response(200, b'{"cursor":%d,"accepted":%d}' % outcome)
+        cursor, accepted = self.feeds.push(owner, push.project, push.records, push.sessions)
+        return Response(200, b'{"cursor":%d,"accepted":%d}' % (cursor, accepted))
 
     def pull(self, request):
         identity = self.session_identity(request)
@@ -3263,10 +3096,30 @@ class SyncApp:
         since = parse_cursor(request.param("since"))
         limit = parse_clamped(request.param("limit"), "limit", 1, MAX_PULL_LIMIT, MAX_PULL_LIMIT)
         wait = parse_clamped(request.param("wait"), "wait", 0, MAX_WAIT_SECONDS, 0)
-        page = self.feeds.pull(owner, project, since, limit, request.may_block)
-        if page.records or page.sessions or wait == 0:
-            return Response(200, page.to_json())
-        return Park(owner, project, since, limit, wait)
+        page = self.feeds.pull(owner, project, since, limit)
+        if not (page.records or page.sessions) and wait > 0 and self.park(owner, project, since, wait, request):
+            page = self.feeds.pull(owner, project, since, limit)  # one Page for every pull the push woke
+        return Response(200, page.to_json())
+
+    def park(self, owner, project, since, seconds, request):
+        """Hold a pull until its feed has an event after since, its wait is over, or the server stops;
+        False (at once) past max_parked. ClientGone when its client leaves meanwhile: it is looked for
+        every PARKED_CHECK_SECONDS, so an abandoned pull gives its place back soon."""
+        with self._parked_lock:
+            if self.parked >= self.max_parked:
+                return False
+            self.parked += 1
+        try:
+            deadline = time.monotonic() + seconds
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.feeds.wait(owner, project, since, min(left, PARKED_CHECK_SECONDS)):
+                    return True
+                if request.client_gone():
+                    raise ClientGone()
+        finally:
+            with self._parked_lock:
+                self.parked -= 1
 
     # -- memory sync -------------------------------------------------------
 
@@ -3276,23 +3129,14 @@ class SyncApp:
 
     def memory_snapshot(self, request):
         principal, req = self.memory_request(request, "snapshot")
-        answer = self.memory.snapshot(principal, req.scope, req.known_etag, req.have, request.may_block)
-        return Response(200, answer.to_json())
+        return Response(200, self.memory.snapshot(principal, req.scope, req.known_etag, req.have).to_json())
 
     def memory_commit(self, request):
-        if not request.may_block:
-            raise WouldBlock()  # a commit always writes: all of it runs in a worker thread
         principal, req = self.memory_request(request, "commit")
         return Response(200, self.memory.commit(principal, req.scope, req.etag, req.changes, req.have).to_json())
 
     def memory_request(self, request, kind):
-        """The contract's checks, in its order; (verified principal, MemoryRequest). Done once: a request
-        run again in a worker thread keeps what its first run checked (and counted against the rate limit)."""
-        if request.checked is None:
-            request.checked = self._check_memory_request(request, kind)
-        return request.checked
-
-    def _check_memory_request(self, request, kind):
+        """The contract's checks, in its order; (verified principal, MemoryRequest)."""
         if request.headers.get("origin") is not None:
             raise MemoryApiError(403, "native_client_required", "memory sync is for native clients only")
         content_type = request.headers.get("content-type")
@@ -3300,7 +3144,7 @@ class SyncApp:
                 content_type or "").split(";", 1)[0].strip().lower() != "application/json":
             raise MemoryApiError(415, "json_required", "Content-Type must be application/json")
         try:
-            identity = self.auth.identify_for_memory(request.headers.get("authorization"), request.may_block)
+            identity = self.auth.identify_for_memory(request.headers.get("authorization"))
         except AuthError as exc:
             raise MemoryApiError(401, "sign_in_required", str(exc), [("WWW-Authenticate", "Bearer")]) from None
         except AuthNotConfigured as exc:
@@ -3331,183 +3175,112 @@ class SyncApp:
         return identity.principal, fields
 
 
-# ---- request heads and bodies ----------------------------------------------
-
-class ClientGone(Exception):
-    """The client closed its connection, or broke the framing of its request."""
-
-
-class BadHead(Exception):
-    """A request line or header that cannot be parsed: answered with its status, then closed."""
-
-    def __init__(self, status, text):
-        super().__init__(text)
-        self.status = status
-
-
-class NeedBody(Exception):
-    """A handler asked for a body that has not fully arrived: the transport reads it, then runs the
-    request again."""
-
-    def __init__(self, reader):
-        super().__init__("the request body has not arrived yet")
-        self.reader = reader
-
+# ---- checks on top of http.server ---------------------------------------------
+#
+# http.server reads the request line and the headers; these are the stricter
+# rules of RFC 9112 that an exposed server needs on top: a cap on the whole head,
+# SP and HTAB as the only whitespace, no control bytes, and one framing of a body.
 
 _REASONS = {status: phrase.encode("latin-1")
             for status, (phrase, _) in http.server.BaseHTTPRequestHandler.responses.items()}
-_HTTP_VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")
-_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,8}")
+_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_REQUEST_LINE = re.compile(_TOKEN + rb" [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r?\n")
+_HEADER_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r?\n")
+_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,8})(;[\t\x20-\x7e\x80-\xff]*)?\r\n")
+LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
 
 
-def head_end(buf, start=0):
-    """Where the request head at the start of buf ends (just after its blank line), or -1.
+class HeadReader:
+    """The connection's reader, as http.server sees it while it reads a head: it stops the head at
+    MAX_HEAD_BYTES in all (http.client's LineTooLong, answered 431) and keeps the lines read, for the
+    checks of _REQUEST_LINE and _HEADER_LINE: only SP between the request line's parts, a token and a
+    colon to begin each header line, no control byte but HTAB in a value (no NUL, bare CR or folding)."""
 
-    Searched in growing windows, so that neither ending is looked for far past the head's own end: each
-    request of a long pipeline would otherwise scan all that follows it (for a CRLF end, by a bare-LF
-    client; for a bare-LF one, by every other)."""
-    size, window = len(buf), 4096
-    while True:
-        stop = min(size, start + window)
-        crlf = buf.find(b"\n\r\n", start, stop)
-        # A bare-LF end only counts before the first CRLF one (none straddles the window's edge before it).
-        lf = buf.find(b"\n\n", start, stop if crlf < 0 else crlf + 2)
-        if lf >= 0:
-            return lf + 2
-        if crlf >= 0:
-            return crlf + 3
-        if stop == size:
-            return -1
-        start, window = stop - 2, window * 2  # an end may straddle the edge
+    def __init__(self, rfile, budget=MAX_HEAD_BYTES):
+        self.rfile = rfile
+        self.budget = budget
+        self.lines = []
+        self.too_large = False
+
+    def readline(self, limit=-1):
+        if self.budget <= 0:
+            self.too_large = True
+            raise http.client.LineTooLong("request head")
+        line = self.rfile.readline(self.budget if limit < 0 else min(limit, self.budget))
+        self.budget -= len(line)
+        if self.budget <= 0 and not line.endswith(b"\n"):
+            self.too_large = True
+            raise http.client.LineTooLong("request head")
+        self.lines.append(line)
+        return line
 
 
-def parse_head(head):
-    """(method, target, version, headers) of a whole request head, ending with its blank line.
-
-    Headers are a dict by lower-case name, a repeated header's values joined with ', '. BadHead for
-    a malformed or oversized head (without http.server's email parser, the slowest part of a request).
-    """
-    lines = head.decode("latin-1").split("\n")[:-2]
-    if len(lines[0]) >= MAX_HEADER_LINE:
-        raise BadHead(414, "request line too long")
-    parts = lines[0].split()
-    if len(parts) != 3 or _HTTP_VERSION.fullmatch(parts[2]) is None:
-        raise BadHead(400, "bad request line")
-    if parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
-        raise BadHead(505, "HTTP/1.1 only")
-    if len(lines) > MAX_HEADERS + 1:
-        raise BadHead(431, "too many header lines")
+def header_dict(message):
+    """Headers by lower-case name (a repeated header's values joined with ', '), values trimmed of
+    SP and HTAB only: str.strip() would also take VT, FF, NBSP and more as whitespace."""
     headers = {}
-    for line in lines[1:]:
-        if len(line) >= MAX_HEADER_LINE:
-            raise BadHead(431, "header line too long")
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():  # no name, or space around it (folding too)
-            raise BadHead(400, "malformed header line")
-        name, value = name.lower(), value.strip()
+    for name, value in message.items():
+        name, value = name.lower(), value.strip(" \t")
         headers[name] = headers[name] + ", " + value if name in headers else value
-    return parts[0], parts[1], parts[2], headers
+    return headers
+
+
+def connection_tokens(headers):
+    return {token.strip(" \t").lower() for token in headers.get("connection", "").split(",")}
 
 
 def declares_body(headers):
     if headers.get("transfer-encoding") is not None:
         return True
     length = headers.get("content-length")
-    return length is not None and length.strip() != "0"
+    return length is not None and length != "0"
 
 
-def body_reader(headers, limit, error):
-    """A reader for the body the headers declare, of at most limit bytes; error(status, text) builds
-    what is raised for a bad or oversized one (before any of it is read)."""
+def body_length(headers, limit, error):
+    """The Content-Length of a body of at most limit bytes, or None for a chunked body; error(status,
+    text) builds what is raised for a bad or oversized one (before any of it is read)."""
     encoding = headers.get("transfer-encoding")
     length = headers.get("content-length")
     if encoding is not None:
-        if encoding.strip().lower() != "chunked" or length is not None:
+        if encoding.lower() != "chunked" or length is not None:
             raise error(400, "unsupported Transfer-Encoding")
-        return ChunkedBody(limit, error)
-    length = length.strip()
+        return None
     if not (length.isascii() and length.isdigit()):
         raise error(400, "bad Content-Length")
     length = length.lstrip("0") or "0"  # int() refuses strings of over 4,300 digits, zeros too
     if len(length) > 16 or int(length) > limit:
         raise error(413, "request body is larger than %d bytes" % limit)
-    return SizedBody(int(length))
+    return int(length)
 
 
-class SizedBody:
-    """A body of Content-Length bytes."""
-
-    def __init__(self, size):
-        self.size = size
-
-    def take(self, buf):
-        """The body, cut from the front of buf, once all of it is there; else None."""
-        if len(buf) < self.size:
-            return None
-        with memoryview(buf) as view:
-            body = bytes(view[:self.size])  # one copy (a bytearray slice would be a second)
-        del buf[:self.size]
-        return body
-
-
-class ChunkedBody:
-    """A chunked body, parsed as it arrives (each byte once); trailer fields are ignored."""
-
-    def __init__(self, limit, error):
-        self.limit = limit
-        self.error = error
-        self.chunks = []
-        self.total = 0
-        self.remaining = None    # bytes still to come of the current chunk (and its CRLF), or None
-        self.trailers = False    # the last chunk was seen: reading trailer lines up to a blank one
-        self.trailer_lines = 0
-
-    def take(self, buf):
-        """The body once the whole of it is there, else None; consumed bytes are cut from buf."""
-        while True:
-            if self.remaining is not None:
-                if len(buf) < self.remaining + 1:
-                    return None
-                end = self.remaining
-                if buf[end:end + 2] == b"\r\n":
-                    skip = 2
-                elif buf[end:end + 1] == b"\n":
-                    skip = 1
-                elif len(buf) < end + 2:
-                    return None
-                else:
-                    raise ClientGone()
-                self.chunks.append(bytes(buf[:end]))
-                del buf[:end + skip]
-                self.remaining = None
-                continue
-            newline = buf.find(b"\n")
-            if newline < 0:
-                if len(buf) > 1024:
-                    raise ClientGone()
-                return None
-            line = bytes(buf[:newline + 1])
-            del buf[:newline + 1]
-            if len(line) > 1024:
-                raise ClientGone()
-            if self.trailers:
-                if line in (b"\r\n", b"\n"):
-                    return b"".join(self.chunks)
-                self.trailer_lines += 1
-                if self.trailer_lines > MAX_HEADERS:
-                    raise ClientGone()
-                continue
-            size_text = line.split(b";", 1)[0].strip()
-            if not _CHUNK_SIZE.fullmatch(size_text):
-                raise self.error(400, "bad chunk size")
-            size = int(size_text, 16)
-            if size == 0:
-                self.trailers = True
-                continue
-            self.total += size
-            if self.total > self.limit:
-                raise self.error(413, "request body is larger than %d bytes" % self.limit)
-            self.remaining = size
+def read_chunked(rfile, limit, error):
+    """A chunked body from rfile, of at most limit bytes; trailer fields are read and dropped.
+    ClientGone for broken framing; error(400 or 413, text) for a bad chunk size or an oversized body."""
+    chunks, total = [], 0
+    while True:
+        line = rfile.readline(1024)
+        if not line.endswith(b"\n"):
+            raise ClientGone()
+        match = _CHUNK_LINE.fullmatch(line)
+        if match is None:
+            raise error(400, "bad chunk size")
+        size = int(match.group(1), 16)
+        if size == 0:
+            break
+        total += size
+        if total > limit:
+            raise error(413, "request body is larger than %d bytes" % limit)
+        chunk = rfile.read(size)
+        if len(chunk) < size or rfile.readline(3) != b"\r\n":
+            raise ClientGone()
+        chunks.append(chunk)
+    for _ in range(MAX_HEADERS + 1):
+        line = rfile.readline(MAX_HEADER_LINE)
+        if line == b"\r\n":
+            return b"".join(chunks)
+        if not line.endswith(b"\n"):
+            break
+    raise ClientGone()
 
 
 def render(response, method, close):
@@ -3520,575 +3293,264 @@ def render(response, method, close):
     return head if method == "HEAD" else head + response.body
 
 
-# ---- the event loop ----------------------------------------------------------
-
-class Timer:
-    """A call the event loop makes at a given time, unless cancelled first."""
-    __slots__ = ("when", "function", "args", "cancelled")
-
-    def __init__(self, when, function, args):
-        self.when = when
-        self.function = function
-        self.args = args
-        self.cancelled = False
-
-    def cancel(self):
-        self.cancelled = True
-        self.function = self.args = None  # it waits in the heap until its time: let it hold nothing
+def printable(text):
+    """text with every character outside printable ASCII escaped, for a log line."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(c if " " <= c <= "~" else "\\x%02x" % ord(c) if ord(c) < 256 else "\\u%04x" % ord(c)
+                   for c in text)
 
 
-class EventLoop:
-    """One thread that waits on every socket at once (selectors), runs timers, and runs the calls
-    other threads hand it (flushers, workers, the long-poll listeners) through a wake-up socket.
+# ---- the transport ------------------------------------------------------------
 
-    Every connection is served by this one thread: no thread per connection, so no thread stacks
-    for a thousand parked long-polls, and no hand-over of the interpreter lock between requests.
+class Watchdog:
+    """Keeps every connection's time limit: a request that has not fully arrived in time (logged), a
+    connection idle or stuck sending for too long (quietly), a refused one's linger (closed).
+
+    Sockets are blocking with no timeout of their own: a per-receive timeout cannot bound a whole
+    request (one byte a second never trips it). One thread looks at the deadlines four times a second
+    and shuts a late socket down, which ends whatever receive or send waits on it.
     """
 
     def __init__(self, log):
         self.log = log
-        self.selector = selectors.DefaultSelector()
-        self._calls = collections.deque()
-        self._timers = []                      # heap of (when, sequence, Timer)
-        self._sequence = itertools.count()
-        self._wake_in, self._wake_out = socket.socketpair()
-        self._wake_in.setblocking(False)
-        self._wake_out.setblocking(False)
-        self._signalled = False
-        self.selector.register(self._wake_in, selectors.EVENT_READ, self._drain)
+        self._deadlines = {}                   # socket -> (deadline, what to log or None, close it)
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, name="watchdog", daemon=True).start()
 
-    def call_soon(self, function, *args):
-        """Run function(*args) in the loop's thread, soon. Safe from any thread."""
-        self._calls.append((function, args))
-        if not self._signalled:
-            self._signalled = True
+    def arm(self, sock, seconds, late_note=None, close=False):
+        """Shut sock down (close=True: close it) unless armed again or disarmed within seconds."""
+        with self._lock:
+            self._deadlines[sock] = (time.monotonic() + seconds, late_note, close)
+
+    def disarm(self, sock):
+        with self._lock:
+            self._deadlines.pop(sock, None)
+
+    def _run(self):
+        while not self._stopped.wait(SWEEP_SECONDS):
             try:
-                self._wake_out.send(b"\0")
-            except OSError:
-                pass  # full of wake-ups already, or closed at shutdown
+                self._end_late(time.monotonic())
+            except Exception as exc:  # it must live on: without it no connection has a time limit
+                self.log("watchdog: %s: %s" % (type(exc).__name__, exc))
 
-    def call_later(self, seconds, function, *args):
-        """Run function(*args) in the loop after seconds; a Timer to cancel it. Loop thread only."""
-        timer = Timer(time.monotonic() + seconds, function, args)
-        heapq.heappush(self._timers, (timer.when, next(self._sequence), timer))
-        return timer
+    def _end_late(self, now, quiet=False):
+        with self._lock:
+            late = [(sock, entry) for sock, entry in self._deadlines.items() if entry[0] <= now]
+            for sock, _ in late:
+                del self._deadlines[sock]
+        for sock, (_, note, close) in late:
+            if note and not quiet:
+                self.log(note)
+            if close:
+                sock.close()
+            else:
+                shut_down(sock)
 
-    def _drain(self, mask):
+    def stop(self):
+        """Stop watching; the sockets still watched are ended now."""
+        self._stopped.set()
+        self._end_late(float("inf"), quiet=True)
+
+
+def shut_down(sock):
+    """Shut a connection down, which ends any receive or send waiting on it. The plain socket's shutdown,
+    also under TLS: the SSL object stays as it is for the thread reading or writing through it."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
+    """One connection's thread: read a request, hand it to the app, send the answer, again.
+
+    http.server reads the request line and headers (parse_request); every method then reaches the
+    app (an unknown one is a 405, never http.server's 501), and each answer leaves in one send with
+    TCP_NODELAY set.
+    """
+
+    protocol_version = "HTTP/1.1"
+    server_version = "oharness-sync/" + __version__
+    disable_nagle_algorithm = True
+
+    def setup(self):
+        super().setup()
+        # Blocking, without a timeout: every time limit is the watchdog's (after a TLS handshake, which
+        # had one of its own). Until the first request, the idle limit holds.
+        self.connection.settimeout(None)
+        self.server.opened(self.connection)
+        self.body_pending = False   # a declared body not read: answering it closes the connection
+        self.server.watchdog.arm(self.connection, self.server.idle_seconds)
+
+    def finish(self):
         try:
-            while self._wake_in.recv(4096):
+            super().finish()
+            if self.body_pending:
+                self.linger()
+        finally:
+            self.server.watchdog.disarm(self.connection)
+            self.server.closed(self.connection)
+
+    def handle_one_request(self):
+        try:
+            if not self.rfile.peek(1):  # waits for a request to begin (the idle limit holds meanwhile)
+                self.close_connection = True
+                return
+        except OSError:
+            self.close_connection = True
+            return
+        self.server.watchdog.arm(self.connection, self.server.request_seconds, LATE_REQUEST_NOTE)
+        try:
+            headers = self.read_head()
+            if headers is not None:
+                self.answer(headers)
+        except (ClientGone, OSError):  # the client left, or was cut off by the watchdog
+            self.close_connection = True
+
+    # -- the request head ----------------------------------------------------
+
+    def read_head(self):
+        """The headers of the next request (http.server's parse_request, within MAX_HEAD_BYTES, then
+        check_head); None when the head was refused, and answered."""
+        self.command, self.request_version = None, "HTTP/1.1"
+        reader = HeadReader(self.rfile)
+        try:
+            self.raw_requestline = reader.readline(MAX_HEADER_LINE + 1)
+        except http.client.LineTooLong:
+            self.raw_requestline = b""
+        if not self.raw_requestline.endswith(b"\n"):
+            if reader.too_large or len(self.raw_requestline) > MAX_HEADER_LINE:
+                self.send_error(414, "request line too long")
+                return None
+            raise ClientGone()  # the connection ended inside the request line
+        if _REQUEST_LINE.fullmatch(self.raw_requestline) is None:
+            self.send_error(400, "bad request line")
+            return None
+        rfile, self.rfile = self.rfile, reader
+        try:
+            parsed = self.parse_request()
+        finally:
+            self.rfile = rfile
+        if not parsed:
+            return None  # parse_request answered it (send_error)
+        if reader.lines[-1] not in (b"\r\n", b"\n"):
+            raise ClientGone()  # the connection ended inside the headers
+        if self.request_version not in ("HTTP/1.1", "HTTP/1.0"):
+            self.send_error(505, "HTTP/1.1 only")
+            return None
+        if not all(_HEADER_LINE.fullmatch(line) for line in reader.lines[1:-1]):
+            self.send_error(400, "malformed header line")
+            return None
+        headers = self.fields = header_dict(self.headers)
+        tokens = connection_tokens(headers)
+        if self.request_version == "HTTP/1.0":
+            # RFC 9112 6.1: a chunked body from an HTTP/1.0 client leaves its framing in doubt.
+            self.close_connection = "keep-alive" not in tokens or "transfer-encoding" in headers
+        else:
+            self.close_connection = "close" in tokens
+        return headers
+
+    def handle_expect_100(self):
+        return True  # 100 Continue is sent once the body is wanted (read_body), not for a refused request
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's refusals, and check_head's, as JSON; logged; the connection then closes."""
+        if code == 431 and message in ("Line too long", "Too many headers"):
+            message = "request head larger than %d bytes or %d header lines" % (MAX_HEAD_BYTES, MAX_HEADERS)
+        message = message or "bad request"
+        self.server.log("refused a malformed request (%d %s): %s" % (
+            code, message, printable(str(self.raw_requestline[:200], "latin-1").rstrip("\r\n"))))
+        self.body_pending = True  # what follows a refused head is not read: close after the answer
+        self.send_answer(Response(code, encode_json({"error": message}), close=True), self.command)
+
+    def log_message(self, format, *args):
+        pass  # the server writes its own access log
+
+    # -- the request ---------------------------------------------------------
+
+    def answer(self, headers):
+        started = time.monotonic()
+        path, _, query = self.path.partition("?")
+        query = urllib.parse.parse_qs(query, keep_blank_values=True) if query else {}
+        self.body_pending = declares_body(headers)
+        if not self.body_pending:
+            self.server.watchdog.disarm(self.connection)
+        request = Request(self.command, path, query, headers, self.read_body, self.client_gone)
+        self.body = None
+        self.server.begin_request()
+        try:
+            try:
+                response = self.server.app.handle(request)
+            except ClientGone:
+                raise
+            except Exception as exc:  # never a stack trace to the client or the log
+                self.server.log("internal error on %s %s: %s: %s" % (
+                    printable(self.command), printable(path), type(exc).__name__, exc))
+                response = json_response(500, {"error": "internal server error"})
+            self.server.log_access(self.command, path, response.status, started, request.principal)
+            self.send_answer(response, self.command)
+        finally:
+            self.server.end_request()
+
+    def read_body(self, limit, error):
+        """The request body, at most limit bytes; error(status, text) builds what is raised for a bad or
+        oversized one. ClientGone when the client leaves or breaks its framing."""
+        if self.body is not None or not self.body_pending:
+            return self.body or b""
+        headers = self.fields
+        length = body_length(headers, limit, error)
+        try:
+            if self.request_version == "HTTP/1.1" and headers.get("expect", "").lower() == "100-continue":
+                self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits a second otherwise
+            if length is None:
+                body = read_chunked(self.rfile, limit, error)
+            else:
+                body = self.rfile.read(length)
+                if len(body) < length:
+                    raise ClientGone()
+        except OSError:  # reset, or cut off by the watchdog (under TLS an SSLError)
+            raise ClientGone() from None
+        self.body, self.body_pending = body, False
+        self.server.watchdog.disarm(self.connection)
+        return body
+
+    def client_gone(self):
+        """True when the client has closed its side or reset the connection. Asked while a pull is
+        parked: what it may have pipelined meanwhile stays unread. (Under TLS a closing client's last
+        record is data to this look, so there it waits out the pull.)"""
+        try:
+            return not socket.socket.recv(self.connection, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    # -- the answer ----------------------------------------------------------
+
+    def send_answer(self, response, method):
+        """Write the answer with one send; it closes the connection where it must."""
+        close = (response.close or self.close_connection or self.body_pending
+                 or self.server.stopping.is_set())
+        self.close_connection = close
+        data = render(response, method, close)
+        self.server.watchdog.arm(self.connection, self.server.idle_seconds)  # a client that does not read
+        self.wfile.write(data)
+
+    def linger(self):
+        """After a last answer sent before its request's body was read (an early 401 or 413): send
+        nothing more and drop what still arrives, until the client closes or LINGER_SECONDS pass.
+        Closing on unread bytes would reset the connection, and the answer with it."""
+        sock = self.connection
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_WR)
+            self.server.watchdog.arm(sock, LINGER_SECONDS)
+            while sock.recv(65536):
                 pass
         except OSError:
             pass
-        # Only after reading: cleared before, a wake-up sent meanwhile would be read away with the flag
-        # left set, and the next call would wait for a timer. Calls handed in so far run after this.
-        self._signalled = False
 
-    def run_once(self, longest):
-        """Wait up to longest seconds for something to do, and do it."""
-        timeout = longest
-        if self._calls:
-            timeout = 0
-        elif self._timers:
-            timeout = min(longest, max(0.0, self._timers[0][0] - time.monotonic()))
-        for key, mask in self.selector.select(timeout):
-            self._run(key.data, mask)
-        now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            timer = heapq.heappop(self._timers)[2]
-            if not timer.cancelled:
-                self._run(timer.function, *timer.args)
-        for _ in range(len(self._calls)):
-            function, args = self._calls.popleft()
-            self._run(function, *args)
-
-    def _run(self, function, *args):
-        try:
-            function(*args)
-        except Exception as exc:  # the loop must live on, whatever one call does
-            self.log("event loop: %s: %s" % (type(exc).__name__, exc))
-
-    def close(self):
-        self.selector.close()
-        self._wake_in.close()
-        self._wake_out.close()
-
-
-class LongPolls:
-    """Parked long-polls: each is a listener on its feed and a timer in the event loop, not a thread.
-
-    A push's flush calls its feed's listeners; the loop then answers every pull parked there, reading
-    the page once (a feed keeps its latest page). Past max_parked a pull answers at once, as if its
-    wait were 0.
-    """
-
-    def __init__(self, feeds, loop, max_parked, error_response, log):
-        self.feeds = feeds
-        self.loop = loop
-        self.max_parked = max_parked
-        self.error_response = error_response
-        self.log = log
-        self.parked = 0
-
-    def park(self, park, answer):
-        """Call answer(response) in the loop once park's feed has grown or its wait is over; the waiter,
-        to cancel when the client leaves first (None when answered at once)."""
-        if self.parked >= self.max_parked:
-            return self._answer(park, answer)
-        waiter = _Waiter(park, answer)
-        waiter.listener = lambda: self.loop.call_soon(self._finish, waiter)
-        try:
-            listening = self.feeds.listen(park.owner, park.project, park.since, waiter.listener)
-        except (FeedDamaged, StorageError) as exc:
-            return answer(self.error_response(exc))
-        if not listening:
-            return self._answer(park, answer)  # an event arrived since the read, or the server is stopping
-        self.parked += 1
-        waiter.timer = self.loop.call_later(park.seconds, self._time_out, waiter)
-        return waiter
-
-    def _time_out(self, waiter):
-        self.feeds.unlisten(waiter.park.owner, waiter.park.project, waiter.listener)
-        self._finish(waiter)  # an empty page, or what arrived just now
-
-    def cancel(self, waiter):
-        """Forget a parked pull whose client has gone: its place is free at once."""
-        if not waiter.done:
-            self.feeds.unlisten(waiter.park.owner, waiter.park.project, waiter.listener)
-            self._forget(waiter)
-
-    def _forget(self, waiter):
-        """A waiter's end: its place is free, and it no longer refers to itself (its listener and timer
-        do), so it is freed at once rather than at the next garbage collection."""
-        waiter.done = True
-        waiter.timer.cancel()
-        waiter.timer = waiter.listener = None
-        self.parked -= 1
-
-    def _finish(self, waiter):
-        if waiter.done:
-            return
-        self._forget(waiter)
-        self._answer(waiter.park, waiter.answer)
-
-    def _answer(self, park, answer):
-        """Answer a pull with the page after its cursor (an unexpected error answers this pull alone)."""
-        try:
-            response = Response(200, self.feeds.pull(park.owner, park.project, park.since, park.limit).to_json())
-        except (FeedDamaged, StorageError) as exc:
-            response = self.error_response(exc)
-        except Exception as exc:
-            self.log("long-poll answer failed: %s: %s" % (type(exc).__name__, exc))
-            response = json_response(500, {"error": "internal server error"})
-        answer(response)
-
-
-class _Waiter:
-    """One parked pull."""
-    __slots__ = ("park", "answer", "listener", "timer", "done")
-
-    def __init__(self, park, answer):
-        self.park = park
-        self.answer = answer
-        self.listener = None
-        self.timer = None
-        self.done = False
-
-
-# ---- connections -------------------------------------------------------------
-
-LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
-RECEIVE_BYTES = 65536
-_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
-
-
-class Connection:
-    """One client connection, driven by the event loop: read a request, run it, send the answer.
-
-    The states: "handshake" (TLS), "head" (waiting for a request), "body" (reading a body the handler
-    asked for), "busy" (the app, a worker, a flush or a long-poll has the request), "send", and
-    "linger" (refused past the connection cap: the 503 is sent, what comes in is dropped). Each state
-    has at most one deadline, kept by the server's sweep: the request limit from a request's first
-    byte until its body is in, the idle limit while waiting for a request or sending an answer.
-    """
-
-    def __init__(self, server, sock, state):
-        self.server = server
-        self.sock = sock
-        self.tls = isinstance(sock, ssl.SSLSocket)
-        self.state = state
-        self.events = 0
-        self.inbuf = bytearray()
-        self.out = None
-        self.request = None
-        self.started = None          # when the current request's first byte arrived
-        self.scanned = 0             # how much of inbuf was searched for the head's end
-        self.head_lines = 0          # line ends among those bytes
-        self.line_start = 0          # where the last, unfinished line of the head begins
-        self.version = None
-        self.body_pending = False    # a declared body not read (yet): answering it closes the connection
-        self.body_reader = None
-        self.close_after = False
-        self.deadline = None
-        self.late_note = None
-        self.waiter = None           # a parked long-poll's
-        self.admitted = False        # counted in server.connections (a refused one lingers uncounted)
-        self.closed = False
-        self.read_eof = False        # the client half-closed: what it sent is answered, then the connection closes
-
-    # -- readiness -------------------------------------------------------
-
-    def watch(self, events):
-        """Wait for these selector events (0: none) on the socket."""
-        if self.read_eof:
-            events &= ~_READ  # at its end a socket is always readable: waiting for that would spin
-        if events == self.events or self.closed:
-            return
-        selector = self.server.loop.selector
-        if not self.events:
-            selector.register(self.sock, events, self.on_ready)
-        elif not events:
-            selector.unregister(self.sock)
-        else:
-            selector.modify(self.sock, events, self.on_ready)
-        self.events = events
-
-    def on_ready(self, mask):
-        if self.closed:  # closed by an earlier event of the same wake-up
-            return
-        try:
-            if self.state == "handshake":
-                self.handshake()
-            elif self.state == "send":
-                self.send_more()
-            else:
-                self.receive()
-        except ClientGone:
-            self.close()
-        except Exception as exc:  # a fault of this connection ends it, and only it
-            self.server.log("connection error: %s: %s" % (type(exc).__name__, exc))
-            self.close()
-
-    def set_deadline(self, seconds, note=None):
-        self.deadline = time.monotonic() + seconds
-        self.late_note = note
-
-    def handshake(self):
-        """A step of the TLS handshake, without waiting: a stalled client holds up no one."""
-        try:
-            self.sock.do_handshake()
-        except ssl.SSLWantReadError:
-            return self.watch(_READ)
-        except ssl.SSLWantWriteError:
-            return self.watch(_WRITE)
-        except (OSError, ValueError):
-            return self.close()
-        self.state = "head"
-        self.set_deadline(self.server.idle_seconds)
-        self.watch(_READ)
-        self.receive()  # the first request may have come with the handshake's last flight
-
-    def receive(self):
-        if self.events & _WRITE:
-            self.watch(_READ)  # WRITE was for the TLS layer's own write inside a recv (a KeyUpdate reply)
-        # Into the loop's one receive buffer, then onto inbuf: a 64 KiB allocation per receive, cut down to
-        # a few hundred bytes, would leave the heap fragmented.
-        buffer = self.server.receive_buffer
-        try:
-            count = self.sock.recv_into(buffer)
-            if count and self.state != "linger":
-                self.inbuf += buffer[:count]
-                while self.tls and self.sock.pending():
-                    self.inbuf += buffer[:self.sock.recv_into(buffer)]
-        except (BlockingIOError, ssl.SSLWantReadError):
-            return
-        except ssl.SSLWantWriteError:
-            return self.watch(_READ | _WRITE)
-        except OSError:  # reset, or a TLS record no key decrypts: the client is gone
-            return self.close()
-        if not count:
-            return self.end_of_input()
-        if self.state == "linger":
-            return
-        if self.state in ("head", "body"):
-            self.advance()
-        elif len(self.inbuf) > RECEIVE_BYTES:
-            self.watch(0)  # pipelined past the limit while the current request is under way: wait
-
-    def end_of_input(self):
-        """The client has sent all it will send (EOF). Gone, or half-closed: a request under way (a push
-        being made durable, say) or already pipelined is still answered, then the connection closes. A
-        parked pull, an unfinished head or body, or nothing at all: closed now."""
-        if self.state == "busy" and self.waiter is None or self.state == "head" and self.inbuf:
-            self.read_eof = True
-            self.watch(self.events)
-            if self.state == "head":
-                self.advance()
-            return
-        self.close()
-
-    # -- requests --------------------------------------------------------
-
-    def advance(self):
-        """Go on with what is in inbuf: a request head, or the body being waited for."""
-        if self.closed:
-            return
-        if self.state == "body":
-            return self.read_more_body()
-        if self.state != "head" or not self.inbuf:
-            return
-        if self.started is None:
-            self.started = time.monotonic()
-            self.set_deadline(self.server.request_seconds, LATE_REQUEST_NOTE)
-        buf = self.inbuf
-        end = head_end(buf, max(0, self.scanned - 2))
-        try:
-            if end < 0:
-                if self.read_eof:
-                    return self.close()  # the rest of this head will never come
-                self.check_partial_head()
-                self.watch(_READ)  # the rest of the head is to come (reading may have paused for a backlog)
-                return
-            method, target, version, headers = parse_head(bytes(buf[:end]))
-        except BadHead as exc:
-            return self.send(render(json_response(exc.status, {"error": str(exc)}), None, True), True)
-        del buf[:end]
-        self.scanned = self.head_lines = self.line_start = 0
-        self.begin(method, target, version, headers)
-
-    def check_partial_head(self):
-        """BadHead as soon as an incomplete head is already too long; each byte is looked at once."""
-        buf = self.inbuf
-        newline = buf.rfind(b"\n", self.scanned)
-        if newline >= 0:
-            self.head_lines += buf.count(b"\n", self.scanned)
-            self.line_start = newline + 1
-        self.scanned = len(buf)
-        if len(buf) - self.line_start >= MAX_HEADER_LINE:
-            if self.head_lines == 0:
-                raise BadHead(414, "request line too long")
-            raise BadHead(431, "header line too long")
-        if self.head_lines > MAX_HEADERS + 1:
-            raise BadHead(431, "too many header lines")
-
-    def begin(self, method, target, version, headers):
-        self.server.busy_begin()
-        connection = (headers.get("connection") or "").lower()
-        if version == "HTTP/1.0":
-            self.close_after = "keep-alive" not in connection
-        else:
-            self.close_after = "close" in connection
-        self.version = version
-        path, _, query = target.partition("?")
-        query = urllib.parse.parse_qs(query, keep_blank_values=True) if query else {}
-        # No reference from the request back to itself (a closure would make one): a request, and the
-        # body and checked fields it holds, is freed as soon as it is answered, not at the next collection.
-        self.request = Request(method, path, query, headers, self.read_body, self.deliver)
-        self.body_pending = declares_body(headers)
-        if not self.body_pending:
-            self.deadline = None
-        self.state = "busy"
-        self.run()
-
-    def run(self):
-        """Run the request in the loop; hand it to a worker when it would wait."""
-        try:
-            outcome = self.server.app.handle(self.request)
-        except WouldBlock:
-            self.watch(0)
-            self.server.workers.submit(self.run_in_worker)
-            return
-        except NeedBody as need:
-            return self.wait_for_body(need.reader)
-        except ClientGone:  # it broke its body's framing
-            return self.close()
-        except Exception as exc:  # never a stack trace to the client or the log
-            outcome = self.internal_error(self.request, exc)
-        self.finish(outcome)
-
-    def run_in_worker(self):
-        request = self.request
-        if request is None:  # closed (timed out) before a worker was free
-            return
-        request.may_block = True
-        try:
-            outcome = self.server.app.handle(request)
-        except (NeedBody, ClientGone) as exc:
-            outcome = exc
-        except Exception as exc:
-            outcome = self.internal_error(request, exc)
-        finally:
-            request.may_block = False
-        self.server.loop.call_soon(self.finish, outcome, request)
-
-    def internal_error(self, request, exc):
-        self.server.log("internal error on %s %s: %s: %s" % (request.method, request.path, type(exc).__name__, exc))
-        return json_response(500, {"error": "internal server error"})
-
-    def finish(self, outcome, request=None):
-        """Act on what running the request gave (in the loop). request: the one a worker ran, which may
-        have been answered meanwhile (a push's answer can overtake its worker's return)."""
-        if self.closed or request is not None and request is not self.request:
-            return
-        if isinstance(outcome, Response):
-            self.answer(outcome)
-        elif isinstance(outcome, Park):
-            if self.read_eof:
-                return self.close()  # as for a parked pull whose client leaves
-            self.waiter = self.server.long_polls.park(outcome, self.answer)
-        elif isinstance(outcome, NeedBody):
-            self.wait_for_body(outcome.reader)
-        elif isinstance(outcome, ClientGone):
-            self.close()
-        if self.state == "busy" and len(self.inbuf) <= RECEIVE_BYTES:
-            # Parked, or LATER (answer_later will be called): watched meanwhile (again, after a worker),
-            # so a client that leaves is closed at once; what it pipelines waits in inbuf, up to a limit.
-            self.watch(_READ)
-
-    def deliver(self, response, request):
-        """request.answer_later's: answer in the loop (from any thread)."""
-        self.server.loop.call_soon(self.answer, response, request)
-
-    def read_body(self, limit, error):
-        """The body (handlers call this); NeedBody while it has not all arrived."""
-        request = self.request
-        if request is None:  # closed meanwhile (a worker thread was running the request)
-            raise ClientGone()
-        if request.body is not None:
-            return request.body
-        if not self.body_pending:
-            return b""
-        reader = self.body_reader or body_reader(request.headers, limit, error)
-        body = reader.take(self.inbuf)
-        if body is None:
-            raise NeedBody(reader)
-        self.got_body(body)
-        return body
-
-    def got_body(self, body):
-        self.request.body = body
-        self.body_pending = False
-        self.body_reader = None
-        self.deadline = None
-
-    def wait_for_body(self, reader):
-        self.body_reader = reader
-        self.state = "body"
-        request = self.request
-        if self.version == "HTTP/1.1" and (request.headers.get("expect") or "").lower() == "100-continue":
-            # Asked for once the body is wanted (curl waits a second otherwise); it fits any new socket.
-            try:
-                if self.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n") != 25:
-                    return self.close()
-            except OSError:
-                return self.close()
-        self.watch(_READ)
-        self.read_more_body()
-
-    def read_more_body(self):
-        try:
-            body = self.body_reader.take(self.inbuf)
-        except ClientGone:
-            return self.close()
-        except (ApiError, MemoryApiError) as exc:  # a bad chunk size, or a body over the limit
-            self.state = "busy"
-            return self.answer(self.server.app.error_response(exc))
-        if body is None:
-            if self.read_eof:
-                self.close()  # the rest of this body will never come
-            return
-        self.got_body(body)
-        self.state = "busy"
-        self.run()
-
-    # -- answers ---------------------------------------------------------
-
-    def answer(self, response, request=None):
-        """Send the answer to the current request (in the loop). request: the one answer_later was for."""
-        if self.closed:
-            if request is not None:
-                self.server.request_ended(request)  # a push whose client left: durable (or failed) now
-            return
-        request = self.request
-        request.answer_pending = False  # it has come: from here the request ends as any other does
-        self.server.log_access(request.method, request.path, response.status, self.started, request.principal)
-        close = response.close or self.close_after or self.body_pending or self.server.stopping.is_set()
-        self.send(render(response, request.method, close), close)
-
-    def send(self, data, close):
-        self.out = data
-        self.close_after = close
-        self.state = "send"
-        self.set_deadline(self.server.idle_seconds)  # a client that does not read is cut off like an idle one
-        self.send_more()
-
-    def send_more(self):
-        try:
-            sent = self.sock.send(self.out)
-        except (BlockingIOError, ssl.SSLWantWriteError):
-            return self.watch(_WRITE)
-        except ssl.SSLWantReadError:
-            return self.watch(_READ)
-        except OSError:
-            return self.close()
-        if sent < len(self.out):
-            self.out = memoryview(self.out)[sent:]
-            return self.watch(_WRITE)
-        self.out = None
-        self.started = None
-        self.waiter = None
-        if self.request is not None:
-            self.server.request_ended(self.request)
-            self.request = None
-        if self.close_after or self.read_eof and not self.inbuf:
-            return self.close(gently=True)
-        self.state = "head"
-        self.set_deadline(self.server.idle_seconds)
-        # Pipelined: the next request is here already (a call, not a deeper stack). Past RECEIVE_BYTES of
-        # them, nothing more is read until they are answered (advance reads on for an unfinished head).
-        self.watch(_READ if len(self.inbuf) <= RECEIVE_BYTES else 0)
-        if self.inbuf:
-            self.server.loop.call_soon(self.advance)
-
-    def close(self, gently=False):
-        """Close the connection; gently: after a whole answer, so it is not reset away (a request body
-        left unread is first read and dropped, for a while: closing on unread bytes resets the answer)."""
-        if self.closed:
-            return
-        if gently and self.body_pending and self.state != "linger" and not self.read_eof:
-            return self.linger()  # (after an EOF nothing more comes: nothing to drop, nothing to reset)
-        self.closed = True
-        if self.events:
-            self.server.loop.selector.unregister(self.sock)
-            self.events = 0
-        try:
-            if gently:
-                socket.socket.shutdown(self.sock, socket.SHUT_WR)
-        except OSError:
-            pass
-        self.sock.close()
-        self.inbuf = bytearray()
-        if self.waiter is not None:
-            self.server.long_polls.cancel(self.waiter)
-            self.waiter = None
-        request, self.request = self.request, None
-        if request is not None and not request.answer_pending:
-            self.server.request_ended(request)  # else it ends when its answer comes
-        self.server.forget(self)
-
-    def linger(self):
-        """After the last answer: send nothing more, drop what arrives until the client closes or
-        LINGER_SECONDS pass. (An early 401 or 413 then reaches a client still sending its body.)"""
-        try:
-            socket.socket.shutdown(self.sock, socket.SHUT_WR)
-        except OSError:
-            return self.close()
-        self.state = "linger"
-        self.inbuf = bytearray()
-        self.set_deadline(LINGER_SECONDS)
-        self.watch(_READ)
-
-
-# ---- the server --------------------------------------------------------------
 
 class TlsFiles:
     """A certificate and key for HTTPS, re-read on demand (SIGHUP) for renewed certificates."""
@@ -4119,17 +3581,22 @@ _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json
             b'{"error":"server is at its connection limit; try again shortly"}')
 
 
-class SyncServer:
-    """The HTTP/1.1 server: one event loop for every connection, worker threads for what would wait.
+class SyncServer(http.server.ThreadingHTTPServer):
+    """http.server's ThreadingHTTPServer, with a connection cap, TLS, a watchdog and a quiet error path.
 
-    serve_forever() runs the loop in the calling thread until shutdown() (from another thread).
-    Every method reaches the app (an unknown one is a 405), each answer leaves in one send with
-    TCP_NODELAY set, and every time limit is kept by a sweep of the connections four times a second.
+    Past max_connections a new connection gets a 503 at once, from the accepting thread: never
+    more threads than that. With TLS, the handshake runs in the connection's own thread.
     """
 
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
+
     def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None, access_log=None,
-                 tls=None, request_seconds=DEFAULT_REQUEST_SECONDS, idle_seconds=IDLE_SECONDS,
-                 max_parked=DEFAULT_MAX_PARKED):
+                 tls=None, request_seconds=DEFAULT_REQUEST_SECONDS, idle_seconds=IDLE_SECONDS):
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
         self.app = app
         self.tls = tls                         # a TlsFiles, or None for plain HTTP
         self.request_seconds = request_seconds
@@ -4138,27 +3605,12 @@ class SyncServer:
         self.log = log or (lambda message: None)
         self.access_log = access_log
         self.stopping = threading.Event()      # set: answers close their connections
-        self.connections = 0                   # open connections (past the cap: refused)
+        self.connections = 0                   # accepted and not yet closed (past the cap: refused)
         self.busy = 0                          # requests being answered, for a graceful stop
-        self._open = set()                     # every Connection, lingering refusals too
-        self.socket = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.socket.bind(address)
-            self.socket.listen(LISTEN_BACKLOG)
-            self.socket.setblocking(False)
-        except OSError:
-            self.socket.close()
-            raise
-        self.server_address = self.socket.getsockname()
-        self.receive_buffer = memoryview(bytearray(RECEIVE_BYTES))  # the loop's, for every receive
-        self.loop = EventLoop(self.log)
-        self.workers = Workers(WORKER_THREADS, "request worker", self.log)
-        self.long_polls = LongPolls(app.feeds, self.loop, max_parked, app.error_response, self.log)
-        self._stop_asked = False
-        self._stopped = threading.Event()
-        self.loop.selector.register(self.socket, _READ, self._accept)
-        self.loop.call_later(SWEEP_SECONDS, self._sweep)
+        self._open = set()                     # the sockets of connections being served
+        self._lock = threading.Lock()
+        super().__init__(address, SyncRequestHandler)
+        self.watchdog = Watchdog(self.log)
 
     @property
     def url(self):
@@ -4166,35 +3618,98 @@ class SyncServer:
         scheme = "https" if self.tls else "http"
         return "%s://%s:%d" % (scheme, "[%s]" % host if ":" in host else host, port)
 
-    # -- running and stopping ----------------------------------------------
+    # -- connections ---------------------------------------------------------
 
-    def serve_forever(self, poll_interval=0.5):
-        """Serve until shutdown() is called (poll_interval: how often the loop looks at least)."""
-        self._stopped.clear()
+    def process_request(self, request, client_address):
+        with self._lock:
+            full = self.connections >= self.max_connections
+            if not full:
+                self.connections += 1
+        if full:
+            return self.refuse(request)
         try:
-            while not self._stop_asked:
-                self.loop.run_once(poll_interval)
-        finally:
-            self._stop_asked = False
-            self._stopped.set()
+            super().process_request(request, client_address)  # a thread for the connection
+        except BaseException:
+            with self._lock:
+                self.connections -= 1
+            raise
 
-    def shutdown(self):
-        """Make serve_forever return, and wait until it has. From another thread."""
-        self._stop_asked = True
-        self.loop.call_soon(lambda: None)
-        self._stopped.wait()
+    def process_request_thread(self, request, client_address):
+        try:
+            if self.tls is not None:
+                request = self.handshake(request)
+            if request is not None:
+                super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self.connections -= 1
+
+    def handshake(self, sock):
+        """The TLS handshake, in the connection's own thread and within the request time limit: a
+        client that stalls it, or speaks plain HTTP, costs only its own thread. None when it fails."""
+        try:
+            tls_sock = self.tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError):
+            sock.close()
+            return None
+        self.watchdog.arm(tls_sock, self.request_seconds, LATE_REQUEST_NOTE)
+        try:
+            tls_sock.do_handshake()
+            return tls_sock
+        except (OSError, ValueError):
+            tls_sock.close()
+            return None
+        finally:
+            self.watchdog.disarm(tls_sock)
+
+    def refuse(self, sock):
+        """Past the connection cap: a 503 JSON answer rather than a hang (with TLS: closed at once). The
+        socket is closed LINGER_SECONDS later, so closing does not reset the answer away."""
+        try:
+            if self.tls is None:
+                sock.setblocking(False)
+                sock.send(_REFUSAL)
+                sock.shutdown(socket.SHUT_WR)
+                self.watchdog.arm(sock, LINGER_SECONDS, close=True)
+                return
+        except OSError:
+            pass
+        sock.close()
+
+    def opened(self, sock):
+        with self._lock:
+            self._open.add(sock)
+
+    def closed(self, sock):
+        with self._lock:
+            self._open.discard(sock)
+
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, (ConnectionError, socket.timeout)):
+            self.log("connection error: %s: %s" % (type(exc).__name__, exc))
+
+    # -- requests ------------------------------------------------------------
+
+    def begin_request(self):
+        with self._lock:
+            self.busy += 1
+
+    def end_request(self):
+        with self._lock:
+            self.busy -= 1
+
+    def log_access(self, method, path, status, started, principal):
+        if self.access_log is not None:
+            self.access_log("%s %s %d %.1fms %s" % (
+                printable(method), printable(path), status, (time.monotonic() - started) * 1000, principal or "-"))
+
+    # -- stopping ------------------------------------------------------------
 
     def stop_accepting(self):
-        """Accept no new connection; the open ones are served on. Safe from any thread."""
-        self.loop.call_soon(self._close_listener)
-
-    def _close_listener(self):
-        if self.socket.fileno() >= 0:
-            try:
-                self.loop.selector.unregister(self.socket)
-            except KeyError:
-                pass  # accepting was paused
-            self.socket.close()
+        """Accept no new connection; the open ones are served on. From another thread than serve_forever's."""
+        self.shutdown()
+        self.socket.close()
 
     def wait_idle(self, seconds):
         """Wait until no request is being answered (in-flight pushes finish before exit); True if none is.
@@ -4205,106 +3720,13 @@ class SyncServer:
         return self.busy == 0
 
     def server_close(self):
-        """Close the listening socket and every connection: none outlives the server. After shutdown()."""
-        if self.socket.fileno() >= 0:
-            self.socket.close()
-        for connection in list(self._open):
-            connection.close()
-        self.loop.close()
-
-    # -- connections ---------------------------------------------------------
-
-    def _accept(self, mask):
-        for _ in range(ACCEPTS_PER_WAKE):
-            try:
-                sock, _ = self.socket.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return
-            except OSError as exc:  # out of file descriptors, say: look again shortly, not in a busy loop
-                self.log("cannot accept a connection: %s" % reason(exc))
-                self.loop.selector.unregister(self.socket)
-                self.loop.call_later(0.1, self._resume_accepting)
-                return
-            self._admit(sock)
-
-    def _resume_accepting(self):
-        if self.socket.fileno() >= 0:
-            self.loop.selector.register(self.socket, _READ, self._accept)
-
-    def _admit(self, sock):
-        sock.setblocking(False)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-        if self.connections >= self.max_connections:
-            return self._refuse(sock)
-        if self.tls is not None:
-            try:
-                sock = self.tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            except (OSError, ValueError):
-                sock.close()
-                return
-        connection = Connection(self, sock, "head" if self.tls is None else "handshake")
-        connection.admitted = True
-        self.connections += 1
-        self._open.add(connection)
-        if self.tls is None:
-            connection.set_deadline(self.idle_seconds)
-            connection.watch(_READ)
-        else:
-            connection.set_deadline(self.request_seconds, LATE_REQUEST_NOTE)
-            connection.handshake()
-
-    def _refuse(self, sock):
-        """Past the connection cap: a 503 JSON answer rather than a hang (with TLS: closed at once). The
-        socket lingers a second, dropping what the client sends, so closing does not reset the answer away."""
-        if self.tls is not None:
-            sock.close()
-            return
-        try:
-            sock.send(_REFUSAL)
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            sock.close()
-            return
-        connection = Connection(self, sock, "linger")
-        connection.set_deadline(LINGER_SECONDS)
-        self._open.add(connection)
-        connection.watch(_READ)
-
-    def forget(self, connection):
-        """A connection has closed."""
-        self._open.discard(connection)
-        if connection.admitted:
-            self.connections -= 1
-
-    def _sweep(self):
-        """Close the connections past their deadline (a late request is logged)."""
-        now = time.monotonic()
-        late = [connection for connection in self._open
-                if connection.deadline is not None and connection.deadline <= now]
-        for connection in late:
-            if connection.late_note:
-                self.log(connection.late_note)
-            connection.close()
-        self.loop.call_later(SWEEP_SECONDS, self._sweep)
-
-    # -- requests ------------------------------------------------------------
-
-    def busy_begin(self):
-        self.busy += 1
-
-    def request_ended(self, request):
-        """A request is answered, or will never be: it is no longer in flight (counted once)."""
-        if not request.ended:
-            request.ended = True
-            self.busy -= 1
-
-    def log_access(self, method, path, status, started, principal):
-        if self.access_log is not None:
-            self.access_log("%s %s %d %.1fms %s" % (
-                method, path, status, (time.monotonic() - started) * 1000, principal or "-"))
+        """Close the listening socket and end every connection: none outlives the server."""
+        super().server_close()
+        self.watchdog.stop()
+        with self._lock:
+            open_sockets = list(self._open)
+        for sock in open_sockets:
+            shut_down(sock)
 
 
 # ---------------------------------------------------------------------------
@@ -4347,10 +3769,10 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
-    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit), log)
+    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit), log,
+                  max_parked)
     access_log = None if getattr(log, "quiet", False) else log.access  # --quiet: no line is even formatted
-    return SyncServer((host, port), app, max_connections, log, access_log, tls, request_seconds, idle_seconds,
-                      max_parked)
+    return SyncServer((host, port), app, max_connections, log, access_log, tls, request_seconds, idle_seconds)
 
 
 def add_auth_flags(parser):
