@@ -68,6 +68,11 @@ try:
 except ImportError:  # Windows
     resource = None
 
+try:
+    import pwd
+except ImportError:  # Windows: owners are named by number
+    pwd = None
+
 __version__ = "0.1.0"
 
 # ---------------------------------------------------------------------------
@@ -1784,7 +1789,8 @@ def sync_dir(path):
 
 
 def make_dirs(path):
-    """Create path and its missing parents, syncing each parent so the new entries survive a crash."""
+    """Create path and its missing parents, syncing each parent so the new entries survive a crash.
+    Returns the directories it created, outermost first."""
     missing = []
     while not os.path.isdir(path):
         missing.append(path)
@@ -1795,6 +1801,7 @@ def make_dirs(path):
         except FileExistsError:
             pass
         sync_dir(os.path.dirname(directory))
+    return missing[::-1]
 
 
 def write_all(fd, data):
@@ -1805,13 +1812,16 @@ def write_all(fd, data):
         view = view[written:]
 
 
-def write_atomically(path, data):
-    """Replace path with data: temporary file, fsync, rename, fsync of the directory."""
+def write_atomically(path, data, owner=None):
+    """Replace path with data: temporary file, fsync, rename, fsync of the directory.
+    owner: (uid, gid, mode) the new file gets before it replaces the old one (else the caller's, 0600)."""
     directory = os.path.dirname(path)
     temporary = "%s.tmp-%s" % (path, secrets.token_hex(4))
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
+            if owner is not None:
+                give_file(fd, owner)
             write_all(fd, data)
             sync_file(fd)
         finally:
@@ -1824,6 +1834,24 @@ def write_atomically(path, data):
             pass
         raise
     sync_dir(directory)
+
+
+def give_file(fd, owner):
+    """Give an open file the owner, group and mode of owner = (uid, gid, mode), changing only what differs."""
+    uid, gid, mode = owner
+    info = os.fstat(fd)
+    if (info.st_uid, info.st_gid) != (uid, gid):
+        os.fchown(fd, uid, gid)
+    if (info.st_mode & 0o7777) != mode:
+        os.fchmod(fd, mode)
+
+
+def user_name(uid):
+    """The login name of uid, else "uid N"."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (AttributeError, KeyError):  # no pwd module (Windows), or no such user
+        return "uid %d" % uid
 
 
 def lock_exclusively(fd):
@@ -1866,7 +1894,9 @@ class TokenStore:
 
     Each record: id (12 hex, not secret), hash, principal, teams, name, created
     and expires (Unix ms or null). The file is replaced atomically; the command
-    line serialises its read-modify-write with DIR/tokens.lock.
+    line serialises its read-modify-write with DIR/tokens.lock. A new file keeps
+    the old one's owner, group and mode (a token issued as root must stay
+    readable by the server's user); a first one gets the data dir's owner.
     """
 
     FILE_NAME = "tokens.json"
@@ -1909,15 +1939,40 @@ class TokenStore:
                 and all(record.get(stamp) is None or as_safe_int(record[stamp]) is not None
                         for stamp in ("created", "expires")))
 
-    def _update(self, change):
-        """Apply change(records) under the command-line lock and write the file atomically."""
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    def owner(self):
+        """(uid, gid, mode) the token file must have: the present file's, else the data dir's owner and
+        group with mode 0600; None where files have no owners (Windows). UsageError, naming the user to
+        run as, when this process cannot give a file that owner."""
+        if not hasattr(os, "fchown"):
+            return None
         try:
+            info, whose = os.stat(self.path), self.path
+            mode = info.st_mode & 0o7777
+        except FileNotFoundError:
+            whose = os.path.dirname(self.path)
+            info, mode = os.stat(whose), 0o600
+        if os.geteuid() != 0 and (info.st_uid != os.geteuid()
+                                  or info.st_gid not in os.getgroups() + [os.getegid()]):
+            name = user_name(info.st_uid)
+            raise UsageError("%s belongs to %s: run token commands as that user, e.g. sudo -u %s python3 "
+                             "oharness_sync.py token ..." % (whose, name, name))
+        return info.st_uid, info.st_gid, mode
+
+    def _update(self, change):
+        """Apply change(records) under the command-line lock and write the file atomically, keeping its owner."""
+        owner = self.owner()  # refused before anything is written
+        try:
+            fd, created = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            fd, created = os.open(self.lock_path, os.O_RDWR), False
+        try:
+            if created and owner is not None:  # the token file's owner's too, or they are locked out of it
+                give_file(fd, owner[:2] + (0o600,))
             while not lock_exclusively(fd):
                 time.sleep(0.05)
             records = self.read()
             result = change(records)
-            write_atomically(self.path, encode_json({"version": 1, "tokens": records}) + b"\n")
+            write_atomically(self.path, encode_json({"version": 1, "tokens": records}) + b"\n", self.owner())
             return result
         finally:
             os.close(fd)
@@ -1935,10 +1990,11 @@ class TokenStore:
         self._update(lambda records: records.append(record))
         return token, record
 
-    def revoke(self, token_id):
-        """Remove a token by id; False when there is no such token."""
+    def revoke(self, token_id, hashed=None):
+        """Remove a token by id (and hash, when given: a whole token was named); False when there is none."""
         def change(records):
-            kept = [record for record in records if record["id"] != token_id]
+            kept = [record for record in records
+                    if record["id"] != token_id or (hashed is not None and record["hash"] != hashed)]
             removed = len(kept) != len(records)
             records[:] = kept
             return removed
@@ -4429,11 +4485,16 @@ def is_loopback(host):
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def open_data_dir(path):
-    """Create the data dir if missing; UsageError when it cannot be used."""
+def open_data_dir(path, create=True):
+    """(absolute path, the directories made for it, outermost first) of a usable data dir; UsageError when
+    it cannot be used. A data dir is an existing directory: only the server and `token issue` (create)
+    make a missing one, so a mistyped --data is not made by the other commands."""
     data_dir = os.path.abspath(path)
+    if not create and not os.path.isdir(data_dir):
+        raise UsageError("%s is not a data dir: %s" % (
+            data_dir, "not a directory" if os.path.exists(data_dir) else "no such directory"))
     try:
-        make_dirs(data_dir)
+        created = make_dirs(data_dir)
         probe = os.path.join(data_dir, ".write-test")
         with open(probe, "wb"):
             pass
@@ -4445,7 +4506,21 @@ def open_data_dir(path):
         tokens.read()  # the server starts with the tokens in force: a damaged file is the admin's to see now
     except (OSError, ValueError) as exc:
         raise UsageError("cannot use the token file %s: %s" % (tokens.path, reason(exc))) from None
-    return data_dir
+    return data_dir, created
+
+
+def remove_new_data_dir(created, lock_path):
+    """After a failed start, remove the data dir (and parents) that start made: its lock file (while still
+    locked) and the directories while empty. Anything else in them stays, and so do the directories holding it."""
+    try:
+        os.unlink(lock_path)
+    except OSError:
+        pass
+    for directory in reversed(created):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
 
 
 def serve_command(argv):
@@ -4478,17 +4553,23 @@ def serve_command(argv):
     log = Log(quiet=args.quiet)
     jwt, supabase = auth_from_flags(args, log)
     tls = tls_from_flags(args)
-    data_dir = open_data_dir(args.data)
+    data_dir, created = open_data_dir(args.data)
     lock = DataDirLock(data_dir)
-    lock.acquire()
-    raise_open_file_limit()
-    threading.stack_size(THREAD_STACK_BYTES)
     try:
-        server = build_server(data_dir, args.host, args.port, args.max_connections, log,
-                              jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked,
-                              args.request_timeout)
-    except OSError as exc:
-        raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, reason(exc))) from None
+        lock.acquire()
+        raise_open_file_limit()
+        threading.stack_size(THREAD_STACK_BYTES)
+        try:
+            server = build_server(data_dir, args.host, args.port, args.max_connections, log,
+                                  jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked,
+                                  args.request_timeout)
+        except OSError as exc:
+            raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, reason(exc))) from None
+    except UsageError:
+        if created:  # a start that failed leaves no new directory behind
+            remove_new_data_dir(created, lock.path)
+        lock.release()
+        raise
     if tls is None and not is_loopback(args.host):
         log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for localhost, "
             "127.0.0.1 and [::1]: put TLS in front of this server" % args.host)
@@ -4532,33 +4613,56 @@ def token_command(argv):
     issue.add_argument("--expires-days", type=float, metavar="N")
     listing = commands.add_parser("list", help="list tokens (never the tokens themselves)")
     listing.add_argument("--data", required=True, metavar="DIR")
-    revoke = commands.add_parser("revoke", help="revoke a token by its id")
+    revoke = commands.add_parser("revoke", help="revoke a token by its id (or the whole token)")
     revoke.add_argument("--data", required=True, metavar="DIR")
     revoke.add_argument("token_id", metavar="TOKEN_ID")
     for sub in (issue, listing, revoke):
         sub.error = parser.error
     args = parser.parse_args(argv)
-    tokens = TokenStore(open_data_dir(args.data))
+    if args.action == "issue":
+        check_issue_flags(args)
+    elif args.action == "revoke":
+        token_id, hashed = revoked_token(args.token_id)
+    data_dir, _ = open_data_dir(args.data, create=args.action == "issue")
+    tokens = TokenStore(data_dir)
     try:
         if args.action == "issue":
             return issue_token(tokens, args)
         if args.action == "list":
             return list_tokens(tokens)
-        if not tokens.revoke(args.token_id):
-            print("no token with id %s" % args.token_id, file=sys.stderr)
+        if not tokens.revoke(token_id, hashed):
+            print("no token with id %s%s" % (token_id, "" if hashed is None else " matches this token"),
+                  file=sys.stderr)
             return 1
-        print("revoked token %s" % args.token_id, file=sys.stderr)
+        print("revoked token %s" % token_id, file=sys.stderr)
         return 0
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError("cannot change the token file %s: %s" % (tokens.path, reason(exc))) from None
 
 
-def issue_token(tokens, args):
+def revoked_token(given):
+    """(token id, hash or None) of what `token revoke` was given: a token id, or a whole local token (then
+    its hash must match too); UsageError, without echoing it (it may be a token), for anything else."""
+    token_id = split_local_token(given)
+    if token_id is not None:
+        return token_id, token_hash(given)
+    if _TOKEN_ID.fullmatch(given) is None:
+        raise UsageError("give the token id, e.g. 3f9c2a17b0de (the ID column of `token list`), or the whole token")
+    return given, None
+
+
+def check_issue_flags(args):
+    """UsageError for a `token issue` whose flags are unusable: checked before the data dir is made."""
     for value in [args.principal] + args.team:
         if not is_valid_id(value):
             raise UsageError("%r is not a valid id ([A-Za-z0-9_-], 1 to 128 characters)" % value)
     if args.expires_days is not None and not args.expires_days > 0:
         raise UsageError("--expires-days must be positive")
+
+
+def issue_token(tokens, args):
     token, record = tokens.issue(args.principal, args.team, args.name, args.expires_days)
     print(token, flush=True)
     print("issued token %s for principal %s" % (record["id"], record["principal"]), file=sys.stderr)
@@ -4572,7 +4676,7 @@ def format_ms(value):
 
 
 def list_tokens(tokens):
-    rows = [("ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED", "EXPIRES")]
+    rows = [("ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED (UTC)", "EXPIRES (UTC)")]
     for record in tokens.read():
         rows.append((record["id"], record["principal"], ",".join(record["teams"]) or "-",
                      record.get("name") or "-", format_ms(record.get("created")), format_ms(record.get("expires"))))

@@ -6781,6 +6781,115 @@ class CommandLineTest(unittest.TestCase):
         self.assertNotIn(token_id, self.run_cli("token", "list", "--data", self.data_dir).stdout)
         self.assertEqual(self.run_cli("token", "revoke", "--data", self.data_dir, token_id).returncode, 1)
 
+    def test_token_list_and_revoke_refuse_a_data_dir_that_is_not_there_and_make_none(self):
+        missing = os.path.join(self.data_dir, "typo", "data")
+        blocker = os.path.join(self.data_dir, "file")
+        open(blocker, "w").close()
+        for path, why in ((missing, "no such directory"), (blocker, "not a directory")):
+            for args in (["token", "list", "--data", path], ["token", "revoke", "--data", path, "0123456789ab"]):
+                result = self.run_cli(*args)
+                self.assertEqual((result.returncode, result.stdout, result.stderr),
+                                 (2, "", "oharness-sync: error: %s is not a data dir: %s\n" % (path, why)), args)
+        self.assertEqual(sorted(os.listdir(self.data_dir)), ["file"])
+
+    def test_token_issue_with_a_bad_flag_makes_no_data_dir(self):
+        new = os.path.join(self.data_dir, "new")
+        for flags in (["--principal", "a/b"], ["--principal", "alice", "--team", "x y"],
+                      ["--principal", "alice", "--expires-days", "0"]):
+            result = self.run_cli("token", "issue", "--data", new, *flags)
+            self.assertEqual(result.returncode, 2, flags)
+            self.assertFalse(os.path.exists(new), flags)
+        result = self.run_cli("token", "issue", "--data", new, "--principal", "alice")  # a new data dir is made
+        self.assertEqual(result.returncode, 0)
+        self.assertEqual(sorted(os.listdir(new)), ["tokens.json", "tokens.lock"])
+
+    def test_a_server_that_cannot_start_leaves_no_new_directory(self):
+        busy = socket.socket()
+        self.addCleanup(busy.close)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = str(busy.getsockname()[1])
+        new = os.path.join(self.data_dir, "new")
+        for flags in (["--port", port], ["--host", "no-such-host.invalid"]):
+            result = self.run_cli("--data", os.path.join(new, "data"), *flags)
+            self.assertEqual(result.returncode, 2, flags)
+            self.assertRegex(result.stderr, r"^oharness-sync: error: cannot listen on [^\n]*\n$")
+            self.assertFalse(os.path.exists(new), flags)
+        token, _ = sync.TokenStore(self.data_dir).issue("alice")  # a data dir that was there stays as it was
+        before = sorted(os.listdir(self.data_dir))
+        result = self.run_cli("--data", self.data_dir, "--port", port)
+        self.assertEqual(result.returncode, 2)
+        self.assertEqual(sorted(os.listdir(self.data_dir)), sorted(before + ["server.lock"]))
+        self.assertEqual(sync.LocalTokenVerifier(sync.TokenStore(self.data_dir)).verify(token).principal, "alice")
+
+    def test_token_commands_keep_the_token_file_owner_and_mode(self):
+        """Issued as root in a service user's data dir, tokens.json stays the service user's (issue 15.7)."""
+        if os.geteuid() != 0:
+            self.skipTest("needs root to give a file to another user")
+        path = os.path.join(self.data_dir, "tokens.json")
+        result = self.run_cli("token", "issue", "--data", self.data_dir, "--principal", "alice")
+        self.assertEqual(result.returncode, 0)
+        os.chown(path, 12345, 12346)
+        os.chmod(path, 0o640)
+        for args in (["issue", "--principal", "bob"], ["revoke", result.stdout.strip()[4:16]]):
+            self.assertEqual(self.run_cli("token", args[0], "--data", self.data_dir, *args[1:]).returncode, 0, args)
+            info = os.stat(path)
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o640), args)
+        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
+        # A data dir the service user made, without a token file yet: the first one is the dir owner's.
+        fresh = os.path.join(self.data_dir, "fresh")
+        os.mkdir(fresh, 0o700)
+        os.chown(fresh, 12345, 12346)
+        self.assertEqual(self.run_cli("token", "issue", "--data", fresh, "--principal", "alice").returncode, 0)
+        for name in ("tokens.json", "tokens.lock"):
+            info = os.stat(os.path.join(fresh, name))
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o600), name)
+
+    def test_a_token_command_that_cannot_keep_the_owner_refuses_with_one_line(self):
+        store = sync.TokenStore(self.data_dir)
+        store.issue("alice")
+        with open(store.path, "rb") as f:
+            before = f.read()
+        owner = os.stat(store.path).st_uid
+        stderr = io.StringIO()
+        with mock.patch("os.geteuid", return_value=owner + 1), mock.patch("os.getegid", return_value=owner + 1), \
+                mock.patch("os.getgroups", return_value=[]), contextlib.redirect_stderr(stderr):
+            code = sync.main(["token", "issue", "--data", self.data_dir, "--principal", "bob"])
+        name = sync.user_name(owner)
+        self.assertEqual((code, stderr.getvalue()), (2, "oharness-sync: error: %s belongs to %s: run token commands "
+                                                        "as that user, e.g. sudo -u %s python3 oharness_sync.py "
+                                                        "token ...\n" % (store.path, name, name)))
+        with open(store.path, "rb") as f:
+            self.assertEqual(f.read(), before)
+        self.assertEqual(sorted(os.listdir(self.data_dir)), ["tokens.json", "tokens.lock"])
+
+    def test_token_revoke_takes_the_whole_token_too_and_never_echoes_one(self):
+        tokens = [self.run_cli("token", "issue", "--data", self.data_dir, "--principal", principal).stdout.strip()
+                  for principal in ("alice", "bob")]
+        alice_id = tokens[0][4:16]
+        forged = tokens[0][:-4] + ("AAAA" if not tokens[0].endswith("AAAA") else "BBBB")
+        result = self.run_cli("token", "revoke", "--data", self.data_dir, forged)  # its id, not its hash
+        self.assertEqual((result.returncode, result.stdout, result.stderr),
+                         (1, "", "no token with id %s matches this token\n" % alice_id))
+        result = self.run_cli("token", "revoke", "--data", self.data_dir, tokens[0])
+        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "", "revoked token %s\n" % alice_id))
+        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
+        for given in ("ohs_%s" % alice_id, tokens[1][:20], "eyJhbGciOi.eyJzdWIiOi.c2lnbmF0dXJl", "3F9C2A17B0DE"):
+            result = self.run_cli("token", "revoke", "--data", self.data_dir, given)
+            self.assertEqual((result.returncode, result.stdout, result.stderr),
+                             (2, "", "oharness-sync: error: give the token id, e.g. 3f9c2a17b0de (the ID column of "
+                                     "`token list`), or the whole token\n"), given)
+        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
+
+    def test_token_list_says_its_times_are_utc(self):
+        store = sync.TokenStore(self.data_dir, clock=lambda: 1789344000.0)  # 2026-09-14 00:00 UTC
+        store.issue("alice", name="laptop", expires_days=1)
+        lines = self.run_cli("token", "list", "--data", self.data_dir).stdout.splitlines()
+        self.assertEqual(re.split(r"  +", lines[0]), ["ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED (UTC)",
+                                                      "EXPIRES (UTC)"])
+        self.assertEqual(re.split(r"  +", lines[1])[1:], ["alice", "-", "laptop", "2026-09-14 00:00",
+                                                         "2026-09-15 00:00"])
+
     def test_sigterm_answers_parked_polls_and_exits_0(self):
         token, _ = sync.TokenStore(self.data_dir).issue("alice")
         server = SubprocessServer(self.data_dir)
