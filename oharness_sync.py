@@ -4455,12 +4455,54 @@ def auth_from_flags(args, log=None):
     return jwt, supabase
 
 
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
+_PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")
+
+
+class EncryptedKey(Exception):
+    """A TLS key asked for its passphrase (which the server never has)."""
+
+
+def refuse_passphrase():
+    raise EncryptedKey()
+
+
+def check_tls_files(cert_path, key_path):
+    """UsageError naming the file and the cause when the certificate and key cannot serve HTTPS: run
+    before they are loaded at start and on SIGHUP, so an operator reads what is wrong, not an SSL code."""
+    for what, path, pem in (("certificate", cert_path, _PEM_CERTIFICATE.search),
+                            ("key", key_path, _PEM_PRIVATE_KEY.search)):
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError as exc:
+            raise UsageError("cannot read the TLS %s %s: %s" % (what, path, reason(exc))) from None
+        if not pem(data):
+            raise UsageError("the TLS %s %s is not PEM (no -----BEGIN %s----- line)" % (
+                what, path, "CERTIFICATE" if what == "certificate" else "PRIVATE KEY"))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert_path, key_path, password=refuse_passphrase)
+    except EncryptedKey:
+        raise UsageError("the TLS key %s is encrypted: give the server an unencrypted key that only its user "
+                         "can read" % key_path) from None
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise UsageError("the TLS key %s does not match the certificate %s" % (key_path, cert_path)) from None
+        raise UsageError("cannot use the TLS certificate %s with the key %s: %s" % (cert_path, key_path, exc)) \
+            from None
+    except OSError as exc:  # gone since it was read
+        raise UsageError("cannot read the TLS certificate %s or key %s: %s" % (cert_path, key_path, reason(exc))) \
+            from None
+
+
 def tls_from_flags(args):
     """TlsFiles for --tls-cert and --tls-key, or None; UsageError when only one is given or they are unusable."""
     if not args.tls_cert and not args.tls_key:
         return None
     if not (args.tls_cert and args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
+    check_tls_files(args.tls_cert, args.tls_key)
     try:
         return TlsFiles(args.tls_cert, args.tls_key)
     except (ssl.SSLError, OSError) as exc:

@@ -4458,6 +4458,30 @@ class TlsCommandLineTest(unittest.TestCase):
         self.assertIn("warning: serving plain HTTP on 0.0.0.0", stderr)
         self.assertIn("localhost, 127.0.0.1 and [::1]", stderr)
 
+    def test_an_unusable_tls_file_is_named_with_its_cause_and_nothing_is_made(self):
+        cert, key = os.path.join(TLS_DATA, "cert.pem"), os.path.join(TLS_DATA, "key.pem")
+        missing = os.path.join(self.data_dir, "missing.pem")
+        text = os.path.join(self.data_dir, "text.pem")
+        with open(text, "w") as f:
+            f.write("not a certificate\n")
+        data_dir = os.path.join(self.data_dir, "data")
+        for flags, message in (
+                ((cert, missing), "cannot read the TLS key %s: No such file or directory" % missing),
+                ((missing, key), "cannot read the TLS certificate %s: No such file or directory" % missing),
+                ((self.data_dir, key), "cannot read the TLS certificate %s: Is a directory" % self.data_dir),
+                ((text, key), "the TLS certificate %s is not PEM (no -----BEGIN CERTIFICATE----- line)" % text),
+                ((cert, cert), "the TLS key %s is not PEM (no -----BEGIN PRIVATE KEY----- line)" % cert),
+                ((cert, os.path.join(TLS_DATA, "key2.pem")), "the TLS key %s does not match the certificate %s"
+                 % (os.path.join(TLS_DATA, "key2.pem"), cert)),
+                ((cert, os.path.join(TLS_DATA, "key-encrypted.pem")), "the TLS key %s is encrypted: give the server "
+                 "an unencrypted key that only its user can read" % os.path.join(TLS_DATA, "key-encrypted.pem"))):
+            result = subprocess.run([sys.executable, MODULE, "--data", data_dir, "--port", "0",
+                                     "--tls-cert", flags[0], "--tls-key", flags[1]], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
+            self.assertEqual((result.returncode, result.stdout, result.stderr),
+                             (2, "", "oharness-sync: error: %s\n" % message), flags)
+            self.assertFalse(os.path.exists(data_dir), flags)
+
     def test_tls_flags_must_come_together_and_be_usable(self):
         for flags in (["--tls-cert", os.path.join(TLS_DATA, "cert.pem")],
                       ["--tls-cert", os.path.join(TLS_DATA, "cert.pem"), "--tls-key", os.path.join(TLS_DATA, "key2.pem")],
