@@ -107,6 +107,7 @@ LINGER_SECONDS = 2.0                # after a last answer, what the client still
 ACCEPTS_PER_WAKE = 64               # connections accepted in one go
 THREAD_STACK_BYTES = 512 * 1024     # small stacks for the worker threads (a 32-bit Pi)
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
+SIGNAL_POLL_SECONDS = 0.1           # how soon the main loop acts on a signal (SIGHUP, SIGTERM)
 
 LOCAL_TOKEN_PREFIX = "ohs_"
 
@@ -995,10 +996,28 @@ class LocalTokenVerifier:
                 self._bad_version = version
             return
         self._bad_version = None
+        self._install(records, version)
+
+    def _install(self, records, version):
         # Each token's Identity is made here, once, not on every request.
         self._records = {record["id"]: (record, Identity(record["principal"], record.get("teams", ())))
                          for record in records}
         self._version = version
+
+    def reload(self):
+        """Read the token file now, whatever its stamp (SIGHUP); the number of tokens in force. OSError or
+        ValueError when it cannot be read: the tokens last read stay in force (and it is not logged again)."""
+        with self._lock:
+            version = self.tokens.version()
+            try:
+                records = self.tokens.read()
+            except (OSError, ValueError):
+                self._bad_version = version
+                raise
+            self._bad_version = None
+            self._install(records, version)
+            self._checked = time.monotonic()
+            return len(self._records)
 
     def verify(self, token):
         token_id = split_local_token(token)
@@ -1404,25 +1423,35 @@ class JwksSource:
         # (cp -p, rsync -t, a Nix store path's mtime of 1), and its keys would never be read.
         return (info.st_dev, info.st_ino, info.st_ctime_ns, info.st_mtime_ns, info.st_size)
 
-    def _check_file(self):
-        """Read the file again if its stamp has changed (or its last read failed)."""
+    def reload(self):
+        """Read the JWKS file now, whatever its stamp (SIGHUP); the number of keys. OSError or ValueError when
+        it cannot be read: the last good keys stay in force, as when a look finds it unreadable."""
+        with self._lock:
+            self._check_file(forced=True)
+            return len(self.keys)
+
+    def _check_file(self, forced=False):
+        """Read the file again if its stamp has changed (or its last read failed). forced: read it anyway,
+        and raise a failure instead of logging it."""
         self._last_load = self.clock()
         self._looks += 1
         try:
             stamp = self._stamp()
-            if stamp == self._file_stamp:
+            if stamp == self._file_stamp and not forced:
                 return
             self._file_stamp = stamp
             self.keys = read_jwks_file(self.path)
             self._failed = False
         except (OSError, ValueError) as exc:  # read_jwks_file turns a RecursionError into one
-            if not self._failed:  # once, not at every look while it stays unreadable
+            if not self._failed and not forced:  # once, not at every look while it stays unreadable
                 self.log("cannot re-read the JWKS file %s (%s); keeping the last good keys (%d)" % (
                     self.path, exc, len(self.keys)))
             self._failed = True
             # Read it again at the next look even if its stamp stays the same: a chmod, or a file moved
             # away and back, makes it readable without changing its mtime or size.
             self._file_stamp = None
+            if forced:
+                raise
 
 
 def read_secret_file(path):
@@ -4620,22 +4649,59 @@ def serve_command(argv):
     return 0
 
 
+def plural(count, noun):
+    return "%d %s%s" % (count, noun, "" if count == 1 else "s")
+
+
+def reload_files(server):
+    """What a SIGHUP does: read the token file, a JWKS file and the TLS files again, each keeping what it
+    had when it cannot; then log one line saying what was reloaded (and what was kept, and why)."""
+    local, jwt = server.app.auth.local, server.app.auth.jwt
+    done = []
+    try:
+        done.append("reloaded the token file %s (%s)" % (local.tokens.path, plural(local.reload(), "token")))
+    except (OSError, ValueError) as exc:
+        done.append("kept the tokens in force: cannot read the token file %s: %s" % (local.tokens.path,
+                                                                                    reason(exc)))
+    jwks = jwt.jwks if jwt is not None else None
+    if jwks is not None and jwks.path is not None:
+        try:
+            done.append("reloaded the JWKS file %s (%s)" % (jwks.path, plural(jwks.reload(), "key")))
+        except (OSError, ValueError) as exc:
+            done.append("kept the JWKS keys in force: cannot read the JWKS file %s: %s" % (jwks.path, reason(exc)))
+    tls = server.tls
+    if tls is not None:
+        try:
+            check_tls_files(tls.cert_path, tls.key_path)
+            tls.context = tls.load()
+            done.append("reloaded the TLS certificate %s and key %s" % (tls.cert_path, tls.key_path))
+        except UsageError as exc:
+            done.append("kept the TLS certificate in force: %s" % exc)
+        except (ssl.SSLError, OSError) as exc:  # changed again since it was checked
+            done.append("kept the TLS certificate in force: cannot use %s: %s" % (tls.cert_path, exc))
+    server.log("SIGHUP: " + "; ".join(done))
+
+
 def run_until_signalled(server, ready):
     """Serve until SIGTERM or SIGINT, then stop gracefully: parked long-polls answer at once,
     in-flight pushes finish, and the process exits 0. ready() runs once the signals are handled:
-    from then on, a SIGTERM is a graceful stop. SIGHUP re-reads the TLS certificate."""
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    if server.tls is not None and hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, lambda *_: server.tls.reload(server.log))
+    from then on, a SIGTERM is a graceful stop. A SIGHUP never stops it: it runs reload_files."""
+    signalled = []  # the handlers only append (an Event's set() could deadlock on a lock its wait holds)
+    hangup = getattr(signal, "SIGHUP", None)  # none on Windows
+    for signum in (signal.SIGTERM, signal.SIGINT, hangup):
+        if signum is not None:
+            signal.signal(signum, lambda signum, frame: signalled.append(signum))
     threading.excepthook = lambda hook_args: server.log(
         "thread error: %s: %s" % (hook_args.exc_type.__name__, hook_args.exc_value))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="accept")
     thread.start()
     ready()
-    while not stop.wait(0.5):
-        pass
+    while True:  # the re-reads are done here, not in the handler, which may interrupt anything
+        while not signalled:
+            time.sleep(SIGNAL_POLL_SECONDS)
+        if signalled.pop(0) != hangup:
+            break
+        reload_files(server)
     server.stopping.set()
     server.stop_accepting()
     server.app.feeds.stop()

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import socket
@@ -197,6 +198,13 @@ class SubprocessServer:
             self.process.kill()
             raise AssertionError("server did not start: %r %r" % (line, self.process.stderr.read()))
         self.url = line.split()[-1]
+
+    def next_log_line(self, timeout=5):
+        """The next line the server writes on stderr, less its time stamp (it runs with --quiet: events only)."""
+        ready, _, _ = select.select([self.process.stderr], [], [], timeout)
+        if not ready:
+            raise AssertionError("the server logged nothing within %s s" % timeout)
+        return self.process.stderr.readline().decode().rstrip("\n").split(" ", 1)[-1]
 
     def stop(self, signum=signal.SIGTERM, timeout=15):
         if self.process.poll() is None:
@@ -689,6 +697,24 @@ class LocalTokenTest(unittest.TestCase):
             thread.join(5)
         self.assertEqual(results, ["alice"] * 8)
 
+    def test_reload_reads_the_file_at_once_and_a_failure_keeps_the_set_in_force_unlogged(self):
+        token, _ = self.store.issue("alice")
+        log_lines = []
+        verifier = sync.LocalTokenVerifier(self.store, log=log_lines.append)
+        self.assertEqual(verifier.verify(token).principal, "alice")
+        other, _ = self.store.issue("bob")
+        with self.assertRaises(sync.AuthError):  # looked at less than a second ago
+            verifier.verify(other)
+        self.assertEqual(verifier.reload(), 2)
+        self.assertEqual(verifier.verify(other).principal, "bob")
+        with open(self.store.path, "w") as f:
+            f.write('{"version": 1, "tokens": 5}')
+        with self.assertRaisesRegex(ValueError, "^not a token file$"):
+            verifier.reload()
+        verifier._checked = float("-inf")  # and the next look finds the same damage: not logged either
+        self.assertEqual([verifier.verify(t).principal for t in (token, other)], ["alice", "bob"])
+        self.assertEqual(log_lines, [])  # the SIGHUP's own line says it
+
     def test_bearer_header(self):
         self.assertEqual(sync.bearer_token("Bearer abc.def"), "abc.def")
         self.assertEqual(sync.bearer_token("bearer  xyz"), "xyz")
@@ -1101,6 +1127,20 @@ class JwksFileTest(unittest.TestCase):
         self.clock.advance(0.1)
         # A key written within the second is found at once: a 401 for it would stop the client's mirror.
         self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
+
+    def test_reload_reads_the_file_at_once_and_raises_a_failure_unlogged(self):
+        self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
+        log_lines = []
+        source = JwksSource(path=self.path, clock=self.clock, log=log_lines.append)
+        self.write({"keys": [jwk_by_kid("rsa-2048"), jwk_by_kid("ec-p256")]}, 100)
+        self.assertEqual(source.reload(), 2)  # within the second, the mtime unchanged
+        self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
+        self.write("{broken", 200)
+        with self.assertRaises(ValueError):
+            source.reload()
+        self.clock.advance(2)  # a look finds it still broken: the last good keys stay, nothing more is logged
+        self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
+        self.assertEqual(log_lines, [])
 
     def test_broken_rewrite_keeps_last_good_keys_and_is_logged_once(self):
         self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
@@ -4432,25 +4472,31 @@ class TlsCommandLineTest(unittest.TestCase):
         self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, self.data_dir, True)
 
-    def test_sighup_rereads_a_renewed_certificate(self):
+    def test_sighup_rereads_a_renewed_certificate_and_keeps_it_when_the_new_files_are_unusable(self):
         cert, key = os.path.join(self.data_dir, "cert.pem"), os.path.join(self.data_dir, "key.pem")
         shutil.copy(os.path.join(TLS_DATA, "cert.pem"), cert)
         shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)
-        server = SubprocessServer(os.path.join(self.data_dir, "data"), "--tls-cert", cert, "--tls-key", key)
+        data_dir = os.path.join(self.data_dir, "data")
+        server = SubprocessServer(data_dir, "--tls-cert", cert, "--tls-key", key)
+        subject = lambda peer: dict(item[0] for item in peer["subject"])["commonName"]
+        tokens = os.path.join(data_dir, "tokens.json")
         try:
-            subject = lambda peer: dict(item[0] for item in peer["subject"])["commonName"]
             self.assertEqual(subject(https_health(server.url)[2]), "localhost")
             shutil.copy(os.path.join(TLS_DATA, "cert2.pem"), cert)
             shutil.copy(os.path.join(TLS_DATA, "key2.pem"), key)
             server.process.send_signal(signal.SIGHUP)
-            deadline = time.monotonic() + 5
-            while subject(https_health(server.url)[2]) != "localhost renewed":
-                self.assertLess(time.monotonic(), deadline, "certificate not reloaded")
-                time.sleep(0.1)
+            self.assertEqual(server.next_log_line(), "SIGHUP: reloaded the token file %s (0 tokens); reloaded the "
+                                                     "TLS certificate %s and key %s" % (tokens, cert, key))
+            self.assertEqual(subject(https_health(server.url)[2]), "localhost renewed")
+            shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)  # a renewal half done: the key of another
+            server.process.send_signal(signal.SIGHUP)
+            self.assertEqual(server.next_log_line(), "SIGHUP: reloaded the token file %s (0 tokens); kept the TLS "
+                                                     "certificate in force: the TLS key %s does not match the "
+                                                     "certificate %s" % (tokens, key, cert))
+            self.assertEqual(subject(https_health(server.url)[2]), "localhost renewed")
         finally:
             code, stderr = server.stop()
-        self.assertEqual(code, 0)
-        self.assertIn("reloaded TLS certificate", stderr)
+        self.assertEqual((code, stderr), (0, ""))
 
     def test_plain_http_on_a_public_address_warns(self):
         server = SubprocessServer(self.data_dir, "--host", "0.0.0.0")
@@ -6913,6 +6959,32 @@ class CommandLineTest(unittest.TestCase):
                                                       "EXPIRES (UTC)"])
         self.assertEqual(re.split(r"  +", lines[1])[1:], ["alice", "-", "laptop", "2026-09-14 00:00",
                                                          "2026-09-15 00:00"])
+
+    def test_sighup_rereads_the_token_and_jwks_files_logs_one_line_and_keeps_serving(self):
+        """Issue 15.6: a SIGHUP killed a plain-HTTP server (exit 129), and systemctl reload sends one."""
+        store = sync.TokenStore(self.data_dir)
+        alice, _ = store.issue("alice")
+        jwks = os.path.join(self.data_dir, "jwks.json")
+        shutil.copy(os.path.join(JWT_DATA, "jwks.json"), jwks)
+        keys = len(sync.read_jwks_file(jwks))
+        server = SubprocessServer(self.data_dir, "--jwks-file", jwks)
+        pull = lambda token: http_request(server.url, "GET", "/v1/pull?project=p&since=0", token=token).status
+        try:
+            bob, _ = store.issue("bob")
+            server.process.send_signal(signal.SIGHUP)
+            self.assertEqual(server.next_log_line(), "SIGHUP: reloaded the token file %s (2 tokens); reloaded the "
+                                                     "JWKS file %s (%d keys)" % (store.path, jwks, keys))
+            self.assertEqual((pull(alice), pull(bob)), (200, 200))
+            with open(store.path, "w") as f:  # damaged: the tokens in force stay, and the line says so
+                f.write('{"version": 1, "tokens": 5}')
+            server.process.send_signal(signal.SIGHUP)
+            self.assertEqual(server.next_log_line(), "SIGHUP: kept the tokens in force: cannot read the token file "
+                                                     "%s: not a token file; reloaded the JWKS file %s (%d keys)"
+                                                     % (store.path, jwks, keys))
+            self.assertEqual((pull(alice), pull(bob)), (200, 200))
+        finally:
+            code, stderr = server.stop()
+        self.assertEqual((code, stderr), (0, ""))  # nothing else was logged
 
     def test_sigterm_answers_parked_polls_and_exits_0(self):
         token, _ = sync.TokenStore(self.data_dir).issue("alice")
