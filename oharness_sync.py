@@ -4594,11 +4594,28 @@ def remove_new_data_dir(created, lock_path):
             return
 
 
+# The sub-commands, one line each, for --help (main's COMMANDS runs them).
+COMMAND_SUMMARIES = (
+    ("token", "issue, list and revoke local bearer tokens"),
+    ("check", "check that a server speaks protocol v1 (it writes test data)"),
+    ("bench", "measure how fast this machine serves, against a bare reference server"),
+    ("fsck", "check a data dir for damage (--repair cuts torn last lines)"),
+    ("note-hash", "print a memory note's hash, from its fields or a JSON file"),
+    ("replicate", "copy a principal's feeds and notes from one server to another (--follow: keep copying)"),
+)
+
+
 def serve_command(argv):
-    parser = ArgumentParser(prog="oharness_sync.py", description="Serve OHarness session sync.")
+    width = max(len(name) for name, _ in COMMAND_SUMMARIES)
+    parser = ArgumentParser(
+        prog="oharness_sync.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--version] --data DIR [serving flags]\n       %(prog)s COMMAND [--help] ...",
+        description="Serve OHarness session and memory sync (no COMMAND), or run a command:\n" + "\n".join(
+            "  %s  %s" % (name.ljust(width), summary) for name, summary in COMMAND_SUMMARIES))
+    parser.add_argument("--version", action="version", version="oharness-sync %s" % __version__)
     parser.add_argument("--data", required=True, metavar="DIR", help="data directory (created if missing)")
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default %s)" % DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="default %d; 0 picks a free port" % DEFAULT_PORT)
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="open connections at once (default %d); past it a new one gets 503" % DEFAULT_MAX_CONNECTIONS)
     parser.add_argument("--max-parked", type=int, default=DEFAULT_MAX_PARKED,

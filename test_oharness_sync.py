@@ -6851,6 +6851,23 @@ class CommandLineTest(unittest.TestCase):
         self.assertNotIn(token_id, self.run_cli("token", "list", "--data", self.data_dir).stdout)
         self.assertEqual(self.run_cli("token", "revoke", "--data", self.data_dir, token_id).returncode, 1)
 
+    def test_version_prints_the_version_without_a_data_dir(self):
+        result = self.run_cli("--version")
+        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "oharness-sync 0.1.0\n", ""))
+        self.assertEqual(sync.__version__, "0.1.0")
+
+    def test_help_lists_every_command_with_one_line_and_the_serving_flags(self):
+        result = self.run_cli("--help")
+        self.assertEqual((result.returncode, result.stderr), (0, ""))
+        lines = result.stdout.splitlines()
+        self.assertEqual(lines[:2], ["usage: oharness_sync.py [--version] --data DIR [serving flags]",
+                                     "       oharness_sync.py COMMAND [--help] ..."])
+        commands = [line.split()[0] for line in lines if re.match(r"  [a-z][a-z-]*  +[a-z]", line)]
+        self.assertEqual(commands, ["token", "check", "bench", "fsck", "note-hash", "replicate"])
+        for flag in ("--version", "--data DIR", "--host HOST", "--port PORT", "--tls-cert CERT.pem", "--tls-key KEY.pem",
+                     "--jwt-secret-file FILE", "--jwks-file FILE", "--memory-auth", "--quiet"):
+            self.assertEqual(len([line for line in lines if line.startswith("  " + flag)]), 1, flag)
+
     def test_token_list_and_revoke_refuse_a_data_dir_that_is_not_there_and_make_none(self):
         missing = os.path.join(self.data_dir, "typo", "data")
         blocker = os.path.join(self.data_dir, "file")
