@@ -4493,6 +4493,7 @@ class EncryptedKey(Exception):
 
 
 def refuse_passphrase():
+    """The password callback of load_cert_chain: a key that asks for one is refused, never prompted for."""
     raise EncryptedKey()
 
 
@@ -4667,6 +4668,7 @@ def serve_command(argv):
 
 
 def plural(count, noun):
+    """The count and the noun, plural unless the count is 1 ("1 token", "2 tokens")."""
     return "%d %s%s" % (count, noun, "" if count == 1 else "s")
 
 
