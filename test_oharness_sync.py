@@ -6889,6 +6889,9 @@ class CommandLineTest(unittest.TestCase):
         result = self.run_cli("token", "issue", "--data", new, "--principal", "alice")  # a new data dir is made
         self.assertEqual(result.returncode, 0)
         self.assertEqual(sorted(os.listdir(new)), ["tokens.json", "tokens.lock"])
+        for name in ("tokens.json", "tokens.lock"):  # as before: the caller's, 0600
+            info = os.stat(os.path.join(new, name))
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (os.geteuid(), os.getegid(), 0o600))
 
     def test_a_server_that_cannot_start_leaves_no_new_directory(self):
         busy = socket.socket()
