@@ -64,6 +64,11 @@ try:
 except ImportError:  # Windows
     resource = None
 
+try:
+    import pwd
+except ImportError:  # Windows: owners are named by number
+    pwd = None
+
 __version__ = "0.1.0"
 
 # ---------------------------------------------------------------------------
@@ -96,6 +101,7 @@ LINGER_SECONDS = 2.0                # after a last answer, what the client still
 PARKED_CHECK_SECONDS = 1.0          # how often a parked pull looks whether its client has left
 THREAD_STACK_BYTES = 512 * 1024     # small stacks for the connection threads (1,000 parked pulls on a 32-bit Pi)
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
+SIGNAL_POLL_SECONDS = 0.1           # how soon the main loop acts on a signal (SIGHUP, SIGTERM)
 
 LOCAL_TOKEN_PREFIX = "ohs_"
 
@@ -979,10 +985,28 @@ class LocalTokenVerifier:
                 self._bad_version = version
             return
         self._bad_version = None
+        self._install(records, version)
+
+    def _install(self, records, version):
         # Each token's Identity is made here, once, not on every request.
         self._records = {record["id"]: (record, Identity(record["principal"], record.get("teams", ())))
                          for record in records}
         self._version = version
+
+    def reload(self):
+        """Read the token file now, whatever its stamp (SIGHUP); the number of tokens in force. OSError or
+        ValueError when it cannot be read: the tokens last read stay in force (and it is not logged again)."""
+        with self._lock:
+            version = self.tokens.version()
+            try:
+                records = self.tokens.read()
+            except (OSError, ValueError):
+                self._bad_version = version
+                raise
+            self._bad_version = None
+            self._install(records, version)
+            self._checked = time.monotonic()
+            return len(self._records)
 
     def verify(self, token):
         token_id = split_local_token(token)
@@ -1388,25 +1412,35 @@ class JwksSource:
         # (cp -p, rsync -t, a Nix store path's mtime of 1), and its keys would never be read.
         return (info.st_dev, info.st_ino, info.st_ctime_ns, info.st_mtime_ns, info.st_size)
 
-    def _check_file(self):
-        """Read the file again if its stamp has changed (or its last read failed)."""
+    def reload(self):
+        """Read the JWKS file now, whatever its stamp (SIGHUP); the number of keys. OSError or ValueError when
+        it cannot be read: the last good keys stay in force, as when a look finds it unreadable."""
+        with self._lock:
+            self._check_file(forced=True)
+            return len(self.keys)
+
+    def _check_file(self, forced=False):
+        """Read the file again if its stamp has changed (or its last read failed). forced: read it anyway,
+        and raise a failure instead of logging it."""
         self._last_load = self.clock()
         self._looks += 1
         try:
             stamp = self._stamp()
-            if stamp == self._file_stamp:
+            if stamp == self._file_stamp and not forced:
                 return
             self._file_stamp = stamp
             self.keys = read_jwks_file(self.path)
             self._failed = False
         except (OSError, ValueError) as exc:  # read_jwks_file turns a RecursionError into one
-            if not self._failed:  # once, not at every look while it stays unreadable
+            if not self._failed and not forced:  # once, not at every look while it stays unreadable
                 self.log("cannot re-read the JWKS file %s (%s); keeping the last good keys (%d)" % (
                     self.path, exc, len(self.keys)))
             self._failed = True
             # Read it again at the next look even if its stamp stays the same: a chmod, or a file moved
             # away and back, makes it readable without changing its mtime or size.
             self._file_stamp = None
+            if forced:
+                raise
 
 
 def read_secret_file(path):
@@ -1715,7 +1749,8 @@ def sync_dir(path):
 
 
 def make_dirs(path):
-    """Create path and its missing parents, syncing each parent so the new entries survive a crash."""
+    """Create path and its missing parents, syncing each parent so the new entries survive a crash.
+    Returns the directories it created, outermost first."""
     missing = []
     while not os.path.isdir(path):
         missing.append(path)
@@ -1726,6 +1761,7 @@ def make_dirs(path):
         except FileExistsError:
             pass
         sync_dir(os.path.dirname(directory))
+    return missing[::-1]
 
 
 def write_all(fd, data):
@@ -1736,13 +1772,16 @@ def write_all(fd, data):
         view = view[written:]
 
 
-def write_atomically(path, data):
-    """Replace path with data: temporary file, fsync, rename, fsync of the directory."""
+def write_atomically(path, data, owner=None):
+    """Replace path with data: temporary file, fsync, rename, fsync of the directory.
+    owner: (uid, gid, mode) the new file gets before it replaces the old one (else the caller's, 0600)."""
     directory = os.path.dirname(path)
     temporary = "%s.tmp-%s" % (path, secrets.token_hex(4))
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
+            if owner is not None:
+                give_file(fd, owner)
             write_all(fd, data)
             sync_file(fd)
         finally:
@@ -1755,6 +1794,24 @@ def write_atomically(path, data):
             pass
         raise
     sync_dir(directory)
+
+
+def give_file(fd, owner):
+    """Give an open file the owner, group and mode of owner = (uid, gid, mode), changing only what differs."""
+    uid, gid, mode = owner
+    info = os.fstat(fd)
+    if (info.st_uid, info.st_gid) != (uid, gid):
+        os.fchown(fd, uid, gid)
+    if (info.st_mode & 0o7777) != mode:
+        os.fchmod(fd, mode)
+
+
+def user_name(uid):
+    """The login name of uid, else "uid N"."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (AttributeError, KeyError):  # no pwd module (Windows), or no such user
+        return "uid %d" % uid
 
 
 def lock_exclusively(fd):
@@ -1797,7 +1854,9 @@ class TokenStore:
 
     Each record: id (12 hex, not secret), hash, principal, teams, name, created
     and expires (Unix ms or null). The file is replaced atomically; the command
-    line serialises its read-modify-write with DIR/tokens.lock.
+    line serialises its read-modify-write with DIR/tokens.lock. A new file keeps
+    the old one's owner, group and mode (a token issued as root must stay
+    readable by the server's user); a first one gets the data dir's owner.
     """
 
     FILE_NAME = "tokens.json"
@@ -1840,15 +1899,40 @@ class TokenStore:
                 and all(record.get(stamp) is None or as_safe_int(record[stamp]) is not None
                         for stamp in ("created", "expires")))
 
-    def _update(self, change):
-        """Apply change(records) under the command-line lock and write the file atomically."""
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    def owner(self):
+        """(uid, gid, mode) the token file must have: the present file's, else the data dir's owner and
+        group with mode 0600; None where files have no owners (Windows). UsageError, naming the user to
+        run as, when this process cannot give a file that owner."""
+        if not hasattr(os, "fchown"):
+            return None
         try:
+            info, whose = os.stat(self.path), self.path
+            mode = info.st_mode & 0o7777
+        except FileNotFoundError:
+            whose = os.path.dirname(self.path)
+            info, mode = os.stat(whose), 0o600
+        if os.geteuid() != 0 and (info.st_uid != os.geteuid()
+                                  or info.st_gid not in os.getgroups() + [os.getegid()]):
+            name = user_name(info.st_uid)
+            raise UsageError("%s belongs to %s: run token commands as that user, e.g. sudo -u %s python3 "
+                             "oharness_sync.py token ..." % (whose, name, name))
+        return info.st_uid, info.st_gid, mode
+
+    def _update(self, change):
+        """Apply change(records) under the command-line lock and write the file atomically, keeping its owner."""
+        owner = self.owner()  # refused before anything is written
+        try:
+            fd, created = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            fd, created = os.open(self.lock_path, os.O_RDWR), False
+        try:
+            if created and owner is not None:  # the token file's owner's too, or they are locked out of it
+                give_file(fd, owner[:2] + (0o600,))
             while not lock_exclusively(fd):
                 time.sleep(0.05)
             records = self.read()
             result = change(records)
-            write_atomically(self.path, encode_json({"version": 1, "tokens": records}) + b"\n")
+            write_atomically(self.path, encode_json({"version": 1, "tokens": records}) + b"\n", self.owner())
             return result
         finally:
             os.close(fd)
@@ -1866,10 +1950,11 @@ class TokenStore:
         self._update(lambda records: records.append(record))
         return token, record
 
-    def revoke(self, token_id):
-        """Remove a token by id; False when there is no such token."""
+    def revoke(self, token_id, hashed=None):
+        """Remove a token by id (and hash, when given: a whole token was named); False when there is none."""
         def change(records):
-            kept = [record for record in records if record["id"] != token_id]
+            kept = [record for record in records
+                    if record["id"] != token_id or (hashed is not None and record["hash"] != hashed)]
             removed = len(kept) != len(records)
             records[:] = kept
             return removed
@@ -3821,12 +3906,55 @@ def auth_from_flags(args, log=None):
     return jwt, supabase
 
 
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
+_PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")
+
+
+class EncryptedKey(Exception):
+    """A TLS key asked for its passphrase (which the server never has)."""
+
+
+def refuse_passphrase():
+    """The password callback of load_cert_chain: a key that asks for one is refused, never prompted for."""
+    raise EncryptedKey()
+
+
+def check_tls_files(cert_path, key_path):
+    """UsageError naming the file and the cause when the certificate and key cannot serve HTTPS: run
+    before they are loaded at start and on SIGHUP, so an operator reads what is wrong, not an SSL code."""
+    for what, path, pem in (("certificate", cert_path, _PEM_CERTIFICATE.search),
+                            ("key", key_path, _PEM_PRIVATE_KEY.search)):
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError as exc:
+            raise UsageError("cannot read the TLS %s %s: %s" % (what, path, reason(exc))) from None
+        if not pem(data):
+            raise UsageError("the TLS %s %s is not PEM (no -----BEGIN %s----- line)" % (
+                what, path, "CERTIFICATE" if what == "certificate" else "PRIVATE KEY"))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert_path, key_path, password=refuse_passphrase)
+    except EncryptedKey:
+        raise UsageError("the TLS key %s is encrypted: give the server an unencrypted key that only its user "
+                         "can read" % key_path) from None
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise UsageError("the TLS key %s does not match the certificate %s" % (key_path, cert_path)) from None
+        raise UsageError("cannot use the TLS certificate %s with the key %s: %s" % (cert_path, key_path, exc)) \
+            from None
+    except OSError as exc:  # gone since it was read
+        raise UsageError("cannot read the TLS certificate %s or key %s: %s" % (cert_path, key_path, reason(exc))) \
+            from None
+
+
 def tls_from_flags(args):
     """TlsFiles for --tls-cert and --tls-key, or None; UsageError when only one is given or they are unusable."""
     if not args.tls_cert and not args.tls_key:
         return None
     if not (args.tls_cert and args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
+    check_tls_files(args.tls_cert, args.tls_key)
     try:
         return TlsFiles(args.tls_cert, args.tls_key)
     except (ssl.SSLError, OSError) as exc:
@@ -3851,11 +3979,16 @@ def is_loopback(host):
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def open_data_dir(path):
-    """Create the data dir if missing; UsageError when it cannot be used."""
+def open_data_dir(path, create=True):
+    """(absolute path, the directories made for it, outermost first) of a usable data dir; UsageError when
+    it cannot be used. A data dir is an existing directory: only the server and `token issue` (create)
+    make a missing one, so a mistyped --data is not made by the other commands."""
     data_dir = os.path.abspath(path)
+    if not create and not os.path.isdir(data_dir):
+        raise UsageError("%s is not a data dir: %s" % (
+            data_dir, "not a directory" if os.path.exists(data_dir) else "no such directory"))
     try:
-        make_dirs(data_dir)
+        created = make_dirs(data_dir)
         probe = os.path.join(data_dir, ".write-test")
         with open(probe, "wb"):
             pass
@@ -3867,14 +4000,45 @@ def open_data_dir(path):
         tokens.read()  # the server starts with the tokens in force: a damaged file is the admin's to see now
     except (OSError, ValueError) as exc:
         raise UsageError("cannot use the token file %s: %s" % (tokens.path, reason(exc))) from None
-    return data_dir
+    return data_dir, created
+
+
+def remove_new_data_dir(created, lock_path):
+    """After a failed start, remove the data dir (and parents) that start made: its lock file (while still
+    locked) and the directories while empty. Anything else in them stays, and so do the directories holding it."""
+    try:
+        os.unlink(lock_path)
+    except OSError:
+        pass
+    for directory in reversed(created):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+
+
+# The sub-commands, one line each, for --help (main's COMMANDS runs them).
+COMMAND_SUMMARIES = (
+    ("token", "issue, list and revoke local bearer tokens"),
+    ("check", "check that a server speaks protocol v1 (it writes test data)"),
+    ("bench", "measure how fast this machine serves, against a bare reference server"),
+    ("fsck", "check a data dir for damage (--repair cuts torn last lines)"),
+    ("note-hash", "print a memory note's hash, from its fields or a JSON file"),
+    ("replicate", "copy a principal's feeds and notes from one server to another (--follow: keep copying)"),
+)
 
 
 def serve_command(argv):
-    parser = ArgumentParser(prog="oharness_sync.py", description="Serve OHarness session sync.")
+    width = max(len(name) for name, _ in COMMAND_SUMMARIES)
+    parser = ArgumentParser(
+        prog="oharness_sync.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--version] --data DIR [serving flags]\n       %(prog)s COMMAND [--help] ...",
+        description="Serve OHarness session and memory sync (no COMMAND), or run a command:\n" + "\n".join(
+            "  %s  %s" % (name.ljust(width), summary) for name, summary in COMMAND_SUMMARIES))
+    parser.add_argument("--version", action="version", version="oharness-sync %s" % __version__)
     parser.add_argument("--data", required=True, metavar="DIR", help="data directory (created if missing)")
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default %s)" % DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="default %d; 0 picks a free port" % DEFAULT_PORT)
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="open connections at once (default %d); past it a new one gets 503" % DEFAULT_MAX_CONNECTIONS)
     parser.add_argument("--max-parked", type=int, default=DEFAULT_MAX_PARKED,
@@ -3900,17 +4064,23 @@ def serve_command(argv):
     log = Log(quiet=args.quiet)
     jwt, supabase = auth_from_flags(args, log)
     tls = tls_from_flags(args)
-    data_dir = open_data_dir(args.data)
+    data_dir, created = open_data_dir(args.data)
     lock = DataDirLock(data_dir)
-    lock.acquire()
-    raise_open_file_limit()
-    threading.stack_size(THREAD_STACK_BYTES)
     try:
-        server = build_server(data_dir, args.host, args.port, args.max_connections, log,
-                              jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked,
-                              args.request_timeout)
-    except OSError as exc:
-        raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, reason(exc))) from None
+        lock.acquire()
+        raise_open_file_limit()
+        threading.stack_size(THREAD_STACK_BYTES)
+        try:
+            server = build_server(data_dir, args.host, args.port, args.max_connections, log,
+                                  jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked,
+                                  args.request_timeout)
+        except OSError as exc:
+            raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, reason(exc))) from None
+    except UsageError:
+        if created:  # a start that failed leaves no new directory behind
+            remove_new_data_dir(created, lock.path)
+        lock.release()
+        raise
     if tls is None and not is_loopback(args.host):
         log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for localhost, "
             "127.0.0.1 and [::1]: put TLS in front of this server" % args.host)
@@ -3919,22 +4089,60 @@ def serve_command(argv):
     return 0
 
 
+def plural(count, noun):
+    """The count and the noun, plural unless the count is 1 ("1 token", "2 tokens")."""
+    return "%d %s%s" % (count, noun, "" if count == 1 else "s")
+
+
+def reload_files(server):
+    """What a SIGHUP does: read the token file, a JWKS file and the TLS files again, each keeping what it
+    had when it cannot; then log one line saying what was reloaded (and what was kept, and why)."""
+    local, jwt = server.app.auth.local, server.app.auth.jwt
+    done = []
+    try:
+        done.append("reloaded the token file %s (%s)" % (local.tokens.path, plural(local.reload(), "token")))
+    except (OSError, ValueError) as exc:
+        done.append("kept the tokens in force: cannot read the token file %s: %s" % (local.tokens.path,
+                                                                                    reason(exc)))
+    jwks = jwt.jwks if jwt is not None else None
+    if jwks is not None and jwks.path is not None:
+        try:
+            done.append("reloaded the JWKS file %s (%s)" % (jwks.path, plural(jwks.reload(), "key")))
+        except (OSError, ValueError) as exc:
+            done.append("kept the JWKS keys in force: cannot read the JWKS file %s: %s" % (jwks.path, reason(exc)))
+    tls = server.tls
+    if tls is not None:
+        try:
+            check_tls_files(tls.cert_path, tls.key_path)
+            tls.context = tls.load()
+            done.append("reloaded the TLS certificate %s and key %s" % (tls.cert_path, tls.key_path))
+        except UsageError as exc:
+            done.append("kept the TLS certificate in force: %s" % exc)
+        except (ssl.SSLError, OSError) as exc:  # changed again since it was checked
+            done.append("kept the TLS certificate in force: cannot use %s: %s" % (tls.cert_path, exc))
+    server.log("SIGHUP: " + "; ".join(done))
+
+
 def run_until_signalled(server, ready):
     """Serve until SIGTERM or SIGINT, then stop gracefully: parked long-polls answer at once,
     in-flight pushes finish, and the process exits 0. ready() runs once the signals are handled:
-    from then on, a SIGTERM is a graceful stop. SIGHUP re-reads the TLS certificate."""
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    if server.tls is not None and hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, lambda *_: server.tls.reload(server.log))
+    from then on, a SIGTERM is a graceful stop. A SIGHUP never stops it: it runs reload_files."""
+    signalled = []  # the handlers only append (an Event's set() could deadlock on a lock its wait holds)
+    hangup = getattr(signal, "SIGHUP", None)  # none on Windows
+    for signum in (signal.SIGTERM, signal.SIGINT, hangup):
+        if signum is not None:
+            signal.signal(signum, lambda signum, frame: signalled.append(signum))
     threading.excepthook = lambda hook_args: server.log(
         "thread error: %s: %s" % (hook_args.exc_type.__name__, hook_args.exc_value))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="accept")
     thread.start()
     ready()
-    while not stop.wait(0.5):
-        pass
+    while True:  # the re-reads are done here, not in the handler, which may interrupt anything
+        while not signalled:
+            time.sleep(SIGNAL_POLL_SECONDS)
+        if signalled.pop(0) != hangup:
+            break
+        reload_files(server)
     server.stopping.set()
     server.stop_accepting()
     server.app.feeds.stop()
@@ -3954,33 +4162,56 @@ def token_command(argv):
     issue.add_argument("--expires-days", type=float, metavar="N")
     listing = commands.add_parser("list", help="list tokens (never the tokens themselves)")
     listing.add_argument("--data", required=True, metavar="DIR")
-    revoke = commands.add_parser("revoke", help="revoke a token by its id")
+    revoke = commands.add_parser("revoke", help="revoke a token by its id (or the whole token)")
     revoke.add_argument("--data", required=True, metavar="DIR")
     revoke.add_argument("token_id", metavar="TOKEN_ID")
     for sub in (issue, listing, revoke):
         sub.error = parser.error
     args = parser.parse_args(argv)
-    tokens = TokenStore(open_data_dir(args.data))
+    if args.action == "issue":
+        check_issue_flags(args)
+    elif args.action == "revoke":
+        token_id, hashed = revoked_token(args.token_id)
+    data_dir, _ = open_data_dir(args.data, create=args.action == "issue")
+    tokens = TokenStore(data_dir)
     try:
         if args.action == "issue":
             return issue_token(tokens, args)
         if args.action == "list":
             return list_tokens(tokens)
-        if not tokens.revoke(args.token_id):
-            print("no token with id %s" % args.token_id, file=sys.stderr)
+        if not tokens.revoke(token_id, hashed):
+            print("no token with id %s%s" % (token_id, "" if hashed is None else " matches this token"),
+                  file=sys.stderr)
             return 1
-        print("revoked token %s" % args.token_id, file=sys.stderr)
+        print("revoked token %s" % token_id, file=sys.stderr)
         return 0
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError("cannot change the token file %s: %s" % (tokens.path, reason(exc))) from None
 
 
-def issue_token(tokens, args):
+def revoked_token(given):
+    """(token id, hash or None) of what `token revoke` was given: a token id, or a whole local token (then
+    its hash must match too); UsageError, without echoing it (it may be a token), for anything else."""
+    token_id = split_local_token(given)
+    if token_id is not None:
+        return token_id, token_hash(given)
+    if _TOKEN_ID.fullmatch(given) is None:
+        raise UsageError("give the token id, e.g. 3f9c2a17b0de (the ID column of `token list`), or the whole token")
+    return given, None
+
+
+def check_issue_flags(args):
+    """UsageError for a `token issue` whose flags are unusable: checked before the data dir is made."""
     for value in [args.principal] + args.team:
         if not is_valid_id(value):
             raise UsageError("%r is not a valid id ([A-Za-z0-9_-], 1 to 128 characters)" % value)
     if args.expires_days is not None and not args.expires_days > 0:
         raise UsageError("--expires-days must be positive")
+
+
+def issue_token(tokens, args):
     token, record = tokens.issue(args.principal, args.team, args.name, args.expires_days)
     print(token, flush=True)
     print("issued token %s for principal %s" % (record["id"], record["principal"]), file=sys.stderr)
@@ -3994,7 +4225,7 @@ def format_ms(value):
 
 
 def list_tokens(tokens):
-    rows = [("ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED", "EXPIRES")]
+    rows = [("ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED (UTC)", "EXPIRES (UTC)")]
     for record in tokens.read():
         rows.append((record["id"], record["principal"], ",".join(record["teams"]) or "-",
                      record.get("name") or "-", format_ms(record.get("created")), format_ms(record.get("expires"))))

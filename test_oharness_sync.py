@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import socket
@@ -197,6 +198,13 @@ class SubprocessServer:
             self.process.kill()
             raise AssertionError("server did not start: %r %r" % (line, self.process.stderr.read()))
         self.url = line.split()[-1]
+
+    def next_log_line(self, timeout=5):
+        """The next line the server writes on stderr, less its time stamp (it runs with --quiet: events only)."""
+        ready, _, _ = select.select([self.process.stderr], [], [], timeout)
+        if not ready:
+            raise AssertionError("the server logged nothing within %s s" % timeout)
+        return self.process.stderr.readline().decode().rstrip("\n").split(" ", 1)[-1]
 
     def stop(self, signum=signal.SIGTERM, timeout=15):
         if self.process.poll() is None:
@@ -689,6 +697,24 @@ class LocalTokenTest(unittest.TestCase):
             thread.join(5)
         self.assertEqual(results, ["alice"] * 8)
 
+    def test_reload_reads_the_file_at_once_and_a_failure_keeps_the_set_in_force_unlogged(self):
+        token, _ = self.store.issue("alice")
+        log_lines = []
+        verifier = sync.LocalTokenVerifier(self.store, log=log_lines.append)
+        self.assertEqual(verifier.verify(token).principal, "alice")
+        other, _ = self.store.issue("bob")
+        with self.assertRaises(sync.AuthError):  # looked at less than a second ago
+            verifier.verify(other)
+        self.assertEqual(verifier.reload(), 2)
+        self.assertEqual(verifier.verify(other).principal, "bob")
+        with open(self.store.path, "w") as f:
+            f.write('{"version": 1, "tokens": 5}')
+        with self.assertRaisesRegex(ValueError, "^not a token file$"):
+            verifier.reload()
+        verifier._checked = float("-inf")  # and the next look finds the same damage: not logged either
+        self.assertEqual([verifier.verify(t).principal for t in (token, other)], ["alice", "bob"])
+        self.assertEqual(log_lines, [])  # the SIGHUP's own line says it
+
     def test_bearer_header(self):
         self.assertEqual(sync.bearer_token("Bearer abc.def"), "abc.def")
         self.assertEqual(sync.bearer_token("bearer  xyz"), "xyz")
@@ -1101,6 +1127,20 @@ class JwksFileTest(unittest.TestCase):
         self.clock.advance(0.1)
         # A key written within the second is found at once: a 401 for it would stop the client's mirror.
         self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
+
+    def test_reload_reads_the_file_at_once_and_raises_a_failure_unlogged(self):
+        self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
+        log_lines = []
+        source = JwksSource(path=self.path, clock=self.clock, log=log_lines.append)
+        self.write({"keys": [jwk_by_kid("rsa-2048"), jwk_by_kid("ec-p256")]}, 100)
+        self.assertEqual(source.reload(), 2)  # within the second, the mtime unchanged
+        self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
+        self.write("{broken", 200)
+        with self.assertRaises(ValueError):
+            source.reload()
+        self.clock.advance(2)  # a look finds it still broken: the last good keys stay, nothing more is logged
+        self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
+        self.assertEqual(log_lines, [])
 
     def test_broken_rewrite_keeps_last_good_keys_and_is_logged_once(self):
         self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
@@ -4405,31 +4445,61 @@ class TlsCommandLineTest(unittest.TestCase):
         self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, self.data_dir, True)
 
-    def test_sighup_rereads_a_renewed_certificate(self):
+    def test_sighup_rereads_a_renewed_certificate_and_keeps_it_when_the_new_files_are_unusable(self):
         cert, key = os.path.join(self.data_dir, "cert.pem"), os.path.join(self.data_dir, "key.pem")
         shutil.copy(os.path.join(TLS_DATA, "cert.pem"), cert)
         shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)
-        server = SubprocessServer(os.path.join(self.data_dir, "data"), "--tls-cert", cert, "--tls-key", key)
+        data_dir = os.path.join(self.data_dir, "data")
+        server = SubprocessServer(data_dir, "--tls-cert", cert, "--tls-key", key)
+        subject = lambda peer: dict(item[0] for item in peer["subject"])["commonName"]
+        tokens = os.path.join(data_dir, "tokens.json")
         try:
-            subject = lambda peer: dict(item[0] for item in peer["subject"])["commonName"]
             self.assertEqual(subject(https_health(server.url)[2]), "localhost")
             shutil.copy(os.path.join(TLS_DATA, "cert2.pem"), cert)
             shutil.copy(os.path.join(TLS_DATA, "key2.pem"), key)
             server.process.send_signal(signal.SIGHUP)
-            deadline = time.monotonic() + 5
-            while subject(https_health(server.url)[2]) != "localhost renewed":
-                self.assertLess(time.monotonic(), deadline, "certificate not reloaded")
-                time.sleep(0.1)
+            self.assertEqual(server.next_log_line(), "SIGHUP: reloaded the token file %s (0 tokens); reloaded the "
+                                                     "TLS certificate %s and key %s" % (tokens, cert, key))
+            self.assertEqual(subject(https_health(server.url)[2]), "localhost renewed")
+            shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)  # a renewal half done: the key of another
+            server.process.send_signal(signal.SIGHUP)
+            self.assertEqual(server.next_log_line(), "SIGHUP: reloaded the token file %s (0 tokens); kept the TLS "
+                                                     "certificate in force: the TLS key %s does not match the "
+                                                     "certificate %s" % (tokens, key, cert))
+            self.assertEqual(subject(https_health(server.url)[2]), "localhost renewed")
         finally:
             code, stderr = server.stop()
-        self.assertEqual(code, 0)
-        self.assertIn("reloaded TLS certificate", stderr)
+        self.assertEqual((code, stderr), (0, ""))
 
     def test_plain_http_on_a_public_address_warns(self):
         server = SubprocessServer(self.data_dir, "--host", "0.0.0.0")
         code, stderr = server.stop()
         self.assertIn("warning: serving plain HTTP on 0.0.0.0", stderr)
         self.assertIn("localhost, 127.0.0.1 and [::1]", stderr)
+
+    def test_an_unusable_tls_file_is_named_with_its_cause_and_nothing_is_made(self):
+        cert, key = os.path.join(TLS_DATA, "cert.pem"), os.path.join(TLS_DATA, "key.pem")
+        missing = os.path.join(self.data_dir, "missing.pem")
+        text = os.path.join(self.data_dir, "text.pem")
+        with open(text, "w") as f:
+            f.write("not a certificate\n")
+        data_dir = os.path.join(self.data_dir, "data")
+        for flags, message in (
+                ((cert, missing), "cannot read the TLS key %s: No such file or directory" % missing),
+                ((missing, key), "cannot read the TLS certificate %s: No such file or directory" % missing),
+                ((self.data_dir, key), "cannot read the TLS certificate %s: Is a directory" % self.data_dir),
+                ((text, key), "the TLS certificate %s is not PEM (no -----BEGIN CERTIFICATE----- line)" % text),
+                ((cert, cert), "the TLS key %s is not PEM (no -----BEGIN PRIVATE KEY----- line)" % cert),
+                ((cert, os.path.join(TLS_DATA, "key2.pem")), "the TLS key %s does not match the certificate %s"
+                 % (os.path.join(TLS_DATA, "key2.pem"), cert)),
+                ((cert, os.path.join(TLS_DATA, "key-encrypted.pem")), "the TLS key %s is encrypted: give the server "
+                 "an unencrypted key that only its user can read" % os.path.join(TLS_DATA, "key-encrypted.pem"))):
+            result = subprocess.run([sys.executable, MODULE, "--data", data_dir, "--port", "0",
+                                     "--tls-cert", flags[0], "--tls-key", flags[1]], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
+            self.assertEqual((result.returncode, result.stdout, result.stderr),
+                             (2, "", "oharness-sync: error: %s\n" % message), flags)
+            self.assertFalse(os.path.exists(data_dir), flags)
 
     def test_tls_flags_must_come_together_and_be_usable(self):
         for flags in (["--tls-cert", os.path.join(TLS_DATA, "cert.pem")],
@@ -6513,6 +6583,161 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(self.run_cli("token", "revoke", "--data", self.data_dir, token_id).returncode, 0)
         self.assertNotIn(token_id, self.run_cli("token", "list", "--data", self.data_dir).stdout)
         self.assertEqual(self.run_cli("token", "revoke", "--data", self.data_dir, token_id).returncode, 1)
+
+    def test_version_prints_the_version_without_a_data_dir(self):
+        result = self.run_cli("--version")
+        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "oharness-sync 0.1.0\n", ""))
+        self.assertEqual(sync.__version__, "0.1.0")
+
+    def test_help_lists_every_command_with_one_line_and_the_serving_flags(self):
+        result = self.run_cli("--help")
+        self.assertEqual((result.returncode, result.stderr), (0, ""))
+        lines = result.stdout.splitlines()
+        self.assertEqual(lines[:2], ["usage: oharness_sync.py [--version] --data DIR [serving flags]",
+                                     "       oharness_sync.py COMMAND [--help] ..."])
+        commands = [line.split()[0] for line in lines if re.match(r"  [a-z][a-z-]*  +[a-z]", line)]
+        self.assertEqual(commands, ["token", "check", "bench", "fsck", "note-hash", "replicate"])
+        for flag in ("--version", "--data DIR", "--host HOST", "--port PORT", "--tls-cert CERT.pem", "--tls-key KEY.pem",
+                     "--jwt-secret-file FILE", "--jwks-file FILE", "--memory-auth", "--quiet"):
+            self.assertEqual(len([line for line in lines if line.startswith("  " + flag)]), 1, flag)
+
+    def test_token_list_and_revoke_refuse_a_data_dir_that_is_not_there_and_make_none(self):
+        missing = os.path.join(self.data_dir, "typo", "data")
+        blocker = os.path.join(self.data_dir, "file")
+        open(blocker, "w").close()
+        for path, why in ((missing, "no such directory"), (blocker, "not a directory")):
+            for args in (["token", "list", "--data", path], ["token", "revoke", "--data", path, "0123456789ab"]):
+                result = self.run_cli(*args)
+                self.assertEqual((result.returncode, result.stdout, result.stderr),
+                                 (2, "", "oharness-sync: error: %s is not a data dir: %s\n" % (path, why)), args)
+        self.assertEqual(sorted(os.listdir(self.data_dir)), ["file"])
+
+    def test_token_issue_with_a_bad_flag_makes_no_data_dir(self):
+        new = os.path.join(self.data_dir, "new")
+        for flags in (["--principal", "a/b"], ["--principal", "alice", "--team", "x y"],
+                      ["--principal", "alice", "--expires-days", "0"]):
+            result = self.run_cli("token", "issue", "--data", new, *flags)
+            self.assertEqual(result.returncode, 2, flags)
+            self.assertFalse(os.path.exists(new), flags)
+        result = self.run_cli("token", "issue", "--data", new, "--principal", "alice")  # a new data dir is made
+        self.assertEqual(result.returncode, 0)
+        self.assertEqual(sorted(os.listdir(new)), ["tokens.json", "tokens.lock"])
+        for name in ("tokens.json", "tokens.lock"):  # as before: the caller's, 0600
+            info = os.stat(os.path.join(new, name))
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (os.geteuid(), os.getegid(), 0o600))
+
+    def test_a_server_that_cannot_start_leaves_no_new_directory(self):
+        busy = socket.socket()
+        self.addCleanup(busy.close)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = str(busy.getsockname()[1])
+        new = os.path.join(self.data_dir, "new")
+        for flags in (["--port", port], ["--host", "no-such-host.invalid"]):
+            result = self.run_cli("--data", os.path.join(new, "data"), *flags)
+            self.assertEqual(result.returncode, 2, flags)
+            self.assertRegex(result.stderr, r"^oharness-sync: error: cannot listen on [^\n]*\n$")
+            self.assertFalse(os.path.exists(new), flags)
+        token, _ = sync.TokenStore(self.data_dir).issue("alice")  # a data dir that was there stays as it was
+        before = sorted(os.listdir(self.data_dir))
+        result = self.run_cli("--data", self.data_dir, "--port", port)
+        self.assertEqual(result.returncode, 2)
+        self.assertEqual(sorted(os.listdir(self.data_dir)), sorted(before + ["server.lock"]))
+        self.assertEqual(sync.LocalTokenVerifier(sync.TokenStore(self.data_dir)).verify(token).principal, "alice")
+
+    def test_token_commands_keep_the_token_file_owner_and_mode(self):
+        """Issued as root in a service user's data dir, tokens.json stays the service user's (issue 15.7)."""
+        if os.geteuid() != 0:
+            self.skipTest("needs root to give a file to another user")
+        path = os.path.join(self.data_dir, "tokens.json")
+        result = self.run_cli("token", "issue", "--data", self.data_dir, "--principal", "alice")
+        self.assertEqual(result.returncode, 0)
+        os.chown(path, 12345, 12346)
+        os.chmod(path, 0o640)
+        for args in (["issue", "--principal", "bob"], ["revoke", result.stdout.strip()[4:16]]):
+            self.assertEqual(self.run_cli("token", args[0], "--data", self.data_dir, *args[1:]).returncode, 0, args)
+            info = os.stat(path)
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o640), args)
+        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
+        # A data dir the service user made, without a token file yet: the first one is the dir owner's.
+        fresh = os.path.join(self.data_dir, "fresh")
+        os.mkdir(fresh, 0o700)
+        os.chown(fresh, 12345, 12346)
+        self.assertEqual(self.run_cli("token", "issue", "--data", fresh, "--principal", "alice").returncode, 0)
+        for name in ("tokens.json", "tokens.lock"):
+            info = os.stat(os.path.join(fresh, name))
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o600), name)
+
+    def test_a_token_command_that_cannot_keep_the_owner_refuses_with_one_line(self):
+        store = sync.TokenStore(self.data_dir)
+        store.issue("alice")
+        with open(store.path, "rb") as f:
+            before = f.read()
+        owner = os.stat(store.path).st_uid
+        stderr = io.StringIO()
+        with mock.patch("os.geteuid", return_value=owner + 1), mock.patch("os.getegid", return_value=owner + 1), \
+                mock.patch("os.getgroups", return_value=[]), contextlib.redirect_stderr(stderr):
+            code = sync.main(["token", "issue", "--data", self.data_dir, "--principal", "bob"])
+        name = sync.user_name(owner)
+        self.assertEqual((code, stderr.getvalue()), (2, "oharness-sync: error: %s belongs to %s: run token commands "
+                                                        "as that user, e.g. sudo -u %s python3 oharness_sync.py "
+                                                        "token ...\n" % (store.path, name, name)))
+        with open(store.path, "rb") as f:
+            self.assertEqual(f.read(), before)
+        self.assertEqual(sorted(os.listdir(self.data_dir)), ["tokens.json", "tokens.lock"])
+
+    def test_token_revoke_takes_the_whole_token_too_and_never_echoes_one(self):
+        tokens = [self.run_cli("token", "issue", "--data", self.data_dir, "--principal", principal).stdout.strip()
+                  for principal in ("alice", "bob")]
+        alice_id = tokens[0][4:16]
+        forged = tokens[0][:-4] + ("AAAA" if not tokens[0].endswith("AAAA") else "BBBB")
+        result = self.run_cli("token", "revoke", "--data", self.data_dir, forged)  # its id, not its hash
+        self.assertEqual((result.returncode, result.stdout, result.stderr),
+                         (1, "", "no token with id %s matches this token\n" % alice_id))
+        result = self.run_cli("token", "revoke", "--data", self.data_dir, tokens[0])
+        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "", "revoked token %s\n" % alice_id))
+        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
+        for given in ("ohs_%s" % alice_id, tokens[1][:20], "eyJhbGciOi.eyJzdWIiOi.c2lnbmF0dXJl", "3F9C2A17B0DE"):
+            result = self.run_cli("token", "revoke", "--data", self.data_dir, given)
+            self.assertEqual((result.returncode, result.stdout, result.stderr),
+                             (2, "", "oharness-sync: error: give the token id, e.g. 3f9c2a17b0de (the ID column of "
+                                     "`token list`), or the whole token\n"), given)
+        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
+
+    def test_token_list_says_its_times_are_utc(self):
+        store = sync.TokenStore(self.data_dir, clock=lambda: 1789344000.0)  # 2026-09-14 00:00 UTC
+        store.issue("alice", name="laptop", expires_days=1)
+        lines = self.run_cli("token", "list", "--data", self.data_dir).stdout.splitlines()
+        self.assertEqual(re.split(r"  +", lines[0]), ["ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED (UTC)",
+                                                      "EXPIRES (UTC)"])
+        self.assertEqual(re.split(r"  +", lines[1])[1:], ["alice", "-", "laptop", "2026-09-14 00:00",
+                                                         "2026-09-15 00:00"])
+
+    def test_sighup_rereads_the_token_and_jwks_files_logs_one_line_and_keeps_serving(self):
+        """Issue 15.6: a SIGHUP killed a plain-HTTP server (exit 129), and systemctl reload sends one."""
+        store = sync.TokenStore(self.data_dir)
+        alice, _ = store.issue("alice")
+        jwks = os.path.join(self.data_dir, "jwks.json")
+        shutil.copy(os.path.join(JWT_DATA, "jwks.json"), jwks)
+        keys = len(sync.read_jwks_file(jwks))
+        server = SubprocessServer(self.data_dir, "--jwks-file", jwks)
+        pull = lambda token: http_request(server.url, "GET", "/v1/pull?project=p&since=0", token=token).status
+        try:
+            bob, _ = store.issue("bob")
+            server.process.send_signal(signal.SIGHUP)
+            self.assertEqual(server.next_log_line(), "SIGHUP: reloaded the token file %s (2 tokens); reloaded the "
+                                                     "JWKS file %s (%d keys)" % (store.path, jwks, keys))
+            self.assertEqual((pull(alice), pull(bob)), (200, 200))
+            with open(store.path, "w") as f:  # damaged: the tokens in force stay, and the line says so
+                f.write('{"version": 1, "tokens": 5}')
+            server.process.send_signal(signal.SIGHUP)
+            self.assertEqual(server.next_log_line(), "SIGHUP: kept the tokens in force: cannot read the token file "
+                                                     "%s: not a token file; reloaded the JWKS file %s (%d keys)"
+                                                     % (store.path, jwks, keys))
+            self.assertEqual((pull(alice), pull(bob)), (200, 200))
+        finally:
+            code, stderr = server.stop()
+        self.assertEqual((code, stderr), (0, ""))  # nothing else was logged
 
     def test_sigterm_answers_parked_polls_and_exits_0(self):
         token, _ = sync.TokenStore(self.data_dir).issue("alice")
