@@ -17,6 +17,7 @@ Usage:
                                    [--memory --principal ID]
     python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N] [--json FILE]
     python3 oharness_sync.py fsck --data DIR [--repair]
+    python3 oharness_sync.py note-hash FILE
 
 The module reads top-down: constants and limits; errors; pure validation and
 hashing; authentication; storage (feeds, tokens); the HTTP layer; the command
@@ -4615,6 +4616,31 @@ def fsck_command(argv):
     return 0 if not check.problems else 1
 
 
+def note_hash_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py note-hash",
+                            description="Print the hash a memory commit needs for a note: the lowercase hex "
+                                        "SHA-256 of JSON.stringify([id, summary, body, tags, createdAt(, type)]).")
+    parser.add_argument("file", metavar="FILE", help="the note as a JSON object; - reads standard input")
+    args = parser.parse_args(argv)
+    name = "standard input" if args.file == "-" else args.file
+    try:
+        if args.file == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(args.file, "rb") as f:
+                data = f.read()
+    except OSError as exc:
+        raise UsageError("cannot read %s: %s" % (name, reason(exc))) from None
+    try:
+        note = validate_note(decode_json(data), MEMORY_QUOTA["maxNoteBytes"])
+    except InvalidNote as exc:
+        raise UsageError("%s is not a valid note: %s" % (name, exc)) from None
+    except ValueError as exc:  # decode_json's reasons speak of a "body"
+        raise UsageError("%s is not a JSON note: %s" % (name, str(exc).replace("body ", "it ", 1))) from None
+    print(note_hash(note))
+    return 0
+
+
 # -- check: does a server speak protocol v1? ------------------------------------
 
 CHECK_TIMEOUT = 15  # seconds for one request; a long-poll gets its wait on top
@@ -5698,7 +5724,7 @@ def run_bench(report, args, scratch):
 # ---------------------------------------------------------------------------
 
 COMMANDS = {"serve": serve_command, "token": token_command, "check": check_command, "bench": bench_command,
-            "fsck": fsck_command}
+            "fsck": fsck_command, "note-hash": note_hash_command}
 
 
 def main(argv=None):

@@ -392,6 +392,59 @@ class TestNoteHashVectors(unittest.TestCase):
             hashlib.sha256(expected.encode("utf-8")).hexdigest())
 
 
+def run_note_hash(data):
+    """`note-hash -` in this process with data (bytes) on standard input: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+    with mock.patch.object(sys, "stdin", stdin), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = sync.main(["note-hash", "-"])
+    return code, out.getvalue(), err.getvalue()
+
+
+class NoteHashCommandTest(unittest.TestCase):
+    """`note-hash FILE` prints the node-made vectors' hashes, and a bad note is one line and exit 2."""
+
+    def test_every_vector_from_a_file(self):
+        with open(VECTORS_PATH, encoding="utf-8") as f:
+            vectors = json.load(f)
+        directory = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "note.json")
+        for i, vector in enumerate(vectors):
+            with open(path, "w", encoding="ascii") as f:  # lone surrogates as \u escapes, as JSON allows
+                json.dump(vector["note"], f)
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = sync.main(["note-hash", path])
+            self.assertEqual((code, out.getvalue(), err.getvalue()), (0, vector["hash"] + "\n", ""), i)
+
+    def test_standard_input_in_a_real_process_and_updated_at_is_not_hashed(self):
+        note = good_note(type="user", updatedAt=7)
+        result = subprocess.run([sys.executable, MODULE, "note-hash", "-"], input=json.dumps(note),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=30)
+        del note["updatedAt"]
+        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, note_hash(note) + "\n", ""))
+
+    def test_what_is_wrong_is_one_line_and_exit_2(self):
+        for data, error in ((b'{"id":"n1"', "standard input is not a JSON note: it is not valid JSON"),
+                            (b"\xff", "standard input is not a JSON note: it is not valid UTF-8"),
+                            (json.dumps(good_note(extra=1)).encode(), "standard input is not a valid note: "
+                                                                      "unknown note field"),
+                            (json.dumps(good_note(summary=" s")).encode(), "standard input is not a valid note: "
+                                                                           "summary has leading or trailing "
+                                                                           "whitespace"),
+                            (b"[]", "standard input is not a valid note: note must be an object")):
+            self.assertEqual(run_note_hash(data), (2, "", "oharness-sync: error: %s\n" % error), data)
+
+    def test_a_file_that_cannot_be_read(self):
+        missing = os.path.join(tempfile.gettempdir(), "ohs-test-no-such-note-%s.json" % os.getpid())
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sync.main(["note-hash", missing])
+        self.assertEqual((code, out.getvalue(), err.getvalue()),
+                         (2, "", "oharness-sync: error: cannot read %s: No such file or directory\n" % missing))
+
+
 class TestJsStringify(unittest.TestCase):
     def test_escapes(self):
         self.assertEqual(js_stringify("\"\\\b\f\n\r\t\x00\x1f\x7f"),
