@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import shlex
 import signal
 import socket
 import ssl
@@ -6855,6 +6856,145 @@ class CommandLineTest(unittest.TestCase):
 # ---------------------------------------------------------------------------
 # The command line: check and bench
 # ---------------------------------------------------------------------------
+
+# -- the README's examples, run as written ---------------------------------------
+#
+# The README's shell blocks are parsed, not copied: each command line followed by `# ANSWER` comment lines
+# is sent to a fresh server as curl would send it, and what curl would print is compared with the comment.
+# Only the curl options the README uses are understood; another one fails the test, so an edit to the
+# README's commands cannot slip past it.
+
+README_PATH = os.path.join(HERE, "README.md")
+RANDOM_ETAG = re.compile(r'"etag":"[0-9a-f]{32}"')
+
+
+def readme_section(heading):
+    """The README's text from a heading line to the next section heading (## or deeper: a shell comment
+    in a code block starts with one #)."""
+    with open(README_PATH, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("\n" + heading + "\n") + 1
+    end = re.compile(r"^#{2,6} ", re.M).search(text, start + len(heading))
+    return text[start:end.start() if end else len(text)]
+
+
+def shell_blocks(text):
+    """The ```sh blocks of text, each as a list of lines (indentation removed, backslash-newlines joined)."""
+    blocks = []
+    for match in re.finditer(r"^( *)```sh\n(.*?)^ *```", text, re.M | re.S):
+        indent = len(match.group(1))
+        body = "".join(line[indent:] for line in match.group(2).splitlines(True))
+        blocks.append(body.replace("\\\n", " ").splitlines())
+    return blocks
+
+
+def commands_with_answers(lines):
+    """[(command line, [answer lines])] for the command lines followed by `# ` comment lines."""
+    pairs = []
+    for line in lines:
+        if line.startswith("# ") and pairs:
+            pairs[-1][1].append(line[2:])
+        elif line.strip() and not line.startswith("#"):
+            pairs.append((line, []))
+    return [(command, answers) for command, answers in pairs if answers]
+
+
+def curl_as_written(argv, url, token):
+    """What `curl ARGV` prints against url, $SYNC_URL and $SYNC_TOKEN set: the body, then -w's text."""
+    argv = [arg.replace("$SYNC_URL", url).replace("$SYNC_TOKEN", token) for arg in argv]
+    assert argv[0] == "curl", argv
+    method, headers, data, write_out, target = "GET", {}, None, "", None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-X":
+            method = next(args)
+        elif arg == "-H":
+            name, value = next(args).split(": ", 1)
+            headers[name] = value
+        elif arg == "--data":
+            data, method = next(args).encode("utf-8"), method if method != "GET" else "POST"
+        elif arg == "-w":
+            write_out = next(args)
+        elif arg == "-s":
+            pass
+        elif arg.startswith(url + "/"):
+            target = arg[len(url):]
+        else:
+            raise AssertionError("a curl argument the test does not know: %r" % arg)
+    if data is not None:
+        headers.setdefault("Content-Type", "application/x-www-form-urlencoded")  # what curl sends by default
+    answer = http_request(url, method, target, data, headers=headers)
+    printed = answer.raw.decode("utf-8") + write_out.replace("%{http_code}", str(answer.status)).replace("\\n", "\n")
+    return answer.status, printed
+
+
+class ReadmeExamplesTest(ServerCase):
+    """The quick start's and the memory example's requests answer as the README shows, on a fresh server."""
+
+    def run_as_written(self, lines):
+        """Run the lines' commands with answers (curl, or a call of a shell function the lines define);
+        [(status, printed, shown)]."""
+        functions, results, definition = {}, [], None
+        for line in lines:  # a function: `name() {  # comment`, its body lines, then `}`
+            start = re.match(r"^(\w+)\(\) \{", line)
+            if start:
+                definition = functions.setdefault(start.group(1), [])
+            elif line == "}":
+                definition = None
+            elif definition is not None:
+                definition.append(line)
+        for command, shown in commands_with_answers(lines):
+            argv = shlex.split(command)
+            if argv[0] in functions:
+                body = shlex.split(" ".join(functions[argv[0]]))
+                for number, value in enumerate(argv[1:], 1):
+                    body = [arg.replace("$%d" % number, value) for arg in body]
+                argv = body
+            status, printed = curl_as_written(argv, self.url, self.alice)
+            if printed.endswith("\n"):  # the comment lines show what is printed, without the last line's end
+                printed = printed[:-1]
+            results.append((status, RANDOM_ETAG.sub('"etag":"<random>"', printed),
+                            RANDOM_ETAG.sub('"etag":"<random>"', "\n".join(shown))))
+        return results
+
+    def test_the_memory_example_answers_200_200_200_409_as_shown(self):
+        results = self.run_as_written(shell_blocks(readme_section("### Memory sync, by hand"))[0])
+        self.assertEqual([status for status, _, _ in results], [200, 200, 200, 409])
+        for status, printed, shown in results:
+            self.assertEqual(printed, shown)
+        self.assertIn('{"code":"revision_conflict"', results[-1][1])
+
+    def test_the_quick_start_answers_as_shown(self):
+        results = self.run_as_written(sum(shell_blocks(readme_section("## Quick start")), []))
+        self.assertEqual([status for status, _, _ in results], [200, 200, 200, 200, 200])
+        for status, printed, shown in results:
+            self.assertEqual(printed, shown)
+
+    def test_the_note_hash_example_holds_what_the_commit_sends(self):
+        """note-hash prints the hash shown; the printf line is JSON.stringify of the note's fields and hashes
+        to it; and the memory example commits that note with that hash."""
+        lines = shell_blocks(readme_section("### Memory sync, by hand"))[1]
+        note_text = lines[lines.index("cat > note.json <<'EOF'") + 1]
+        self.assertEqual(lines[lines.index("cat > note.json <<'EOF'") + 2], "EOF")
+        note = json.loads(note_text)
+        (hash_command, hash_shown), (printf_command, printf_shown) = commands_with_answers(lines)
+        self.assertEqual(hash_command, "python3 oharness_sync.py note-hash note.json")
+        path = os.path.join(self.data_dir, "note.json")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(note_text + "\n")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(sync.main(["note-hash", path]), 0)
+        self.assertEqual(out.getvalue().splitlines(), hash_shown)
+        printf = shlex.split(printf_command)
+        fields = [note["id"], note["summary"], note["body"], note["tags"], note["createdAt"], note["type"]]
+        self.assertEqual(printf, ["printf", "%s", js_stringify(fields), "|", "sha256sum"])
+        self.assertEqual(printf_shown, [hashlib.sha256(printf[2].encode("utf-8")).hexdigest() + "  -"])
+        self.assertEqual(printf_shown[0].split()[0], hash_shown[0])
+        memory_lines = shell_blocks(readme_section("### Memory sync, by hand"))[0]
+        commit = json.loads(shlex.split(commands_with_answers(memory_lines)[1][0])[2])
+        self.assertEqual(commit["changes"], [{"id": note["id"], "hash": hash_shown[0], "note": note}])
+
 
 # -- the check command ----------------------------------------------------------
 
