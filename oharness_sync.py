@@ -14,7 +14,7 @@ Usage:
     python3 oharness_sync.py token list   --data DIR
     python3 oharness_sync.py token revoke --data DIR TOKEN_ID
     python3 oharness_sync.py check --url URL --token TOKEN [--other-token TOKEN] [--team ID]
-                                   [--memory --principal ID]
+                                   [--memory --principal ID] [--ca-file CERT.pem]
     python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N] [--json FILE]
     python3 oharness_sync.py fsck --data DIR [--repair]
     python3 oharness_sync.py note-hash FILE
@@ -4669,6 +4669,27 @@ class CheckFailed(Exception):
     """One conformance check failed; the message is the reason."""
 
 
+class CheckStopped(Exception):
+    """Every further request would fail the same way (no connection, an untrusted certificate, the token
+    refused): the message is the cause, said once, and no further check runs."""
+
+
+def connect_failure(url, exc):
+    """The cause, in words, of a failed connection (or TLS handshake) to url."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return ("the certificate of %s is not trusted: %s (for a self-signed certificate, give it with "
+                "--ca-file)" % (url, exc.verify_message or reason(exc)))
+    if isinstance(exc, ssl.SSLError):
+        return "the TLS handshake with %s failed: %s" % (url, exc.reason or reason(exc))
+    if isinstance(exc, ConnectionRefusedError):
+        return "cannot connect to %s: connection refused (is the server running, on that port?)" % url
+    if isinstance(exc, socket.gaierror):
+        return "cannot connect to %s: the host name does not resolve (%s)" % (url, reason(exc))
+    if isinstance(exc, socket.timeout):
+        return "cannot connect to %s: timed out" % url
+    return "cannot connect to %s: %s" % (url, reason(exc))
+
+
 def check_record(record_id, body="unchanged"):
     """A well-formed record for the checks' pushes."""
     return {"session": "s1", "id": record_id, "seq": 1, "device": "ohs-check", "at": 1, "body": body}
@@ -4697,13 +4718,25 @@ def parse_base_url(url):
 class ConformanceCheck:
     """Checks over HTTP(S) that a server, ours or another, behaves as protocol v1 requires.
 
-    run() prints one line per check, `PASS name` or `FAIL name: reason`. The checks
-    write to fresh projects named ohs-check-<random>-<purpose>.
+    run() prints one line per check, `PASS name` or `FAIL name: reason`, or stops at a
+    CheckStopped with one line that says why. The checks write to fresh projects named
+    ohs-check-<random>-<purpose>; notice() is printed on err once a first connection is made.
     """
 
-    def __init__(self, url, token, other_token=None, team=None, principal=None, out=None):
+    def __init__(self, url, token, other_token=None, team=None, principal=None, out=None, ca_file=None,
+                 err=None):
         self.url = url
         self.https, self.host, self.port = parse_base_url(url)
+        self.tls_context = None
+        if ca_file is not None and not self.https:
+            raise UsageError("--ca-file goes with an https:// URL")
+        if self.https:
+            try:
+                self.tls_context = ssl.create_default_context(cafile=ca_file)
+            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                raise UsageError("cannot use --ca-file %s: %s" % (ca_file, reason(exc))) from None
+        self.connected = False  # the notice is printed before the first request: nothing is written before
+        self.err = err or sys.stderr
         self.token = token
         self.other_token = other_token
         self.team = team
@@ -4734,11 +4767,18 @@ class ConformanceCheck:
         return checks
 
     def notice(self):
-        """The one line that says what test data this writes, and where."""
-        names = [self.project[name] for name in CHECK_PROJECTS if name != "memory"]
-        where = "projects %s" % ", ".join(names)
+        """The one line that says what test data this leaves behind, and where: the projects it pushes to
+        (those it only pulls from, or pushes to and is refused, are never created)."""
+        names = ["smoke", "paging", "poll", "bodies", "listed"]
+        if self.other_token:
+            names += ["shared", "mine"]
         if self.team:
-            where += " (also in team %s)" % self.team
+            names.append("team")
+        where = "projects %s" % ", ".join(self.project[name] for name in names)
+        if self.other_token:
+            where += " (%s also for the other token's principal)" % self.project["shared"]
+        if self.team:
+            where += " (%s also in team %s)" % (self.project["team"], self.team)
         if self.principal:
             where += "; memory project %s of principal %s" % (self.project["memory"], self.principal)
         return "check: writing test data to %s: %s" % (self.url, where)
@@ -4749,6 +4789,9 @@ class ConformanceCheck:
         for name, check in self.checks():
             try:
                 check()
+            except CheckStopped as exc:
+                print("check stopped: %s" % self.redacted(str(exc)), file=self.out, flush=True)
+                return False
             except CheckFailed as exc:
                 reason = str(exc)
             except (OSError, http.client.HTTPException) as exc:
@@ -4759,11 +4802,14 @@ class ConformanceCheck:
                 print("PASS %s" % name, file=self.out, flush=True)
                 continue
             passed = False
-            for secret in (self.token, self.other_token):
-                if secret:
-                    reason = reason.replace(secret, "<token>")
-            print("FAIL %s: %s" % (name, reason), file=self.out, flush=True)
+            print("FAIL %s: %s" % (name, self.redacted(reason)), file=self.out, flush=True)
         return passed
+
+    def redacted(self, text):
+        for secret in (self.token, self.other_token):
+            if secret:
+                text = text.replace(secret, "<token>")
+        return text
 
     # -- HTTP ----------------------------------------------------------------
 
@@ -4771,10 +4817,17 @@ class ConformanceCheck:
         """One request on a new connection: (status, headers with lower-case names, JSON or None).
         token None sends ours; "" sends none."""
         if self.https:
-            conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                               context=ssl.create_default_context())
+            conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self.tls_context)
         else:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.connect()
+        except OSError as exc:  # refused, no such host, an untrusted certificate: the same for every request
+            conn.close()
+            raise CheckStopped(connect_failure(self.url, exc)) from None
+        if not self.connected:
+            self.connected = True
+            print(self.notice(), file=self.err, flush=True)
         headers = {}
         token = self.token if token is None else token
         if token:
@@ -4798,8 +4851,12 @@ class ConformanceCheck:
         return response.status, answer_headers, doc
 
     def call(self, method, path, body=None, status=200, token=None, timeout=CHECK_TIMEOUT):
-        """request(), and CheckFailed unless the answer has this status (and, for 200, is JSON)."""
+        """request(), and CheckFailed unless the answer has this status (and, for 200, is JSON);
+        CheckStopped when a session route refuses --token itself (every other request would too)."""
         got, headers, doc = self.request(method, path, body, token, timeout)
+        if got == 401 and status != 401 and token is None and not path.startswith("/v1/memory/"):
+            raise CheckStopped("the server refuses --token: %s %s answered 401 %s (is it a token of this server, "
+                               "not revoked or expired?)" % (method, path.split("?", 1)[0], excerpt(doc)))
         if got != status:
             raise CheckFailed("%s %s answered %d, expected %d: %s" % (method, path, got, status, excerpt(doc)))
         content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -5080,6 +5137,8 @@ def check_command(argv):
     parser.add_argument("--team", metavar="ID", help="a team the token lists: checks the team feed")
     parser.add_argument("--memory", action="store_true", help="check memory sync too (with --principal)")
     parser.add_argument("--principal", metavar="ID", help="the principal the token belongs to")
+    parser.add_argument("--ca-file", metavar="CERT.pem",
+                        help="trust this certificate (or CA bundle) for an https:// URL: for a self-signed one")
     args = parser.parse_args(argv)
     for flag, token in (("--token", args.token), ("--other-token", args.other_token)):
         if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
@@ -5088,8 +5147,8 @@ def check_command(argv):
         raise UsageError("--memory and --principal go together")
     if args.principal is not None and not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
-    check = ConformanceCheck(args.url, args.token, args.other_token, args.team, args.principal, sys.stdout)
-    print(check.notice(), file=sys.stderr, flush=True)
+    check = ConformanceCheck(args.url, args.token, args.other_token, args.team, args.principal, sys.stdout,
+                             args.ca_file, sys.stderr)
     return 0 if check.run() else 1
 
 

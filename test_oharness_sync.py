@@ -7018,23 +7018,32 @@ class CheckCommandTest(ServerCase):
     cli = [sys.executable, MODULE]
 
     def test_every_check_passes_against_this_server(self):
-        out = io.StringIO()
+        out, err = io.StringIO(), io.StringIO()
         check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
-                                 out=out)
+                                 out=out, err=err)
         self.assertTrue(check.run(), out.getvalue())
         lines = out.getvalue().splitlines()
         self.assertEqual([line for line in lines if not line.startswith("PASS ")], [])
         self.assertEqual([line.split()[1] for line in lines],
                          SESSION_CHECKS + ["isolation", "team-feed", "unknown-team"] + MEMORY_CHECKS)
+        self.assertEqual(err.getvalue(), check.notice() + "\n")
 
-    def test_the_notice_names_every_project_it_writes_to(self):
-        check = ConformanceCheck(self.url, self.alice, team="platform", principal="alice")
+    def test_the_notice_names_exactly_the_projects_it_leaves_behind(self):
+        check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
+                                 out=io.StringIO(), err=io.StringIO())
+        self.assertTrue(check.run())
         notice = check.notice()
         self.assertEqual(len(notice.splitlines()), 1)
         self.assertIn("writing test data to " + self.url, notice)
         for project in check.project.values():
             self.assertRegex(project, r"^ohs-check-[0-9a-f]{8}-[a-z]+$")
-            self.assertIn(project, notice)
+        left = []
+        for kind in ("feeds", "memory"):
+            for owner in sorted(os.listdir(os.path.join(self.data_dir, kind))):
+                for name in sorted(os.listdir(os.path.join(self.data_dir, kind, owner))):
+                    left.append(sync.decode_name(name[len("p-"):].split(".")[0]))
+        self.assertEqual(sorted(set(left)), sorted(project for project in check.project.values()
+                                                   if re.search(project + r"\b", notice)))
         self.assertNotIn(self.alice, notice)
 
     def test_command_line_end_to_end(self):
@@ -7169,14 +7178,77 @@ class CheckCatchesFaultsTest(unittest.TestCase):
         self.assertEqual((code, failed), (1, ["health"]), out)
         self.assertIn("FAIL health: GET /v1/health answered 401, expected 200", out)
 
-    def test_an_unreachable_server_fails_every_check_without_a_traceback(self):
-        code, out, err = run_check_command("--url", "http://127.0.0.1:%d" % closed_port(), "--token", "t0ken")
+    def test_a_stopped_server_is_one_line_with_the_cause(self):
+        # Before, every check failed with the same "network error: ... refused": sixteen lines for one cause.
+        url = "http://127.0.0.1:%d" % closed_port()
+        result = subprocess.run([sys.executable, MODULE, "check", "--url", url, "--token", "t0ken", "--memory",
+                                 "--principal", "alice"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                universal_newlines=True, timeout=60)
+        self.assertEqual((result.returncode, result.stdout, result.stderr),
+                         (1, "check stopped: cannot connect to %s: connection refused (is the server running, on "
+                             "that port?)\n" % url, ""))  # nothing was written: no notice
+
+    def test_a_server_gone_half_way_stops_the_checks_with_one_line(self):
+        url = self.start_faulty_server(None)
+        out = io.StringIO()
+        check = ConformanceCheck(url, "token-a", out=out, err=io.StringIO())
+        stop_after = check.check_smoke_test
+
+        def smoke_test_then_stop():
+            stop_after()
+            check.port = closed_port()
+        check.check_smoke_test = smoke_test_then_stop
+        self.assertFalse(check.run())
+        self.assertEqual(out.getvalue().splitlines(), [
+            "PASS health", "PASS auth-required", "PASS smoke-test",
+            "check stopped: cannot connect to %s: connection refused (is the server running, on that port?)" % url])
+
+    def test_a_refused_token_is_said_once_and_stops(self):
+        url = self.start_faulty_server(None)
+        code, out, err = run_check_command("--url", url, "--token", "token-unknown")
         self.assertEqual(code, 1)
-        lines = out.splitlines()
-        self.assertEqual([line.split()[1].rstrip(":") for line in lines], SESSION_CHECKS + ["unknown-team"])
-        for line in lines:
-            self.assertRegex(line, r"^FAIL [a-z-]+: network error: .*refused")
-        self.assertNotIn("t0ken", out + err)
+        self.assertEqual(out.splitlines(), [
+            "PASS health", "PASS auth-required",  # these send no token, or a made-up one: they do pass
+            'check stopped: the server refuses --token: POST /v1/push answered 401 {"error": "no token"} (is it a '
+            'token of this server, not revoked or expired?)'])
+        self.assertEqual(len(err.splitlines()), 1, err)  # the notice: the checks did write (nothing was kept)
+        self.assertNotIn("token-unknown", out + err)
+
+    def test_the_other_token_refused_fails_isolation_only(self):
+        code, failed, out = self.failed_checks(None, "--other-token", "token-c")
+        self.assertEqual((code, failed), (1, ["isolation"]), out)
+        self.assertNotIn("check stopped", out)
+
+
+class CheckTlsTest(ServerCase):
+    """check against an HTTPS server with a self-signed certificate: one line without --ca-file, every
+    check with it."""
+
+    def setUp(self):
+        self.server_options = {"tls": sync.TlsFiles(os.path.join(TLS_DATA, "cert.pem"),
+                                                    os.path.join(TLS_DATA, "key.pem"))}
+        super().setUp()
+
+    def test_an_untrusted_certificate_is_one_line_that_names_ca_file(self):
+        code, out, err = run_check_command("--url", self.url, "--token", self.alice)
+        self.assertEqual((code, err), (1, ""))
+        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted: self[- ]signed certificate "
+                              r"\(for a self-signed certificate, give it with --ca-file\)\n$" % re.escape(self.url))
+
+    def test_ca_file_trusts_it(self):
+        code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--ca-file",
+                                           os.path.join(TLS_DATA, "cert.pem"), "--memory", "--principal", "alice")
+        self.assertEqual(code, 0, out)
+        self.assertEqual(out, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"] + MEMORY_CHECKS))
+
+    def test_a_ca_file_that_is_not_a_certificate_or_a_plain_url_is_a_usage_error(self):
+        for argv, error in ((["--url", self.url, "--ca-file", README_PATH], "cannot use --ca-file %s: " % README_PATH),
+                            (["--url", "http://127.0.0.1:1", "--ca-file", README_PATH],
+                             "--ca-file goes with an https:// URL")):
+            code, out, err = run_check_command(*argv + ["--token", self.alice])
+            self.assertEqual((code, out), (2, ""))
+            self.assertTrue(err.startswith("oharness-sync: error: " + error), err)
+            self.assertEqual(len(err.splitlines()), 1, err)
 
 
 class CheckUsageTest(unittest.TestCase):
