@@ -16,6 +16,7 @@ Usage:
     python3 oharness_sync.py check --url URL --token TOKEN [--other-token TOKEN] [--team ID]
                                    [--memory --principal ID] [--ca-file CERT.pem]
     python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N] [--json FILE]
+                                   [--no-fail]
     python3 oharness_sync.py fsck --data DIR [--repair]
     python3 oharness_sync.py note-hash FILE
 
