@@ -4780,8 +4780,9 @@ def connect_failure(url, exc):
         return "cannot connect to %s: connection refused (is the server running, on that port?)" % url
     if isinstance(exc, socket.gaierror):
         return "cannot connect to %s: the host name does not resolve (%s)" % (url, reason(exc))
-    if isinstance(exc, socket.timeout):
-        return "cannot connect to %s: timed out" % url
+    if isinstance(exc, socket.timeout):  # with https, the TCP connection or the TLS handshake
+        return "cannot connect to %s: timed out%s" % (url, " (is it serving HTTPS on that port?)"
+                                                      if url.startswith("https:") else "")
     return "cannot connect to %s: %s" % (url, reason(exc))
 
 
@@ -4815,7 +4816,7 @@ class ConformanceCheck:
 
     run() prints one line per check, `PASS name` or `FAIL name: reason`, or stops at a
     CheckStopped with one line that says why. The checks write to fresh projects named
-    ohs-check-<random>-<purpose>; notice() is printed on err once a first connection is made.
+    ohs-check-<random>-<purpose>; notice() is printed on err at the first answer, before anything is written.
     """
 
     def __init__(self, url, token, other_token=None, team=None, principal=None, out=None, ca_file=None,
@@ -4830,7 +4831,7 @@ class ConformanceCheck:
                 self.tls_context = ssl.create_default_context(cafile=ca_file)
             except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
                 raise UsageError("cannot use --ca-file %s: %s" % (ca_file, reason(exc))) from None
-        self.connected = False  # the notice is printed before the first request: nothing is written before
+        self.answered = False  # no HTTP answer yet: nothing written, no notice printed
         self.err = err or sys.stderr
         self.token = token
         self.other_token = other_token
@@ -4920,9 +4921,6 @@ class ConformanceCheck:
         except OSError as exc:  # refused, no such host, an untrusted certificate: the same for every request
             conn.close()
             raise CheckStopped(connect_failure(self.url, exc)) from None
-        if not self.connected:
-            self.connected = True
-            print(self.notice(), file=self.err, flush=True)
         headers = {}
         token = self.token if token is None else token
         if token:
@@ -4936,8 +4934,18 @@ class ConformanceCheck:
             response = conn.getresponse()
             raw = response.read()
             answer_headers = {name.lower(): value for name, value in response.getheaders()}
+        except (OSError, http.client.HTTPException) as exc:
+            if self.answered:
+                raise
+            # Not one HTTP answer yet: most likely not an HTTP server (or TLS where http:// was given).
+            raise CheckStopped("no HTTP answer from %s to a first request (%s)%s" % (
+                self.url, str(exc) or type(exc).__name__,
+                "" if self.https else ": if it serves HTTPS, give an https:// URL")) from None
         finally:
             conn.close()
+        if not self.answered:  # the checks write from now on: say where, once
+            self.answered = True
+            print(self.notice(), file=self.err, flush=True)
         try:
             doc = decode_json(raw) if raw else None
         except ValueError as exc:

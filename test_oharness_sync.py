@@ -7319,6 +7319,17 @@ class CheckCatchesFaultsTest(unittest.TestCase):
         self.assertEqual(len(err.splitlines()), 1, err)  # the notice: the checks did write (nothing was kept)
         self.assertNotIn("token-unknown", out + err)
 
+    def test_each_connect_failure_is_named_with_its_cause(self):
+        for url, exc, text in (
+                ("https://h:1", socket.timeout("timed out"),
+                 "cannot connect to https://h:1: timed out (is it serving HTTPS on that port?)"),
+                ("http://h:1", socket.timeout("timed out"), "cannot connect to http://h:1: timed out"),
+                ("http://h:1", socket.gaierror(-2, "Name or service not known"),
+                 "cannot connect to http://h:1: the host name does not resolve (Name or service not known)"),
+                ("http://h:1", OSError(errno.ENETUNREACH, "Network is unreachable"),
+                 "cannot connect to http://h:1: Network is unreachable")):
+            self.assertEqual(sync.connect_failure(url, exc), text)
+
     def test_the_other_token_refused_fails_isolation_only(self):
         code, failed, out = self.failed_checks(None, "--other-token", "token-c")
         self.assertEqual((code, failed), (1, ["isolation"]), out)
@@ -7339,6 +7350,14 @@ class CheckTlsTest(ServerCase):
         self.assertEqual((code, err), (1, ""))
         self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted: self[- ]signed certificate "
                               r"\(for a self-signed certificate, give it with --ca-file\)\n$" % re.escape(self.url))
+
+    def test_an_http_url_for_it_is_one_line_that_names_https(self):
+        # Before, every check failed with the same "network error: Connection reset by peer".
+        url = self.url.replace("https://", "http://")
+        code, out, err = run_check_command("--url", url, "--token", self.alice)
+        self.assertEqual((code, err), (1, ""))  # nothing written: no notice
+        self.assertRegex(out, r"^check stopped: no HTTP answer from %s to a first request \(.+\): if it serves "
+                              r"HTTPS, give an https:// URL\n$" % re.escape(url))
 
     def test_ca_file_trusts_it(self):
         code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--ca-file",
