@@ -44,7 +44,6 @@ import os
 import re
 import secrets
 import selectors
-import shlex
 import shutil
 import signal
 import socket
@@ -4654,6 +4653,7 @@ def fsck_command(argv):
 def fsck_remedies(check):
     """The exact commands that mend what check found, each on a line of its own: fsck --repair, and a cut
     of each feed the server refuses at its first damaged line (which nothing does by itself)."""
+    import shlex  # here, like platform in BenchReport.write_json: only these few lines use it
     lines = []
     if check.repairable:
         command = [sys.executable or "python3", os.path.abspath(__file__), "fsck", "--data", check.data_dir,
