@@ -4668,6 +4668,7 @@ def fsck_remedies(check):
 
 
 def format_bytes(count):
+    """A byte count for a person: in bytes, KiB, MiB or GiB."""
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if count < 1024 or unit == "GiB":
             return "%d %s" % (count, unit) if unit == "bytes" else "%.1f %s" % (count, unit)
