@@ -24,6 +24,7 @@ import random
 import re
 import select
 import shutil
+import shlex
 import signal
 import socket
 import ssl
@@ -398,6 +399,59 @@ class TestNoteHashVectors(unittest.TestCase):
         self.assertEqual(
             note_hash(note),
             hashlib.sha256(expected.encode("utf-8")).hexdigest())
+
+
+def run_note_hash(data):
+    """`note-hash -` in this process with data (bytes) on standard input: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+    with mock.patch.object(sys, "stdin", stdin), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = sync.main(["note-hash", "-"])
+    return code, out.getvalue(), err.getvalue()
+
+
+class NoteHashCommandTest(unittest.TestCase):
+    """`note-hash FILE` prints the node-made vectors' hashes, and a bad note is one line and exit 2."""
+
+    def test_every_vector_from_a_file(self):
+        with open(VECTORS_PATH, encoding="utf-8") as f:
+            vectors = json.load(f)
+        directory = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "note.json")
+        for i, vector in enumerate(vectors):
+            with open(path, "w", encoding="ascii") as f:  # lone surrogates as \u escapes, as JSON allows
+                json.dump(vector["note"], f)
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = sync.main(["note-hash", path])
+            self.assertEqual((code, out.getvalue(), err.getvalue()), (0, vector["hash"] + "\n", ""), i)
+
+    def test_standard_input_in_a_real_process_and_updated_at_is_not_hashed(self):
+        note = good_note(type="user", updatedAt=7)
+        result = subprocess.run([sys.executable, MODULE, "note-hash", "-"], input=json.dumps(note),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=30)
+        del note["updatedAt"]
+        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, note_hash(note) + "\n", ""))
+
+    def test_what_is_wrong_is_one_line_and_exit_2(self):
+        for data, error in ((b'{"id":"n1"', "standard input is not a JSON note: it is not valid JSON"),
+                            (b"\xff", "standard input is not a JSON note: it is not valid UTF-8"),
+                            (json.dumps(good_note(extra=1)).encode(), "standard input is not a valid note: "
+                                                                      "unknown note field"),
+                            (json.dumps(good_note(summary=" s")).encode(), "standard input is not a valid note: "
+                                                                           "summary has leading or trailing "
+                                                                           "whitespace"),
+                            (b"[]", "standard input is not a valid note: note must be an object")):
+            self.assertEqual(run_note_hash(data), (2, "", "oharness-sync: error: %s\n" % error), data)
+
+    def test_a_file_that_cannot_be_read(self):
+        missing = os.path.join(tempfile.gettempdir(), "ohs-test-no-such-note-%s.json" % os.getpid())
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sync.main(["note-hash", missing])
+        self.assertEqual((code, out.getvalue(), err.getvalue()),
+                         (2, "", "oharness-sync: error: cannot read %s: No such file or directory\n" % missing))
 
 
 class TestJsStringify(unittest.TestCase):
@@ -2775,6 +2829,13 @@ class FullScopeTest(unittest.TestCase):
 # Storage: checking a data dir (fsck)
 # ---------------------------------------------------------------------------
 
+class TerminalStringIO(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self):
+        return True
+
+
 class FsckTest(unittest.TestCase):
     """fsck on a copy of a healthy data dir, damaged in one way at a time."""
 
@@ -2836,6 +2897,11 @@ class FsckTest(unittest.TestCase):
         self.edit_lines(self.feed, lambda lines: lines.__delitem__(1))
         code, lines = self.fsck()
         self.assertEqual(self.problems(lines), ["problem: %s:2: event number 3 where 2 was expected" % self.feed])
+        with open(self.feed, "rb") as f:  # a server refuses a feed whose numbers jump: the cut is where they do
+            offset = len(f.readline())
+        self.assertEqual(lines[-1], "to cut %s at line 2, losing its 4 lines from there on (the server refuses the "
+                                    "feed until then; stop it and keep a copy of the file first): truncate -s %d %s"
+                         % (self.feed, offset, self.feed))
 
     def test_a_record_stored_twice(self):
         def duplicate(lines):
@@ -2926,6 +2992,99 @@ class FsckTest(unittest.TestCase):
 
     def all_files(self):
         return [os.path.join(root, name) for root, _, names in os.walk(self.data_dir) for name in names]
+
+    def test_damage_ends_with_the_exact_commands_that_mend_it(self):
+        # A --data path a shell would split or end a quote at: the commands must still be run as printed.
+        moved = os.path.join(os.path.dirname(self.data_dir), "data dir's copy")
+        os.rename(self.data_dir, moved)
+        self.data_dir, self.feed = moved, os.path.join(moved, "feeds", "u-alice", "p-p.jsonl")
+        team_feed = os.path.join(moved, "feeds", "t-team", "p-q.jsonl")
+        self.edit_lines(self.feed, lambda lines: lines.__setitem__(2, lines[2].replace(b'"laptop"', b'"laptoq"')))
+        with open(self.feed, "rb") as f:
+            offset = len(b"".join(f.read().splitlines(True)[:2]))
+        with open(team_feed, "ab") as f:
+            f.write(b'{"n":2,"k"')  # torn
+        code, lines = self.fsck()
+        self.assertEqual(code, 1)
+        self.assertTrue(lines[-3].startswith("fsck %s: " % moved), lines)
+        repair, cut = lines[-2:]
+        prefix = "to repair, with the server stopped: "
+        self.assertTrue(repair.startswith(prefix), repair)
+        self.assertEqual(shlex.split(repair[len(prefix):]), [sys.executable, MODULE, "fsck", "--data", moved,
+                                                             "--repair"])
+        prefix = ("to cut %s at line 3, losing its 4 lines from there on (the server refuses the feed until then; "
+                  "stop it and keep a copy of the file first): " % self.feed)
+        self.assertTrue(cut.startswith(prefix), cut)
+        self.assertEqual(shlex.split(cut[len(prefix):]), ["truncate", "-s", str(offset), self.feed])
+        os.truncate(self.feed, offset)  # what `truncate -s` does
+        self.assertEqual(self.fsck("--repair")[0], 0)
+        code, lines = self.fsck()
+        self.assertEqual(lines, ["fsck %s: 2 feeds with 3 events, 2 memory scopes with 3 live notes, 1 tokens: "
+                                 "0 problems" % moved])
+
+    def test_unreferenced_objects_alone_name_the_repair_command(self):
+        with open(os.path.join(self.scope, "objects", "0" * 32 + ".json"), "wb") as f:
+            f.write(b"{}")
+        code, lines = self.fsck()
+        self.assertEqual(code, 0)
+        self.assertEqual(lines[-1], "to repair, with the server stopped: %s %s fsck --data %s --repair" % (
+            shlex.quote(sys.executable), shlex.quote(MODULE), shlex.quote(self.data_dir)))
+
+    def test_a_clean_dir_or_a_duplicate_record_names_no_command(self):
+        # a record stored twice is damage the server lives with: cutting the feed would lose data for nothing
+        self.assertEqual(self.fsck()[1][-1][:5], "fsck ")
+
+        def duplicate(lines):
+            number, kind, key, event = sync.parse_feed_line(lines[0])
+            lines.append(sync.feed_line(len(lines) + 1, kind, event, key))
+        self.edit_lines(self.feed, duplicate)
+        code, lines = self.fsck()
+        self.assertEqual((code, lines[-1][:5]), (1, "fsck "))
+
+    def fsck_on(self, stderr):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(stderr):
+            code = sync.main(["fsck", "--data", self.data_dir])
+        return code, out.getvalue()
+
+    def test_progress_on_a_terminal_and_none_in_a_pipe_or_log(self):
+        quiet = io.StringIO()  # not a terminal
+        quiet_code, quiet_out = self.fsck_on(quiet)
+        self.assertEqual((quiet_code, quiet.getvalue()), (0, ""))
+        terminal = TerminalStringIO()
+        code, out = self.fsck_on(terminal)
+        self.assertEqual((code, out), (quiet_code, quiet_out))  # stdout is the same
+        size = sum(os.path.getsize(path) for path in self.all_files() if path.endswith(".jsonl"))
+        shown = terminal.getvalue().split("\r")
+        self.assertEqual(shown[:2], ["", "fsck: feeds 0/2, 0 bytes of %s" % sync.format_bytes(size)])
+        self.assertRegex(shown[-1], r"^fsck: feeds 2/2, %s of %s in \d+\.\d s\n$" % ((sync.format_bytes(size),) * 2))
+
+    def test_progress_is_reported_within_a_big_feed(self):
+        calls = []
+        with mock.patch.object(sync.DataDirCheck, "PROGRESS_LINES", 2):
+            sync.DataDirCheck(self.data_dir, progress=lambda *state: calls.append(state)).run()
+        team_size = os.path.getsize(os.path.join(self.data_dir, "feeds", "t-team", "p-q.jsonl"))
+        with open(self.feed, "rb") as f:
+            lengths = [len(line) for line in f.read().splitlines(True)]
+        total = team_size + sum(lengths)
+        self.assertEqual(calls, [(0, 2, 0, total), (1, 2, team_size, total)]
+                         + [(1, 2, team_size + sum(lengths[:n - 1]), total) for n in (2, 4, 6)]
+                         + [(2, 2, total, total)])
+
+    def test_the_progress_line_is_rewritten_in_place_a_few_times_a_second(self):
+        now, stream = [0.0], io.StringIO()
+        progress = sync.FsckProgress(stream, clock=lambda: now[0])
+        for at, state in ((0.0, (0, 3, 0, 3 << 30)), (0.1, (0, 3, 5 << 10, 3 << 30)),  # too soon: not shown
+                          (0.3, (1, 3, 999 << 10, 3 << 30)), (0.4, (1, 3, 1536 << 20, 3 << 30)),  # too soon
+                          (0.6, (3, 3, 3 << 30, 3 << 30))):
+            now[0] = at
+            progress(*state)
+        now[0] = 2.5
+        progress.finish()
+        self.assertEqual(stream.getvalue(), "\rfsck: feeds 0/3, 0 bytes of 3.0 GiB"
+                                            "\rfsck: feeds 1/3, 999.0 KiB of 3.0 GiB"
+                                            "\rfsck: feeds 3/3, 3.0 GiB of 3.0 GiB  "  # blanks the longer line's end
+                                            "\rfsck: feeds 3/3, 3.0 GiB of 3.0 GiB in 2.5 s\n")
 
 
 # ---------------------------------------------------------------------------
@@ -6761,6 +6920,145 @@ class CommandLineTest(unittest.TestCase):
 # The command line: check and bench
 # ---------------------------------------------------------------------------
 
+# -- the README's examples, run as written ---------------------------------------
+#
+# The README's shell blocks are parsed, not copied: each command line followed by `# ANSWER` comment lines
+# is sent to a fresh server as curl would send it, and what curl would print is compared with the comment.
+# Only the curl options the README uses are understood; another one fails the test, so an edit to the
+# README's commands cannot slip past it.
+
+README_PATH = os.path.join(HERE, "README.md")
+RANDOM_ETAG = re.compile(r'"etag":"[0-9a-f]{32}"')
+
+
+def readme_section(heading):
+    """The README's text from a heading line to the next section heading (## or deeper: a shell comment
+    in a code block starts with one #)."""
+    with open(README_PATH, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("\n" + heading + "\n") + 1
+    end = re.compile(r"^#{2,6} ", re.M).search(text, start + len(heading))
+    return text[start:end.start() if end else len(text)]
+
+
+def shell_blocks(text):
+    """The ```sh blocks of text, each as a list of lines (indentation removed, backslash-newlines joined)."""
+    blocks = []
+    for match in re.finditer(r"^( *)```sh\n(.*?)^ *```", text, re.M | re.S):
+        indent = len(match.group(1))
+        body = "".join(line[indent:] for line in match.group(2).splitlines(True))
+        blocks.append(body.replace("\\\n", " ").splitlines())
+    return blocks
+
+
+def commands_with_answers(lines):
+    """[(command line, [answer lines])] for the command lines followed by `# ` comment lines."""
+    pairs = []
+    for line in lines:
+        if line.startswith("# ") and pairs:
+            pairs[-1][1].append(line[2:])
+        elif line.strip() and not line.startswith("#"):
+            pairs.append((line, []))
+    return [(command, answers) for command, answers in pairs if answers]
+
+
+def curl_as_written(argv, url, token):
+    """What `curl ARGV` prints against url, $SYNC_URL and $SYNC_TOKEN set: the body, then -w's text."""
+    argv = [arg.replace("$SYNC_URL", url).replace("$SYNC_TOKEN", token) for arg in argv]
+    assert argv[0] == "curl", argv
+    method, headers, data, write_out, target = "GET", {}, None, "", None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-X":
+            method = next(args)
+        elif arg == "-H":
+            name, value = next(args).split(": ", 1)
+            headers[name] = value
+        elif arg == "--data":
+            data, method = next(args).encode("utf-8"), method if method != "GET" else "POST"
+        elif arg == "-w":
+            write_out = next(args)
+        elif arg == "-s":
+            pass
+        elif arg.startswith(url + "/"):
+            target = arg[len(url):]
+        else:
+            raise AssertionError("a curl argument the test does not know: %r" % arg)
+    if data is not None:
+        headers.setdefault("Content-Type", "application/x-www-form-urlencoded")  # what curl sends by default
+    answer = http_request(url, method, target, data, headers=headers)
+    printed = answer.raw.decode("utf-8") + write_out.replace("%{http_code}", str(answer.status)).replace("\\n", "\n")
+    return answer.status, printed
+
+
+class ReadmeExamplesTest(ServerCase):
+    """The quick start's and the memory example's requests answer as the README shows, on a fresh server."""
+
+    def run_as_written(self, lines):
+        """Run the lines' commands with answers (curl, or a call of a shell function the lines define);
+        [(status, printed, shown)]."""
+        functions, results, definition = {}, [], None
+        for line in lines:  # a function: `name() {  # comment`, its body lines, then `}`
+            start = re.match(r"^(\w+)\(\) \{", line)
+            if start:
+                definition = functions.setdefault(start.group(1), [])
+            elif line == "}":
+                definition = None
+            elif definition is not None:
+                definition.append(line)
+        for command, shown in commands_with_answers(lines):
+            argv = shlex.split(command)
+            if argv[0] in functions:
+                body = shlex.split(" ".join(functions[argv[0]]))
+                for number, value in enumerate(argv[1:], 1):
+                    body = [arg.replace("$%d" % number, value) for arg in body]
+                argv = body
+            status, printed = curl_as_written(argv, self.url, self.alice)
+            if printed.endswith("\n"):  # the comment lines show what is printed, without the last line's end
+                printed = printed[:-1]
+            results.append((status, RANDOM_ETAG.sub('"etag":"<random>"', printed),
+                            RANDOM_ETAG.sub('"etag":"<random>"', "\n".join(shown))))
+        return results
+
+    def test_the_memory_example_answers_200_200_200_409_as_shown(self):
+        results = self.run_as_written(shell_blocks(readme_section("### Memory sync, by hand"))[0])
+        self.assertEqual([status for status, _, _ in results], [200, 200, 200, 409])
+        for status, printed, shown in results:
+            self.assertEqual(printed, shown)
+        self.assertIn('{"code":"revision_conflict"', results[-1][1])
+
+    def test_the_quick_start_answers_as_shown(self):
+        results = self.run_as_written(sum(shell_blocks(readme_section("## Quick start")), []))
+        self.assertEqual([status for status, _, _ in results], [200, 200, 200, 200, 200])
+        for status, printed, shown in results:
+            self.assertEqual(printed, shown)
+
+    def test_the_note_hash_example_holds_what_the_commit_sends(self):
+        """note-hash prints the hash shown; the printf line is JSON.stringify of the note's fields and hashes
+        to it; and the memory example commits that note with that hash."""
+        lines = shell_blocks(readme_section("### Memory sync, by hand"))[1]
+        note_text = lines[lines.index("cat > note.json <<'EOF'") + 1]
+        self.assertEqual(lines[lines.index("cat > note.json <<'EOF'") + 2], "EOF")
+        note = json.loads(note_text)
+        (hash_command, hash_shown), (printf_command, printf_shown) = commands_with_answers(lines)
+        self.assertEqual(hash_command, "python3 oharness_sync.py note-hash note.json")
+        path = os.path.join(self.data_dir, "note.json")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(note_text + "\n")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(sync.main(["note-hash", path]), 0)
+        self.assertEqual(out.getvalue().splitlines(), hash_shown)
+        printf = shlex.split(printf_command)
+        fields = [note["id"], note["summary"], note["body"], note["tags"], note["createdAt"], note["type"]]
+        self.assertEqual(printf, ["printf", "%s", js_stringify(fields), "|", "sha256sum"])
+        self.assertEqual(printf_shown, [hashlib.sha256(printf[2].encode("utf-8")).hexdigest() + "  -"])
+        self.assertEqual(printf_shown[0].split()[0], hash_shown[0])
+        memory_lines = shell_blocks(readme_section("### Memory sync, by hand"))[0]
+        commit = json.loads(shlex.split(commands_with_answers(memory_lines)[1][0])[2])
+        self.assertEqual(commit["changes"], [{"id": note["id"], "hash": hash_shown[0], "note": note}])
+
+
 # -- the check command ----------------------------------------------------------
 
 SESSION_CHECKS = ["health", "auth-required", "smoke-test", "paging", "long-poll-wakes", "long-poll-timeout",
@@ -6783,23 +7081,32 @@ class CheckCommandTest(ServerCase):
     cli = [sys.executable, MODULE]
 
     def test_every_check_passes_against_this_server(self):
-        out = io.StringIO()
+        out, err = io.StringIO(), io.StringIO()
         check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
-                                 out=out)
+                                 out=out, err=err)
         self.assertTrue(check.run(), out.getvalue())
         lines = out.getvalue().splitlines()
         self.assertEqual([line for line in lines if not line.startswith("PASS ")], [])
         self.assertEqual([line.split()[1] for line in lines],
                          SESSION_CHECKS + ["isolation", "team-feed", "unknown-team"] + MEMORY_CHECKS)
+        self.assertEqual(err.getvalue(), check.notice() + "\n")
 
-    def test_the_notice_names_every_project_it_writes_to(self):
-        check = ConformanceCheck(self.url, self.alice, team="platform", principal="alice")
+    def test_the_notice_names_exactly_the_projects_it_leaves_behind(self):
+        check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
+                                 out=io.StringIO(), err=io.StringIO())
+        self.assertTrue(check.run())
         notice = check.notice()
         self.assertEqual(len(notice.splitlines()), 1)
         self.assertIn("writing test data to " + self.url, notice)
         for project in check.project.values():
             self.assertRegex(project, r"^ohs-check-[0-9a-f]{8}-[a-z]+$")
-            self.assertIn(project, notice)
+        left = []
+        for kind in ("feeds", "memory"):
+            for owner in sorted(os.listdir(os.path.join(self.data_dir, kind))):
+                for name in sorted(os.listdir(os.path.join(self.data_dir, kind, owner))):
+                    left.append(sync.decode_name(name[len("p-"):].split(".")[0]))
+        self.assertEqual(sorted(set(left)), sorted(project for project in check.project.values()
+                                                   if re.search(project + r"\b", notice)))
         self.assertNotIn(self.alice, notice)
 
     def test_command_line_end_to_end(self):
@@ -6934,14 +7241,96 @@ class CheckCatchesFaultsTest(unittest.TestCase):
         self.assertEqual((code, failed), (1, ["health"]), out)
         self.assertIn("FAIL health: GET /v1/health answered 401, expected 200", out)
 
-    def test_an_unreachable_server_fails_every_check_without_a_traceback(self):
-        code, out, err = run_check_command("--url", "http://127.0.0.1:%d" % closed_port(), "--token", "t0ken")
+    def test_a_stopped_server_is_one_line_with_the_cause(self):
+        # Before, every check failed with the same "network error: ... refused": sixteen lines for one cause.
+        url = "http://127.0.0.1:%d" % closed_port()
+        result = subprocess.run([sys.executable, MODULE, "check", "--url", url, "--token", "t0ken", "--memory",
+                                 "--principal", "alice"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                universal_newlines=True, timeout=60)
+        self.assertEqual((result.returncode, result.stdout, result.stderr),
+                         (1, "check stopped: cannot connect to %s: connection refused (is the server running, on "
+                             "that port?)\n" % url, ""))  # nothing was written: no notice
+
+    def test_a_server_gone_half_way_stops_the_checks_with_one_line(self):
+        url = self.start_faulty_server(None)
+        out = io.StringIO()
+        check = ConformanceCheck(url, "token-a", out=out, err=io.StringIO())
+        stop_after = check.check_smoke_test
+
+        def smoke_test_then_stop():
+            stop_after()
+            check.port = closed_port()
+        check.check_smoke_test = smoke_test_then_stop
+        self.assertFalse(check.run())
+        self.assertEqual(out.getvalue().splitlines(), [
+            "PASS health", "PASS auth-required", "PASS smoke-test",
+            "check stopped: cannot connect to %s: connection refused (is the server running, on that port?)" % url])
+
+    def test_a_refused_token_is_said_once_and_stops(self):
+        url = self.start_faulty_server(None)
+        code, out, err = run_check_command("--url", url, "--token", "token-unknown")
         self.assertEqual(code, 1)
-        lines = out.splitlines()
-        self.assertEqual([line.split()[1].rstrip(":") for line in lines], SESSION_CHECKS + ["unknown-team"])
-        for line in lines:
-            self.assertRegex(line, r"^FAIL [a-z-]+: network error: .*refused")
-        self.assertNotIn("t0ken", out + err)
+        self.assertEqual(out.splitlines(), [
+            "PASS health", "PASS auth-required",  # these send no token, or a made-up one: they do pass
+            'check stopped: the server refuses --token: POST /v1/push answered 401 {"error": "no token"} (is it a '
+            'token of this server, not revoked or expired?)'])
+        self.assertEqual(len(err.splitlines()), 1, err)  # the notice: the checks did write (nothing was kept)
+        self.assertNotIn("token-unknown", out + err)
+
+    def test_each_connect_failure_is_named_with_its_cause(self):
+        for url, exc, text in (
+                ("https://h:1", socket.timeout("timed out"),
+                 "cannot connect to https://h:1: timed out (is it serving HTTPS on that port?)"),
+                ("http://h:1", socket.timeout("timed out"), "cannot connect to http://h:1: timed out"),
+                ("http://h:1", socket.gaierror(-2, "Name or service not known"),
+                 "cannot connect to http://h:1: the host name does not resolve (Name or service not known)"),
+                ("http://h:1", OSError(errno.ENETUNREACH, "Network is unreachable"),
+                 "cannot connect to http://h:1: Network is unreachable")):
+            self.assertEqual(sync.connect_failure(url, exc), text)
+
+    def test_the_other_token_refused_fails_isolation_only(self):
+        code, failed, out = self.failed_checks(None, "--other-token", "token-c")
+        self.assertEqual((code, failed), (1, ["isolation"]), out)
+        self.assertNotIn("check stopped", out)
+
+
+class CheckTlsTest(ServerCase):
+    """check against an HTTPS server with a self-signed certificate: one line without --ca-file, every
+    check with it."""
+
+    def setUp(self):
+        self.server_options = {"tls": sync.TlsFiles(os.path.join(TLS_DATA, "cert.pem"),
+                                                    os.path.join(TLS_DATA, "key.pem"))}
+        super().setUp()
+
+    def test_an_untrusted_certificate_is_one_line_that_names_ca_file(self):
+        code, out, err = run_check_command("--url", self.url, "--token", self.alice)
+        self.assertEqual((code, err), (1, ""))
+        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted: self[- ]signed certificate "
+                              r"\(for a self-signed certificate, give it with --ca-file\)\n$" % re.escape(self.url))
+
+    def test_an_http_url_for_it_is_one_line_that_names_https(self):
+        # Before, every check failed with the same "network error: Connection reset by peer".
+        url = self.url.replace("https://", "http://")
+        code, out, err = run_check_command("--url", url, "--token", self.alice)
+        self.assertEqual((code, err), (1, ""))  # nothing written: no notice
+        self.assertRegex(out, r"^check stopped: no HTTP answer from %s to a first request \(.+\): if it serves "
+                              r"HTTPS, give an https:// URL\n$" % re.escape(url))
+
+    def test_ca_file_trusts_it(self):
+        code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--ca-file",
+                                           os.path.join(TLS_DATA, "cert.pem"), "--memory", "--principal", "alice")
+        self.assertEqual(code, 0, out)
+        self.assertEqual(out, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"] + MEMORY_CHECKS))
+
+    def test_a_ca_file_that_is_not_a_certificate_or_a_plain_url_is_a_usage_error(self):
+        for argv, error in ((["--url", self.url, "--ca-file", README_PATH], "cannot use --ca-file %s: " % README_PATH),
+                            (["--url", "http://127.0.0.1:1", "--ca-file", README_PATH],
+                             "--ca-file goes with an https:// URL")):
+            code, out, err = run_check_command(*argv + ["--token", self.alice])
+            self.assertEqual((code, out), (2, ""))
+            self.assertTrue(err.startswith("oharness-sync: error: " + error), err)
+            self.assertEqual(len(err.splitlines()), 1, err)
 
 
 class CheckUsageTest(unittest.TestCase):
@@ -6982,8 +7371,8 @@ class BenchCommandTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, out_dir, True)
         json_path = os.path.join(out_dir, "bench.json")
         result = self.run_bench("--seconds", "0.1", "--clients", "2", "--polls", "20", "--catchup-records", "1200",
-                                "--notes", "300", "--big-records", "2000", "--json", json_path)
-        self.assertEqual(result.returncode, 0, result.stderr)
+                                "--notes", "300", "--big-records", "2000", "--json", json_path, "--no-fail")
+        self.assertEqual(result.returncode, 0, result.stderr)  # --no-fail: whatever such short phases reach
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
                        "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
                        "the same to a bare http.server, 1 client", "the same to a bare http.server, 2 clients",
@@ -6994,18 +7383,24 @@ class BenchCommandTest(unittest.TestCase):
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
         self.assertIn("2 client processes, 0.1 s a phase", result.stdout)
-        self.assertRegex(result.stdout, r"long-polls answered\s+20\.0 of 20")
-        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1\.0 in 0\.5 s")
+        self.assertRegex(result.stdout, r"long-polls answered\s+20 of 20")  # counts are integers
+        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1 in 0\.5 s")
         with open(json_path) as f:
             doc = json.load(f)
         self.assertEqual(len(doc["figures"]), 17)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
+        met = [figure["met"] for figure in doc["figures"] if figure["target"] is not None]
+        self.assertEqual(len(met), len(sync.BENCH_TARGETS))  # every target is judged when bench starts the server
+        self.assertEqual(doc["targets"], {"met": met.count(True), "judged": len(met)})
+        self.assertEqual(result.stdout.splitlines()[-1], "%d of %d targets met" % (met.count(True), len(met)))
+        self.assertEqual(result.stdout.count("  MISSED"), met.count(False))
 
     def test_a_running_server_is_measured_with_url_token_and_principal(self):
         server, token, data_dir = self.start_server("--memory-rate-limit", "0")
         result = self.run_bench("--url", server.url, "--token", token, "--principal", "alice", "--seconds", "0.1",
-                                "--clients", "1", "--polls", "2", "--catchup-records", "10", "--notes", "5")
+                                "--clients", "1", "--polls", "2", "--catchup-records", "10", "--notes", "5",
+                                "--no-fail")
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("%s, WRITES test data to that server" % server.url, result.stdout)
         for figure in ("health, 1 keep-alive clients", "this machine's disk: serial append+fsync",
@@ -7013,8 +7408,8 @@ class BenchCommandTest(unittest.TestCase):
                        "long-polls answered", "memory snapshot 'unchanged', 1 clients",
                        "memory snapshot, 5 notes, full have"):
             self.assertIn(figure, result.stdout)
-        for only_own in ("bare http.server", "server memory", "start-up"):  # nothing measured on its machine
-            self.assertNotIn(only_own, result.stdout)
+        for only_own in ("  the same to a bare http.server", "server memory", "start-up"):  # measured on its machine
+            self.assertEqual([line for line in result.stdout.splitlines() if line.startswith(only_own)], [])
         projects = os.listdir(os.path.join(data_dir, "memory", "u-alice"))
         self.assertEqual(len(projects), 1)
         self.assertRegex(projects[0], r"^p-bench-memory-[0-9a-f]{8}$")
@@ -7026,6 +7421,72 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(result.stderr, 'oharness-sync bench: stopped: a push request was answered 401, not 200: '
                                         '{"error": "unknown token"}\n')
         self.assertNotIn("1-record pushes", result.stdout)
+
+    def run_bench_with_targets(self, targets, *args):
+        """bench --url against a new server, in a process whose BENCH_TARGETS are these."""
+        server, token, _ = self.start_server("--memory-rate-limit", "0")
+        script = ("import sys; sys.path.insert(0, %r); import oharness_sync as m; m.BENCH_TARGETS.update(%r); "
+                  "sys.exit(m.main(sys.argv[1:]))" % (HERE, targets))
+        return subprocess.run([sys.executable, "-c", script, "bench", "--url", server.url, "--token", token,
+                               "--principal", "alice", "--seconds", "0.1", "--clients", "1", "--polls", "2",
+                               "--catchup-records", "10", "--notes", "5"] + list(args),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+
+    # Targets every run meets (ratios are never negative; no figure reaches 10^12), and one none meets.
+    MET_TARGETS = {name: ">= 0x" if target.split()[1].endswith("x") else "<= 1000000000000"
+                   for name, target in sync.BENCH_TARGETS.items()}
+    MISSED_CATCH_UP = dict(MET_TARGETS, **{"catch-up": ">= 1000000000000/s"})
+
+    def test_a_missed_target_is_marked_and_exits_1_unless_no_fail(self):
+        result = self.run_bench_with_targets(self.MISSED_CATCH_UP)
+        self.assertEqual((result.returncode, result.stderr), (1, ""))
+        lines = result.stdout.splitlines()
+        self.assertEqual([line for line in lines if "MISSED" in line],
+                         [line for line in lines if line.startswith("catch-up pull of 10 records")])
+        self.assertTrue(lines[[line.startswith("catch-up") for line in lines].index(True)].endswith(
+            "records/s   (target >= 1000000000000/s)  MISSED"), result.stdout)
+        # health cannot be judged with --url; push x2, catch-up, wake p99, own feed, snapshots x2 are
+        self.assertEqual(lines[-1], "6 of 7 targets met (1 more not judged: no reference)")
+        result = self.run_bench_with_targets(self.MISSED_CATCH_UP, "--no-fail")
+        self.assertEqual((result.returncode, result.stdout.splitlines()[-1]),
+                         (0, "6 of 7 targets met (1 more not judged: no reference)"))
+
+    def test_every_target_met_exits_0_and_url_says_what_has_no_reference(self):
+        result = self.run_bench_with_targets(self.MET_TARGETS)
+        self.assertEqual((result.returncode, result.stderr), (0, ""))
+        lines = result.stdout.splitlines()
+        self.assertNotIn("MISSED", result.stdout)
+        health = [line.startswith("health, 1 keep-alive clients") for line in lines].index(True)
+        self.assertTrue(lines[health].endswith("(target >= 0x: not judged, no reference)"), lines[health])
+        self.assertEqual(lines[health + 1], "  no reference with --url: a bare http.server started here would "
+                                            "measure this machine, not the server's")
+        self.assertEqual(lines[-2:], [
+            "not measured with --url: pushes to a bare http.server, the server's memory and its start-up (bench "
+            "would have to start the server on its own machine); the push ratios are against this machine's disk, "
+            "the server's only when bench runs on it", "7 of 7 targets met (1 more not judged: no reference)"])
+
+    def test_the_report_marks_misses_prints_counts_as_integers_and_sums_up(self):
+        out = io.StringIO()
+        report = sync.BenchReport(out)
+        report.add("long-polls answered", 20, "of 20")
+        report.add("a rate", 5.25, "/s", target=">= 10/s")
+        report.add("a ratio", 3.0, "/s", 2.0, "a reference", ">= 1.2x")
+        report.add("a ratio without its reference", 3.0, "/s", target=">= 1.2x")
+        report.add("polls answered", 1, "in 0.5 s", target="== 1 (its own)")
+        report.add("a wake p99 of nothing", float("nan"), "ms", target="<= 250 ms")
+        self.assertEqual(out.getvalue().splitlines(), [
+            "long-polls answered                                    20 of 20     ",
+            "a rate                                                5.2 /s          (target >= 10/s)  MISSED",
+            "a ratio                                               3.0 /s          vs a reference 2.0: 1.50x"
+            "  (target >= 1.2x)",
+            "a ratio without its reference                         3.0 /s          (target >= 1.2x: not judged, "
+            "no reference)",
+            "polls answered                                          1 in 0.5 s    (target == 1 (its own))",
+            "a wake p99 of nothing                                 nan ms          (target <= 250 ms)  MISSED"])
+        self.assertEqual((report.missed(), report.summary()), (2, "2 of 4 targets met (1 more not judged: no "
+                                                                  "reference)"))
+        with self.assertRaisesRegex(ValueError, "a bench target must be OP NUMBER"):
+            report.add("a target in words", 1.0, "/s", target="fast")
 
     def test_principal_goes_with_url_and_must_be_an_id(self):
         for args in (["--principal", "alice"], ["--url", "http://127.0.0.1:9", "--token", "t", "--principal", "a/b"]):
