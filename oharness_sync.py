@@ -38,8 +38,10 @@ import math
 import multiprocessing
 import queue
 import os
+import platform
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -3724,8 +3726,8 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self.busy = 0                          # requests being answered, for a graceful stop
         self._open = set()                     # the sockets of connections being served
         self._lock = threading.Lock()
+        self.watchdog = Watchdog(self.log)     # before binding: a failed bind calls server_close
         super().__init__(address, SyncRequestHandler)
-        self.watchdog = Watchdog(self.log)
 
     @property
     def url(self):
@@ -4306,7 +4308,6 @@ def fsck_command(argv):
 def fsck_remedies(check):
     """The exact commands that mend what check found, each on a line of its own: fsck --repair, and a cut
     of each feed the server refuses at its first damaged line (which nothing does by itself)."""
-    import shlex  # here, like platform in BenchReport.write_json: only these few lines use it
     lines = []
     if check.repairable:
         command = [sys.executable or "python3", os.path.abspath(__file__), "fsck", "--data", check.data_dir,
@@ -5469,7 +5470,6 @@ class BenchReport:
         print(text, file=self.out, flush=True)
 
     def write_json(self, path):
-        import platform
         judged = sum(1 for figure in self.figures if figure["met"] is not None)
         doc = {"version": __version__, "python": sys.version.split()[0], "machine": platform.machine(),
                "cpus": os.cpu_count(), "figures": self.figures,
