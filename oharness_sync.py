@@ -3086,13 +3086,14 @@ class Request:
     """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and the
     body, read only when asked for."""
 
-    def __init__(self, method, path, query, headers, read_body, client_gone=lambda: False):
+    def __init__(self, method, path, query, headers, read_body, client_gone=lambda: False, client=None):
         self.method = method
         self.path = path
         self.query = query
         self.headers = headers
         self.read_body = read_body      # read_body(limit, error) -> bytes; error(status, text) makes the exception
         self.client_gone = client_gone  # () -> True once the client has left (a parked pull stops waiting)
+        self.client = client            # the client's address (host), as the connection shows it
         self.principal = None           # for the access log, once a token was verified
 
     def param(self, name):
@@ -3594,7 +3595,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.body_pending = declares_body(headers)
         if not self.body_pending:
             self.server.watchdog.disarm(self.connection)
-        request = Request(self.command, path, query, headers, self.read_body, self.client_gone)
+        request = Request(self.command, path, query, headers, self.read_body, self.client_gone,
+                          self.client_address[0])
         self.body = None
         self.server.begin_request()
         try:
