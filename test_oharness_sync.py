@@ -208,6 +208,7 @@ class SubprocessServer:
         return self.process.stderr.readline().decode().rstrip("\n").split(" ", 1)[-1]
 
     def stop(self, signum=signal.SIGTERM, timeout=15):
+        """(exit code, stderr with each line's time stamp left out)."""
         if self.process.poll() is None:
             self.process.send_signal(signum)
         try:
@@ -215,7 +216,7 @@ class SubprocessServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             code = self.process.wait()
-        stderr = self.process.stderr.read().decode()
+        stderr = re.sub(r"(?m)^[0-9-]{10}T[0-9:]{8}Z ", "", self.process.stderr.read().decode())
         self.process.stdout.close()
         self.process.stderr.close()
         return code, stderr
@@ -4628,7 +4629,7 @@ class TlsCommandLineTest(unittest.TestCase):
             self.assertEqual(subject(https_health(server.url)[2]), "localhost renewed")
         finally:
             code, stderr = server.stop()
-        self.assertEqual((code, stderr), (0, ""))
+        self.assertEqual((code, stderr), (0, "stopped: 0 pushes made durable with 0 fsyncs\n"))
 
     def test_plain_http_on_a_public_address_warns(self):
         server = SubprocessServer(self.data_dir, "--host", "0.0.0.0")
@@ -6896,7 +6897,7 @@ class CommandLineTest(unittest.TestCase):
             self.assertEqual((pull(alice), pull(bob)), (200, 200))
         finally:
             code, stderr = server.stop()
-        self.assertEqual((code, stderr), (0, ""))  # nothing else was logged
+        self.assertEqual((code, stderr), (0, "stopped: 0 pushes made durable with 0 fsyncs\n"))  # nothing else
 
     def test_sigterm_answers_parked_polls_and_exits_0(self):
         token, _ = sync.TokenStore(self.data_dir).issue("alice")
@@ -6913,7 +6914,25 @@ class CommandLineTest(unittest.TestCase):
         self.assertLess(time.monotonic() - started, 5)
         self.assertEqual(results[0].status, 200)
         self.assertEqual(results[0].json, {"cursor": 0, "records": [], "sessions": [], "more": False})
-        self.assertNotIn("Traceback", stderr)
+        self.assertEqual(stderr, "stopped: 0 pushes made durable with 0 fsyncs\n")
+
+    def test_the_stop_line_counts_pushes_and_the_fsyncs_that_made_them_durable(self):
+        """Pushes held behind one fsync share the next one (group commit), and the stop line says so."""
+        token, _ = sync.TokenStore(self.data_dir).issue("alice")
+        server = SubprocessServer(self.data_dir)
+        body = lambda i: {"project": "p", "records": [record(record_id="r%d" % i)]}
+        self.assertEqual(http_request(server.url, "POST", "/v1/push", body(0), token).status, 200)  # 1 fsync
+        self.assertEqual(http_request(server.url, "POST", "/v1/push", body(0), token).status, 200)  # a duplicate
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(lambda i: http_request(server.url, "POST", "/v1/push", body(i), token).status,
+                                     range(1, 9)))
+        self.assertEqual(statuses, [200] * 8)
+        code, stderr = server.stop(signal.SIGTERM)
+        self.assertEqual(code, 0)
+        pushes, fsyncs = map(int, re.fullmatch(r"stopped: (\d+) pushes made durable with (\d+) fsyncs?\n",
+                                                stderr).groups())
+        self.assertEqual(pushes, 9)
+        self.assertTrue(2 <= fsyncs <= 9, fsyncs)
 
 
 # ---------------------------------------------------------------------------
@@ -7374,8 +7393,9 @@ class BenchCommandTest(unittest.TestCase):
                                 "--notes", "300", "--big-records", "2000", "--json", json_path, "--no-fail")
         self.assertEqual(result.returncode, 0, result.stderr)  # --no-fail: whatever such short phases reach
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
-                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs disk fsyncs",
-                       "the same to a bare http.server, 1 client", "the same to a bare http.server, 2 clients",
+                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs bare",
+                       "1-record pushes to a bare http.server, 1 client", "  the same, 2 clients",
+                       "  pushes per fsync, 2 clients",
                        "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
                        "long-polls answered", "server memory growth while parked",
                        "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'", "vs health in turns",
@@ -7387,7 +7407,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1 in 0\.5 s")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 17)
+        self.assertEqual(len(doc["figures"]), 18)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
         met = [figure["met"] for figure in doc["figures"] if figure["target"] is not None]
@@ -7404,7 +7424,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("%s, WRITES test data to that server" % server.url, result.stdout)
         for figure in ("health, 1 keep-alive clients", "this machine's disk: serial append+fsync",
-                       "1-record pushes, 1 client", "vs this machine's disk fsyncs", "catch-up pull of 10 records",
+                       "1-record pushes, 1 client", "catch-up pull of 10 records",
                        "long-polls answered", "memory snapshot 'unchanged', 1 clients",
                        "memory snapshot, 5 notes, full have"):
             self.assertIn(figure, result.stdout)
@@ -7445,11 +7465,11 @@ class BenchCommandTest(unittest.TestCase):
                          [line for line in lines if line.startswith("catch-up pull of 10 records")])
         self.assertTrue(lines[[line.startswith("catch-up") for line in lines].index(True)].endswith(
             "records/s   (target >= 1000000000000/s)  MISSED"), result.stdout)
-        # health cannot be judged with --url; push x2, catch-up, wake p99, own feed, snapshots x2 are
-        self.assertEqual(lines[-1], "6 of 7 targets met (1 more not judged: no reference)")
+        # health and pushes x2 cannot be judged with --url; catch-up, wake p99, own feed, snapshots x2 are
+        self.assertEqual(lines[-1], "4 of 5 targets met (3 more not judged: no reference)")
         result = self.run_bench_with_targets(self.MISSED_CATCH_UP, "--no-fail")
         self.assertEqual((result.returncode, result.stdout.splitlines()[-1]),
-                         (0, "6 of 7 targets met (1 more not judged: no reference)"))
+                         (0, "4 of 5 targets met (3 more not judged: no reference)"))
 
     def test_every_target_met_exits_0_and_url_says_what_has_no_reference(self):
         result = self.run_bench_with_targets(self.MET_TARGETS)
@@ -7461,9 +7481,9 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(lines[health + 1], "  no reference with --url: a bare http.server started here would "
                                             "measure this machine, not the server's")
         self.assertEqual(lines[-2:], [
-            "not measured with --url: pushes to a bare http.server, the server's memory and its start-up (bench "
-            "would have to start the server on its own machine); the push ratios are against this machine's disk, "
-            "the server's only when bench runs on it", "7 of 7 targets met (1 more not judged: no reference)"])
+            "not measured with --url: pushes to a bare http.server (so the push figures have no reference), pushes "
+            "per fsync, the server's memory and its start-up (bench would have to start the server on its own "
+            "machine)", "5 of 5 targets met (3 more not judged: no reference)"])
 
     def test_the_report_marks_misses_prints_counts_as_integers_and_sums_up(self):
         out = io.StringIO()
