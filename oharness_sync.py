@@ -102,7 +102,7 @@ LISTEN_BACKLOG = 512
 MAX_HEAD_BYTES = 65536              # the request line and every header line together
 SWEEP_SECONDS = 0.25                # how often the watchdog looks at the connections' deadlines
 LINGER_SECONDS = 2.0                # after a last answer, what the client still sends is dropped this long
-PARKED_CHECK_SECONDS = 1.0          # how often a parked pull looks whether its client has left
+PARKED_CHECK_SECONDS = 5.0          # how often a parked pull looks whether its client has left
 THREAD_STACK_BYTES = 512 * 1024     # small stacks for the connection threads (1,000 parked pulls on a 32-bit Pi)
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
 SIGNAL_POLL_SECONDS = 0.1           # how soon the main loop acts on a signal (SIGHUP, SIGTERM)
@@ -2043,14 +2043,17 @@ class Page:
 
 class _Batch:
     """One push's new lines, waiting for the group commit that makes them durable, and its outcome:
-    (cursor, accepted) once durable, or the StorageError that stopped it."""
-    __slots__ = ("lines", "keys", "undo_meta", "outcome")
+    (cursor, accepted) once durable, or the StorageError that stopped it. Its push waits on its own
+    Condition (of the feed's lock), so a flush wakes each push once: when its batch is settled, or when
+    it is to flush the next group."""
+    __slots__ = ("lines", "keys", "undo_meta", "outcome", "woken")
 
-    def __init__(self):
+    def __init__(self, lock):
         self.lines = []
         self.keys = []
         self.undo_meta = []
         self.outcome = None
+        self.woken = threading.Condition(lock)
 
 
 class Feed:
@@ -2061,14 +2064,14 @@ class Feed:
     feed share fsyncs (group commit): a push queues its lines; the push that finds
     no flush under way writes every queued line with one write and one fsync, and
     the others wait on a Condition for the flush that holds theirs. Long-polls wait
-    on another Condition of the same lock, notified when events become durable.
+    on the feed's Condition `grew`, of the same lock, notified when events become
+    durable.
     """
 
     def __init__(self, path, log):
         self.path = path
         self.log = log
         self.lock = threading.Lock()                 # guards everything below
-        self.flushed = threading.Condition(self.lock)  # a flush ended: waiting pushes look again
         self.grew = threading.Condition(self.lock)     # events became durable: parked pulls look again
         self._load_lock = threading.Lock()
         self._flushing = False                 # a push is writing and fsyncing queued batches
@@ -2155,7 +2158,7 @@ class Feed:
                 return self.count, 0
             while batch.outcome is None:
                 if self._flushing:
-                    self.flushed.wait()
+                    batch.woken.wait()
                 else:
                     self._flush()
         if isinstance(batch.outcome, Exception):
@@ -2164,7 +2167,7 @@ class Feed:
 
     def _queue(self, records, sessions):
         """Number the new events and queue them as a batch (lock held); None when nothing need wait."""
-        batch = _Batch()
+        batch = _Batch(self.lock)
         number = self.next_number
         for record in records:
             if record.key in self.keys:
@@ -2225,7 +2228,10 @@ class Feed:
             outcome = StorageError("storage failure: %s" % reason(failure))
             for queued in group:
                 queued.outcome = outcome
-        self.flushed.notify_all()
+        for queued in group:
+            queued.woken.notify()
+        if self.pending:
+            self.pending[0].woken.notify()  # queued meanwhile: its push flushes the next group
 
     def _undo(self, batches):
         """Forget queued batches whose write failed, newest first; they all answer 500."""
@@ -2266,6 +2272,9 @@ class Feed:
     def read(self, since, limit):
         """The Page of at most limit events after cursor since."""
         self.ensure_loaded()
+        last = self._last_page  # without the lock: a thousand long-polls woken by one push ask for it at once
+        if last is not None and last[0] == (since, limit, self.count):
+            return last[1]  # (a page is built for one count, and never changes)
         with self.lock:
             count = self.count
             if since >= count:
