@@ -31,6 +31,7 @@ import base64
 import errno
 import hashlib
 import hmac
+import html
 import http.client
 import http.server
 import json
@@ -3083,14 +3084,16 @@ class DataDirCheck:
 # keeps the time limits by shutting late sockets down.
 
 class Response:
-    """An answer: status, JSON body bytes, extra headers, and whether to close the connection."""
-    __slots__ = ("status", "body", "headers", "close")
+    """An answer: status, body bytes (JSON unless content_type says otherwise), extra headers, and
+    whether to close the connection."""
+    __slots__ = ("status", "body", "headers", "close", "content_type")
 
-    def __init__(self, status, body, headers=(), close=False):
+    def __init__(self, status, body, headers=(), close=False, content_type="application/json"):
         self.status = status
         self.body = body
         self.headers = list(headers)
         self.close = close
+        self.content_type = content_type
 
 
 def json_response(status, value, headers=()):
@@ -3105,7 +3108,8 @@ class Request:
     """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and the
     body, read only when asked for."""
 
-    def __init__(self, method, path, query, headers, read_body, client_gone=lambda: False, client=None):
+    def __init__(self, method, path, query, headers, read_body, client_gone=lambda: False, client=None,
+                 tls=False):
         self.method = method
         self.path = path
         self.query = query
@@ -3113,6 +3117,7 @@ class Request:
         self.read_body = read_body      # read_body(limit, error) -> bytes; error(status, text) makes the exception
         self.client_gone = client_gone  # () -> True once the client has left (a parked pull stops waiting)
         self.client = client            # the client's address (host), as the connection shows it
+        self.tls = tls                  # whether it came over HTTPS (to this server: a proxy's is not seen)
         self.principal = None           # for the access log, once a token was verified
 
     def param(self, name):
@@ -3127,6 +3132,37 @@ class Request:
 
 def session_error(status, text):
     return ApiError(status, text)
+
+
+FRONT_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>oharness-sync</title>
+<style>body{font-family:system-ui,sans-serif;max-width:42em;margin:2em auto;padding:0 1em;line-height:1.5}
+pre,code{background:#f3f3f3}pre{padding:.8em;overflow:auto}</style>
+</head>
+<body>
+<h1>oharness-sync</h1>
+<p>This is an <strong>OHarness sync server</strong>, and it is up: oharness-sync %(version)s, sync protocol v1.
+Its health answer is at <a href="/v1/health">/v1/health</a>.</p>
+<h2>Point an OHarness client at it</h2>
+<p>Put this in your <em>user</em> configuration, <code>~/.oharness/config.json</code>, with a token from this
+server's operator (<code>python3 oharness_sync.py token issue --data DIR --principal YOU</code>), then restart
+OHarness:</p>
+<pre>{
+  "sync": {
+    "url": "%(url)s",
+    "token": "ohs_..."
+  }
+}</pre>
+<p>OHarness accepts plain <code>http://</code> only for localhost; behind a TLS proxy, use the proxy's
+<code>https://</code> address. Session transcripts and memory notes are shown to nobody here: every other
+route needs a token.</p>
+</body>
+</html>
+"""
 
 
 def memory_body_error(status, text):
@@ -3148,6 +3184,7 @@ class SyncApp:
         self._checked_snapshots = {}      # (principal, body) -> MemoryRequest, for small snapshot bodies
 
     ROUTES = {
+        "/": {"GET": "front_page"},
         "/v1/health": {"GET": "health"},
         "/v1/projects": {"GET": "projects"},
         "/v1/push": {"POST": "push"},
@@ -3162,12 +3199,13 @@ class SyncApp:
         methods = self.ROUTES.get(request.path)
         if methods is None:
             return json_response(404, {"error": "unknown route"})
-        handler = methods.get(request.method)
+        handler = methods.get("GET" if request.method == "HEAD" else request.method)  # HEAD: GET less the body
         if handler is None:
             body = {"error": "method not allowed"}
             if request.path.startswith("/v1/memory/"):
                 body["code"] = "method_not_allowed"
-            return json_response(405, body, [("Allow", ", ".join(sorted(methods)))])
+            allowed = sorted(list(methods) + ["HEAD"] if "GET" in methods else methods)
+            return json_response(405, body, [("Allow", ", ".join(allowed))])
         try:
             return getattr(self, handler)(request)
         except (ApiError, MemoryApiError, FeedDamaged, StorageError) as exc:
@@ -3206,6 +3244,16 @@ class SyncApp:
 
     def health(self, request):
         return Response(200, b'{"ok":true}')
+
+    def front_page(self, request):
+        """A page for a person who types the server's address into a browser: what this is and how to
+        point a client at it. Nothing of any tenant, and nothing to run."""
+        scheme = "https" if request.tls else "http"
+        url = html.escape("%s://%s" % (scheme, request.headers.get("host") or "HOST"), quote=True)
+        page = FRONT_PAGE % {"version": __version__, "url": url}
+        return Response(200, page.encode("utf-8"), [
+            ("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'"),
+            ("X-Content-Type-Options", "nosniff")], content_type="text/html; charset=utf-8")
 
     def projects(self, request):
         identity = self.session_identity(request)
@@ -3425,8 +3473,9 @@ def render(response, method, close):
     extra = "".join("%s: %s\r\n" % header for header in response.headers)
     if close:
         extra += "Connection: close\r\n"
-    head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
-        response.status, _REASONS.get(response.status, b"Unknown"), len(response.body), extra.encode("latin-1"))
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n" % (
+        response.status, _REASONS.get(response.status, b"Unknown"), response.content_type.encode("latin-1"),
+        len(response.body), extra.encode("latin-1"))
     return head if method == "HEAD" else head + response.body
 
 
@@ -3615,7 +3664,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         if not self.body_pending:
             self.server.watchdog.disarm(self.connection)
         request = Request(self.command, path, query, headers, self.read_body, self.client_gone,
-                          self.client_address[0])
+                          self.client_address[0], self.server.tls is not None)
         self.body = None
         self.server.begin_request()
         try:

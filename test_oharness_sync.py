@@ -74,7 +74,8 @@ class Answer:
         self.status = status
         self.headers = headers
         self.raw = raw
-        self.json = json.loads(raw.decode("utf-8")) if raw else None
+        json_body = raw and headers.get("content-type", "application/json") == "application/json"
+        self.json = json.loads(raw.decode("utf-8")) if json_body else None
 
     def __repr__(self):
         return "Answer(%d, %r)" % (self.status, self.raw[:200])
@@ -3962,16 +3963,21 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         return conn
 
     def test_unknown_route_is_404(self):
-        for method, path in (("GET", "/"), ("GET", "/v1"), ("GET", "/v1/nope"), ("GET", "/v1/health/"),
+        for method, path in (("GET", "/index.html"), ("GET", "/v1"), ("GET", "/v1/nope"), ("GET", "/v1/health/"),
                              ("GET", "/v1/HEALTH"), ("GET", "/v2/health"), ("POST", "/v1/pushes"),
                              ("GET", "/v1/pull/x?project=proj")):
             with self.subTest(method=method, path=path):
                 self.assertError(self.request(method, path, token=self.alice), 404)
 
+    @staticmethod
+    def allowed(right):
+        """The methods a route allows: HEAD too where GET is."""
+        return {right, "HEAD"} if right == "GET" else {right}
+
     def test_wrong_method_on_a_known_route_is_405_with_allow(self):
         for path, right in self.ROUTES.items():
             for method in self.METHODS:
-                if method == right:
+                if method in self.allowed(right):
                     continue
                 with self.subTest(path=path, method=method):
                     conn = self.connection()
@@ -3983,7 +3989,7 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
                     self.assertEqual(headers.get("content-type"), "application/json")
                     self.assertIn("content-length", headers)
                     allowed = {name.strip() for name in headers.get("allow", "").split(",")}
-                    self.assertEqual(allowed, {right})
+                    self.assertEqual(allowed, self.allowed(right))
                     if method == "HEAD":
                         self.assertEqual(raw, b"")
                         self.assertHeadHasNoBody(path)
@@ -4015,7 +4021,7 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
                     answer = self.request(method, path, token=self.alice)
                     self.assertError(answer, 405)
                     self.assertEqual({name.strip() for name in answer.headers.get("allow", "").split(",")},
-                                     {right})
+                                     self.allowed(right))
 
     def test_every_answer_is_json_with_a_content_length(self):
         other = self.issue("carol")
@@ -4119,6 +4125,56 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
 
     def test_slow_headers_are_disconnected(self):
         self.assertDisconnected(b"GET /v1/health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 100)
+
+
+class FrontPageTest(ServerCase):
+    """GET / is a small page for a person with a browser: what this is, and how to point a client at it."""
+
+    def test_the_front_page_is_html_with_the_version_the_protocol_and_a_client_config(self):
+        self.assertAnswer(self.push(self.alice, "secret-project", [record()], [meta()]), 200)
+        answer = self.request("GET", "/", headers={"Host": "sync.example.com:8787"})
+        self.assertEqual(answer.status, 200)
+        self.assertEqual(answer.headers["content-type"], "text/html; charset=utf-8")
+        self.assertEqual(answer.headers["content-security-policy"], "default-src 'none'; style-src 'unsafe-inline'")
+        self.assertEqual(answer.headers["x-content-type-options"], "nosniff")
+        self.assertEqual(int(answer.headers["content-length"]), len(answer.raw))
+        page = answer.raw.decode("utf-8")
+        self.assertTrue(page.startswith("<!DOCTYPE html>"))
+        self.assertIn("oharness-sync %s, sync protocol v1" % sync.__version__, page)
+        self.assertIn('<a href="/v1/health">/v1/health</a>', page)
+        self.assertIn('"url": "http://sync.example.com:8787"', page)
+        self.assertNotIn("<script", page.lower())
+        for private in ("alice", "bob", "platform", "secret-project", self.alice, self.bob, "s1"):
+            self.assertNotIn(private, page)
+
+    def test_a_host_header_is_escaped_in_the_page(self):
+        answer = self.request("GET", "/", headers={"Host": '"><script>alert(1)</script>'})
+        page = answer.raw.decode("utf-8")
+        self.assertNotIn("<script>", page)
+        self.assertIn('"url": "http://&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;"', page)
+
+    def test_head_answers_the_heads_of_get_without_a_body(self):
+        for path, content_type in (("/", "text/html; charset=utf-8"), ("/v1/health", "application/json")):
+            with self.subTest(path=path), open_raw(self.url) as sock:
+                sock.sendall(b"HEAD %s HTTP/1.1\r\nHost: t\r\n\r\nGET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n"
+                             % path.encode())
+                reader = sock.makefile("rb")
+                head = []
+                while True:
+                    line = reader.readline()
+                    if line == b"\r\n":
+                        break
+                    head.append(line.decode("latin-1").strip())
+                self.assertEqual(head[0], "HTTP/1.1 200 OK")
+                self.assertIn("Content-Type: %s" % content_type, head)
+                get = http_request(self.url, "GET", path, headers={"Host": "t"})
+                self.assertIn("Content-Length: %d" % len(get.raw), head)
+                self.assertEqual(reader.readline(), b"HTTP/1.1 200 OK\r\n")  # no body came between
+
+    def test_a_favicon_is_a_quiet_404(self):
+        answer = self.request("GET", "/favicon.ico")
+        self.assertAnswer(answer, 404, {"error": "unknown route"})
+        self.assertEqual(self.log_lines, ["GET /favicon.ico 404 %s -" % self.log_lines[0].split()[3]])  # access only
 
 
 class IdleLimitTest(SessionWireMixin, ServerCase):
