@@ -4127,6 +4127,100 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         self.assertDisconnected(b"GET /v1/health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 100)
 
 
+class HostileHeadTest(SessionWireMixin, ServerCase):
+    """RFC 9112's stricter rules on top of http.server: only SP and HTAB as whitespace, no control bytes,
+    one framing of a body, Connection tokens matched whole, and every refused head logged, escaped."""
+
+    def refused(self, data, status=400):
+        """data's answer: status, JSON, Connection: close, then closed; nothing stored."""
+        with open_raw(self.url) as sock:
+            sock.sendall(data)
+            answer = read_raw_answer(sock)
+            self.assertRawError(*answer, status)
+            self.assertEqual(answer[1].get("connection"), "close")
+            self.assertTrue(server_closed(sock, 5), "the server kept the connection open")
+        return json.loads(answer[2])["error"]
+
+    def test_whitespace_other_than_sp_and_htab_and_control_bytes_are_400(self):
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        auth = b"Authorization: Bearer " + self.alice.encode() + b"\r\n"
+        cases = [
+            (b"GET\xa0/v1/health\xa0HTTP/1.1\r\nHost: t\r\n\r\n", "bad request line"),
+            (b"GET  /v1/health HTTP/1.1\r\nHost: t\r\n\r\n", "bad request line"),
+            (b"GET /v1/health HTTP/1.1\x0b\r\nHost: t\r\n\r\n", "bad request line"),
+            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth + b"Transfer-Encoding: chunked\x0b\r\n\r\n"
+             b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body), "malformed header line"),
+            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth + b"Content-Length: \xa0%d\r\n\r\n%s"
+             % (len(body), body), "bad Content-Length"),
+            (b"GET /v1/health HTTP/1.1\r\nHost: t\r\nX-Nul: a\x00b\r\n\r\n", "malformed header line"),
+            (b"GET /v1/health HTTP/1.1\r\nHost: t\r\nX-Cr: a\rb\r\n\r\n", "malformed header line"),
+            (b"GET /v1/health HTTP/1.1\r\nHost: t\r\nX-Fs: \x1c\r\n\r\n", "malformed header line"),
+            (b"GET /v1/health HTTP/1.1\r\nHost: t\r\n Folded: x\r\n\r\n", "malformed header line"),
+            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth + b"Transfer-Encoding: chunked\r\n\r\n"
+             b"%x\n%s\r\n0\r\n\r\n" % (len(body), body), "bad chunk size"),
+            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth + b"Content-Length: 5\r\nContent-Length: 5\r\n\r\n"
+             b"12345", "bad Content-Length"),
+        ]
+        for data, error in cases:
+            with self.subTest(data=data[:60]):
+                self.assertEqual(self.refused(data), error)
+        self.assertNothingStored()
+
+    def test_a_head_over_64_kib_in_all_is_431_and_the_request_line_over_64_kib_is_414(self):
+        lines = b"".join(b"X-Pad%d: %s\r\n" % (i, b"p" * 1000) for i in range(70))  # 70 KiB, each line short
+        self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\n" + lines + b"\r\n", 431),
+                         "request head larger than 65536 bytes or 100 header lines")
+        self.assertEqual(self.refused(b"GET /" + b"a" * 65536 + b" HTTP/1.1\r\n\r\n", 414),
+                         "request line too long")
+        self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\n" + b"X: a\r\n" * 101 + b"\r\n", 431),
+                         "request head larger than 65536 bytes or 100 header lines")
+        with open_raw(self.url) as sock:  # 100 lines and 64 KiB less a little: still a request
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\n" + b"X: a\r\n" * 99 + b"\r\n")
+            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+
+    def test_http_1_0_with_a_chunked_body_closes_after_its_answer(self):
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        with open_raw(self.url) as sock:
+            sock.sendall(b"POST /v1/push HTTP/1.0\r\nConnection: keep-alive\r\nAuthorization: Bearer "
+                         + self.alice.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                         % (len(body), body))
+            status, headers, answer = read_raw_answer(sock)
+            self.assertEqual((status, answer, headers.get("connection")), (200, b'{"cursor":1,"accepted":1}', "close"))
+            self.assertTrue(server_closed(sock, 5))
+
+    def test_connection_tokens_are_matched_whole(self):
+        with open_raw(self.url) as sock:
+            for connection in (b"notclose", b"keep-alive, upgrade", b"Close"):
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\nConnection: %s\r\n\r\n" % connection)
+                status, headers, _ = read_raw_answer(sock)
+                self.assertEqual((status, headers.get("connection")), (200, "close" if connection == b"Close" else None))
+            self.assertTrue(server_closed(sock, 5))
+        with open_raw(self.url) as sock:  # HTTP/1.0 keeps the connection only when asked, by a whole token
+            sock.sendall(b"GET /v1/health HTTP/1.0\r\nConnection: keep-alive-ish\r\n\r\n")
+            self.assertEqual(read_raw_answer(sock)[1].get("connection"), "close")
+            self.assertTrue(server_closed(sock, 5))
+
+    def test_log_lines_escape_control_bytes_and_every_refused_head_is_logged_once(self):
+        with open_raw(self.url) as sock:
+            sock.sendall(b"GET /\x1b[2J HTTP/1.1\r\nHost: t\r\n\r\n")
+            self.assertEqual(read_raw_answer(sock)[0], 400)
+        self.refused(b"GET /v1/health HTTP/1.1\r\nX: \x07\r\n\r\n")
+        self.assertEqual(self.log_lines, [
+            "refused a malformed request (400 bad request line): GET /\\x1b[2J HTTP/1.1",
+            "refused a malformed request (400 malformed header line): GET /v1/health HTTP/1.1"])
+        self.log_lines.clear()
+        # A request that passes the checks but has a path of bytes beyond ASCII: the access line escapes them.
+        self.request("GET", "/v1/caf%C3%A9")
+        http_request(self.url, "GET", "/v1/health")
+        with open_raw(self.url) as sock:
+            sock.sendall("GET /v1/caf\u00e9 HTTP/1.1\r\nHost: t\r\n\r\n".encode("utf-8"))
+            self.assertEqual(read_raw_answer(sock)[0], 400)
+        self.assertEqual([line.rsplit(" ", 2)[0] for line in self.log_lines[:2]],
+                         ["GET /v1/caf%C3%A9 404", "GET /v1/health 200"])
+        self.assertEqual(self.log_lines[2], "refused a malformed request (400 bad request line): GET /v1/caf\\xc3\\xa9 "
+                                            "HTTP/1.1")
+
+
 class FrontPageTest(ServerCase):
     """GET / is a small page for a person with a browser: what this is, and how to point a client at it."""
 
