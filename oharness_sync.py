@@ -182,7 +182,7 @@ class MemoryApiError(Exception):
 
 class AuthError(Exception):
     """The bearer token is missing, malformed, unknown, expired or badly signed (answers 401).
-    lasting=False: the same token may pass later (it is not valid yet, or its key may be published yet),
+    lasting=False: the same token may pass later (it is not valid yet, or its key may yet be published),
     so the refusal is not remembered."""
 
     def __init__(self, text, lasting=True):
@@ -198,7 +198,7 @@ class AuthThrottled(Exception):
     """Too many tokens from this client failed verification lately: a new one is not checked (answers 429)."""
 
     def __init__(self, retry_after):
-        super().__init__("too many tokens from this address failed verification lately")
+        super().__init__("too many tokens from this client failed verification lately")
         self.retry_after = retry_after  # whole seconds until the next one is checked
 
 
@@ -1727,8 +1727,8 @@ class GuardedVerifier:
     A JWT's signature is checked in pure Python under the GIL (ES256: 2.5 ms) and a Supabase token costs a
     request to the service: unbounded, a few connections sending forged tokens slow every answer of the
     server. A token verified lately still passes when its client is throttled (a good client behind the
-    same NAT as a broken one). Local tokens never come here: they cost a hash, and one issued a second ago
-    must not be refused as remembered.
+    same NAT as a broken one). Local tokens never come here: they cost a hash lookup, and one refused
+    before it was issued must pass once it is.
     """
 
     def __init__(self, verifier, failures):
