@@ -131,6 +131,10 @@ JWKS_MAX_AGE = 600             # a JWKS URL is refreshed on use once its keys ar
 JWKS_FILE_CHECK_INTERVAL = 1   # a JWKS file's mtime is looked at this often at most (and for an unknown kid)
 JWKS_UNKNOWN_KIDS = 1024       # unknown kids remembered with the fetch they were first asked for after
 MAX_RESPONSE_BYTES = 1 << 20   # largest JWKS or user answer read from the network
+FAILED_TOKEN_SECONDS = 600     # a JWT or Supabase token refused once is refused again, unchecked, this long
+FAILED_TOKENS = 10000          # ... this many of them (least recently used dropped)
+FAILED_CHECKS_PER_MINUTE = 20  # JWT or Supabase tokens that may fail verification per client address, sustained,
+FAILED_CHECKS_BURST = 10       # ... and in a burst; past it a new token is refused unchecked (429)
 
 
 # ---------------------------------------------------------------------------
@@ -178,11 +182,25 @@ class MemoryApiError(Exception):
 
 
 class AuthError(Exception):
-    """The bearer token is missing, malformed, unknown, expired or badly signed (answers 401)."""
+    """The bearer token is missing, malformed, unknown, expired or badly signed (answers 401).
+    lasting=False: the same token may pass later (it is not valid yet, or its key may yet be published),
+    so the refusal is not remembered."""
+
+    def __init__(self, text, lasting=True):
+        super().__init__(text)
+        self.lasting = lasting
 
 
 class AuthUnavailable(Exception):
     """The identity service could not be asked (answers 502 auth_unavailable)."""
+
+
+class AuthThrottled(Exception):
+    """Too many tokens from this client failed verification lately: a new one is not checked (answers 429)."""
+
+    def __init__(self, retry_after):
+        super().__init__("too many tokens from this client failed verification lately")
+        self.retry_after = retry_after  # whole seconds until the next one is checked
 
 
 class StorageError(Exception):
@@ -588,6 +606,16 @@ class RateLimiter:
                 return 0
             self._buckets[key] = (tokens, now)
             return max(1, math.ceil((1 - tokens) / self.rate))
+
+    def give_back(self, key):
+        """Return the token key took last: what it was taken for is not to be counted after all."""
+        if self.rate <= 0:
+            return
+        with self._lock:
+            entry = self._buckets.get(key)
+            if entry is not None:  # else forgotten meanwhile, as full
+                tokens, then = entry
+                self._buckets[key] = (min(self.burst, tokens + 1), then)
 
     def _forget_full(self, now):
         """Drop buckets that have refilled: they hold nothing a new bucket would not."""
@@ -1372,7 +1400,7 @@ class JwksSource:
             raise AuthUnavailable("its key is not among the signing keys fetched less than %d s ago" %
                                   JWKS_REFETCH_INTERVAL)
         if key is None:
-            raise AuthError("no signing key for this token")
+            raise AuthError("no signing key for this token", lasting=False)
         if key.token_alg != alg or (key.alg is not None and key.alg != alg):
             raise AuthError("token alg does not match its key")
         return key
@@ -1464,7 +1492,8 @@ def read_secret_file(path):
 # ---- verified-token cache ---------------------------------------------------
 
 class TokenCache:
-    """SHA-256 of a token -> (Identity, expires_at), least recently used dropped first."""
+    """SHA-256 of a token -> (value, expires_at), least recently used dropped first. The value is the
+    Identity of a verified token, or the refusal of a failed one (GuardedVerifier)."""
 
     def __init__(self, max_entries=TOKEN_CACHE_SIZE):
         self.max_entries = max_entries
@@ -1476,23 +1505,23 @@ class TokenCache:
         return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
     def get(self, token, now):
-        """The cached Identity, or None if absent or expired at `now`."""
+        """The cached value, or None if absent or expired at `now`."""
         digest = self.digest(token)
         with self._lock:
             entry = self._entries.get(digest)
             if entry is None:
                 return None
-            identity, expires_at = entry
+            value, expires_at = entry
             if now >= expires_at:
                 del self._entries[digest]
                 return None
             self._entries.move_to_end(digest)
-            return identity
+            return value
 
-    def put(self, token, identity, expires_at):
+    def put(self, token, value, expires_at):
         digest = self.digest(token)
         with self._lock:
-            self._entries[digest] = (identity, expires_at)
+            self._entries[digest] = (value, expires_at)
             self._entries.move_to_end(digest)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
@@ -1542,14 +1571,18 @@ class JwtVerifier:
         self.clock = clock
         self.cache = TokenCache()
 
+    def cached(self, token):
+        """The Identity of a token verified lately (no signature math), or None."""
+        return self.cache.get(token, self.clock())
+
     def verify(self, token):
         """The Identity a token speaks for; AuthError if it is not a valid token now."""
         if not isinstance(token, str) or not token:
             raise AuthError("missing bearer token")
-        now = self.clock()
-        identity = self.cache.get(token, now)
+        identity = self.cached(token)
         if identity is not None:
             return identity
+        now = self.clock()
         header, payload, signing_input, signature = decode_jwt(token)
         self._check_signature(header, signing_input, signature)
         identity, expires_at = self._check_claims(payload, now)
@@ -1583,7 +1616,7 @@ class JwtVerifier:
         if exp is not None and now >= exp + LEEWAY_SECONDS:
             raise AuthError("token expired")
         if nbf is not None and now + LEEWAY_SECONDS < nbf:
-            raise AuthError("token not yet valid")
+            raise AuthError("token not yet valid", lasting=False)
         if self.issuer is not None and payload.get("iss") != self.issuer:
             raise AuthError("token issuer not accepted")
         if self.audience is not None and not _audience_matches(payload.get("aud"), self.audience):
@@ -1637,13 +1670,17 @@ class SupabaseVerifier:
             raise AuthError("missing bearer token")
         if len(token) > MAX_TOKEN_LENGTH or _TOKEN_CHARACTERS.fullmatch(token) is None:
             raise AuthError("malformed bearer token")
-        now = self.clock()
-        identity = self.cache.get(token, now)
+        identity = self.cached(token)
         if identity is not None:
             return identity
+        now = self.clock()
         identity = self._identity_from(self._ask(token))
         self.cache.put(token, identity, now + SUPABASE_CACHE_SECONDS)
         return identity
+
+    def cached(self, token):
+        """The Identity the service gave for a token lately (no request), or None."""
+        return self.cache.get(token, self.clock())
 
     def _ask(self, token):
         """The body of a 200 answer; AuthError on 401/403, AuthUnavailable otherwise."""
@@ -1681,6 +1718,53 @@ class SupabaseVerifier:
         return Identity(user["id"])
 
 
+# ---- forged tokens ------------------------------------------------------------
+
+class GuardedVerifier:
+    """A JWT or Supabase verifier behind two guards, so that forged tokens stay cheap: a token it refused
+    lately is refused again at once, and a client whose tokens failed too often lately has no new token
+    checked (AuthThrottled) until its bucket in `failures` (a RateLimiter shared by the verifiers) refills.
+
+    A JWT's signature is checked in pure Python under the GIL (ES256: 2.5 ms) and a Supabase token costs a
+    request to the service: unbounded, a few connections sending forged tokens slow every answer of the
+    server. A token verified lately still passes when its client is throttled (a good client behind the
+    same NAT as a broken one). Local tokens never come here: they cost a hash lookup, and one refused
+    before it was issued must pass once it is.
+    """
+
+    def __init__(self, verifier, failures):
+        self.verifier = verifier
+        self.failures = failures
+        self.refused = TokenCache(FAILED_TOKENS)   # token digest -> the text of its refusal
+
+    def verify(self, token, client=None):
+        """The verifier's Identity for token; client is an opaque key (None: no bound per client)."""
+        identity = self.verifier.cached(token)
+        if identity is not None:
+            return identity
+        now = self.failures.clock()
+        refusal = self.refused.get(token, now)
+        if refusal is not None:
+            raise AuthError(refusal)
+        if client is not None:
+            # Taken before the check, so that concurrent requests cannot overdraw the bucket; given back
+            # unless the token fails.
+            wait = self.failures.retry_after(client)
+            if wait:
+                raise AuthThrottled(wait)
+        failed = False
+        try:
+            return self.verifier.verify(token)
+        except AuthError as exc:
+            failed = True
+            if exc.lasting:
+                self.refused.put(token, str(exc), now + FAILED_TOKEN_SECONDS)
+            raise
+        finally:
+            if client is not None and not failed:  # verified, or cannot be checked now (AuthUnavailable)
+                self.failures.give_back(client)
+
+
 class AuthNotConfigured(Exception):
     """Memory sync has no identity verifier (--memory-auth off)."""
 
@@ -1692,35 +1776,41 @@ class Authenticator:
     go to the JWT verifier when one is configured. Memory sync (`memory_mode`):
     "local" accepts the same tokens but refuses anonymous JWTs, "supabase" asks
     a Supabase-compatible auth service, "off" refuses every memory request.
+    JWTs and Supabase tokens are checked behind a GuardedVerifier; `failures` counts
+    their failed checks per client (default: FAILED_CHECKS_PER_MINUTE, FAILED_CHECKS_BURST).
     """
 
-    def __init__(self, local, jwt=None, memory_mode="local", supabase=None):
+    def __init__(self, local, jwt=None, memory_mode="local", supabase=None, failures=None):
         self.local = local
         self.jwt = jwt
         self.memory_mode = memory_mode
         self.supabase = supabase
+        self.failures = failures or RateLimiter(FAILED_CHECKS_PER_MINUTE, FAILED_CHECKS_BURST)
+        self._guarded_jwt = GuardedVerifier(jwt, self.failures) if jwt is not None else None
+        self._guarded_supabase = GuardedVerifier(supabase, self.failures) if supabase is not None else None
 
-    def identify(self, header):
-        """The Identity for an Authorization header; AuthError for any unusable token."""
-        return self._session_identity(bearer_token(header))
+    def identify(self, header, client=None):
+        """The Identity for an Authorization header; AuthError for any unusable token, AuthThrottled when
+        too many tokens from client (an opaque key, such as an address) failed lately."""
+        return self._session_identity(bearer_token(header), client)
 
-    def _session_identity(self, token):
+    def _session_identity(self, token, client):
         if token.startswith(LOCAL_TOKEN_PREFIX):
             return self.local.verify(token)
-        if self.jwt is not None and token.count(".") == 2:
-            return self.jwt.verify(token)
+        if self._guarded_jwt is not None and token.count(".") == 2:
+            return self._guarded_jwt.verify(token, client)
         raise AuthError("unknown token")
 
-    def identify_for_memory(self, header):
-        """The Identity for memory sync; AuthError, AuthUnavailable or AuthNotConfigured."""
+    def identify_for_memory(self, header, client=None):
+        """The Identity for memory sync; AuthError, AuthUnavailable, AuthThrottled or AuthNotConfigured."""
         token = bearer_token(header)
         if self.memory_mode == "off":
             raise AuthNotConfigured("memory sync is turned off on this server")
         if self.memory_mode == "supabase":
             if token.startswith(LOCAL_TOKEN_PREFIX):  # never hand one of our tokens to another service
                 raise AuthError("memory sync here needs an account token, not a local token")
-            return self.supabase.verify(token)
-        identity = self._session_identity(token)
+            return self._guarded_supabase.verify(token, client)
+        identity = self._session_identity(token, client)
         if identity.anonymous:
             raise AuthError("anonymous accounts cannot use memory sync")
         return identity
@@ -3169,6 +3259,11 @@ def memory_body_error(status, text):
     return MemoryApiError(status, "memory_quota_exceeded" if status == 413 else "invalid_body", text)
 
 
+def retry_after(seconds):
+    """The header of an answer that says when to try again."""
+    return [("Retry-After", str(seconds))]
+
+
 class SyncApp:
     """The protocol: routes to thin handlers that parse, call storage and answer."""
 
@@ -3225,11 +3320,13 @@ class SyncApp:
 
     def session_identity(self, request):
         try:
-            identity = self.auth.identify(request.headers.get("authorization"))
+            identity = self.auth.identify(request.headers.get("authorization"), request.client)
         except AuthError as exc:
             raise ApiError(401, str(exc), [("WWW-Authenticate", "Bearer")]) from None
         except AuthUnavailable as exc:
             raise ApiError(503, "cannot check this token now (%s); try again later" % exc) from None
+        except AuthThrottled as exc:
+            raise ApiError(429, "%s; try again later" % exc, retry_after(exc.retry_after)) from None
         request.principal = identity.principal
         return identity
 
@@ -3329,13 +3426,15 @@ class SyncApp:
                 content_type or "").split(";", 1)[0].strip().lower() != "application/json":
             raise MemoryApiError(415, "json_required", "Content-Type must be application/json")
         try:
-            identity = self.auth.identify_for_memory(request.headers.get("authorization"))
+            identity = self.auth.identify_for_memory(request.headers.get("authorization"), request.client)
         except AuthError as exc:
             raise MemoryApiError(401, "sign_in_required", str(exc), [("WWW-Authenticate", "Bearer")]) from None
         except AuthNotConfigured as exc:
             raise MemoryApiError(503, "auth_not_configured", str(exc)) from None
         except AuthUnavailable as exc:
             raise MemoryApiError(502, "auth_unavailable", str(exc)) from None
+        except AuthThrottled as exc:
+            raise MemoryApiError(429, "rate_limited", str(exc), retry_after(exc.retry_after)) from None
         request.principal = identity.principal
         body = request.read_body(MAX_MEMORY_BODY, memory_body_error)
         # A client polling for changes sends the same small snapshot body again and again: its checked
@@ -3350,7 +3449,7 @@ class SyncApp:
             check_memory_envelope(kind, doc, identity.principal)
         wait = self.rate_limiter.retry_after(identity.principal)
         if wait:
-            raise MemoryApiError(429, "rate_limited", "too many memory requests", [("Retry-After", str(wait))])
+            raise MemoryApiError(429, "rate_limited", "too many memory requests", retry_after(wait))
         if fields is None:
             fields = memory_fields(kind, doc, self.memory.quota)
             if remembered:

@@ -1938,6 +1938,263 @@ class SupabaseVerifierTest(unittest.TestCase):
 
 
 # ---------------------------------------------------------------------------
+# Forged tokens: refusals remembered, failed checks bounded per client
+# ---------------------------------------------------------------------------
+
+ES256_VALID = TOKENS["es256_valid_exp_2100"]
+
+
+def forged_es256(number):
+    """The payload and kid of ES256_VALID with r = s = number: in range, so the whole curve math runs."""
+    return ES256_VALID.rsplit(".", 1)[0] + "." + b64u(number.to_bytes(32, "big") * 2)
+
+
+@contextlib.contextmanager
+def signature_spies():
+    """The three signature functions, wrapped to count their calls: {"ES256": mock, ...}."""
+    with mock.patch("oharness_sync.verify_es256", wraps=sync.verify_es256) as es256, \
+            mock.patch("oharness_sync.verify_rs256", wraps=sync.verify_rs256) as rs256, \
+            mock.patch("oharness_sync.verify_hs256", wraps=sync.verify_hs256) as hs256:
+        yield {"ES256": es256, "RS256": rs256, "HS256": hs256}
+
+
+class ForgedTokenTest(unittest.TestCase):
+    """Authenticator with a JWT verifier: 20 failed checks a minute per client, bursts of 10."""
+
+    def setUp(self):
+        self.clock = FakeClock(1000.0)
+        self.failures = sync.RateLimiter(sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST, self.clock)
+        self.auth = self.authenticator(fixture_verifier(clock=FakeClock(NOW)))
+
+    def authenticator(self, jwt=None, local=None, **options):
+        return sync.Authenticator(local, jwt, failures=self.failures, **options)
+
+    def refusal(self, token, client="198.51.100.7"):
+        with self.assertRaises(AuthError) as caught:
+            self.auth.identify("Bearer " + token, client)
+        return str(caught.exception)
+
+    def throttle(self, client="198.51.100.7"):
+        """Spend client's burst on ten forged tokens."""
+        for number in range(1, 11):
+            self.assertEqual(self.refusal(forged_es256(number), client), "bad token signature")
+
+    def test_the_limits(self):
+        self.assertEqual((sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST), (20, 10))
+        self.assertEqual((sync.FAILED_TOKEN_SECONDS, sync.FAILED_TOKENS), (600, 10000))
+        self.assertEqual(sync.Authenticator(None, fixture_verifier())._guarded_jwt.refused.max_entries, 10000)
+        default = sync.Authenticator(None).failures
+        self.assertEqual((default.rate, default.burst), (20 / 60.0, 10.0))
+
+    def test_a_repeated_bad_token_is_refused_again_without_signature_math(self):
+        tokens = {"ES256": forged_es256(1), "RS256": TOKENS["rs256_wrong_signature"],
+                  "HS256": TOKENS["hs256_wrong_signature"]}
+        for alg, token in tokens.items():
+            with self.subTest(alg=alg), signature_spies() as spies:
+                self.assertEqual(self.refusal(token), "bad token signature")
+                self.assertEqual(self.refusal(token), "bad token signature")
+                self.assertEqual(self.refusal(token, client=None), "bad token signature")
+                self.assertEqual({name: spy.call_count for name, spy in spies.items()},
+                                 {name: int(name == alg) for name in spies})
+
+    def test_bad_claims_and_expiry_are_remembered_with_their_message(self):
+        for name, message in (("rs256_expired", "token expired"), ("rs256_sub_proto", "token sub is not a valid id"),
+                              ("es256_r_zero", "bad token signature")):
+            with self.subTest(name=name), signature_spies() as spies:
+                self.assertEqual(self.refusal(TOKENS[name]), message)
+                calls = sum(spy.call_count for spy in spies.values())
+                self.assertEqual(self.refusal(TOKENS[name]), message)
+                self.assertEqual(sum(spy.call_count for spy in spies.values()), calls)
+
+    def test_a_refusal_is_remembered_ten_minutes(self):
+        token = forged_es256(1)
+        with signature_spies() as spies:
+            self.refusal(token)
+            self.clock.advance(599.9)
+            self.refusal(token)
+            self.assertEqual(spies["ES256"].call_count, 1)
+            self.clock.advance(0.1)
+            self.refusal(token)
+            self.assertEqual(spies["ES256"].call_count, 2)
+
+    def test_a_token_that_may_pass_later_is_not_remembered(self):
+        # Not valid yet: checked again each time, and accepted once its nbf has come.
+        clock = FakeClock(NOW)
+        auth = self.authenticator(fixture_verifier(clock=clock))
+        token = TOKENS["rs256_nbf_2100"]
+        with signature_spies() as spies:
+            for _ in range(2):
+                with self.assertRaisesRegex(AuthError, "^token not yet valid$"):
+                    auth.identify("Bearer " + token, "198.51.100.7")
+            self.assertEqual(spies["RS256"].call_count, 2)
+        clock.now = YEAR_2100
+        self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"), Identity("user_rsa2048"))
+        # No key for its kid: the key may yet be added to the JWKS.
+        for _ in range(2):
+            self.assertEqual(self.refusal(TOKENS["rs256_unknown_kid"]), "no signing key for this token")
+        self.assertEqual(len(self.auth._guarded_jwt.refused), 0)
+
+    def test_auth_unavailable_is_neither_remembered_nor_counted(self):
+        # A JWKS file with the EC key only, then damaged: an RS256 token cannot be judged (503), 15 times.
+        path = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "jwks.json")
+        self.addCleanup(shutil.rmtree, os.path.dirname(path), True)
+        with open(path, "w") as handle:
+            json.dump({"keys": [jwk_by_kid("ec-p256")]}, handle)
+        jwks_clock = FakeClock(0.0)
+        jwks = JwksSource(path=path, clock=jwks_clock)
+        auth = self.authenticator(JwtVerifier(jwks=jwks, clock=FakeClock(NOW)))
+        with open(path, "w") as handle:
+            handle.write("{damaged")
+        token = TOKENS["rs256_2048_valid_no_exp"]
+        for _ in range(15):
+            jwks_clock.advance(1)
+            with self.assertRaisesRegex(AuthUnavailable, "^its signing keys cannot be read$"):
+                auth.identify("Bearer " + token, "198.51.100.7")
+        self.assertEqual(len(auth._guarded_jwt.refused), 0)
+        # Readable again: the same token passes, and the client's bucket is still full.
+        with open(path, "w") as handle:
+            json.dump(JWKS, handle)
+        jwks_clock.advance(1)
+        self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"), Identity("user_rsa2048"))
+        for number in range(1, 11):
+            with self.assertRaisesRegex(AuthError, "^bad token signature$"):
+                auth.identify("Bearer " + forged_es256(number), "198.51.100.7")
+        with self.assertRaises(sync.AuthThrottled):
+            auth.identify("Bearer " + forged_es256(11), "198.51.100.7")
+
+    def test_past_the_burst_a_client_is_throttled_without_signature_math(self):
+        with signature_spies() as spies:
+            self.throttle()
+            with self.assertRaises(sync.AuthThrottled) as caught:
+                self.auth.identify("Bearer " + forged_es256(11), "198.51.100.7")
+            self.assertEqual(spies["ES256"].call_count, 10)
+        self.assertEqual(caught.exception.retry_after, 3)  # 20 a minute: one every 3 s
+        self.assertEqual(str(caught.exception), "too many tokens from this client failed verification lately")
+        # A token refused before is still refused as it was (a 401 tells more than a 429).
+        self.assertEqual(self.refusal(forged_es256(1)), "bad token signature")
+
+    def test_the_bucket_refills(self):
+        self.throttle()
+        self.clock.advance(1.5)
+        with self.assertRaises(sync.AuthThrottled) as caught:
+            self.auth.identify("Bearer " + forged_es256(11), "198.51.100.7")
+        self.assertEqual(caught.exception.retry_after, 2)
+        self.clock.advance(1.6)
+        self.assertEqual(self.refusal(forged_es256(11)), "bad token signature")
+        with self.assertRaises(sync.AuthThrottled):
+            self.auth.identify("Bearer " + forged_es256(12), "198.51.100.7")
+
+    def test_another_client_is_not_affected(self):
+        self.throttle()
+        self.assertEqual(self.refusal(forged_es256(11), client="203.0.113.9"), "bad token signature")
+        self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "203.0.113.9"), Identity("user_ec"))
+        self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, None), Identity("user_ec"))
+
+    def test_a_token_verified_before_still_passes_from_a_throttled_client(self):
+        self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "198.51.100.7"), Identity("user_ec"))
+        self.throttle()
+        with signature_spies() as spies:
+            self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "198.51.100.7"), Identity("user_ec"))
+            self.assertEqual(self.auth.identify_for_memory("Bearer " + ES256_VALID, "198.51.100.7"),
+                             Identity("user_ec"))
+            # One not verified yet waits like any other.
+            with self.assertRaises(sync.AuthThrottled):
+                self.auth.identify("Bearer " + TOKENS["es256_valid_no_exp"], "198.51.100.7")
+            self.assertEqual(spies["ES256"].call_count, 0)
+
+    def test_tokens_that_pass_take_nothing_from_the_bucket(self):
+        for number in range(30):
+            token = hs256_token({"sub": "u%d" % number})
+            self.assertEqual(self.auth.identify("Bearer " + token, "198.51.100.7"), Identity("u%d" % number))
+        self.throttle()
+        with self.assertRaises(sync.AuthThrottled):
+            self.auth.identify("Bearer " + forged_es256(11), "198.51.100.7")
+
+    def test_a_repeated_bad_token_takes_one_token_from_the_bucket(self):
+        for _ in range(30):
+            self.assertEqual(self.refusal(forged_es256(1)), "bad token signature")
+        for number in range(2, 11):
+            self.assertEqual(self.refusal(forged_es256(number)), "bad token signature")
+        with self.assertRaises(sync.AuthThrottled):
+            self.auth.identify("Bearer " + forged_es256(11), "198.51.100.7")
+
+    def test_local_tokens_are_neither_remembered_nor_throttled(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        store = sync.TokenStore(data_dir)
+        local = sync.LocalTokenVerifier(store)
+        auth = self.authenticator(fixture_verifier(), local)
+        token, record = store.issue("alice")
+        for _ in range(20):
+            with self.assertRaisesRegex(AuthError, "^unknown or revoked token$"):
+                auth.identify("Bearer " + token[:-1] + ("A" if token[-1] != "A" else "B"), "198.51.100.7")
+        self.assertEqual(self.failures.retry_after("198.51.100.7"), 0)  # the bucket was full: this takes one
+        for number in range(1, 10):
+            with self.assertRaisesRegex(AuthError, "^bad token signature$"):
+                auth.identify("Bearer " + forged_es256(number), "198.51.100.7")
+        with self.assertRaises(sync.AuthThrottled):
+            auth.identify("Bearer " + forged_es256(10), "198.51.100.7")
+        self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"), Identity("alice"))
+        # A token refused while revoked passes once it is in force again (a token file restored).
+        store.revoke(record["id"])
+        local._checked = float("-inf")
+        with self.assertRaisesRegex(AuthError, "^unknown or revoked token$"):
+            auth.identify("Bearer " + token, "198.51.100.7")
+        store._update(lambda records: records.append(record))
+        local._checked = float("-inf")
+        self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"), Identity("alice"))
+
+
+class ForgedSupabaseTokenTest(unittest.TestCase):
+    """The Supabase verifier behind the same guards: a refused token is not sent to the service again."""
+
+    def setUp(self):
+        self.server = FakeServer(supabase_answer)
+        self.addCleanup(self.server.stop)
+        self.clock = FakeClock(1000.0)
+        self.failures = sync.RateLimiter(sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST, self.clock)
+        verifier = SupabaseVerifier(self.server.url, "anon-key-123", timeout=2.0, clock=self.clock)
+        self.auth = sync.Authenticator(None, memory_mode="supabase", supabase=verifier, failures=self.failures)
+
+    def identify(self, token, client="198.51.100.7"):
+        return self.auth.identify_for_memory("Bearer " + token, client)
+
+    def test_a_refused_token_is_not_asked_about_again(self):
+        for _ in range(3):
+            with self.assertRaisesRegex(AuthError, "^token rejected by the identity service$"):
+                self.identify("revoked")
+        for _ in range(3):
+            with self.assertRaisesRegex(AuthError, "^anonymous users are not accepted$"):
+                self.identify("anonymous")
+        self.assertEqual(len(self.server.requests), 2)
+
+    def test_past_the_burst_a_client_is_throttled_without_asking(self):
+        self.assertEqual(self.identify("normal"), Identity(USER_ID))
+        for number in range(10):
+            with self.assertRaises(AuthError):
+                self.identify("revoked-%d" % number)
+        with self.assertRaises(sync.AuthThrottled) as caught:
+            self.identify("revoked-10")
+        self.assertEqual(caught.exception.retry_after, 3)
+        self.assertEqual(len(self.server.requests), 11)
+        self.assertEqual(self.identify("normal"), Identity(USER_ID))  # answered lately: still passes
+        with self.assertRaises(AuthError):
+            self.identify("revoked-10", client="203.0.113.9")
+        self.assertEqual(len(self.server.requests), 12)
+
+    def test_an_unreachable_service_is_neither_remembered_nor_counted(self):
+        for _ in range(15):
+            with self.assertRaisesRegex(AuthUnavailable, "^identity service answered 500$"):
+                self.identify("boom")
+        self.assertEqual(len(self.server.requests), 15)
+        for number in range(10):
+            with self.assertRaises(AuthError):
+                self.identify("revoked-%d" % number)
+        with self.assertRaises(sync.AuthThrottled):
+            self.identify("revoked-10")
+
+
+# ---------------------------------------------------------------------------
 # Storage: feeds
 # ---------------------------------------------------------------------------
 
@@ -4484,6 +4741,75 @@ class JwtOnTheWireTest(ServerCase):
         fetch_failures = [line for line in self.log_lines if line.startswith("cannot fetch the JWKS from " + url)]
         self.assertEqual(len(fetch_failures), 1, self.log_lines)  # tried once: again a minute later at most
         self.assertNotIn(token, "\n".join(self.log_lines))
+
+
+class ForgedTokenOnTheWireTest(ServerCase):
+    """Forged JWTs on a real server: refused tokens remembered, failed checks bounded per client address."""
+
+    THROTTLED = "too many tokens from this client failed verification lately"
+
+    def setUp(self):
+        self.server_options = {"jwt": JwtVerifier(SECRET, JwksSource(path=JWKS_PATH))}
+        super().setUp()
+        self.clock = FakeClock(1000.0)
+        self.server.app.auth.failures.clock = self.clock
+
+    def assertRefused(self, answer, message):
+        self.assertAnswer(answer, 401, {"error": message})
+        self.assertEqual(answer.headers.get("www-authenticate"), "Bearer")
+
+    def assertThrottled(self, answer, body):
+        self.assertAnswer(answer, 429, body)
+        self.assertEqual(answer.headers.get("retry-after"), "3")
+        self.assertNotIn("www-authenticate", answer.headers)
+
+    def test_past_the_burst_429_with_retry_after_and_the_memory_shape(self):
+        self.assertAnswer(self.pull(ES256_VALID, "p"), 200, EMPTY_PULL)  # verified before the flood
+        with signature_spies() as spies:
+            for number in range(1, 11):
+                self.assertRefused(self.pull(forged_es256(number), "p"), "bad token signature")
+            self.assertThrottled(self.pull(forged_es256(11), "p"), {"error": self.THROTTLED + "; try again later"})
+            self.assertThrottled(self.request("GET", "/v1/projects", token=forged_es256(12)),
+                                 {"error": self.THROTTLED + "; try again later"})
+            self.assertThrottled(wire_post(self, "identity", {"expectedPrincipal": "user_ec"}, forged_es256(13)),
+                                 {"code": "rate_limited", "error": self.THROTTLED})
+            # A token refused before gets its 401 again, unchecked; one verified before still works.
+            self.assertRefused(self.pull(forged_es256(1), "p"), "bad token signature")
+            self.assertAnswer(self.pull(ES256_VALID, "p"), 200, EMPTY_PULL)
+            self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": "user_ec"}, ES256_VALID), 200,
+                              {"principal": "user_ec", "quota": WIRE_QUOTA})
+            self.assertEqual(spies["ES256"].call_count, 10)
+        # Local tokens are not throttled.
+        self.assertAnswer(self.pull(self.alice, "p"), 200, EMPTY_PULL)
+        self.clock.advance(3)
+        self.assertRefused(self.pull(forged_es256(11), "p"), "bad token signature")
+
+    def test_a_repeated_forged_token_is_checked_once(self):
+        token = forged_es256(1)
+        with signature_spies() as spies:
+            for _ in range(20):
+                self.assertRefused(self.pull(token, "p"), "bad token signature")
+            for _ in range(20):
+                wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "user_ec"}, token),
+                                 401, "sign_in_required")
+            self.assertEqual(spies["ES256"].call_count, 1)
+
+    def test_another_address_is_not_affected(self):
+        for number in range(1, 12):
+            self.pull(forged_es256(number), "p")
+        self.assertEqual(self.pull(forged_es256(12), "p").status, 429)
+        port = int(self.url.rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=("127.0.0.2", 0))
+        try:
+            try:
+                conn.connect()
+            except OSError as exc:  # only Linux routes all of 127/8 to loopback
+                self.skipTest("cannot connect from 127.0.0.2: %s" % exc)
+            conn.request("GET", "/v1/pull?project=p", headers={"Authorization": "Bearer " + forged_es256(12)})
+            response = conn.getresponse()
+            self.assertEqual((response.status, json.loads(response.read())), (401, {"error": "bad token signature"}))
+        finally:
+            conn.close()
 
 
 class LongPollTest(ServerCase):
