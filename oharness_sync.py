@@ -4654,8 +4654,9 @@ def excerpt(value, limit=200):
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def parse_base_url(url):
-    """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else UsageError."""
+def parse_base_url(url, flag="--url"):
+    """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else UsageError
+    naming flag."""
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
@@ -4663,9 +4664,75 @@ def parse_base_url(url):
         parts = None
     if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0
             or parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc):
-        raise UsageError("--url must be http(s)://host[:port], with no path, query or credentials")
+        raise UsageError("%s must be http(s)://host[:port], with no path, query or credentials" % flag)
     https = parts.scheme == "https"
     return https, parts.hostname, port if port is not None else (443 if https else 80)
+
+
+class SyncClient:
+    """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token.
+
+    exchange() sends one request on a connection of its own, or with keep_alive on the connection the
+    previous keep_alive request left open; when that one turns out closed by the server (an idle
+    keep-alive), the request is sent once more on a new connection. Every request of the protocol may
+    be sent twice (pushes deduplicate, a commit carries its etag), so that is safe.
+    """
+
+    def __init__(self, url, token=None, context=None, timeout=CHECK_TIMEOUT, flag="--url"):
+        self.url = url
+        self.https, self.host, self.port = parse_base_url(url, flag)
+        self.token = token
+        self.context = context  # an ssl.SSLContext for https (None: the system's trusted certificates)
+        self.timeout = timeout
+        self._kept = None
+
+    def connect(self, timeout):
+        if self.https:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               context=self.context or ssl.create_default_context())
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def exchange(self, method, path, data=None, token=None, timeout=None, keep_alive=False):
+        """(status, headers with lower-case names, body bytes) of one request; data is a JSON body as bytes.
+        token None sends ours; "" sends none. Raises OSError or http.client.HTTPException."""
+        headers = {}
+        token = self.token if token is None else token
+        if token:
+            headers["Authorization"] = "Bearer " + token
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        timeout = self.timeout if timeout is None else timeout
+        if not keep_alive:
+            conn = self.connect(timeout)
+            try:
+                return self._send(conn, method, path, data, headers)
+            finally:
+                conn.close()
+        reused = self._kept is not None
+        for attempt in (1, 2):
+            if self._kept is None:
+                self._kept = self.connect(timeout)
+            elif self._kept.sock is not None:
+                self._kept.sock.settimeout(timeout)
+            try:
+                return self._send(self._kept, method, path, data, headers)
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                if attempt == 2 or not reused or not isinstance(exc, (ConnectionError, http.client.BadStatusLine)):
+                    raise
+        raise AssertionError("not reached")
+
+    @staticmethod
+    def _send(conn, method, path, data, headers):
+        conn.request(method, path, data, headers)
+        response = conn.getresponse()
+        raw = response.read()
+        return response.status, {name.lower(): value for name, value in response.getheaders()}, raw
+
+    def close(self):
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
 
 
 class ConformanceCheck:
@@ -4677,7 +4744,7 @@ class ConformanceCheck:
 
     def __init__(self, url, token, other_token=None, team=None, principal=None, out=None):
         self.url = url
-        self.https, self.host, self.port = parse_base_url(url)
+        self.client = SyncClient(url, token)
         self.token = token
         self.other_token = other_token
         self.team = team
@@ -4744,32 +4811,14 @@ class ConformanceCheck:
     def request(self, method, path, body=None, token=None, timeout=CHECK_TIMEOUT):
         """One request on a new connection: (status, headers with lower-case names, JSON or None).
         token None sends ours; "" sends none."""
-        if self.https:
-            conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                               context=ssl.create_default_context())
-        else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-        headers = {}
-        token = self.token if token is None else token
-        if token:
-            headers["Authorization"] = "Bearer " + token
-        data = None
-        if body is not None:
-            data = encode_json(body)
-            headers["Content-Type"] = "application/json"
-        try:
-            conn.request(method, path, data, headers)
-            response = conn.getresponse()
-            raw = response.read()
-            answer_headers = {name.lower(): value for name, value in response.getheaders()}
-        finally:
-            conn.close()
+        data = None if body is None else encode_json(body)
+        status, answer_headers, raw = self.client.exchange(method, path, data, token, timeout)
         try:
             doc = decode_json(raw) if raw else None
         except ValueError as exc:
             raise CheckFailed("%s %s answered %d with a body that is not JSON (%s): %r"
-                              % (method, path, response.status, exc, raw[:100])) from None
-        return response.status, answer_headers, doc
+                              % (method, path, status, exc, raw[:100])) from None
+        return status, answer_headers, doc
 
     def call(self, method, path, body=None, status=200, token=None, timeout=CHECK_TIMEOUT):
         """request(), and CheckFailed unless the answer has this status (and, for 200, is JSON)."""
