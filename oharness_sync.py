@@ -270,8 +270,9 @@ def json_too_deep(text, limit=MAX_JSON_DEPTH):
     return False
 
 
-def decode_json(data):
-    """Parse request bytes as strict JSON (UTF-8, no NaN or Infinity, bounded nesting).
+def decode_json(data, max_depth=MAX_JSON_DEPTH):
+    """Parse request bytes as strict JSON (UTF-8, no NaN or Infinity, nesting bounded by max_depth; None:
+    only by the interpreter's recursion limit, for a thread with a full-size stack).
 
     Raises ValueError with a short reason.
     """
@@ -279,7 +280,7 @@ def decode_json(data):
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError("body is not valid UTF-8") from None
-    if json_too_deep(text):
+    if max_depth is not None and json_too_deep(text, max_depth):
         raise ValueError("JSON is nested too deeply")
     try:
         return _STRICT_JSON.decode(text)
@@ -5820,6 +5821,17 @@ def push_body(project, team, events):
         b",".join(data for kind, data in events if kind == "s"))
 
 
+def push_page_body(project, team, records, sessions):
+    """The bytes of one push of a whole page, or None when they are past the push limits."""
+    if len(records) > MAX_PUSH_RECORDS or len(sessions) > MAX_PUSH_SESSIONS:
+        return None
+    body = {"project": project, "records": records, "sessions": sessions}
+    if team is not None:
+        body["team"] = team
+    data = encode_json(body)
+    return data if len(data) <= MAX_PUSH_BYTES else None
+
+
 def event_label(kind, event):
     """How an event is named in a message: record SESSION/ID or session ID gen N."""
     if kind == "r":
@@ -5952,6 +5964,29 @@ class ReplicationState:
             write_atomically(self.path, encode_json(self.doc))
 
 
+class Fetch(threading.Thread):
+    """function(*args) in a thread of its own (a daemon: a long-poll never holds up an exit); result()
+    waits for it and returns its value or raises its exception."""
+
+    def __init__(self, function, *args):
+        threading.Thread.__init__(self, daemon=True, name="replicate fetch")
+        self.function, self.args = function, args
+        self.value = self.error = None
+        self.start()
+
+    def run(self):
+        try:
+            self.value = self.function(*self.args)
+        except BaseException as exc:  # handed to result(), in the thread that waits for it
+            self.error = exc
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class ReplicateSide:
     """One server of a replication: its URL, token, TLS trust and (for memory) principal."""
 
@@ -6007,6 +6042,11 @@ class Replicator:
             self.failed = True
         self.say(message, error=True)
 
+    def state_failed(self, exc):
+        """The state file cannot be written: everything stops (what is copied cannot be remembered)."""
+        self.fail("stopped: cannot write the state file %s: %s" % (self.state.path, reason(exc)))
+        self.stopping.set()
+
     def count(self, **amounts):
         with self._lock:
             self.totals.update(amounts)
@@ -6029,7 +6069,7 @@ class Replicator:
             raise ReplicateTransient("%s: %s of %s: network error: %s" % (
                 side.role, what, side.url, str(exc) or type(exc).__name__)) from None
         try:
-            doc = decode_json(raw) if raw else None
+            doc = decode_json(raw, max_depth=None) if raw else None
         except ValueError:
             doc = raw[:100].decode("utf-8", "replace")
         if status in (401, 403) and status not in statuses:
@@ -6062,10 +6102,11 @@ class Replicator:
                     raise ReplicateStopped() from None
                 delay = min(delay * 2, REPLICATE_BACKOFF[1])
 
-    def begin_work(self):
-        """False once stopping; else a push or commit may start (end_work() when it is done)."""
+    def begin_work(self, force=False):
+        """False once stopping (unless forced); else a push, a commit or a state write may start
+        (end_work() when it is done)."""
         with self._lock:
-            if self.stopping.is_set():
+            if self.stopping.is_set() and not force:
                 return False
             self._busy += 1
             return True
@@ -6078,6 +6119,9 @@ class Replicator:
     def stop(self, seconds=120):
         """Stop: no new push or commit starts; wait for those in flight (their state is written)."""
         self.stopping.set()
+        self.wait_idle(seconds)
+
+    def wait_idle(self, seconds=120):
         with self._lock:
             self._idle.wait_for(lambda: self._busy == 0, seconds)
 
@@ -6108,51 +6152,67 @@ class Replicator:
 
     def copy_feed(self, team, project, follow=False):
         """Copy one feed from its cursor in the state to the end (with follow: and then as events arrive).
-        False when the feed stopped on something the target refuses."""
+        The next page is pulled while one is pushed. False when the feed stopped on something refused."""
         name = feed_name(team, project)
         source, target = self.source.client(), self.target.client()
         cursor = self.state.cursor(name)
-        started, copied, shown = time.monotonic(), 0, time.monotonic()
-        caught_up = False
+        started = shown = time.monotonic()
+        copied = 0
+
+        def pull(since, wait):  # and the page's push body, made here too: it overlaps the previous push
+            page = self.retrying(lambda: self.pull(source, team, project, since, wait), "%s: pull" % name, follow)
+            return page + (push_page_body(project, team, page[1], page[2]),)
+        saving = None  # the state write of the previous page, made while this one is pushed
         try:
-            while not self.stopping.is_set():
-                query = {"project": project, "since": cursor, "limit": MAX_PULL_LIMIT}
-                if team is not None:
-                    query["team"] = team
-                if follow and caught_up:
-                    query["wait"] = REPLICATE_WAIT
-                path = "/v1/pull?" + urllib.parse.urlencode(query)
-                page = self.retrying(lambda: self.pull(source, path, cursor), "%s: pull" % name, follow)
+            fetch = Fetch(pull, cursor, 0)
+            while True:
+                next_cursor, records, sessions, more, body = fetch.result()
+                fetch = Fetch(pull, next_cursor, 0) if more and not self.stopping.is_set() else None
                 if not self.begin_work():
                     break
                 try:
-                    next_cursor, records, sessions, more = page
                     if records or sessions:
-                        sent, accepted = self.push_page(target, team, project, records, sessions, follow)
+                        sent, accepted = self.push_page(target, team, project, records, sessions, body, follow)
                         copied += sent
                         self.count(copied=accepted, had=sent - accepted)
+                    if saving is not None:
+                        saving.result()  # cursors are written in order
+                        saving = None
                     if next_cursor != cursor:
-                        self.state.set_cursor(name, next_cursor)
+                        self.begin_work(force=True)  # ended by save_cursor
+                        saving = Fetch(self.save_cursor, name, next_cursor)
                         cursor = next_cursor
                 finally:
                     self.end_work()
-                caught_up = not more
                 if self.progress and not follow and time.monotonic() - shown >= PROGRESS_SECONDS:
                     shown = time.monotonic()
                     self.show_progress(name, copied, shown - started, "\r")
-                if caught_up and not follow:
-                    break
+                if fetch is None:
+                    if not follow or self.stopping.is_set():
+                        break
+                    fetch = Fetch(pull, cursor, REPLICATE_WAIT)  # caught up: a long-poll
+            if saving is not None:
+                saving.result()
         except ReplicateRefused as exc:
             self.fail("%s: %s; this feed stops" % (name, exc))
             return False
         except ReplicateStopped:
             return True
+        except OSError as exc:
+            self.state_failed(exc)
+            return False
         finally:
             source.close()
             target.close()
         if self.progress and not follow:
             self.show_progress(name, copied, time.monotonic() - started, "\r", "\n")
         return True
+
+    def save_cursor(self, name, cursor):
+        try:
+            self.state.set_cursor(name, cursor)
+        finally:
+            self.end_work()
 
     def show_progress(self, name, events, seconds, start="", end=""):
         line = "%s: %d events, %d events/s" % (name, events, events / seconds if seconds > 0 else 0)
@@ -6163,9 +6223,15 @@ class Replicator:
             except (OSError, ValueError):
                 pass
 
-    def pull(self, client, path, since):
+    def pull(self, client, team, project, since, wait):
         """(cursor, records, sessions, more) of one pull; ReplicateRefused when malformed."""
-        _, doc = self.call(self.source, client, "GET", path, timeout=REPLICATE_TIMEOUT + REPLICATE_WAIT)
+        query = {"project": project, "since": since, "limit": MAX_PULL_LIMIT}
+        if wait:
+            query["wait"] = wait
+        if team is not None:
+            query["team"] = team
+        _, doc = self.call(self.source, client, "GET", "/v1/pull?" + urllib.parse.urlencode(query),
+                           timeout=REPLICATE_TIMEOUT + wait)
         cursor, records, sessions, more = (as_safe_int(doc.get("cursor")), doc.get("records"),
                                            doc.get("sessions"), doc.get("more"))
         if (cursor is None or cursor < since or not isinstance(records, list) or not isinstance(sessions, list)
@@ -6173,8 +6239,15 @@ class Replicator:
             raise ReplicateRefused("the source answered a pull with %s" % excerpt(doc))
         return cursor, records, sessions, more
 
-    def push_page(self, client, team, project, records, sessions, follow):
-        """Push a page's events in pushes within the limits; (events sent, events the target accepted)."""
+    def push_page(self, client, team, project, records, sessions, data, follow):
+        """Push a page's events in pushes within the limits; (events sent, events the target accepted).
+        data: push_page_body(); a page that fits is pushed whole, else (or when refused) event by event."""
+        if data is not None:
+            status, doc = self.retrying(lambda: self.call(self.target, client, "POST", "/v1/push", data,
+                                                          statuses=(200, 400, 413)),
+                                        "%s: push" % feed_name(team, project), follow)
+            if status == 200:
+                return len(records) + len(sessions), self.accepted(doc)
         events = [("r", encode_json(e), e) for e in records] + [("s", encode_json(e), e) for e in sessions]
         overhead = len(push_body(project, team, []))
         accepted = 0
@@ -6189,10 +6262,7 @@ class Replicator:
                                                       statuses=(200, 400, 413)),
                                     "%s: push" % feed_name(team, project), follow)
         if status == 200:
-            accepted = as_safe_int(doc.get("accepted"))
-            if accepted is None:
-                raise ReplicateRefused("the target answered a push with %s" % excerpt(doc))
-            return accepted
+            return self.accepted(doc)
         if len(events) == 1:
             kind, _, event = events[0]
             raise ReplicateRefused("the target refuses %s even alone: %d %s" % (
@@ -6200,6 +6270,14 @@ class Replicator:
         half = len(events) // 2
         return (self.push_events(client, team, project, events[:half], follow)
                 + self.push_events(client, team, project, events[half:], follow))
+
+    @staticmethod
+    def accepted(doc):
+        """The accepted count of a push's answer."""
+        accepted = as_safe_int(doc.get("accepted"))
+        if accepted is None:
+            raise ReplicateRefused("the target answered a push with %s" % excerpt(doc))
+        return accepted
 
     # -- memory ----------------------------------------------------------------------
 
@@ -6241,6 +6319,9 @@ class Replicator:
                     self.copy_scope(source, target, project, follow)
                 except ReplicateStopped:
                     break
+                except OSError as exc:
+                    self.state_failed(exc)
+                    return False
                 except ReplicateRefused as exc:
                     self.fail("memory %s: %s; this scope stops" % (name, exc))
                     ok = False
@@ -6332,12 +6413,14 @@ class Replicator:
             if memory:
                 self.copy_memory([None] + sorted(set(project for _, project in feeds)))
         except ReplicateFatal as exc:
+            self.wait_idle()
             self.fail(str(exc))
             return 1
         except ReplicateRefused as exc:
             self.fail(str(exc))
         except ReplicateStopped:
             pass
+        self.wait_idle()  # the last state writes
         return 1 if self.failed else 0
 
     def follow(self):
@@ -6381,6 +6464,10 @@ class Replicator:
         except ReplicateFatal as exc:
             with self._lock:
                 self.fatal = self.fatal or str(exc)
+            self.stopping.set()
+        except Exception as exc:  # a bug: one line, never a traceback, and the run ends with exit 1
+            self.fail("%s: stopped by an unexpected error: %s: %s" % (feed_name(team, project),
+                                                                     type(exc).__name__, exc))
             self.stopping.set()
 
 
@@ -6464,15 +6551,22 @@ def replicate_command(argv):
                             ReplicateSide("target", args.target.rstrip("/"), target_token, context, principals[1]),
                             state, args.team, args.project, not args.no_memory, args.quiet, sys.stderr,
                             progress=sys.stderr.isatty())
-    if threading.current_thread() is threading.main_thread():
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # (a test may run this in another thread)
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: replicator.stopping.set())
+            handlers[signum] = signal.signal(signum, lambda *_: replicator.stopping.set())
     started = time.monotonic()
     try:
         code = replicator.follow() if args.follow else replicator.run()
     except OSError as exc:  # the state file could not be written
-        replicator.fail("stopped: cannot write the state file %s: %s" % (args.state, reason(exc)))
+        replicator.state_failed(exc)
         code = 1
+    except Exception as exc:  # a bug: one line, never a traceback
+        replicator.fail("stopped by an unexpected error: %s: %s" % (type(exc).__name__, exc))
+        code = 1
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     if not args.quiet:
         print("replicate: %s" % replicator.summary(time.monotonic() - started), file=sys.stdout, flush=True)
     return code
