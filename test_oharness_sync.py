@@ -7241,5 +7241,268 @@ class BenchMemoryTest(ServerCase):
                 self.bench_memory("alice")
 
 
+# -- the replicate command ------------------------------------------------------
+
+def replicate_note(note_id, **fields):
+    """A valid note and its commit change."""
+    note = {"id": note_id, "summary": "Note " + note_id, "body": "The body of " + note_id, "tags": ["t"],
+            "createdAt": 1789344000000}
+    note.update(fields)
+    return note
+
+
+def replicate_put(note_id, **fields):
+    note = replicate_note(note_id, **fields)
+    return {"id": note_id, "hash": note_hash(note), "note": note}
+
+
+class ReplicateRulesTest(unittest.TestCase):
+    """The pure rules of replicate: splitting a page into pushes, the three-way note decision, the state."""
+
+    def test_a_page_is_split_by_bytes_and_by_each_kind_s_count(self):
+        events = [("r", b"x" * 10)] * 5
+        self.assertEqual(sync.plan_pushes(events, max_bytes=1000), [(0, 5)])
+        # 3 events of 11 bytes each (with the comma) fit in 40 bytes with 5 of overhead; the fourth does not.
+        self.assertEqual(sync.plan_pushes(events, max_bytes=40, overhead=5), [(0, 3), (3, 5)])
+        mixed = [("r", b"r")] * 3 + [("s", b"s")] * 3
+        # r r | r s s | s: each kind counted against its own limit
+        self.assertEqual(sync.plan_pushes(mixed, max_records=2, max_sessions=2), [(0, 2), (2, 5), (5, 6)])
+        self.assertEqual(sync.plan_pushes([("r", b"x" * 50), ("r", b"y")], max_bytes=20), [(0, 1), (1, 2)])
+        self.assertEqual(sync.plan_pushes([]), [])
+
+    def test_a_page_within_the_limits_is_one_body_and_one_past_them_none(self):
+        body = sync.push_page_body("p", "t", [record()], [meta()])
+        self.assertEqual(json.loads(body), {"project": "p", "team": "t", "records": [record()], "sessions": [meta()]})
+        self.assertIsNone(sync.push_page_body("p", None, [record()] * 501, []))
+        self.assertIsNone(sync.push_page_body("p", None, [], [meta()] * 501))
+        big = [record(record_id=str(i), body="x" * 100000) for i in range(90)]
+        self.assertIsNone(sync.push_page_body("p", None, big, []))
+        events = [("r", sync.encode_json(r)) for r in big]
+        self.assertEqual(json.loads(sync.push_body("p", None, events[:2])),
+                         {"project": "p", "records": big[:2], "sessions": []})
+        ranges = sync.plan_pushes(events, overhead=len(sync.push_body("p", None, [])))
+        self.assertEqual(ranges, [(0, 83), (83, 90)])
+        self.assertLessEqual(len(sync.push_body("p", None, events[0:83])), sync.MAX_PUSH_BYTES)
+
+    def test_the_three_way_decision_for_one_note(self):
+        d = sync.memory_decision
+        a, b, c = ("a" * 64, {"createdAt": 1}), ("b" * 64, {"createdAt": 1}), ("c" * 64, {"createdAt": 1})
+        gone = (None, None)
+        # The source unchanged since the base: the target's own edits and deletions stay.
+        self.assertEqual(d("a" * 64, a, b), sync.KEEP)
+        self.assertEqual(d("a" * 64, a, gone), sync.KEEP)
+        self.assertEqual(d(None, None, b), sync.KEEP)      # a note only the target has
+        self.assertEqual(d(None, gone, b), sync.KEEP)      # a tombstone the source had before the first pass
+        # Both agree already.
+        self.assertEqual(d("a" * 64, b, b), sync.KEEP)
+        # The target still at the base, or the id absent there: the source is applied.
+        self.assertEqual(d(None, a, None), sync.CREATE)
+        self.assertEqual(d(None, a, gone), sync.CREATE)
+        self.assertEqual(d("a" * 64, b, a), sync.UPDATE)
+        self.assertEqual(d("a" * 64, gone, a), sync.DELETE)
+        self.assertEqual(d("a" * 64, None, a), sync.DELETE)  # its tombstone expired on the source
+        self.assertEqual(d("a" * 64, b, None), sync.CREATE)
+        # Both changed: two live notes, the later one wins, a tie keeps the target; else the target stays.
+        newer = ("b" * 64, {"createdAt": 1, "updatedAt": 9})
+        older = ("c" * 64, {"createdAt": 5})
+        self.assertEqual(d("a" * 64, newer, older), sync.UPDATE)
+        self.assertEqual(d("a" * 64, older, newer), sync.CONFLICT)
+        self.assertEqual(d("a" * 64, b, c), sync.CONFLICT)  # a tie
+        self.assertEqual(d("a" * 64, gone, b), sync.CONFLICT)
+        self.assertEqual(d("a" * 64, b, gone), sync.CONFLICT)
+        self.assertEqual(d(None, newer, older), sync.UPDATE)  # a first pass: no base
+
+    def test_plan_memory_makes_the_commit_s_changes(self):
+        n1, n2 = replicate_put("n1"), replicate_put("n2")
+        source = {"n1": (n1["hash"], n1["note"]), "n2": (None, None)}
+        target = {"n2": (n2["hash"], None), "t1": ("f" * 64, None)}
+        changes, conflicts, counts = sync.plan_memory({"n2": n2["hash"]}, source, target)
+        self.assertEqual(changes, [n1, {"id": "n2", "hash": None}])
+        self.assertEqual((conflicts, counts), ([], {"create": 1, "update": 0, "delete": 1}))
+
+    def test_the_state_file_s_shape_is_checked(self):
+        state = sync.new_state("http://a:1", "http://b:2")
+        self.assertIs(sync.check_state(state, "http://a:1", "http://b:2"), state)
+        for doc, why in ((state, 'it is for "http://a:1" to "http://b:2"'), ([], "not a replicate state file"),
+                         (dict(state, version=2), "not a replicate state file"),
+                         (dict(state, feeds={"personal/p": -1}), "its feeds are not cursors"),
+                         (dict(state, memory={"user": {"etag": None, "base": {"n": "x"}}}),
+                          "its memory scopes are malformed")):
+            with self.subTest(why=why), self.assertRaisesRegex(ValueError, "^" + re.escape(why)):
+                sync.check_state(doc, "http://a:1" if doc is not state else "http://c:1", "http://b:2")
+
+
+class ReplicateCase(ServerCase):
+    """Two real servers on port 0: the source (ServerCase's own) and a target with a data dir of its own;
+    alice's tokens for both in files."""
+
+    target_options = {}
+
+    def setUp(self):
+        super().setUp()
+        self.target_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.target_dir, True)
+        self.target_alice, _ = sync.TokenStore(self.target_dir).issue("alice", ["platform"])
+        self.target_log = []
+        self.target = sync.build_server(self.target_dir, port=0, log=CapturingLog(self.target_log),
+                                        **self.target_options)
+        thread = threading.Thread(target=self.target.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+        thread.start()
+        self.addCleanup(self.stop_server, self.target, thread)
+        self.files = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.files, True)
+        self.from_token = self.token_file("from.token", self.alice)
+        self.to_token = self.token_file("to.token", self.target_alice)
+        self.state_path = os.path.join(self.files, "state.json")
+
+    def token_file(self, name, token):
+        path = os.path.join(self.files, name)
+        with open(path, "w") as f:
+            f.write(token + "\n")
+        return path
+
+    def argv(self, *extra, memory=True):
+        argv = ["replicate", "--from", self.url, "--from-token-file", self.from_token, "--to", self.target.url,
+                "--to-token-file", self.to_token]
+        if memory:
+            argv += ["--from-principal", "alice", "--to-principal", "alice"]
+        else:
+            argv.append("--no-memory")
+        return argv + list(extra)
+
+    def replicate(self, *extra, memory=False):
+        """sync.main(replicate ...) in this process: (exit code, stdout, stderr); never a token in them."""
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sync.main(self.argv(*extra, memory=memory))
+        for token in (self.alice, self.target_alice):
+            self.assertNotIn(token, out.getvalue() + err.getvalue())
+        self.assertNotIn("Traceback", err.getvalue())
+        return code, out.getvalue(), err.getvalue()
+
+    def whole_feed(self, url, token, project="proj"):
+        """(every record, every session event, the end cursor) of a feed, page by page."""
+        records, sessions, cursor, more = [], [], 0, True
+        while more:
+            page = http_request(url, "GET", "/v1/pull?project=%s&since=%d" % (project, cursor), token=token).json
+            records += page["records"]
+            sessions += page["sessions"]
+            cursor, more = page["cursor"], page["more"]
+        return records, sessions, cursor
+
+    def target_pull(self, project="proj", team=None, since=0):
+        query = "/v1/pull?project=%s&since=%d" % (project, since) + ("&team=" + team if team else "")
+        return http_request(self.target.url, "GET", query, token=self.target_alice).json
+
+    def source_pull(self, project="proj", team=None):
+        return self.pull(self.alice, project, 0, **({"team": team} if team else {})).json
+
+    def summary(self, feeds, copied, had=0, created=0, updated=0, deleted=0, conflicts=0):
+        return ("replicate: %d feeds, %d events copied, %d already on the target; notes: %d created, %d updated, "
+                "%d deleted, %d conflicts kept; " % (feeds, copied, had, created, updated, deleted, conflicts))
+
+    def assertSummary(self, out, *counts, **named):
+        self.assertEqual(len(out.splitlines()), 1, out)
+        self.assertTrue(out.startswith(self.summary(*counts, **named)), out)
+        self.assertRegex(out, r"; [0-9]+\.[0-9] s\n$")
+
+
+class ReplicateFeedsTest(ReplicateCase):
+    """replicate copies session feeds between two real servers."""
+
+    def test_personal_and_team_feeds_are_copied_exactly(self):
+        records = [record("s1", "r%d" % i, i, body={"i": i, "text": "caf\u00e9 \U0001F600"}) for i in range(7)]
+        self.assertAnswer(self.push(self.alice, "proj", records, [meta("s1", 1, body={"title": "t"})]), 200)
+        self.assertAnswer(self.push(self.alice, "other", [record("s9", "x", body=None)]), 200)
+        self.assertAnswer(self.push(self.alice, "shared", [record("s2", "t1")], [meta("s2")], team="platform"), 200)
+        code, out, err = self.replicate("--team", "platform")
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 3, 11)
+        for project, team in (("proj", None), ("other", None), ("shared", "platform")):
+            self.assertEqual(self.target_pull(project, team), self.source_pull(project, team))
+        self.assertEqual(self.target_pull("shared")["records"], [])  # the team feed stays a team feed
+        self.assertEqual(self.target_pull("proj")["records"], records)
+
+    def test_only_the_given_projects_with_project(self):
+        self.push(self.alice, "one", [record()])
+        self.push(self.alice, "two", [record()])
+        code, out, _ = self.replicate("--project", "two", "--project", "absent")
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 2, 1)
+        self.assertEqual(http_request(self.target.url, "GET", "/v1/projects", token=self.target_alice).json,
+                         {"projects": ["two"]})
+
+    def test_a_tombstone_is_copied_and_a_newer_generation_on_the_target_survives(self):
+        self.push(self.alice, "proj", sessions=[meta("s1", 1), meta("s1", 2, deleted=True), meta("s2", 1)])
+        newer = meta("s2", 5, body={"title": "the target's"})
+        answer = http_request(self.target.url, "POST", "/v1/push", {"project": "proj", "sessions": [newer]},
+                              self.target_alice)
+        self.assertEqual(answer.json, {"cursor": 1, "accepted": 1})
+        code, out, _ = self.replicate()
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 1, 2, 1)
+        self.assertEqual(self.target_pull()["sessions"], [newer, meta("s1", 1), meta("s1", 2, deleted=True)])
+
+    def test_a_10_mb_page_is_split_into_several_pushes(self):
+        records = [record("s1", "r%d" % i, i, body="x" * 20000) for i in range(500)]
+        for half in (records[:250], records[250:]):
+            self.assertAnswer(self.push(self.alice, "proj", half), 200)
+        self.assertGreater(len(json.dumps(self.source_pull())), 10 * 1000 * 1000)  # one page of 10 MB
+        code, out, _ = self.replicate()
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 1, 500)
+        self.assertEqual(self.target_pull(), self.source_pull())
+        pushes = [line for line in self.target_log if "POST /v1/push 200" in line]
+        self.assertEqual(len(pushes), 2, self.target_log)
+
+    def test_a_second_run_adds_nothing(self):
+        self.push(self.alice, "proj", [record("s1", "r%d" % i) for i in range(3)], [meta("s1")])
+        code, out, _ = self.replicate()
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 1, 4)
+        end = self.target_pull()["cursor"]
+        code, out, _ = self.replicate()
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 1, 0, 4)
+        self.assertEqual(self.target_pull()["cursor"], end)
+
+    def test_a_run_killed_mid_way_resumes_from_the_state_file(self):
+        for page in range(5):
+            self.push(self.alice, "proj", [record("s1", "r%d-%d" % (page, i), i) for i in range(500)])
+        # The third page is pushed and acknowledged, and the process is killed before its cursor is written.
+        script = ("import sys, time; sys.path.insert(0, %r); import oharness_sync as sync\n"
+                  "saves, original = [], sync.ReplicationState.set_cursor\n"
+                  "def set_cursor(state, feed, cursor):\n"
+                  "    saves.append(cursor)\n"
+                  "    if len(saves) == 3:\n"
+                  "        time.sleep(60)\n"
+                  "    original(state, feed, cursor)\n"
+                  "sync.ReplicationState.set_cursor = set_cursor\n"
+                  "sys.exit(sync.main(sys.argv[1:]))\n" % HERE)
+        process = subprocess.Popen([sys.executable, "-c", script] + self.argv("--state", self.state_path,
+                                                                               memory=False)[:],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 20
+            while self.whole_feed(self.target.url, self.target_alice)[2] < 1500 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            process.kill()
+            process.wait()
+        with open(self.state_path) as f:
+            self.assertEqual(json.load(f)["feeds"], {"personal/proj": 1000})
+        on_target = self.whole_feed(self.target.url, self.target_alice)[2]
+        self.assertIn(on_target, (1500, 2000))
+        code, out, _ = self.replicate("--state", self.state_path)
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 1, 2500 - on_target, on_target - 1000)
+        source = self.whole_feed(self.url, self.alice)
+        target = self.whole_feed(self.target.url, self.target_alice)
+        self.assertEqual(target[2], 2500)
+        self.assertEqual(sorted(r["id"] for r in target[0]), sorted(r["id"] for r in source[0]))
+        with open(self.state_path) as f:
+            self.assertEqual(json.load(f)["feeds"], {"personal/proj": 2500})
+
+
 if __name__ == "__main__":
     unittest.main()
