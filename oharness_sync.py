@@ -6300,11 +6300,11 @@ class Replicator:
                                    "%s memory identity" % side.role, follow)
         finally:
             client.close()
-            if doc.get("principal") != side.principal:
-                raise ReplicateRefused("the %s answered its memory identity with %s" % (side.role, excerpt(doc)))
-            quota = doc.get("quota")
-            if isinstance(quota, dict) and as_safe_int(quota.get("maxChanges")):
-                side.quota = quota
+        if doc.get("principal") != side.principal:
+            raise ReplicateRefused("the %s answered its memory identity with %s" % (side.role, excerpt(doc)))
+        quota = doc.get("quota")
+        if isinstance(quota, dict) and as_safe_int(quota.get("maxChanges")):
+            side.quota = quota
 
     def copy_memory(self, scopes, follow=False):
         """Reconcile every scope (project None: the user scope); False when one could not be copied."""

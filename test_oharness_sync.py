@@ -7504,5 +7504,215 @@ class ReplicateFeedsTest(ReplicateCase):
             self.assertEqual(json.load(f)["feeds"], {"personal/proj": 2500})
 
 
+class ReplicateMemoryTest(ReplicateCase):
+    """replicate reconciles memory notes three ways, through the base in the state file."""
+
+    def commit(self, url, token, changes, scope=None):
+        """Commit changes on the newest etag of a scope (None: the user scope); the answer's entries."""
+        where = {"scope": "user"} if scope is None else {"project": scope}
+        etag = http_request(url, "POST", "/v1/memory/snapshot", dict(where, expectedPrincipal="alice"), token).json
+        answer = http_request(url, "POST", "/v1/memory/commit",
+                              dict(where, expectedPrincipal="alice", etag=etag["etag"], changes=changes), token)
+        self.assertEqual(answer.status, 200, answer.raw)
+        return answer.json["entries"]
+
+    def notes(self, url, token, scope=None):
+        """{id: note} of the live notes of a scope."""
+        where = {"scope": "user"} if scope is None else {"project": scope}
+        answer = http_request(url, "POST", "/v1/memory/snapshot", dict(where, expectedPrincipal="alice"), token)
+        return {e["id"]: e["note"] for e in answer.json["entries"] if e["hash"] is not None}
+
+    def test_create_update_delete_through_the_base_and_the_target_s_own_notes_stay(self):
+        self.commit(self.url, self.alice, [replicate_put("n1"), replicate_put("n2"), replicate_put("n3")])
+        self.commit(self.url, self.alice, [replicate_put("p1")], scope="proj")
+        self.push(self.alice, "proj", [record()])  # the feed that makes proj a replicated project
+        self.commit(self.target.url, self.target_alice, [replicate_put("t1")])
+        code, out, err = self.replicate("--state", self.state_path, memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 1, 1, created=4)
+        self.assertEqual(sorted(self.notes(self.target.url, self.target_alice)), ["n1", "n2", "n3", "t1"])
+        self.assertEqual(self.notes(self.target.url, self.target_alice, "proj"), {"p1": replicate_note("p1")})
+        # The source updates n1 and deletes n2; the target edits n3 and deletes t1 on its own.
+        self.commit(self.url, self.alice, [replicate_put("n1", body="new"), {"id": "n2", "hash": None}])
+        self.commit(self.target.url, self.target_alice, [replicate_put("n3", body="mine"),
+                                                         {"id": "t1", "hash": None}])
+        code, out, err = self.replicate("--state", self.state_path, memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 1, 0, 0, updated=1, deleted=1)
+        self.assertEqual(self.notes(self.target.url, self.target_alice),
+                         {"n1": replicate_note("n1", body="new"), "n3": replicate_note("n3", body="mine")})
+        # Nothing changed since: nothing is done.
+        code, out, _ = self.replicate("--state", self.state_path, memory=True)
+        self.assertSummary(out, 1, 0)
+
+    def test_a_note_changed_on_both_sides_keeps_the_later_one_and_reports_a_kept_conflict(self):
+        self.commit(self.url, self.alice, [replicate_put("a"), replicate_put("b")])
+        self.assertEqual(self.replicate("--state", self.state_path, memory=True)[0], 0)
+        self.commit(self.url, self.alice, [replicate_put("a", body="source", updatedAt=1789344000100),
+                                           replicate_put("b", body="source", updatedAt=1789344000300)])
+        self.commit(self.target.url, self.target_alice, [replicate_put("a", body="target", updatedAt=1789344000200),
+                                                         replicate_put("b", body="target", updatedAt=1789344000200)])
+        code, out, err = self.replicate("--state", self.state_path, memory=True)
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 0, 0, updated=1, conflicts=1)
+        self.assertEqual(err, "replicate: memory user: note a changed on both sides; the target's version is kept\n")
+        self.assertEqual(self.notes(self.target.url, self.target_alice),
+                         {"a": replicate_note("a", body="target", updatedAt=1789344000200),
+                          "b": replicate_note("b", body="source", updatedAt=1789344000300)})
+
+    def test_a_first_run_never_destroys_a_note_only_the_target_has(self):
+        self.commit(self.url, self.alice, [replicate_put("gone")])
+        self.commit(self.url, self.alice, [{"id": "gone", "hash": None}])  # a tombstone on the source
+        self.commit(self.target.url, self.target_alice, [replicate_put("gone"), replicate_put("mine")])
+        code, out, _ = self.replicate(memory=True)
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 0, 0)
+        self.assertEqual(sorted(self.notes(self.target.url, self.target_alice)), ["gone", "mine"])
+
+    def test_different_principals_on_the_two_sides(self):
+        bob_there, _ = sync.TokenStore(self.target_dir).issue("bob")
+        self.to_token = self.token_file("to.token", bob_there)
+        self.commit(self.url, self.alice, [replicate_put("n1")])
+        out, err = io.StringIO(), io.StringIO()
+        argv = self.argv(memory=False)[:-1] + ["--from-principal", "alice", "--to-principal", "bob"]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            self.assertEqual(sync.main(argv), 0, err.getvalue())
+        answer = http_request(self.target.url, "POST", "/v1/memory/snapshot",
+                              {"scope": "user", "expectedPrincipal": "bob"}, bob_there)
+        self.assertEqual([e["note"] for e in answer.json["entries"]], [replicate_note("n1")])
+        self.assertNotIn(bob_there, out.getvalue() + err.getvalue())
+
+    def test_a_quota_refusal_stops_that_scope_and_exits_1(self):
+        self.target.app.memory.quota = dict(self.target.app.memory.quota, maxNotes=1)
+        self.commit(self.url, self.alice, [replicate_put("n1"), replicate_put("n2")])
+        code, out, err = self.replicate(memory=True)
+        self.assertEqual(code, 1)
+        self.assertRegex(err, r'^replicate: memory user: the target refused a commit: 413 .*memory_quota_exceeded.*'
+                              r'; this scope stops\n$')
+        self.assertEqual(self.notes(self.target.url, self.target_alice), {})
+
+
+class ReplicateFollowTest(ReplicateCase):
+    """replicate --follow: a live mirror, stopped by SIGTERM; and what ends a run at once."""
+
+    FOLLOW = ("import sys; sys.path.insert(0, %r); import oharness_sync as sync; "
+              "sync.REPLICATE_RELIST_SECONDS = sync.REPLICATE_MEMORY_SECONDS = 0.2; "
+              "sys.exit(sync.main(sys.argv[1:]))" % HERE)
+
+    def wait_for(self, condition, seconds=10):
+        deadline = time.monotonic() + seconds
+        while not condition():
+            if time.monotonic() > deadline:
+                self.fail("not within %g s" % seconds)
+            time.sleep(0.02)
+        return True
+
+    def test_follow_carries_new_events_and_new_projects_and_stops_on_sigterm(self):
+        self.push(self.alice, "proj", [record("s1", "r1")])
+        self.commit_note = None
+        process = subprocess.Popen([sys.executable, "-c", self.FOLLOW] + self.argv("--follow", "--state",
+                                                                                    self.state_path),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+        self.addCleanup(process.kill)
+        self.wait_for(lambda: self.target_pull()["records"] == [record("s1", "r1")])
+        time.sleep(0.3)  # parked in its long-poll by now
+        pushed = time.monotonic()
+        self.push(self.alice, "proj", [record("s1", "r2")])
+        self.wait_for(lambda: len(self.target_pull()["records"]) == 2)
+        self.assertLess(time.monotonic() - pushed, 2.0)  # a long-poll wakes it: about at once
+        self.push(self.alice, "fresh", [record("s2", "f1")], team="platform")
+        self.push(self.alice, "fresh", [record("s3", "f2")])
+        self.wait_for(lambda: self.target_pull("fresh")["records"] == [record("s3", "f2")])
+        # Memory is looked at again while it runs too.
+        entries = http_request(self.url, "POST", "/v1/memory/commit",
+                               {"scope": "user", "expectedPrincipal": "alice", "etag": None,
+                                "changes": [replicate_put("n1")]}, self.alice)
+        self.assertEqual(entries.status, 200)
+        self.wait_for(lambda: http_request(self.target.url, "POST", "/v1/memory/snapshot",
+                                           {"scope": "user", "expectedPrincipal": "alice"},
+                                           self.target_alice).json["entries"] != [])
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=15)
+        self.assertEqual(process.returncode, 0, err)
+        self.assertEqual(err, "")
+        self.assertRegex(out, r"^replicate: 2 feeds, 3 events copied, 0 already on the target; notes: 1 created")
+        with open(self.state_path) as f:
+            self.assertEqual(json.load(f)["feeds"], {"personal/proj": 2, "personal/fresh": 1})
+        self.assertEqual(self.target_pull("fresh", "platform")["records"], [])  # no --team: not copied
+        for token in (self.alice, self.target_alice):
+            self.assertNotIn(token, out + err)
+
+    def test_a_401_from_the_target_ends_follow_with_exit_1(self):
+        self.push(self.alice, "proj", [record()])
+        self.to_token = self.token_file("to.token", "ohs_000000000000_unknownunknownunknown")
+        started = time.monotonic()
+        code, out, err = self.replicate("--follow")
+        self.assertLess(time.monotonic() - started, 10)
+        self.assertEqual(code, 1)
+        self.assertEqual(err, "replicate: the target %s refuses its token: POST /v1/push answered 401 "
+                              '{"error": "unknown or revoked token"}\n' % self.target.url)
+
+    def test_a_401_from_the_source_ends_a_run_with_exit_1(self):
+        self.from_token = self.token_file("from.token", "ohs_000000000000_unknownunknownunknown")
+        for follow in ((), ("--follow",)):
+            code, out, err = self.replicate(*follow)
+            self.assertEqual(code, 1)
+            self.assertEqual(err, "replicate: the source %s refuses its token: GET /v1/projects answered 401 "
+                                  '{"error": "unknown or revoked token"}\n' % self.url)
+        code, out, err = self.replicate(memory=True)
+        self.assertEqual(code, 1)
+        self.assertEqual(err, "replicate: the source %s refuses its token: POST /v1/memory/identity answered 401 "
+                              '{"code": "sign_in_required", "error": "unknown or revoked token"}\n' % self.url)
+
+    def test_a_team_the_token_does_not_list_ends_the_run_with_exit_1(self):
+        code, out, err = self.replicate("--team", "elsewhere")
+        self.assertEqual(code, 1)
+        self.assertRegex(err, r"^replicate: the source http://\S+ refuses its token: GET /v1/projects answered 403 ")
+
+
+class ReplicateUsageTest(ReplicateCase):
+    """replicate's command line: what is refused with exit 2 before anything is copied."""
+
+    def assertUsage(self, argv, message):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            self.assertEqual(sync.main(argv), 2)
+        self.assertEqual(err.getvalue(), "oharness-sync: error: %s\n" % message)
+        self.assertEqual(out.getvalue(), "")
+
+    def test_usage_errors_exit_2_with_one_line(self):
+        missing = os.path.join(self.files, "missing.token")
+        argv = self.argv()
+        self.assertUsage([missing if a == self.from_token else a for a in argv],
+                         "cannot read --from-token-file %s: No such file or directory" % missing)
+        empty = self.token_file("empty.token", "")
+        self.assertUsage([empty if a == self.to_token else a for a in argv],
+                         "--to-token-file %s does not hold a token (printable ASCII, no spaces, on its first line)"
+                         % empty)
+        self.assertUsage([self.url if a == self.target.url else a for a in argv],
+                         "--from and --to name the same server")
+        self.assertUsage([self.url + "/" if a == self.target.url else a for a in argv],
+                         "--from and --to name the same server")
+        self.assertUsage([a.replace("127.0.0.1", "192.0.2.1") if a == self.target.url else a for a in argv],
+                         "--to is plain http to 192.0.2.1: the token would cross the network in clear "
+                         "(use https, or --allow-plain-http)")
+        self.assertUsage(self.argv()[:9] + ["--no-memory", "--project", "a/b"],
+                         "--project must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
+        self.assertUsage(self.argv(memory=False)[:-1],
+                         "memory needs the principal of the --from token, which is not a JWT: give --from-principal "
+                         "ID, or --no-memory")
+        self.assertUsage(self.argv("--state", self.token_file("bad.json", "{}")),
+                         "cannot use the state file %s: not a replicate state file (version 1)"
+                         % os.path.join(self.files, "bad.json"))
+        self.assertUsage(["replicate", "--from", self.url], "the following arguments are required: "
+                         "--from-token-file, --to, --to-token-file")
+        self.assertEqual(self.target_pull()["cursor"], 0)
+
+    def test_the_principal_of_a_jwt_is_its_sub(self):
+        token = hs256_token({"sub": "alice", "exp": NOW + 60})
+        self.assertEqual(sync.token_principal(token), "alice")
+        self.assertIsNone(sync.token_principal(self.alice))
+
+
 if __name__ == "__main__":
     unittest.main()
