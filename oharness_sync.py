@@ -5833,10 +5833,14 @@ def push_page_body(project, team, records, sessions):
 
 
 def event_label(kind, event):
-    """How an event is named in a message: record SESSION/ID or session ID gen N."""
+    """How an event is named in a message: record SESSION/ID or session ID gen N (ASCII, one line)."""
+    def shown(value):
+        text = json.dumps(value, ensure_ascii=True)
+        text = text[1:-1] if isinstance(value, str) else text
+        return text if len(text) <= 80 else text[:80] + "..."
     if kind == "r":
-        return "record %s/%s" % (excerpt(event.get("session"), 80), excerpt(event.get("id"), 80))
-    return "session %s gen %s" % (excerpt(event.get("id"), 80), excerpt(event.get("gen"), 20))
+        return "record %s/%s" % (shown(event.get("session")), shown(event.get("id")))
+    return "session %s gen %s" % (shown(event.get("id")), shown(event.get("gen")))
 
 
 def note_time(note):
@@ -6172,9 +6176,7 @@ class Replicator:
                     break
                 try:
                     if records or sessions:
-                        sent, accepted = self.push_page(target, team, project, records, sessions, body, follow)
-                        copied += sent
-                        self.count(copied=accepted, had=sent - accepted)
+                        copied += self.push_page(target, team, project, records, sessions, body, follow)
                     if saving is not None:
                         saving.result()  # cursors are written in order
                         saving = None
@@ -6240,44 +6242,42 @@ class Replicator:
         return cursor, records, sessions, more
 
     def push_page(self, client, team, project, records, sessions, data, follow):
-        """Push a page's events in pushes within the limits; (events sent, events the target accepted).
+        """Push a page's events in pushes within the limits; how many events were sent.
         data: push_page_body(); a page that fits is pushed whole, else (or when refused) event by event."""
-        if data is not None:
-            status, doc = self.retrying(lambda: self.call(self.target, client, "POST", "/v1/push", data,
-                                                          statuses=(200, 400, 413)),
-                                        "%s: push" % feed_name(team, project), follow)
-            if status == 200:
-                return len(records) + len(sessions), self.accepted(doc)
+        if data is not None and self.push(client, team, project, data, len(records) + len(sessions), follow)[0] == 200:
+            return len(records) + len(sessions)
         events = [("r", encode_json(e), e) for e in records] + [("s", encode_json(e), e) for e in sessions]
         overhead = len(push_body(project, team, []))
-        accepted = 0
         for start, end in plan_pushes([(kind, data) for kind, data, _ in events], overhead=overhead):
-            accepted += self.push_events(client, team, project, events[start:end], follow)
-        return len(events), accepted
+            self.push_events(client, team, project, events[start:end], follow)
+        return len(events)
 
     def push_events(self, client, team, project, events, follow):
         """Push events; a 400 or 413 halves them and tries again, down to one event the target refuses."""
         body = push_body(project, team, [(kind, data) for kind, data, _ in events])
-        status, doc = self.retrying(lambda: self.call(self.target, client, "POST", "/v1/push", body,
-                                                      statuses=(200, 400, 413)),
-                                    "%s: push" % feed_name(team, project), follow)
+        status, doc = self.push(client, team, project, body, len(events), follow)
         if status == 200:
-            return self.accepted(doc)
+            return
         if len(events) == 1:
             kind, _, event = events[0]
             raise ReplicateRefused("the target refuses %s even alone: %d %s" % (
                 event_label(kind, event), status, excerpt(doc)))
         half = len(events) // 2
-        return (self.push_events(client, team, project, events[:half], follow)
-                + self.push_events(client, team, project, events[half:], follow))
+        self.push_events(client, team, project, events[:half], follow)
+        self.push_events(client, team, project, events[half:], follow)
 
-    @staticmethod
-    def accepted(doc):
-        """The accepted count of a push's answer."""
-        accepted = as_safe_int(doc.get("accepted"))
-        if accepted is None:
-            raise ReplicateRefused("the target answered a push with %s" % excerpt(doc))
-        return accepted
+    def push(self, client, team, project, body, events, follow):
+        """One push of body, which holds this many events: (status, answer); 200, 400 or 413. What a 200
+        says is counted: events copied, and events the target already had."""
+        status, doc = self.retrying(lambda: self.call(self.target, client, "POST", "/v1/push", body,
+                                                      statuses=(200, 400, 413)),
+                                    "%s: push" % feed_name(team, project), follow)
+        if status == 200:
+            accepted = as_safe_int(doc.get("accepted"))
+            if accepted is None or accepted > events:
+                raise ReplicateRefused("the target answered a push with %s" % excerpt(doc))
+            self.count(copied=accepted, had=events - accepted)
+        return status, doc
 
     # -- memory ----------------------------------------------------------------------
 

@@ -7349,6 +7349,7 @@ class ReplicateCase(ServerCase):
         thread = threading.Thread(target=self.target.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
         thread.start()
         self.addCleanup(self.stop_server, self.target, thread)
+        self.target_url = self.target.url  # where replicate copies to
         self.files = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, self.files, True)
         self.from_token = self.token_file("from.token", self.alice)
@@ -7362,7 +7363,7 @@ class ReplicateCase(ServerCase):
         return path
 
     def argv(self, *extra, memory=True):
-        argv = ["replicate", "--from", self.url, "--from-token-file", self.from_token, "--to", self.target.url,
+        argv = ["replicate", "--from", self.url, "--from-token-file", self.from_token, "--to", self.target_url,
                 "--to-token-file", self.to_token]
         if memory:
             argv += ["--from-principal", "alice", "--to-principal", "alice"]
@@ -7670,6 +7671,106 @@ class ReplicateFollowTest(ReplicateCase):
         self.assertRegex(err, r"^replicate: the source http://\S+ refuses its token: GET /v1/projects answered 403 ")
 
 
+class PickyTarget:
+    """A target in this process that speaks just enough of pushes: it refuses a push holding a record
+    id in refuse (400), one of more than most events (413), and the first `unavailable` pushes (503)."""
+
+    def __init__(self, refuse=(), most=500, unavailable=0):
+        self.pushes = []  # the events of every push it accepted
+        target = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.answer(200, {"projects": []})
+
+            def do_POST(self):
+                doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                events = doc["records"] + doc["sessions"]
+                if target.unavailable > 0:
+                    target.unavailable -= 1
+                    return self.answer(503, {"error": "busy"})
+                if any(r["id"] in refuse for r in doc["records"]):
+                    return self.answer(400, {"error": "refused"})
+                if len(events) > most:
+                    return self.answer(413, {"error": "too many"})
+                target.pushes.append(events)
+                self.answer(200, {"cursor": 1, "accepted": len(events)})
+
+            def answer(self, status, doc):
+                data = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+        self.unavailable = unavailable
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = "http://127.0.0.1:%d" % self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class ReplicateRefusalsTest(ReplicateCase):
+    """What a target refuses, for good or for a while: nothing is skipped silently."""
+
+    def picky(self, **options):
+        picky = PickyTarget(**options)
+        self.addCleanup(picky.stop)
+        self.target_url = picky.url
+        return picky
+
+    def test_a_413_halves_the_push_and_an_event_refused_alone_stops_its_feed(self):
+        records = [record("s1", "r%d" % i, i) for i in range(6)]
+        records[4]["id"] = "poison"
+        self.push(self.alice, "proj", records)
+        self.push(self.alice, "other", [record("s1", "fine")])
+        picky = self.picky(refuse=("poison",), most=2)
+        code, out, err = self.replicate("--state", self.state_path)
+        self.assertEqual(code, 1)
+        self.assertEqual(err, 'replicate: personal/proj: the target refuses record s1/poison even alone: 400 '
+                              '{"error": "refused"}; this feed stops\n')
+        self.assertSummary(out, 2, 5)
+        # other first (sorted); proj's 6 events: 413, then 3 (413), 1, 2, then 3 (413), 1, 2 (400), 1 (400): stop.
+        self.assertEqual(picky.pushes, [[record("s1", "fine")], records[0:1], records[1:3], records[3:4]])
+        with open(self.state_path) as f:
+            self.assertEqual(json.load(f)["feeds"], {"personal/other": 1})  # proj's page was not all acknowledged
+
+    def test_5xx_backs_off_doubling_and_a_run_gives_up_after_its_tries(self):
+        self.push(self.alice, "proj", [record()])
+        with mock.patch.object(sync, "REPLICATE_BACKOFF", (0.01, 0.03)):
+            picky = self.picky(unavailable=3)
+            code, out, err = self.replicate()
+            self.assertEqual(code, 0, err)
+            self.assertEqual(picky.pushes, [[record()]])
+            waits = re.findall(r"^replicate: personal/proj: push: target: POST /v1/push answered 503 "
+                               r'\{"error": "busy"\}; trying again in ([0-9.]+) s$', err, re.M)
+            self.assertEqual(waits, ["0.01", "0.02", "0.03"])
+            picky.unavailable = 100
+            code, out, err = self.replicate()
+            self.assertEqual(code, 1)
+            self.assertTrue(err.endswith('replicate: personal/proj: target: POST /v1/push answered 503 '
+                                         '{"error": "busy"} (gave up after 5 tries); this feed stops\n'), err)
+
+    def test_quiet_prints_errors_only(self):
+        self.push(self.alice, "proj", [record()])
+        self.assertEqual(self.replicate("--quiet"), (0, "", ""))
+        self.picky(unavailable=100)
+        with mock.patch.object(sync, "REPLICATE_BACKOFF", (0.001, 0.001)):
+            code, out, err = self.replicate("--quiet")
+        self.assertEqual((code, out), (1, ""))
+        # A fault is shown even while it is tried again: a mirror's log must say why it is behind.
+        self.assertEqual(err, 'replicate: personal/proj: push: target: POST /v1/push answered 503 {"error": "busy"}; '
+                              'trying again in 0.001 s\n' * 4 + 'replicate: personal/proj: target: POST /v1/push '
+                              'answered 503 {"error": "busy"} (gave up after 5 tries); this feed stops\n')
+
+
 class ReplicateUsageTest(ReplicateCase):
     """replicate's command line: what is refused with exit 2 before anything is copied."""
 
@@ -7689,11 +7790,11 @@ class ReplicateUsageTest(ReplicateCase):
         self.assertUsage([empty if a == self.to_token else a for a in argv],
                          "--to-token-file %s does not hold a token (printable ASCII, no spaces, on its first line)"
                          % empty)
-        self.assertUsage([self.url if a == self.target.url else a for a in argv],
+        self.assertUsage([self.url if a == self.target_url else a for a in argv],
                          "--from and --to name the same server")
-        self.assertUsage([self.url + "/" if a == self.target.url else a for a in argv],
+        self.assertUsage([self.url + "/" if a == self.target_url else a for a in argv],
                          "--from and --to name the same server")
-        self.assertUsage([a.replace("127.0.0.1", "192.0.2.1") if a == self.target.url else a for a in argv],
+        self.assertUsage([a.replace("127.0.0.1", "192.0.2.1") if a == self.target_url else a for a in argv],
                          "--to is plain http to 192.0.2.1: the token would cross the network in clear "
                          "(use https, or --allow-plain-http)")
         self.assertUsage(self.argv()[:9] + ["--no-memory", "--project", "a/b"],
