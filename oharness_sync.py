@@ -6069,6 +6069,9 @@ class Replicator:
         what = "%s %s" % (method, path.split("?", 1)[0])
         try:
             status, _, raw = client.exchange(method, path, body, timeout=timeout, keep_alive=True)
+        except ssl.SSLCertVerificationError as exc:  # trying again changes nothing
+            raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a self-signed one, "
+                                 "give it with --ca-file" % (side.role, side.url, exc.verify_message)) from None
         except (OSError, http.client.HTTPException) as exc:
             raise ReplicateTransient("%s: %s of %s: network error: %s" % (
                 side.role, what, side.url, str(exc) or type(exc).__name__)) from None

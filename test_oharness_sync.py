@@ -7809,6 +7809,23 @@ class ReplicateUsageTest(ReplicateCase):
                          "--from-token-file, --to, --to-token-file")
         self.assertEqual(self.target_pull()["cursor"], 0)
 
+    def test_a_self_signed_certificate_needs_ca_file(self):
+        self.stop_server(self.server, self.server_thread)
+        self.server_options = {"tls": sync.TlsFiles(os.path.join(TLS_DATA, "cert.pem"),
+                                                    os.path.join(TLS_DATA, "key.pem"))}
+        self.start_server()
+        self.push(self.alice, "proj", [record()])
+        code, out, err = self.replicate()
+        self.assertEqual(code, 1)
+        self.assertEqual(err, "replicate: the source %s: its certificate cannot be verified (self-signed "
+                              "certificate); for a self-signed one, give it with --ca-file\n" % self.url)
+        code, out, err = self.replicate("--ca-file", os.path.join(TLS_DATA, "cert.pem"))
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(self.target_pull()["records"], [record()])
+        missing = os.path.join(self.files, "missing.pem")
+        self.assertUsage(self.argv("--ca-file", missing),
+                         "cannot use --ca-file %s: No such file or directory" % missing)
+
     def test_the_principal_of_a_jwt_is_its_sub(self):
         token = hs256_token({"sub": "alice", "exp": NOW + 60})
         self.assertEqual(sync.token_principal(token), "alice")
