@@ -5929,17 +5929,22 @@ def check_state(doc, source, target):
 
 
 class ReplicationState:
-    """Cursors and memory bases, in memory and (with --state) in a file written atomically at each change."""
+    """Cursors and memory bases, in memory and (with --state) in a file written atomically at each change.
+    A new file is written at once: one that cannot be is a usage error before anything is copied."""
 
     def __init__(self, path, source, target):
         self.path = path
         self._lock = threading.Lock()
         self.doc = new_state(source, target)
-        if path is None or not os.path.exists(path):
+        self._memory_json = None  # the memory part encoded, as it changes far less often than a cursor
+        if path is None:
             return
         try:
-            with open(path, "rb") as f:
-                self.doc = check_state(decode_json(f.read()), source, target)
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    self.doc = check_state(decode_json(f.read()), source, target)
+            else:
+                self._save()
         except (OSError, ValueError) as exc:
             raise UsageError("cannot use the state file %s: %s" % (path, reason(exc))) from None
 
@@ -5961,11 +5966,16 @@ class ReplicationState:
     def set_memory(self, scope, etag, base):
         with self._lock:
             self.doc["memory"][scope] = {"etag": etag, "base": base}
+            self._memory_json = None
             self._save()
 
     def _save(self):
-        if self.path is not None:
-            write_atomically(self.path, encode_json(self.doc))
+        if self.path is None:
+            return
+        if self._memory_json is None:
+            self._memory_json = encode_json(self.doc["memory"])
+        head = dict((name, value) for name, value in self.doc.items() if name != "memory")
+        write_atomically(self.path, encode_json(head)[:-1] + b',"memory":' + self._memory_json + b"}")
 
 
 class Fetch(threading.Thread):

@@ -7805,6 +7805,9 @@ class ReplicateUsageTest(ReplicateCase):
         self.assertUsage(self.argv("--state", self.token_file("bad.json", "{}")),
                          "cannot use the state file %s: not a replicate state file (version 1)"
                          % os.path.join(self.files, "bad.json"))
+        unwritable = os.path.join(self.files, "no-such-dir", "state.json")
+        self.assertUsage(self.argv("--state", unwritable),
+                         "cannot use the state file %s: No such file or directory" % unwritable)
         self.assertUsage(["replicate", "--from", self.url], "the following arguments are required: "
                          "--from-token-file, --to, --to-token-file")
         self.assertEqual(self.target_pull()["cursor"], 0)
