@@ -5758,6 +5758,7 @@ REPLICATE_ATTEMPTS = 5           # without --follow: tries of one request before
 MEMORY_COMMIT_ATTEMPTS = 5       # fresh snapshots after a 409 revision_conflict before a scope gives up
 STATE_VERSION = 1
 PROGRESS_SECONDS = 1.0
+PUSHES_IN_FLIGHT = 2             # pages of one feed pushed at once (on connections of their own)
 
 # The three-way decisions for one note id.
 KEEP, CREATE, UPDATE, DELETE, CONFLICT = "keep", "create", "update", "delete", "conflict"
@@ -6169,45 +6170,54 @@ class Replicator:
 
     def copy_feed(self, team, project, follow=False):
         """Copy one feed from its cursor in the state to the end (with follow: and then as events arrive).
-        The next page is pulled while one is pushed. False when the feed stopped on something refused."""
+        The next page is pulled while pages are pushed, PUSHES_IN_FLIGHT at once, and the state is written
+        for each page once it and every page before it were acknowledged. False when the feed stopped on
+        something refused."""
         name = feed_name(team, project)
-        source, target = self.source.client(), self.target.client()
-        cursor = self.state.cursor(name)
+        source, targets = self.source.client(), [self.target.client() for _ in range(PUSHES_IN_FLIGHT)]
+        cursor = self.state.cursor(name)  # after the last page pulled
         started = shown = time.monotonic()
-        copied = 0
+        pushing = collections.deque()  # (a page's push, the cursor after that page), oldest first
+        saving = [None]                # the last state write, made while later pages are pushed
+        copied = [0]
 
-        def pull(since, wait):  # and the page's push body, made here too: it overlaps the previous push
+        def pull(since, wait):  # and the page's push body, made here too: it overlaps the pushes
             page = self.retrying(lambda: self.pull(source, team, project, since, wait), "%s: pull" % name, follow)
             return page + (push_page_body(project, team, page[1], page[2]),)
-        saving = None  # the state write of the previous page, made while this one is pushed
+
+        def settle(keep):
+            """Wait for pushes until at most keep are in flight; write each one's cursor, in order."""
+            while len(pushing) > keep:
+                push, after = pushing[0]
+                copied[0] += push.result()
+                pushing.popleft()
+                if saving[0] is not None:
+                    saving[0].result()
+                self.begin_work(force=True)  # ended by save_cursor
+                saving[0] = Fetch(self.save_cursor, name, after)
         try:
-            fetch = Fetch(pull, cursor, 0)
+            fetch, turn = Fetch(pull, cursor, 0), 0
             while True:
                 next_cursor, records, sessions, more, body = fetch.result()
                 fetch = Fetch(pull, next_cursor, 0) if more and not self.stopping.is_set() else None
-                if not self.begin_work():
-                    break
-                try:
-                    if records or sessions:
-                        copied += self.push_page(target, team, project, records, sessions, body, follow)
-                    if saving is not None:
-                        saving.result()  # cursors are written in order
-                        saving = None
-                    if next_cursor != cursor:
-                        self.begin_work(force=True)  # ended by save_cursor
-                        saving = Fetch(self.save_cursor, name, next_cursor)
-                        cursor = next_cursor
-                finally:
-                    self.end_work()
+                if next_cursor != cursor:
+                    if not self.begin_work():
+                        break
+                    push = Fetch(self.push_in_flight, targets[turn % len(targets)], team, project, records,
+                                 sessions, body, follow)
+                    pushing.append((push, next_cursor))
+                    cursor, turn = next_cursor, turn + 1
+                settle(len(targets) - 1 if fetch is not None else 0)
                 if self.progress and not follow and time.monotonic() - shown >= PROGRESS_SECONDS:
                     shown = time.monotonic()
-                    self.show_progress(name, copied, shown - started, "\r")
+                    self.show_progress(name, copied[0], shown - started, "\r")
                 if fetch is None:
                     if not follow or self.stopping.is_set():
                         break
                     fetch = Fetch(pull, cursor, REPLICATE_WAIT)  # caught up: a long-poll
-            if saving is not None:
-                saving.result()
+            settle(0)
+            if saving[0] is not None:
+                saving[0].result()
         except ReplicateRefused as exc:
             self.fail("%s: %s; this feed stops" % (name, exc))
             return False
@@ -6217,11 +6227,21 @@ class Replicator:
             self.state_failed(exc)
             return False
         finally:
+            for push, _ in pushing:  # a later page's push, when an earlier one was refused
+                push.join(REPLICATE_TIMEOUT)
             source.close()
-            target.close()
+            for target in targets:
+                target.close()
         if self.progress and not follow:
-            self.show_progress(name, copied, time.monotonic() - started, "\r", "\n")
+            self.show_progress(name, copied[0], time.monotonic() - started, "\r", "\n")
         return True
+
+    def push_in_flight(self, client, team, project, records, sessions, body, follow):
+        """push_page() of a page in a thread of its own: ends the work begun for it."""
+        try:
+            return self.push_page(client, team, project, records, sessions, body, follow) if records or sessions else 0
+        finally:
+            self.end_work()
 
     def save_cursor(self, name, cursor):
         try:
