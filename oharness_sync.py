@@ -17,6 +17,8 @@ Usage:
                                    [--memory --principal ID]
     python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N] [--json FILE]
     python3 oharness_sync.py fsck --data DIR [--repair]
+    python3 oharness_sync.py replicate --from URL --from-token-file FILE --to URL --to-token-file FILE
+                                       [--team ID]... [--project ID]... [--follow] [--state FILE] ...
 
 The module reads top-down: constants and limits; errors; pure validation and
 hashing; authentication; storage (feeds, tokens); the HTTP layer; the command

@@ -7570,6 +7570,28 @@ class ReplicateMemoryTest(ReplicateCase):
         self.assertEqual(self.notes(self.target.url, self.target_alice),
                          {"a": replicate_note("a", body="target", updatedAt=1789344000200),
                           "b": replicate_note("b", body="source", updatedAt=1789344000300)})
+        # The conflict is reported once; the source's next edit of the note is applied as usual.
+        self.assertEqual(self.replicate("--state", self.state_path, memory=True)[2], "")
+        self.commit(self.url, self.alice, [replicate_put("a", body="again", updatedAt=1789344000400)])
+        code, out, err = self.replicate("--state", self.state_path, memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 0, 0, updated=1)
+        self.assertEqual(self.notes(self.target.url, self.target_alice)["a"]["body"], "again")
+
+    def test_a_target_written_meanwhile_is_looked_at_again(self):
+        self.commit(self.url, self.alice, [replicate_put("n1")])
+        original = sync.Replicator.memory_call
+
+        def commit_first(replicator, side, client, route, fields, follow, statuses=(200,)):
+            if route == "commit" and not self.raced:  # someone commits on the target just before replicate
+                self.raced = self.commit(self.target.url, self.target_alice, [replicate_put("other")])
+            return original(replicator, side, client, route, fields, follow, statuses)
+        self.raced = None
+        with mock.patch.object(sync.Replicator, "memory_call", commit_first):
+            code, out, err = self.replicate(memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 0, 0, created=1)
+        self.assertEqual(sorted(self.notes(self.target.url, self.target_alice)), ["n1", "other"])
 
     def test_a_first_run_never_destroys_a_note_only_the_target_has(self):
         self.commit(self.url, self.alice, [replicate_put("gone")])
