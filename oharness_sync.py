@@ -6122,11 +6122,11 @@ class Replicator:
                     raise ReplicateStopped() from None
                 delay = min(delay * 2, REPLICATE_BACKOFF[1])
 
-    def begin_work(self, force=False):
-        """False once stopping (unless forced); else a push, a commit or a state write may start
+    def begin_work(self):
+        """False once stopping; else a push (and the state write after it) or a commit may start
         (end_work() when it is done)."""
         with self._lock:
-            if self.stopping.is_set() and not force:
+            if self.stopping.is_set():
                 return False
             self._busy += 1
             return True
@@ -6188,14 +6188,14 @@ class Replicator:
             return page + (push_page_body(project, team, page[1], page[2]),)
 
         def settle(keep):
-            """Wait for pushes until at most keep are in flight; write each one's cursor, in order."""
+            """Wait for pushes until at most keep are in flight; write each one's cursor, in order (the
+            work begun for a push ends once its cursor is written: a stop waits for that too)."""
             while len(pushing) > keep:
                 push, after = pushing[0]
                 copied[0] += push.result()
-                pushing.popleft()
                 if saving[0] is not None:
                     saving[0].result()
-                self.begin_work(force=True)  # ended by save_cursor
+                pushing.popleft()
                 saving[0] = Fetch(self.save_cursor, name, after)
         try:
             fetch, turn = Fetch(pull, cursor, 0), 0
@@ -6229,8 +6229,10 @@ class Replicator:
             self.state_failed(exc)
             return False
         finally:
-            for push, _ in pushing:  # a later page's push, when an earlier one was refused
+            for push, _ in pushing:  # a later page's push, when an earlier one was refused: not recorded
                 push.join(REPLICATE_TIMEOUT)
+                if push.error is None and not push.is_alive():
+                    self.end_work()
             source.close()
             for target in targets:
                 target.close()
@@ -6239,11 +6241,13 @@ class Replicator:
         return True
 
     def push_in_flight(self, client, team, project, records, sessions, body, follow):
-        """push_page() of a page in a thread of its own: ends the work begun for it."""
+        """push_page() of a page in a thread of its own; the work begun for it ends here when it fails,
+        else once its cursor is written (save_cursor)."""
         try:
             return self.push_page(client, team, project, records, sessions, body, follow) if records or sessions else 0
-        finally:
+        except BaseException:
             self.end_work()
+            raise
 
     def save_cursor(self, name, cursor):
         try:
