@@ -7356,6 +7356,13 @@ class ReplicateCase(ServerCase):
         self.to_token = self.token_file("to.token", self.target_alice)
         self.state_path = os.path.join(self.files, "state.json")
 
+    def picky(self, **options):
+        """Copy to a PickyTarget (defined below) from now on."""
+        picky = PickyTarget(**options)
+        self.addCleanup(picky.stop)
+        self.target_url = picky.url
+        return picky
+
     def token_file(self, name, token):
         path = os.path.join(self.files, name)
         with open(path, "w") as f:
@@ -7455,6 +7462,19 @@ class ReplicateFeedsTest(ReplicateCase):
         self.assertEqual(self.target_pull(), self.source_pull())
         pushes = [line for line in self.target_log if "POST /v1/push 200" in line]
         self.assertEqual(len(pushes), 2, self.target_log)
+
+    def test_a_progress_line_per_feed_on_a_terminal(self):
+        self.push(self.alice, "one", [record("s1", "r%d" % i) for i in range(3)])
+        self.push(self.alice, "two", [record()])
+        out = io.StringIO()
+        source = sync.ReplicateSide("source", self.url, self.alice, None)
+        target = sync.ReplicateSide("target", self.target.url, self.target_alice, None)
+        replicator = sync.Replicator(source, target, sync.ReplicationState(None, self.url, self.target.url),
+                                     memory=False, out=out, progress=True)
+        self.assertEqual(replicator.run(), 0)
+        # Each line is rewritten in place (\r) as its feed is copied, and ends when the feed is done.
+        self.assertRegex(out.getvalue(), r"^\rreplicate: personal/one: 3 events, [0-9]+ events/s +\n"
+                                         r"\rreplicate: personal/two: 1 events, [0-9]+ events/s +\n$")
 
     def test_a_second_run_adds_nothing(self):
         self.push(self.alice, "proj", [record("s1", "r%d" % i) for i in range(3)], [meta("s1")])
@@ -7630,7 +7650,27 @@ class ReplicateFollowTest(ReplicateCase):
 
     FOLLOW = ("import sys; sys.path.insert(0, %r); import oharness_sync as sync; "
               "sync.REPLICATE_RELIST_SECONDS = sync.REPLICATE_MEMORY_SECONDS = 0.2; "
+              "sync.REPLICATE_BACKOFF = (0.01, 0.02); "
               "sys.exit(sync.main(sys.argv[1:]))" % HERE)
+
+    def follow(self, *extra, memory=True):
+        process = subprocess.Popen([sys.executable, "-c", self.FOLLOW] + self.argv("--follow", *extra,
+                                                                                    memory=memory),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+        self.addCleanup(process.kill)
+        return process
+
+    def test_follow_outlasts_more_faults_than_a_run_tries(self):
+        self.push(self.alice, "proj", [record()])
+        picky = self.picky(unavailable=sync.REPLICATE_ATTEMPTS + 3)
+        process = self.follow(memory=False)
+        self.wait_for(lambda: picky.pushes == [[record()]])
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=15)
+        self.assertEqual(process.returncode, 0, err)
+        self.assertEqual(err.count("POST /v1/push answered 503"), sync.REPLICATE_ATTEMPTS + 3, err)
+        self.assertNotIn("gave up", err)
+        self.assertRegex(out, r"^replicate: 1 feeds, 1 events copied, ")
 
     def wait_for(self, condition, seconds=10):
         deadline = time.monotonic() + seconds
@@ -7643,10 +7683,7 @@ class ReplicateFollowTest(ReplicateCase):
     def test_follow_carries_new_events_and_new_projects_and_stops_on_sigterm(self):
         self.push(self.alice, "proj", [record("s1", "r1")])
         self.commit_note = None
-        process = subprocess.Popen([sys.executable, "-c", self.FOLLOW] + self.argv("--follow", "--state",
-                                                                                    self.state_path),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
-        self.addCleanup(process.kill)
+        process = self.follow("--state", self.state_path)
         self.wait_for(lambda: self.target_pull()["records"] == [record("s1", "r1")])
         time.sleep(0.3)  # parked in its long-poll by now
         pushed = time.monotonic()
@@ -7751,12 +7788,6 @@ class PickyTarget:
 
 class ReplicateRefusalsTest(ReplicateCase):
     """What a target refuses, for good or for a while: nothing is skipped silently."""
-
-    def picky(self, **options):
-        picky = PickyTarget(**options)
-        self.addCleanup(picky.stop)
-        self.target_url = picky.url
-        return picky
 
     def test_a_413_halves_the_push_and_an_event_refused_alone_stops_its_feed(self):
         records = [record("s1", "r%d" % i, i) for i in range(6)]
