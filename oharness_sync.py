@@ -19,6 +19,8 @@ Usage:
                                    [--no-fail]
     python3 oharness_sync.py fsck --data DIR [--repair]
     python3 oharness_sync.py note-hash FILE
+    python3 oharness_sync.py replicate --from URL --from-token-file FILE --to URL --to-token-file FILE
+                                       [--team ID]... [--project ID]... [--follow] [--state FILE] ...
 
 The module reads top-down: constants and limits; errors; pure validation and
 hashing; authentication; storage (feeds, tokens); the HTTP layer; the command
@@ -28,6 +30,7 @@ line; main.
 import argparse
 import array
 import base64
+import collections
 import errno
 import hashlib
 import hmac
@@ -288,8 +291,9 @@ def json_too_deep(text, limit=MAX_JSON_DEPTH):
     return False
 
 
-def decode_json(data):
-    """Parse request bytes as strict JSON (UTF-8, no NaN or Infinity, bounded nesting).
+def decode_json(data, max_depth=MAX_JSON_DEPTH):
+    """Parse request bytes as strict JSON (UTF-8, no NaN or Infinity, nesting bounded by max_depth; None:
+    only by the interpreter's recursion limit, for a thread with a full-size stack).
 
     Raises ValueError with a short reason.
     """
@@ -297,7 +301,7 @@ def decode_json(data):
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError("body is not valid UTF-8") from None
-    if json_too_deep(text):
+    if max_depth is not None and json_too_deep(text, max_depth):
         raise ValueError("JSON is nested too deeply")
     try:
         return _STRICT_JSON.decode(text)
@@ -4016,7 +4020,7 @@ class SyncServer(http.server.ThreadingHTTPServer):
 
 
 # ---------------------------------------------------------------------------
-# The command line: serve, token, fsck, check, bench
+# The command line: serve, token, fsck, check, bench, replicate
 # ---------------------------------------------------------------------------
 
 class Log:
@@ -4623,8 +4627,9 @@ def excerpt(value, limit=200):
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def parse_base_url(url):
-    """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else UsageError."""
+def parse_base_url(url, flag="--url"):
+    """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else UsageError
+    naming flag."""
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
@@ -4632,9 +4637,75 @@ def parse_base_url(url):
         parts = None
     if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0
             or parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc):
-        raise UsageError("--url must be http(s)://host[:port], with no path, query or credentials")
+        raise UsageError("%s must be http(s)://host[:port], with no path, query or credentials" % flag)
     https = parts.scheme == "https"
     return https, parts.hostname, port if port is not None else (443 if https else 80)
+
+
+class SyncClient:
+    """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token.
+
+    exchange() sends one request on a connection of its own, or with keep_alive on the connection the
+    previous keep_alive request left open; when that one turns out closed by the server (an idle
+    keep-alive), the request is sent once more on a new connection. Every request of the protocol may
+    be sent twice (pushes deduplicate, a commit carries its etag), so that is safe.
+    """
+
+    def __init__(self, url, token=None, context=None, timeout=CHECK_TIMEOUT, flag="--url"):
+        self.url = url
+        self.https, self.host, self.port = parse_base_url(url, flag)
+        self.token = token
+        self.context = context  # an ssl.SSLContext for https (None: the system's trusted certificates)
+        self.timeout = timeout
+        self._kept = None
+
+    def connect(self, timeout):
+        if self.https:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               context=self.context or ssl.create_default_context())
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def exchange(self, method, path, data=None, token=None, timeout=None, keep_alive=False):
+        """(status, headers with lower-case names, body bytes) of one request; data is a JSON body as bytes.
+        token None sends ours; "" sends none. Raises OSError or http.client.HTTPException."""
+        timeout = self.timeout if timeout is None else timeout
+        if not keep_alive:
+            conn = self.connect(timeout)
+            try:
+                return self.send(conn, method, path, data, token)
+            finally:
+                conn.close()
+        reused = self._kept is not None
+        for attempt in (1, 2):
+            if self._kept is None:
+                self._kept = self.connect(timeout)
+            elif self._kept.sock is not None:
+                self._kept.sock.settimeout(timeout)
+            try:
+                return self.send(self._kept, method, path, data, token)
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                if attempt == 2 or not reused or not isinstance(exc, (ConnectionError, http.client.BadStatusLine)):
+                    raise
+        raise AssertionError("not reached")
+
+    def send(self, conn, method, path, data=None, token=None):
+        """One request on conn: (status, headers with lower-case names, body bytes)."""
+        headers = {}
+        token = self.token if token is None else token
+        if token:
+            headers["Authorization"] = "Bearer " + token
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        conn.request(method, path, data, headers)
+        response = conn.getresponse()
+        raw = response.read()
+        return response.status, {name.lower(): value for name, value in response.getheaders()}, raw
+
+    def close(self):
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
 
 
 class ConformanceCheck:
@@ -4648,13 +4719,12 @@ class ConformanceCheck:
     def __init__(self, url, token, other_token=None, team=None, principal=None, out=None, ca_file=None,
                  err=None):
         self.url = url
-        self.https, self.host, self.port = parse_base_url(url)
-        self.tls_context = None
-        if ca_file is not None and not self.https:
+        self.client = SyncClient(url, token)
+        if ca_file is not None and not self.client.https:
             raise UsageError("--ca-file goes with an https:// URL")
-        if self.https:
+        if self.client.https:
             try:
-                self.tls_context = ssl.create_default_context(cafile=ca_file)
+                self.client.context = ssl.create_default_context(cafile=ca_file)
             except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
                 raise UsageError("cannot use --ca-file %s: %s" % (ca_file, reason(exc))) from None
         self.answered = False  # no HTTP answer yet: nothing written, no notice printed
@@ -4738,35 +4808,22 @@ class ConformanceCheck:
     def request(self, method, path, body=None, token=None, timeout=CHECK_TIMEOUT):
         """One request on a new connection: (status, headers with lower-case names, JSON or None).
         token None sends ours; "" sends none."""
-        if self.https:
-            conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self.tls_context)
-        else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        data = None if body is None else encode_json(body)
+        conn = self.client.connect(timeout)
         try:
-            conn.connect()
-        except OSError as exc:  # refused, no such host, an untrusted certificate: the same for every request
-            conn.close()
-            raise CheckStopped(connect_failure(self.url, exc)) from None
-        headers = {}
-        token = self.token if token is None else token
-        if token:
-            headers["Authorization"] = "Bearer " + token
-        data = None
-        if body is not None:
-            data = encode_json(body)
-            headers["Content-Type"] = "application/json"
-        try:
-            conn.request(method, path, data, headers)
-            response = conn.getresponse()
-            raw = response.read()
-            answer_headers = {name.lower(): value for name, value in response.getheaders()}
-        except (OSError, http.client.HTTPException) as exc:
-            if self.answered:
-                raise
-            # Not one HTTP answer yet: most likely not an HTTP server (or TLS where http:// was given).
-            raise CheckStopped("no HTTP answer from %s to a first request (%s)%s" % (
-                self.url, str(exc) or type(exc).__name__,
-                "" if self.https else ": if it serves HTTPS, give an https:// URL")) from None
+            try:
+                conn.connect()
+            except OSError as exc:  # refused, no such host, an untrusted certificate: the same for every request
+                raise CheckStopped(connect_failure(self.url, exc)) from None
+            try:
+                status, answer_headers, raw = self.client.send(conn, method, path, data, token)
+            except (OSError, http.client.HTTPException) as exc:
+                if self.answered:
+                    raise
+                # Not one HTTP answer yet: most likely not an HTTP server (or TLS where http:// was given).
+                raise CheckStopped("no HTTP answer from %s to a first request (%s)%s" % (
+                    self.url, str(exc) or type(exc).__name__,
+                    "" if self.client.https else ": if it serves HTTPS, give an https:// URL")) from None
         finally:
             conn.close()
         if not self.answered:  # the checks write from now on: say where, once
@@ -4776,8 +4833,8 @@ class ConformanceCheck:
             doc = decode_json(raw) if raw else None
         except ValueError as exc:
             raise CheckFailed("%s %s answered %d with a body that is not JSON (%s): %r"
-                              % (method, path, response.status, exc, raw[:100])) from None
-        return response.status, answer_headers, doc
+                              % (method, path, status, exc, raw[:100])) from None
+        return status, answer_headers, doc
 
     def call(self, method, path, body=None, status=200, token=None, timeout=CHECK_TIMEOUT):
         """request(), and CheckFailed unless the answer has this status (and, for 200, is JSON);
@@ -5794,12 +5851,878 @@ def run_bench(report, args, scratch):
             report.add("server memory after that start-up", rss, "MiB", target=BENCH_TARGETS["memory after start-up"])
 
 
+# -- replicate: copy a principal's feeds and memory to another server -----------
+#
+# A client of the protocol on both sides: it reads no data dir and works between any two servers.
+# Feeds are copied page by page from the last cursor the target acknowledged; memory notes are
+# reconciled three ways against the source's hashes of the previous pass (the state file's base).
+
+REPLICATE_TIMEOUT = 60           # seconds for one request; a long-poll gets its wait on top
+REPLICATE_WAIT = 30              # a --follow long-poll's wait
+REPLICATE_RELIST_SECONDS = 60    # --follow: projects listed again this often
+REPLICATE_MEMORY_SECONDS = 60    # --follow: memory scopes looked at this often
+REPLICATE_BACKOFF = (1.0, 60.0)  # first and longest wait after a network error or a 5xx
+REPLICATE_ATTEMPTS = 5           # without --follow: tries of one request before its feed or scope gives up
+MEMORY_COMMIT_ATTEMPTS = 5       # fresh snapshots after a 409 revision_conflict before a scope gives up
+STATE_VERSION = 1
+PROGRESS_SECONDS = 1.0
+PUSHES_IN_FLIGHT = 2             # pages of one feed pushed at once (on connections of their own)
+
+# The three-way decisions for one note id.
+KEEP, CREATE, UPDATE, DELETE, CONFLICT = "keep", "create", "update", "delete", "conflict"
+
+
+class ReplicateFatal(Exception):
+    """A side refused the token (401, 403): the run ends at once with exit 1, --follow included."""
+
+
+class ReplicateTransient(Exception):
+    """A network error, a 5xx or a 429: worth trying again later."""
+
+
+class ReplicateRefused(Exception):
+    """Something the target (or the source) refuses for good: that feed or memory scope stops."""
+
+
+class ReplicateStopped(Exception):
+    """A stop came while a request waited to be tried again: what it was part of ends quietly."""
+
+
+def feed_name(team, project):
+    """A feed's name in messages and in the state file: personal/P or team/T/P."""
+    return "personal/%s" % project if team is None else "team/%s/%s" % (team, project)
+
+
+def scope_name(project):
+    """A memory scope's name in messages and in the state file: user or project/P."""
+    return "user" if project is None else "project/%s" % project
+
+
+def plan_pushes(events, max_records=MAX_PUSH_RECORDS, max_sessions=MAX_PUSH_SESSIONS, max_bytes=MAX_PUSH_BYTES,
+                overhead=0):
+    """Split a page into pushes within the target's limits. events: (kind "r" or "s", encoded bytes) in
+    push order; overhead: the body's bytes around them. A list of (start, end) ranges of events; an event
+    too large even alone gets a push of its own (the target's answer decides)."""
+    ranges, start, records, sessions, size = [], 0, 0, 0, overhead
+    for index, (kind, data) in enumerate(events):
+        more = len(data) + 1  # and its comma
+        full = (records == max_records if kind == "r" else sessions == max_sessions) or size + more > max_bytes
+        if full and index > start:
+            ranges.append((start, index))
+            start, records, sessions, size = index, 0, 0, overhead
+        size += more
+        if kind == "r":
+            records += 1
+        else:
+            sessions += 1
+    if start < len(events):
+        ranges.append((start, len(events)))
+    return ranges
+
+
+def push_body(project, team, events):
+    """The bytes of a push of these (kind, encoded event) pairs."""
+    head = b'{"project":' + encode_json(project)
+    if team is not None:
+        head += b',"team":' + encode_json(team)
+    return b"%s,\"records\":[%s],\"sessions\":[%s]}" % (
+        head, b",".join(data for kind, data in events if kind == "r"),
+        b",".join(data for kind, data in events if kind == "s"))
+
+
+def push_page_body(project, team, records, sessions):
+    """The bytes of one push of a whole page, or None when they are past the push limits."""
+    if len(records) > MAX_PUSH_RECORDS or len(sessions) > MAX_PUSH_SESSIONS:
+        return None
+    body = {"project": project, "records": records, "sessions": sessions}
+    if team is not None:
+        body["team"] = team
+    data = encode_json(body)
+    return data if len(data) <= MAX_PUSH_BYTES else None
+
+
+def event_label(kind, event):
+    """How an event is named in a message: record SESSION/ID or session ID gen N (ASCII, one line)."""
+    def shown(value):
+        text = json.dumps(value, ensure_ascii=True)
+        text = text[1:-1] if isinstance(value, str) else text
+        return text if len(text) <= 80 else text[:80] + "..."
+    if kind == "r":
+        return "record %s/%s" % (shown(event.get("session")), shown(event.get("id")))
+    return "session %s gen %s" % (shown(event.get("id")), shown(event.get("gen")))
+
+
+def note_time(note):
+    """When a note was last changed, as far as it says: updatedAt, else createdAt."""
+    stamp = note.get("updatedAt")
+    return stamp if stamp is not None else note.get("createdAt", 0)
+
+
+def memory_decision(base, source, target):
+    """The three-way decision for one note id. base: the source's hash at the previous pass (None: no
+    note then, or no previous pass); source, target: (hash, note) with hash None for a tombstone, or None
+    when the id is absent. KEEP and CONFLICT leave the target; CREATE, UPDATE and DELETE apply the source."""
+    source_hash = source[0] if source is not None else None
+    target_hash = target[0] if target is not None else None
+    if source_hash == base or source_hash == target_hash:
+        return KEEP  # the source did not change (the target's own edits stay), or both already agree
+    if target is None or target_hash == base:
+        if source_hash is None:
+            return DELETE
+        return CREATE if target_hash is None else UPDATE
+    if source_hash is not None and target_hash is not None and note_time(source[1]) > note_time(target[1]):
+        return UPDATE  # both changed, both live: the later one wins (a tie keeps the target)
+    return CONFLICT
+
+
+def snapshot_entries(doc):
+    """{id: (hash or None, note or None)} of a snapshot or commit answer's entries; ValueError when malformed."""
+    entries = doc.get("entries")
+    if not isinstance(entries, list):
+        raise ValueError("entries is not a list")
+    found = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or not is_valid_id(entry.get("id")):
+            raise ValueError("an entry without a valid id")
+        hash_value, note = entry.get("hash"), entry.get("note")
+        if not (hash_value is None or (isinstance(hash_value, str) and _HASH.fullmatch(hash_value))):
+            raise ValueError("entry %s has a malformed hash" % entry["id"])
+        if note is not None and not isinstance(note, dict):
+            raise ValueError("entry %s has a malformed note" % entry["id"])
+        found[entry["id"]] = (hash_value, note)
+    return found
+
+
+def plan_memory(base, source, target):
+    """(changes for the target's commit, ids of kept conflicts, {decision: count}) of one scope.
+    base: {id: hash or None}; source, target: snapshot_entries()."""
+    changes, conflicts, counts = [], [], {CREATE: 0, UPDATE: 0, DELETE: 0}
+    for note_id in sorted(set(source) | set(base)):
+        decision = memory_decision(base.get(note_id), source[note_id], target.get(note_id))
+        if decision == CONFLICT:
+            conflicts.append(note_id)
+        elif decision == DELETE:
+            changes.append({"id": note_id, "hash": None})
+        elif decision != KEEP:
+            hash_value, note = source[note_id]  # live: CREATE and UPDATE need a live source note
+            if note is None:
+                raise ValueError("the source sent note %s without its content" % note_id)
+            changes.append({"id": note_id, "hash": hash_value, "note": note})
+        if decision in counts:
+            counts[decision] += 1
+    return changes, conflicts, counts
+
+
+def new_state(source, target):
+    """An empty state document for copies from source to target."""
+    return {"version": STATE_VERSION, "from": source, "to": target, "feeds": {}, "memory": {}}
+
+
+def check_state(doc, source, target):
+    """doc when it is a state document for source to target; ValueError saying why not."""
+    if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
+        raise ValueError("not a replicate state file (version %d)" % STATE_VERSION)
+    if doc.get("from") != source or doc.get("to") != target:
+        raise ValueError("it is for %s to %s" % (excerpt(doc.get("from"), 100), excerpt(doc.get("to"), 100)))
+    feeds, memory = doc.get("feeds"), doc.get("memory")
+    if not isinstance(feeds, dict) or any(as_safe_int(cursor) is None for cursor in feeds.values()):
+        raise ValueError("its feeds are not cursors")
+    if not isinstance(memory, dict):
+        raise ValueError("its memory is not an object")
+    for scope in memory.values():
+        if not (isinstance(scope, dict) and (scope.get("etag") is None or isinstance(scope.get("etag"), str))
+                and isinstance(scope.get("base"), dict)
+                and all(h is None or (isinstance(h, str) and _HASH.fullmatch(h)) for h in scope["base"].values())):
+            raise ValueError("its memory scopes are malformed")
+    return doc
+
+
+class ReplicationState:
+    """Cursors and memory bases, in memory and (with --state) in a file written atomically at each change.
+    A new file is written at once: one that cannot be is a usage error before anything is copied."""
+
+    def __init__(self, path, source, target):
+        self.path = path
+        self._lock = threading.Lock()
+        self.doc = new_state(source, target)
+        self._memory_json = None  # the memory part encoded, as it changes far less often than a cursor
+        if path is None:
+            return
+        try:
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    self.doc = check_state(decode_json(f.read()), source, target)
+            else:
+                self._save()
+        except (OSError, ValueError) as exc:
+            raise UsageError("cannot use the state file %s: %s" % (path, reason(exc))) from None
+
+    def cursor(self, feed):
+        with self._lock:
+            return self.doc["feeds"].get(feed, 0)
+
+    def set_cursor(self, feed, cursor):
+        with self._lock:
+            self.doc["feeds"][feed] = cursor
+            self._save()
+
+    def memory(self, scope):
+        """(True when a pass was made, the source's etag then, {id: the source's hash then})."""
+        with self._lock:
+            saved = self.doc["memory"].get(scope)
+            return (True, saved["etag"], dict(saved["base"])) if saved else (False, None, {})
+
+    def set_memory(self, scope, etag, base):
+        with self._lock:
+            self.doc["memory"][scope] = {"etag": etag, "base": base}
+            self._memory_json = None
+            self._save()
+
+    def _save(self):
+        if self.path is None:
+            return
+        if self._memory_json is None:
+            self._memory_json = encode_json(self.doc["memory"])
+        head = dict((name, value) for name, value in self.doc.items() if name != "memory")
+        write_atomically(self.path, encode_json(head)[:-1] + b',"memory":' + self._memory_json + b"}")
+
+
+class Fetch(threading.Thread):
+    """function(*args) in a thread of its own (a daemon: a long-poll never holds up an exit); result()
+    waits for it and returns its value or raises its exception."""
+
+    def __init__(self, function, *args):
+        threading.Thread.__init__(self, daemon=True, name="replicate fetch")
+        self.function, self.args = function, args
+        self.value = self.error = None
+        self.start()
+
+    def run(self):
+        try:
+            self.value = self.function(*self.args)
+        except BaseException as exc:  # handed to result(), in the thread that waits for it
+            self.error = exc
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class ReplicateSide:
+    """One server of a replication: its URL, token, TLS trust and (for memory) principal."""
+
+    def __init__(self, role, url, token, context, principal=None):
+        self.role = role  # "source" or "target", in messages
+        self.url = url
+        self.token = token
+        self.context = context
+        self.principal = principal
+        self.quota = dict(MEMORY_QUOTA)
+
+    def client(self):
+        return SyncClient(self.url, self.token, self.context, REPLICATE_TIMEOUT)
+
+
+class Replicator:
+    """Copies a principal's feeds (personal and teams) and memory notes from a source to a target server,
+    once (run) or continuously (follow). Messages go to out; counts are summed in self.totals."""
+
+    def __init__(self, source, target, state, teams=(), projects=(), memory=True, quiet=False, out=None,
+                 progress=False):
+        self.source = source
+        self.target = target
+        self.state = state
+        self.namespaces = [None] + list(teams)
+        self.projects = list(projects)
+        self.memory = memory
+        self.quiet = quiet
+        self.out = out or sys.stderr
+        self.progress = progress and not quiet
+        self.stopping = threading.Event()
+        self.failed = False
+        self.fatal = None       # the line a 401 or 403 ended the run with
+        self.totals = collections.Counter()
+        self._lock = threading.Lock()
+        self._busy = 0          # pushes and commits in flight: a stop lets them finish
+        self._idle = threading.Condition(self._lock)
+
+    # -- messages and counts -------------------------------------------------
+
+    def say(self, message, error=False):
+        if error or not self.quiet:
+            for secret in (self.source.token, self.target.token):
+                message = message.replace(secret, "<token>")
+            with self._lock:
+                try:
+                    print("replicate: %s" % message, file=self.out, flush=True)
+                except (OSError, ValueError):
+                    pass
+
+    def fail(self, message):
+        with self._lock:
+            self.failed = True
+        self.say(message, error=True)
+
+    def state_failed(self, exc):
+        """The state file cannot be written: everything stops (what is copied cannot be remembered)."""
+        self.fail("stopped: cannot write the state file %s: %s" % (self.state.path, reason(exc)))
+        self.stopping.set()
+
+    def count(self, **amounts):
+        with self._lock:
+            self.totals.update(amounts)
+
+    def summary(self, seconds):
+        t = self.totals
+        return ("%d feeds, %d events copied, %d already on the target; notes: %d created, %d updated, "
+                "%d deleted, %d conflicts kept; %.1f s" % (t["feeds"], t["copied"], t["had"], t["created"],
+                                                          t["updated"], t["deleted"], t["conflicts"], seconds))
+
+    # -- requests --------------------------------------------------------------
+
+    def call(self, side, client, method, path, body=None, timeout=None, statuses=(200,)):
+        """(status, JSON document) of one request; ReplicateFatal for 401 and 403, ReplicateTransient for a
+        network error, 429 or 5xx, ReplicateRefused for any other status not in statuses."""
+        what = "%s %s" % (method, path.split("?", 1)[0])
+        try:
+            status, _, raw = client.exchange(method, path, body, timeout=timeout, keep_alive=True)
+        except ssl.SSLCertVerificationError as exc:  # trying again changes nothing
+            raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a self-signed one, "
+                                 "give it with --ca-file" % (side.role, side.url, exc.verify_message)) from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise ReplicateTransient("%s: %s of %s: network error: %s" % (
+                side.role, what, side.url, str(exc) or type(exc).__name__)) from None
+        try:
+            doc = decode_json(raw, max_depth=None) if raw else None
+        except ValueError:
+            doc = raw[:100].decode("utf-8", "replace")
+        if status in (401, 403) and status not in statuses:
+            raise ReplicateFatal("the %s %s refuses its token: %s answered %d %s" % (
+                side.role, side.url, what, status, excerpt(doc)))
+        if status == 503 and isinstance(doc, dict) and doc.get("code") == "auth_not_configured":
+            raise ReplicateRefused("the %s has memory sync turned off: %s answered %d %s" % (
+                side.role, what, status, excerpt(doc)))
+        if status == 429 or status >= 500:
+            raise ReplicateTransient("%s: %s answered %d %s" % (side.role, what, status, excerpt(doc)))
+        if status not in statuses:
+            raise ReplicateRefused("the %s answered %s with %d %s" % (side.role, what, status, excerpt(doc)))
+        if status == 200 and not isinstance(doc, dict):
+            raise ReplicateRefused("the %s answered %s with %s, not a JSON object" % (side.role, what, excerpt(doc)))
+        return status, doc
+
+    def retrying(self, action, what, follow):
+        """action(), and again after transient faults, waiting 1 s doubling to 60 s: for ever with follow,
+        else REPLICATE_ATTEMPTS tries (then ReplicateRefused). A stop ends the waiting (ReplicateStopped)."""
+        delay, attempt = REPLICATE_BACKOFF[0], 0
+        while True:
+            try:
+                return action()
+            except ReplicateTransient as exc:
+                attempt += 1
+                if not follow and attempt >= REPLICATE_ATTEMPTS:
+                    raise ReplicateRefused("%s (gave up after %d tries)" % (exc, attempt)) from None
+                self.say("%s: %s; trying again in %g s" % (what, exc, delay), error=True)
+                if self.stopping.wait(delay):
+                    raise ReplicateStopped() from None
+                delay = min(delay * 2, REPLICATE_BACKOFF[1])
+
+    def begin_work(self):
+        """False once stopping; else a push (and the state write after it) or a commit may start
+        (end_work() when it is done)."""
+        with self._lock:
+            if self.stopping.is_set():
+                return False
+            self._busy += 1
+            return True
+
+    def end_work(self):
+        with self._lock:
+            self._busy -= 1
+            self._idle.notify_all()
+
+    def stop(self, seconds=120):
+        """Stop: no new push or commit starts; wait for those in flight (their state is written)."""
+        self.stopping.set()
+        self.wait_idle(seconds)
+
+    def wait_idle(self, seconds=120):
+        with self._lock:
+            self._idle.wait_for(lambda: self._busy == 0, seconds)
+
+    # -- what to copy --------------------------------------------------------------
+
+    def feeds(self, follow=False):
+        """[(team, project)] of every feed to copy: the given projects, or the source's list."""
+        found = []
+        client = self.source.client()
+        try:
+            for team in self.namespaces:
+                if self.projects:
+                    found += [(team, project) for project in self.projects]
+                    continue
+                path = "/v1/projects" + ("?" + urllib.parse.urlencode({"team": team}) if team else "")
+                doc = self.retrying(lambda: self.call(self.source, client, "GET", path)[1],
+                                    "listing the projects of %s" % ("team " + team if team else "personal feeds"),
+                                    follow)
+                projects = doc.get("projects")
+                if not isinstance(projects, list) or not all(is_valid_id(p) for p in projects):
+                    raise ReplicateRefused("the source answered GET /v1/projects with %s" % excerpt(doc))
+                found += [(team, project) for project in projects]
+        finally:
+            client.close()
+        return found
+
+    # -- feeds ---------------------------------------------------------------------
+
+    def copy_feed(self, team, project, follow=False):
+        """Copy one feed from its cursor in the state to the end (with follow: and then as events arrive).
+        The next page is pulled while pages are pushed, PUSHES_IN_FLIGHT at once, and the state is written
+        for each page once it and every page before it were acknowledged. False when the feed stopped on
+        something refused."""
+        name = feed_name(team, project)
+        source, targets = self.source.client(), [self.target.client() for _ in range(PUSHES_IN_FLIGHT)]
+        cursor = self.state.cursor(name)  # after the last page pulled
+        started = shown = time.monotonic()
+        pushing = collections.deque()  # (a page's push, the cursor after that page), oldest first
+        saving = [None]                # the last state write, made while later pages are pushed
+        copied = [0]
+
+        def pull(since, wait):  # and the page's push body, made here too: it overlaps the pushes
+            page = self.retrying(lambda: self.pull(source, team, project, since, wait), "%s: pull" % name, follow)
+            return page + (push_page_body(project, team, page[1], page[2]),)
+
+        def settle(keep):
+            """Wait for pushes until at most keep are in flight; write each one's cursor, in order (the
+            work begun for a push ends once its cursor is written: a stop waits for that too)."""
+            while len(pushing) > keep:
+                push, after = pushing[0]
+                copied[0] += push.result()
+                if saving[0] is not None:
+                    saving[0].result()
+                pushing.popleft()
+                saving[0] = Fetch(self.save_cursor, name, after)
+        try:
+            fetch, turn = Fetch(pull, cursor, 0), 0
+            while True:
+                next_cursor, records, sessions, more, body = fetch.result()
+                fetch = Fetch(pull, next_cursor, 0) if more and not self.stopping.is_set() else None
+                if next_cursor != cursor:
+                    if not self.begin_work():
+                        break
+                    push = Fetch(self.push_in_flight, targets[turn % len(targets)], team, project, records,
+                                 sessions, body, follow)
+                    pushing.append((push, next_cursor))
+                    cursor, turn = next_cursor, turn + 1
+                settle(len(targets) - 1 if fetch is not None else 0)
+                if self.progress and not follow and time.monotonic() - shown >= PROGRESS_SECONDS:
+                    shown = time.monotonic()
+                    self.show_progress(name, copied[0], shown - started, "\r")
+                if fetch is None:
+                    if not follow or self.stopping.is_set():
+                        break
+                    fetch = Fetch(pull, cursor, REPLICATE_WAIT)  # caught up: a long-poll
+            settle(0)
+            if saving[0] is not None:
+                saving[0].result()
+        except ReplicateRefused as exc:
+            self.fail("%s: %s; this feed stops" % (name, exc))
+            return False
+        except ReplicateStopped:
+            return True
+        except OSError as exc:
+            self.state_failed(exc)
+            return False
+        finally:
+            for push, _ in pushing:  # a later page's push, when an earlier one was refused: not recorded
+                push.join(REPLICATE_TIMEOUT)
+                if push.error is None and not push.is_alive():
+                    self.end_work()
+            source.close()
+            for target in targets:
+                target.close()
+        if self.progress and not follow:
+            self.show_progress(name, copied[0], time.monotonic() - started, "\r", "\n")
+        return True
+
+    def push_in_flight(self, client, team, project, records, sessions, body, follow):
+        """push_page() of a page in a thread of its own; the work begun for it ends here when it fails,
+        else once its cursor is written (save_cursor)."""
+        try:
+            return self.push_page(client, team, project, records, sessions, body, follow) if records or sessions else 0
+        except BaseException:
+            self.end_work()
+            raise
+
+    def save_cursor(self, name, cursor):
+        try:
+            self.state.set_cursor(name, cursor)
+        finally:
+            self.end_work()
+
+    def show_progress(self, name, events, seconds, start="", end=""):
+        line = "%s: %d events, %d events/s" % (name, events, events / seconds if seconds > 0 else 0)
+        with self._lock:
+            try:
+                self.out.write("%sreplicate: %-60s%s" % (start, line, end))
+                self.out.flush()
+            except (OSError, ValueError):
+                pass
+
+    def pull(self, client, team, project, since, wait):
+        """(cursor, records, sessions, more) of one pull; ReplicateRefused when malformed."""
+        query = {"project": project, "since": since, "limit": MAX_PULL_LIMIT}
+        if wait:
+            query["wait"] = wait
+        if team is not None:
+            query["team"] = team
+        _, doc = self.call(self.source, client, "GET", "/v1/pull?" + urllib.parse.urlencode(query),
+                           timeout=REPLICATE_TIMEOUT + wait)
+        cursor, records, sessions, more = (as_safe_int(doc.get("cursor")), doc.get("records"),
+                                           doc.get("sessions"), doc.get("more"))
+        if (cursor is None or cursor < since or not isinstance(records, list) or not isinstance(sessions, list)
+                or not isinstance(more, bool) or not all(isinstance(e, dict) for e in records + sessions)):
+            raise ReplicateRefused("the source answered a pull with %s" % excerpt(doc))
+        return cursor, records, sessions, more
+
+    def push_page(self, client, team, project, records, sessions, data, follow):
+        """Push a page's events in pushes within the limits; how many events were sent.
+        data: push_page_body(); a page that fits is pushed whole, else (or when refused) event by event."""
+        if data is not None and self.push(client, team, project, data, len(records) + len(sessions), follow)[0] == 200:
+            return len(records) + len(sessions)
+        events = [("r", encode_json(e), e) for e in records] + [("s", encode_json(e), e) for e in sessions]
+        overhead = len(push_body(project, team, []))
+        for start, end in plan_pushes([(kind, data) for kind, data, _ in events], overhead=overhead):
+            self.push_events(client, team, project, events[start:end], follow)
+        return len(events)
+
+    def push_events(self, client, team, project, events, follow):
+        """Push events; a 400 or 413 halves them and tries again, down to one event the target refuses."""
+        body = push_body(project, team, [(kind, data) for kind, data, _ in events])
+        status, doc = self.push(client, team, project, body, len(events), follow)
+        if status == 200:
+            return
+        if len(events) == 1:
+            kind, _, event = events[0]
+            raise ReplicateRefused("the target refuses %s even alone: %d %s" % (
+                event_label(kind, event), status, excerpt(doc)))
+        half = len(events) // 2
+        self.push_events(client, team, project, events[:half], follow)
+        self.push_events(client, team, project, events[half:], follow)
+
+    def push(self, client, team, project, body, events, follow):
+        """One push of body, which holds this many events: (status, answer); 200, 400 or 413. What a 200
+        says is counted: events copied, and events the target already had."""
+        status, doc = self.retrying(lambda: self.call(self.target, client, "POST", "/v1/push", body,
+                                                      statuses=(200, 400, 413)),
+                                    "%s: push" % feed_name(team, project), follow)
+        if status == 200:
+            accepted = as_safe_int(doc.get("accepted"))
+            if accepted is None or accepted > events:
+                raise ReplicateRefused("the target answered a push with %s" % excerpt(doc))
+            self.count(copied=accepted, had=events - accepted)
+        return status, doc
+
+    # -- memory ----------------------------------------------------------------------
+
+    def memory_identities(self, follow=False):
+        """Confirm each side's principal with /v1/memory/identity, and take the target's quota.
+        False (said why) when memory cannot be copied."""
+        try:
+            for side in (self.source, self.target):
+                self.memory_identity(side, follow)
+        except ReplicateRefused as exc:
+            self.fail("memory: %s; no memory is copied" % exc)
+            return False
+        return True
+
+    def memory_identity(self, side, follow):
+        client = side.client()
+        try:
+            _, doc = self.retrying(lambda: self.call(side, client, "POST", "/v1/memory/identity",
+                                                     encode_json({"expectedPrincipal": side.principal})),
+                                   "%s memory identity" % side.role, follow)
+        finally:
+            client.close()
+        if doc.get("principal") != side.principal:
+            raise ReplicateRefused("the %s answered its memory identity with %s" % (side.role, excerpt(doc)))
+        quota = doc.get("quota")
+        if isinstance(quota, dict) and as_safe_int(quota.get("maxChanges")):
+            side.quota = quota
+
+    def copy_memory(self, scopes, follow=False):
+        """Reconcile every scope (project None: the user scope); False when one could not be copied."""
+        ok = True
+        source, target = self.source.client(), self.target.client()
+        try:
+            for project in scopes:
+                if self.stopping.is_set():
+                    break
+                name = scope_name(project)
+                try:
+                    self.copy_scope(source, target, project, follow)
+                except ReplicateStopped:
+                    break
+                except OSError as exc:
+                    self.state_failed(exc)
+                    return False
+                except ReplicateRefused as exc:
+                    self.fail("memory %s: %s; this scope stops" % (name, exc))
+                    ok = False
+        finally:
+            source.close()
+            target.close()
+        return ok
+
+    def memory_call(self, side, client, route, fields, follow, statuses=(200,)):
+        body = dict(fields, expectedPrincipal=side.principal)
+        if fields.get("project") is None:
+            body.pop("project", None)
+            body["scope"] = "user"
+        status, doc = self.retrying(lambda: self.call(side, client, "POST", "/v1/memory/" + route,
+                                                      encode_json(body), statuses=statuses),
+                                    "%s memory %s" % (side.role, route), follow)
+        if status == 200 and "unchanged" not in doc:
+            try:
+                doc["_entries"] = snapshot_entries(doc)
+            except ValueError as exc:
+                raise ReplicateRefused("the %s answered memory %s with %s" % (side.role, route, exc)) from None
+        return status, doc
+
+    def copy_scope(self, source, target, project, follow):
+        name = scope_name(project)
+        known, known_etag, base = self.state.memory(name)
+        for _ in range(MEMORY_COMMIT_ATTEMPTS):
+            fields = {"project": project, "have": {i: h for i, h in base.items() if h is not None}}
+            if known:
+                fields["knownEtag"] = known_etag
+            _, theirs = self.memory_call(self.source, source, "snapshot", fields, follow)
+            if theirs.get("unchanged") is True:
+                return  # the source did not change since the previous pass: nothing to do
+            entries = theirs["_entries"]
+            have = {i: h for i, h in base.items() if h is not None}
+            have.update((i, h) for i, (h, _) in entries.items() if h is not None)
+            _, ours = self.memory_call(self.target, target, "snapshot", {"project": project, "have": have}, follow)
+            current = ours["_entries"]
+            changes, conflicts, counts = plan_memory(base, entries, current)
+            if not self.commit(target, project, ours.get("etag"), changes, current, follow):
+                continue  # 409: someone else committed on the target meanwhile; look again
+            for note_id in conflicts:
+                self.say("memory %s: note %s changed on both sides; the target's version is kept" % (
+                    name, note_id), error=True)
+            self.count(created=counts[CREATE], updated=counts[UPDATE], deleted=counts[DELETE],
+                       conflicts=len(conflicts))
+            self.state.set_memory(name, theirs.get("etag"), {i: h for i, (h, _) in entries.items()})
+            return
+        raise ReplicateRefused("the target's memory kept changing (%d tries)" % MEMORY_COMMIT_ATTEMPTS)
+
+    def commit(self, client, project, etag, changes, current, follow):
+        """Commit changes in chunks of the target's maxChanges; False on 409 revision_conflict."""
+        step = as_safe_int(self.target.quota.get("maxChanges")) or MEMORY_QUOTA["maxChanges"]
+        live = {i: h for i, (h, _) in current.items() if h is not None}
+        for start in range(0, len(changes), step):
+            chunk = changes[start:start + step]
+            for change in chunk:
+                if change["hash"] is None:
+                    live.pop(change["id"], None)
+                else:
+                    live[change["id"]] = change["hash"]
+            if not self.begin_work():
+                raise ReplicateStopped()
+            try:
+                status, doc = self.memory_call(self.target, client, "commit",
+                                               {"project": project, "etag": etag, "changes": chunk, "have": live},
+                                               follow, statuses=(200, 409, 413, 400))
+            finally:
+                self.end_work()
+            if status == 409 and doc.get("code") == "revision_conflict":
+                return False
+            if status != 200:
+                raise ReplicateRefused("the target refused a commit: %d %s" % (status, excerpt(doc)))
+            etag = doc.get("etag")
+        return True
+
+    # -- the runs --------------------------------------------------------------------
+
+    def run(self):
+        """One pass over every feed and scope. Exit code: 0, or 1 when something could not be copied."""
+        try:
+            memory = self.memory and self.memory_identities()
+            feeds = self.feeds()
+            for team, project in feeds:
+                if self.stopping.is_set():
+                    break
+                self.copy_feed(team, project)
+                self.count(feeds=1)
+            if memory:
+                self.copy_memory([None] + sorted(set(project for _, project in feeds)))
+        except ReplicateFatal as exc:
+            self.wait_idle()
+            self.fail(str(exc))
+            return 1
+        except ReplicateRefused as exc:
+            self.fail(str(exc))
+        except ReplicateStopped:
+            pass
+        self.wait_idle()  # the last state writes
+        return 1 if self.failed else 0
+
+    def follow(self):
+        """Copy, then keep the target current until stop(): a thread per feed long-polls the source; this
+        one lists projects and looks at memory every minute. Exit code as run()."""
+        threads, scopes = {}, set([None])
+        next_list = next_memory = 0.0
+        try:
+            memory = self.memory and self.memory_identities(follow=True)
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                if now >= next_list:
+                    for feed in self.feeds(follow=True):
+                        if feed not in threads and not self.stopping.is_set():
+                            threads[feed] = threading.Thread(target=self.follow_feed, args=feed, daemon=True,
+                                                             name="replicate %s" % feed_name(*feed))
+                            threads[feed].start()
+                            self.count(feeds=1)
+                            scopes.add(feed[1])
+                    next_list = now + REPLICATE_RELIST_SECONDS
+                if memory and now >= next_memory:
+                    self.copy_memory([None] + sorted(s for s in scopes if s is not None), follow=True)
+                    next_memory = now + REPLICATE_MEMORY_SECONDS
+                self.stopping.wait(max(0.0, min(next_list, next_memory if memory else next_list)
+                                       - time.monotonic()))
+        except ReplicateFatal as exc:
+            with self._lock:
+                self.fatal = self.fatal or str(exc)
+        except ReplicateRefused as exc:
+            self.fail(str(exc))
+        except ReplicateStopped:
+            pass
+        self.stop()
+        if self.fatal:
+            self.fail(self.fatal)
+        return 1 if self.failed else 0
+
+    def follow_feed(self, team, project):
+        try:
+            self.copy_feed(team, project, follow=True)
+        except ReplicateFatal as exc:
+            with self._lock:
+                self.fatal = self.fatal or str(exc)
+            self.stopping.set()
+        except Exception as exc:  # a bug: one line, never a traceback, and the run ends with exit 1
+            self.fail("%s: stopped by an unexpected error: %s: %s" % (feed_name(team, project),
+                                                                     type(exc).__name__, exc))
+            self.stopping.set()
+
+
+def read_token_file(path, flag):
+    """The first line of a token file, whitespace stripped; UsageError when unusable."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(MAX_TOKEN_LENGTH + 2).decode("utf-8").strip()
+    except (OSError, ValueError) as exc:
+        raise UsageError("cannot read %s %s: %s" % (flag, path, reason(exc))) from None
+    if not _TOKEN_CHARACTERS.fullmatch(line or " "):
+        raise UsageError("%s %s does not hold a token (printable ASCII, no spaces, on its first line)" % (flag, path))
+    return line
+
+
+def token_principal(token):
+    """The principal a JWT names in sub (unverified: the server checks it), or None."""
+    try:
+        payload = decode_jwt(token)[1]
+    except AuthError:
+        return None
+    return payload.get("sub") if is_valid_id(payload.get("sub")) else None
+
+
+def replicate_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py replicate",
+                            description="Copy a principal's session feeds and memory notes from one sync server "
+                                        "to another, once or (--follow) as a live mirror.")
+    parser.add_argument("--from", dest="source", required=True, metavar="URL", help="the server copied from")
+    parser.add_argument("--from-token-file", required=True, metavar="FILE", help="its token, on the first line")
+    parser.add_argument("--to", dest="target", required=True, metavar="URL", help="the server copied to")
+    parser.add_argument("--to-token-file", required=True, metavar="FILE", help="its token, on the first line")
+    parser.add_argument("--team", action="append", default=[], metavar="ID", help="copy this team's feeds too")
+    parser.add_argument("--project", action="append", default=[], metavar="ID",
+                        help="copy only these projects (default: every project the source lists)")
+    parser.add_argument("--no-memory", action="store_true", help="copy session feeds only")
+    parser.add_argument("--from-principal", metavar="ID",
+                        help="the --from token's principal, for memory (default: the sub of a JWT)")
+    parser.add_argument("--to-principal", metavar="ID",
+                        help="the --to token's principal, for memory (default: the sub of a JWT)")
+    parser.add_argument("--follow", action="store_true", help="keep running, copying as events arrive")
+    parser.add_argument("--state", metavar="FILE", help="remember what was copied here, to resume")
+    parser.add_argument("--ca-file", metavar="FILE", help="trust the certificates in this file for https")
+    parser.add_argument("--allow-plain-http", action="store_true",
+                        help="allow http:// to a host that is not this machine (tokens cross the network in clear)")
+    parser.add_argument("--quiet", action="store_true", help="print errors only")
+    args = parser.parse_args(argv)
+    ends = []
+    for flag, url in (("--from", args.source), ("--to", args.target)):
+        https, host, port = parse_base_url(url, flag)
+        if not https and not is_loopback(host) and not args.allow_plain_http:
+            raise UsageError("%s is plain http to %s: the token would cross the network in clear "
+                             "(use https, or --allow-plain-http)" % (flag, host))
+        ends.append(("https" if https else "http", host.lower(), port))
+    if ends[0] == ends[1]:
+        raise UsageError("--from and --to name the same server")
+    for flag, ids in (("--team", args.team), ("--project", args.project),
+                      ("--from-principal", [args.from_principal] if args.from_principal is not None else []),
+                      ("--to-principal", [args.to_principal] if args.to_principal is not None else [])):
+        for value in ids:
+            if not is_valid_id(value):
+                raise UsageError("%s must be an id ([A-Za-z0-9_-], 1 to 128 characters)" % flag)
+    context = None
+    if args.ca_file:
+        try:
+            context = ssl.create_default_context(cafile=args.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise UsageError("cannot use --ca-file %s: %s" % (args.ca_file, reason(exc))) from None
+    source_token = read_token_file(args.from_token_file, "--from-token-file")
+    target_token = read_token_file(args.to_token_file, "--to-token-file")
+    principals = [args.from_principal or token_principal(source_token),
+                  args.to_principal or token_principal(target_token)]
+    if not args.no_memory:
+        for flag, principal in (("--from-principal", principals[0]), ("--to-principal", principals[1])):
+            if principal is None:
+                raise UsageError("memory needs the principal of the %s token, which is not a JWT: give %s ID, "
+                                 "or --no-memory" % (flag[:-len("-principal")], flag))
+    source_url, target_url = ("%s://%s:%d" % end for end in ends)
+    state = ReplicationState(args.state, source_url, target_url)
+    replicator = Replicator(ReplicateSide("source", args.source.rstrip("/"), source_token, context, principals[0]),
+                            ReplicateSide("target", args.target.rstrip("/"), target_token, context, principals[1]),
+                            state, args.team, args.project, not args.no_memory, args.quiet, sys.stderr,
+                            progress=sys.stderr.isatty())
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # (a test may run this in another thread)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            handlers[signum] = signal.signal(signum, lambda *_: replicator.stopping.set())
+    started = time.monotonic()
+    try:
+        code = replicator.follow() if args.follow else replicator.run()
+    except OSError as exc:  # the state file could not be written
+        replicator.state_failed(exc)
+        code = 1
+    except Exception as exc:  # a bug: one line, never a traceback
+        replicator.fail("stopped by an unexpected error: %s: %s" % (type(exc).__name__, exc))
+        code = 1
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    if not args.quiet:
+        print("replicate: %s" % replicator.summary(time.monotonic() - started), file=sys.stdout, flush=True)
+    return code
+
+
 # ---------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------
 
 COMMANDS = {"serve": serve_command, "token": token_command, "check": check_command, "bench": bench_command,
-            "fsck": fsck_command, "note-hash": note_hash_command}
+            "fsck": fsck_command, "note-hash": note_hash_command, "replicate": replicate_command}
 
 
 def main(argv=None):

@@ -7754,7 +7754,7 @@ class CheckCatchesFaultsTest(unittest.TestCase):
 
         def smoke_test_then_stop():
             stop_after()
-            check.port = closed_port()
+            check.client.port = closed_port()
         check.check_smoke_test = smoke_test_then_stop
         self.assertFalse(check.run())
         self.assertEqual(out.getvalue().splitlines(), [
@@ -8154,6 +8154,663 @@ class BenchMemoryTest(ServerCase):
         with mock.patch.object(sync, "MEMORY_NOT_MEASURABLE", ()):
             with self.assertRaisesRegex(sync.BenchRefused, "a memory commit was answered 503"):
                 self.bench_memory("alice")
+
+
+# -- the replicate command ------------------------------------------------------
+
+def replicate_note(note_id, **fields):
+    """A valid note and its commit change."""
+    note = {"id": note_id, "summary": "Note " + note_id, "body": "The body of " + note_id, "tags": ["t"],
+            "createdAt": 1789344000000}
+    note.update(fields)
+    return note
+
+
+def replicate_put(note_id, **fields):
+    note = replicate_note(note_id, **fields)
+    return {"id": note_id, "hash": note_hash(note), "note": note}
+
+
+class ReplicateRulesTest(unittest.TestCase):
+    """The pure rules of replicate: splitting a page into pushes, the three-way note decision, the state."""
+
+    def test_a_page_is_split_by_bytes_and_by_each_kind_s_count(self):
+        events = [("r", b"x" * 10)] * 5
+        self.assertEqual(sync.plan_pushes(events, max_bytes=1000), [(0, 5)])
+        # 3 events of 11 bytes each (with the comma) fit in 40 bytes with 5 of overhead; the fourth does not.
+        self.assertEqual(sync.plan_pushes(events, max_bytes=40, overhead=5), [(0, 3), (3, 5)])
+        mixed = [("r", b"r")] * 3 + [("s", b"s")] * 3
+        # r r | r s s | s: each kind counted against its own limit
+        self.assertEqual(sync.plan_pushes(mixed, max_records=2, max_sessions=2), [(0, 2), (2, 5), (5, 6)])
+        self.assertEqual(sync.plan_pushes([("r", b"x" * 50), ("r", b"y")], max_bytes=20), [(0, 1), (1, 2)])
+        self.assertEqual(sync.plan_pushes([]), [])
+
+    def test_a_page_within_the_limits_is_one_body_and_one_past_them_none(self):
+        body = sync.push_page_body("p", "t", [record()], [meta()])
+        self.assertEqual(json.loads(body), {"project": "p", "team": "t", "records": [record()], "sessions": [meta()]})
+        self.assertIsNone(sync.push_page_body("p", None, [record()] * 501, []))
+        self.assertIsNone(sync.push_page_body("p", None, [], [meta()] * 501))
+        big = [record(record_id=str(i), body="x" * 100000) for i in range(90)]
+        self.assertIsNone(sync.push_page_body("p", None, big, []))
+        events = [("r", sync.encode_json(r)) for r in big]
+        self.assertEqual(json.loads(sync.push_body("p", None, events[:2])),
+                         {"project": "p", "records": big[:2], "sessions": []})
+        ranges = sync.plan_pushes(events, overhead=len(sync.push_body("p", None, [])))
+        self.assertEqual(ranges, [(0, 83), (83, 90)])
+        self.assertLessEqual(len(sync.push_body("p", None, events[0:83])), sync.MAX_PUSH_BYTES)
+
+    def test_the_three_way_decision_for_one_note(self):
+        d = sync.memory_decision
+        a, b, c = ("a" * 64, {"createdAt": 1}), ("b" * 64, {"createdAt": 1}), ("c" * 64, {"createdAt": 1})
+        gone = (None, None)
+        # The source unchanged since the base: the target's own edits and deletions stay.
+        self.assertEqual(d("a" * 64, a, b), sync.KEEP)
+        self.assertEqual(d("a" * 64, a, gone), sync.KEEP)
+        self.assertEqual(d(None, None, b), sync.KEEP)      # a note only the target has
+        self.assertEqual(d(None, gone, b), sync.KEEP)      # a tombstone the source had before the first pass
+        # Both agree already.
+        self.assertEqual(d("a" * 64, b, b), sync.KEEP)
+        # The target still at the base, or the id absent there: the source is applied.
+        self.assertEqual(d(None, a, None), sync.CREATE)
+        self.assertEqual(d(None, a, gone), sync.CREATE)
+        self.assertEqual(d("a" * 64, b, a), sync.UPDATE)
+        self.assertEqual(d("a" * 64, gone, a), sync.DELETE)
+        self.assertEqual(d("a" * 64, None, a), sync.DELETE)  # its tombstone expired on the source
+        self.assertEqual(d("a" * 64, b, None), sync.CREATE)
+        # Both changed: two live notes, the later one wins, a tie keeps the target; else the target stays.
+        newer = ("b" * 64, {"createdAt": 1, "updatedAt": 9})
+        older = ("c" * 64, {"createdAt": 5})
+        self.assertEqual(d("a" * 64, newer, older), sync.UPDATE)
+        self.assertEqual(d("a" * 64, older, newer), sync.CONFLICT)
+        self.assertEqual(d("a" * 64, b, c), sync.CONFLICT)  # a tie
+        self.assertEqual(d("a" * 64, gone, b), sync.CONFLICT)
+        self.assertEqual(d("a" * 64, b, gone), sync.CONFLICT)
+        self.assertEqual(d(None, newer, older), sync.UPDATE)  # a first pass: no base
+
+    def test_plan_memory_makes_the_commit_s_changes(self):
+        n1, n2 = replicate_put("n1"), replicate_put("n2")
+        source = {"n1": (n1["hash"], n1["note"]), "n2": (None, None)}
+        target = {"n2": (n2["hash"], None), "t1": ("f" * 64, None)}
+        changes, conflicts, counts = sync.plan_memory({"n2": n2["hash"]}, source, target)
+        self.assertEqual(changes, [n1, {"id": "n2", "hash": None}])
+        self.assertEqual((conflicts, counts), ([], {"create": 1, "update": 0, "delete": 1}))
+
+    def test_the_state_file_s_shape_is_checked(self):
+        state = sync.new_state("http://a:1", "http://b:2")
+        self.assertIs(sync.check_state(state, "http://a:1", "http://b:2"), state)
+        for doc, why in ((state, 'it is for "http://a:1" to "http://b:2"'), ([], "not a replicate state file"),
+                         (dict(state, version=2), "not a replicate state file"),
+                         (dict(state, feeds={"personal/p": -1}), "its feeds are not cursors"),
+                         (dict(state, memory={"user": {"etag": None, "base": {"n": "x"}}}),
+                          "its memory scopes are malformed")):
+            with self.subTest(why=why), self.assertRaisesRegex(ValueError, "^" + re.escape(why)):
+                sync.check_state(doc, "http://a:1" if doc is not state else "http://c:1", "http://b:2")
+
+
+class ReplicateCase(ServerCase):
+    """Two real servers on port 0: the source (ServerCase's own) and a target with a data dir of its own;
+    alice's tokens for both in files."""
+
+    target_options = {}
+
+    def setUp(self):
+        super().setUp()
+        self.target_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.target_dir, True)
+        self.target_alice, _ = sync.TokenStore(self.target_dir).issue("alice", ["platform"])
+        self.target_log = []
+        self.target = sync.build_server(self.target_dir, port=0, log=CapturingLog(self.target_log),
+                                        **self.target_options)
+        thread = threading.Thread(target=self.target.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+        thread.start()
+        self.addCleanup(self.stop_server, self.target, thread)
+        self.target_url = self.target.url  # where replicate copies to
+        self.files = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.files, True)
+        self.from_token = self.token_file("from.token", self.alice)
+        self.to_token = self.token_file("to.token", self.target_alice)
+        self.state_path = os.path.join(self.files, "state.json")
+
+    def picky(self, **options):
+        """Copy to a PickyTarget (defined below) from now on."""
+        picky = PickyTarget(**options)
+        self.addCleanup(picky.stop)
+        self.target_url = picky.url
+        return picky
+
+    def token_file(self, name, token):
+        path = os.path.join(self.files, name)
+        with open(path, "w") as f:
+            f.write(token + "\n")
+        return path
+
+    def argv(self, *extra, memory=True):
+        argv = ["replicate", "--from", self.url, "--from-token-file", self.from_token, "--to", self.target_url,
+                "--to-token-file", self.to_token]
+        if memory:
+            argv += ["--from-principal", "alice", "--to-principal", "alice"]
+        else:
+            argv.append("--no-memory")
+        return argv + list(extra)
+
+    def replicate(self, *extra, memory=False):
+        """sync.main(replicate ...) in this process: (exit code, stdout, stderr); never a token in them."""
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sync.main(self.argv(*extra, memory=memory))
+        for token in (self.alice, self.target_alice):
+            self.assertNotIn(token, out.getvalue() + err.getvalue())
+        self.assertNotIn("Traceback", err.getvalue())
+        return code, out.getvalue(), err.getvalue()
+
+    def whole_feed(self, url, token, project="proj"):
+        """(every record, every session event, the end cursor) of a feed, page by page."""
+        records, sessions, cursor, more = [], [], 0, True
+        while more:
+            page = http_request(url, "GET", "/v1/pull?project=%s&since=%d" % (project, cursor), token=token).json
+            records += page["records"]
+            sessions += page["sessions"]
+            cursor, more = page["cursor"], page["more"]
+        return records, sessions, cursor
+
+    def target_pull(self, project="proj", team=None, since=0):
+        query = "/v1/pull?project=%s&since=%d" % (project, since) + ("&team=" + team if team else "")
+        return http_request(self.target.url, "GET", query, token=self.target_alice).json
+
+    def source_pull(self, project="proj", team=None):
+        return self.pull(self.alice, project, 0, **({"team": team} if team else {})).json
+
+    def summary(self, feeds, copied, had=0, created=0, updated=0, deleted=0, conflicts=0):
+        return ("replicate: %d feeds, %d events copied, %d already on the target; notes: %d created, %d updated, "
+                "%d deleted, %d conflicts kept; " % (feeds, copied, had, created, updated, deleted, conflicts))
+
+    def assertSummary(self, out, *counts, **named):
+        self.assertEqual(len(out.splitlines()), 1, out)
+        self.assertTrue(out.startswith(self.summary(*counts, **named)), out)
+        self.assertRegex(out, r"; [0-9]+\.[0-9] s\n$")
+
+
+class ReplicateFeedsTest(ReplicateCase):
+    """replicate copies session feeds between two real servers."""
+
+    def test_personal_and_team_feeds_are_copied_exactly(self):
+        records = [record("s1", "r%d" % i, i, body={"i": i, "text": "caf\u00e9 \U0001F600"}) for i in range(7)]
+        self.assertAnswer(self.push(self.alice, "proj", records, [meta("s1", 1, body={"title": "t"})]), 200)
+        self.assertAnswer(self.push(self.alice, "other", [record("s9", "x", body=None)]), 200)
+        self.assertAnswer(self.push(self.alice, "shared", [record("s2", "t1")], [meta("s2")], team="platform"), 200)
+        code, out, err = self.replicate("--team", "platform")
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 3, 11)
+        for project, team in (("proj", None), ("other", None), ("shared", "platform")):
+            self.assertEqual(self.target_pull(project, team), self.source_pull(project, team))
+        self.assertEqual(self.target_pull("shared")["records"], [])  # the team feed stays a team feed
+        self.assertEqual(self.target_pull("proj")["records"], records)
+
+    def test_only_the_given_projects_with_project(self):
+        self.push(self.alice, "one", [record()])
+        self.push(self.alice, "two", [record()])
+        code, out, _ = self.replicate("--project", "two", "--project", "absent")
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 2, 1)
+        self.assertEqual(http_request(self.target.url, "GET", "/v1/projects", token=self.target_alice).json,
+                         {"projects": ["two"]})
+
+    def test_a_tombstone_is_copied_and_a_newer_generation_on_the_target_survives(self):
+        self.push(self.alice, "proj", sessions=[meta("s1", 1), meta("s1", 2, deleted=True), meta("s2", 1)])
+        newer = meta("s2", 5, body={"title": "the target's"})
+        answer = http_request(self.target.url, "POST", "/v1/push", {"project": "proj", "sessions": [newer]},
+                              self.target_alice)
+        self.assertEqual(answer.json, {"cursor": 1, "accepted": 1})
+        code, out, _ = self.replicate()
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 1, 2, 1)
+        self.assertEqual(self.target_pull()["sessions"], [newer, meta("s1", 1), meta("s1", 2, deleted=True)])
+
+    def test_a_10_mb_page_is_split_into_several_pushes(self):
+        records = [record("s1", "r%d" % i, i, body="x" * 20000) for i in range(500)]
+        for half in (records[:250], records[250:]):
+            self.assertAnswer(self.push(self.alice, "proj", half), 200)
+        self.assertGreater(len(json.dumps(self.source_pull())), 10 * 1000 * 1000)  # one page of 10 MB
+        code, out, _ = self.replicate()
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 1, 500)
+        self.assertEqual(self.target_pull(), self.source_pull())
+        pushes = [line for line in self.target_log if "POST /v1/push 200" in line]
+        self.assertEqual(len(pushes), 2, self.target_log)
+
+    def test_a_progress_line_per_feed_on_a_terminal(self):
+        self.push(self.alice, "one", [record("s1", "r%d" % i) for i in range(3)])
+        self.push(self.alice, "two", [record()])
+        out = io.StringIO()
+        source = sync.ReplicateSide("source", self.url, self.alice, None)
+        target = sync.ReplicateSide("target", self.target.url, self.target_alice, None)
+        replicator = sync.Replicator(source, target, sync.ReplicationState(None, self.url, self.target.url),
+                                     memory=False, out=out, progress=True)
+        self.assertEqual(replicator.run(), 0)
+        # Each line is rewritten in place (\r) as its feed is copied, and ends when the feed is done.
+        self.assertRegex(out.getvalue(), r"^\rreplicate: personal/one: 3 events, [0-9]+ events/s +\n"
+                                         r"\rreplicate: personal/two: 1 events, [0-9]+ events/s +\n$")
+
+    def test_a_second_run_adds_nothing(self):
+        self.push(self.alice, "proj", [record("s1", "r%d" % i) for i in range(3)], [meta("s1")])
+        code, out, _ = self.replicate()
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 1, 4)
+        end = self.target_pull()["cursor"]
+        code, out, _ = self.replicate()
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 1, 0, 4)
+        self.assertEqual(self.target_pull()["cursor"], end)
+
+    def state_cursor(self):
+        """The cursor of personal/proj in the state file, or None."""
+        try:
+            with open(self.state_path) as f:
+                return json.load(f)["feeds"].get("personal/proj")
+        except (OSError, ValueError):
+            return None
+
+    def test_a_run_killed_mid_way_resumes_from_the_state_file(self):
+        for page in range(5):
+            self.push(self.alice, "proj", [record("s1", "r%d-%d" % (page, i), i) for i in range(500)])
+        # The third page is pushed and acknowledged, and the process is killed before its cursor is written.
+        script = ("import sys, time; sys.path.insert(0, %r); import oharness_sync as sync\n"
+                  "saves, original = [], sync.ReplicationState.set_cursor\n"
+                  "def set_cursor(state, feed, cursor):\n"
+                  "    saves.append(cursor)\n"
+                  "    if len(saves) == 3:\n"
+                  "        time.sleep(60)\n"
+                  "    original(state, feed, cursor)\n"
+                  "sync.ReplicationState.set_cursor = set_cursor\n"
+                  "sys.exit(sync.main(sys.argv[1:]))\n" % HERE)
+        process = subprocess.Popen([sys.executable, "-c", script] + self.argv("--state", self.state_path,
+                                                                               memory=False)[:],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not (
+                    self.state_cursor() == 1000 and self.whole_feed(self.target.url, self.target_alice)[2] >= 1500):
+                time.sleep(0.02)
+        finally:
+            process.kill()
+            process.wait()
+        with open(self.state_path) as f:
+            self.assertEqual(json.load(f)["feeds"], {"personal/proj": 1000})
+        code, out, _ = self.replicate("--state", self.state_path)
+        self.assertEqual(code, 0)
+        # It resumed from 1000: what the target had past it (1500 at least) is pushed again, and counted so.
+        copied, had = map(int, re.match(r"replicate: 1 feeds, (\d+) events copied, (\d+) already", out).groups())
+        self.assertEqual(copied + had, 1500)
+        self.assertGreaterEqual(had, 500)
+        source = self.whole_feed(self.url, self.alice)
+        target = self.whole_feed(self.target.url, self.target_alice)
+        self.assertEqual(target[2], 2500)
+        self.assertEqual(sorted(r["id"] for r in target[0]), sorted(r["id"] for r in source[0]))
+        with open(self.state_path) as f:
+            self.assertEqual(json.load(f)["feeds"], {"personal/proj": 2500})
+
+
+class ReplicateMemoryTest(ReplicateCase):
+    """replicate reconciles memory notes three ways, through the base in the state file."""
+
+    def commit(self, url, token, changes, scope=None):
+        """Commit changes on the newest etag of a scope (None: the user scope); the answer's entries."""
+        where = {"scope": "user"} if scope is None else {"project": scope}
+        etag = http_request(url, "POST", "/v1/memory/snapshot", dict(where, expectedPrincipal="alice"), token).json
+        answer = http_request(url, "POST", "/v1/memory/commit",
+                              dict(where, expectedPrincipal="alice", etag=etag["etag"], changes=changes), token)
+        self.assertEqual(answer.status, 200, answer.raw)
+        return answer.json["entries"]
+
+    def notes(self, url, token, scope=None):
+        """{id: note} of the live notes of a scope."""
+        where = {"scope": "user"} if scope is None else {"project": scope}
+        answer = http_request(url, "POST", "/v1/memory/snapshot", dict(where, expectedPrincipal="alice"), token)
+        return {e["id"]: e["note"] for e in answer.json["entries"] if e["hash"] is not None}
+
+    def test_create_update_delete_through_the_base_and_the_target_s_own_notes_stay(self):
+        self.commit(self.url, self.alice, [replicate_put("n1"), replicate_put("n2"), replicate_put("n3")])
+        self.commit(self.url, self.alice, [replicate_put("p1")], scope="proj")
+        self.push(self.alice, "proj", [record()])  # the feed that makes proj a replicated project
+        self.commit(self.target.url, self.target_alice, [replicate_put("t1")])
+        code, out, err = self.replicate("--state", self.state_path, memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 1, 1, created=4)
+        self.assertEqual(sorted(self.notes(self.target.url, self.target_alice)), ["n1", "n2", "n3", "t1"])
+        self.assertEqual(self.notes(self.target.url, self.target_alice, "proj"), {"p1": replicate_note("p1")})
+        # The source updates n1 and deletes n2; the target edits n3 and deletes t1 on its own.
+        self.commit(self.url, self.alice, [replicate_put("n1", body="new"), {"id": "n2", "hash": None}])
+        self.commit(self.target.url, self.target_alice, [replicate_put("n3", body="mine"),
+                                                         {"id": "t1", "hash": None}])
+        code, out, err = self.replicate("--state", self.state_path, memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 1, 0, 0, updated=1, deleted=1)
+        self.assertEqual(self.notes(self.target.url, self.target_alice),
+                         {"n1": replicate_note("n1", body="new"), "n3": replicate_note("n3", body="mine")})
+        # Nothing changed since: nothing is done.
+        code, out, _ = self.replicate("--state", self.state_path, memory=True)
+        self.assertSummary(out, 1, 0)
+
+    def test_a_note_changed_on_both_sides_keeps_the_later_one_and_reports_a_kept_conflict(self):
+        self.commit(self.url, self.alice, [replicate_put("a"), replicate_put("b")])
+        self.assertEqual(self.replicate("--state", self.state_path, memory=True)[0], 0)
+        self.commit(self.url, self.alice, [replicate_put("a", body="source", updatedAt=1789344000100),
+                                           replicate_put("b", body="source", updatedAt=1789344000300)])
+        self.commit(self.target.url, self.target_alice, [replicate_put("a", body="target", updatedAt=1789344000200),
+                                                         replicate_put("b", body="target", updatedAt=1789344000200)])
+        code, out, err = self.replicate("--state", self.state_path, memory=True)
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 0, 0, updated=1, conflicts=1)
+        self.assertEqual(err, "replicate: memory user: note a changed on both sides; the target's version is kept\n")
+        self.assertEqual(self.notes(self.target.url, self.target_alice),
+                         {"a": replicate_note("a", body="target", updatedAt=1789344000200),
+                          "b": replicate_note("b", body="source", updatedAt=1789344000300)})
+        # The conflict is reported once; the source's next edit of the note is applied as usual.
+        self.assertEqual(self.replicate("--state", self.state_path, memory=True)[2], "")
+        self.commit(self.url, self.alice, [replicate_put("a", body="again", updatedAt=1789344000400)])
+        code, out, err = self.replicate("--state", self.state_path, memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 0, 0, updated=1)
+        self.assertEqual(self.notes(self.target.url, self.target_alice)["a"]["body"], "again")
+
+    def test_a_target_written_meanwhile_is_looked_at_again(self):
+        self.commit(self.url, self.alice, [replicate_put("n1")])
+        original = sync.Replicator.memory_call
+
+        def commit_first(replicator, side, client, route, fields, follow, statuses=(200,)):
+            if route == "commit" and not self.raced:  # someone commits on the target just before replicate
+                self.raced = self.commit(self.target.url, self.target_alice, [replicate_put("other")])
+            return original(replicator, side, client, route, fields, follow, statuses)
+        self.raced = None
+        with mock.patch.object(sync.Replicator, "memory_call", commit_first):
+            code, out, err = self.replicate(memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 0, 0, created=1)
+        self.assertEqual(sorted(self.notes(self.target.url, self.target_alice)), ["n1", "other"])
+
+    def test_a_first_run_never_destroys_a_note_only_the_target_has(self):
+        self.commit(self.url, self.alice, [replicate_put("gone")])
+        self.commit(self.url, self.alice, [{"id": "gone", "hash": None}])  # a tombstone on the source
+        self.commit(self.target.url, self.target_alice, [replicate_put("gone"), replicate_put("mine")])
+        code, out, _ = self.replicate(memory=True)
+        self.assertEqual(code, 0)
+        self.assertSummary(out, 0, 0)
+        self.assertEqual(sorted(self.notes(self.target.url, self.target_alice)), ["gone", "mine"])
+
+    def test_different_principals_on_the_two_sides(self):
+        bob_there, _ = sync.TokenStore(self.target_dir).issue("bob")
+        self.to_token = self.token_file("to.token", bob_there)
+        self.commit(self.url, self.alice, [replicate_put("n1")])
+        out, err = io.StringIO(), io.StringIO()
+        argv = self.argv(memory=False)[:-1] + ["--from-principal", "alice", "--to-principal", "bob"]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            self.assertEqual(sync.main(argv), 0, err.getvalue())
+        answer = http_request(self.target.url, "POST", "/v1/memory/snapshot",
+                              {"scope": "user", "expectedPrincipal": "bob"}, bob_there)
+        self.assertEqual([e["note"] for e in answer.json["entries"]], [replicate_note("n1")])
+        self.assertNotIn(bob_there, out.getvalue() + err.getvalue())
+
+    def test_a_quota_refusal_stops_that_scope_and_exits_1(self):
+        self.target.app.memory.quota = dict(self.target.app.memory.quota, maxNotes=1)
+        self.commit(self.url, self.alice, [replicate_put("n1"), replicate_put("n2")])
+        code, out, err = self.replicate(memory=True)
+        self.assertEqual(code, 1)
+        self.assertRegex(err, r'^replicate: memory user: the target refused a commit: 413 .*memory_quota_exceeded.*'
+                              r'; this scope stops\n$')
+        self.assertEqual(self.notes(self.target.url, self.target_alice), {})
+
+
+class ReplicateFollowTest(ReplicateCase):
+    """replicate --follow: a live mirror, stopped by SIGTERM; and what ends a run at once."""
+
+    FOLLOW = ("import sys; sys.path.insert(0, %r); import oharness_sync as sync; "
+              "sync.REPLICATE_RELIST_SECONDS = sync.REPLICATE_MEMORY_SECONDS = 0.2; "
+              "sync.REPLICATE_BACKOFF = (0.01, 0.02); "
+              "sys.exit(sync.main(sys.argv[1:]))" % HERE)
+
+    def follow(self, *extra, memory=True):
+        process = subprocess.Popen([sys.executable, "-c", self.FOLLOW] + self.argv("--follow", *extra,
+                                                                                    memory=memory),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+        self.addCleanup(process.kill)
+        return process
+
+    def test_follow_outlasts_more_faults_than_a_run_tries(self):
+        self.push(self.alice, "proj", [record()])
+        picky = self.picky(unavailable=sync.REPLICATE_ATTEMPTS + 3)
+        process = self.follow(memory=False)
+        self.wait_for(lambda: picky.pushes == [[record()]])
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=15)
+        self.assertEqual(process.returncode, 0, err)
+        self.assertEqual(err.count("POST /v1/push answered 503"), sync.REPLICATE_ATTEMPTS + 3, err)
+        self.assertNotIn("gave up", err)
+        self.assertRegex(out, r"^replicate: 1 feeds, 1 events copied, ")
+
+    def wait_for(self, condition, seconds=10):
+        deadline = time.monotonic() + seconds
+        while not condition():
+            if time.monotonic() > deadline:
+                self.fail("not within %g s" % seconds)
+            time.sleep(0.02)
+        return True
+
+    def test_follow_carries_new_events_and_new_projects_and_stops_on_sigterm(self):
+        self.push(self.alice, "proj", [record("s1", "r1")])
+        self.commit_note = None
+        process = self.follow("--state", self.state_path)
+        self.wait_for(lambda: self.target_pull()["records"] == [record("s1", "r1")])
+        time.sleep(0.3)  # parked in its long-poll by now
+        pushed = time.monotonic()
+        self.push(self.alice, "proj", [record("s1", "r2")])
+        self.wait_for(lambda: len(self.target_pull()["records"]) == 2)
+        self.assertLess(time.monotonic() - pushed, 2.0)  # a long-poll wakes it: about at once
+        self.push(self.alice, "fresh", [record("s2", "f1")], team="platform")
+        self.push(self.alice, "fresh", [record("s3", "f2")])
+        self.wait_for(lambda: self.target_pull("fresh")["records"] == [record("s3", "f2")])
+        # Memory is looked at again while it runs too.
+        entries = http_request(self.url, "POST", "/v1/memory/commit",
+                               {"scope": "user", "expectedPrincipal": "alice", "etag": None,
+                                "changes": [replicate_put("n1")]}, self.alice)
+        self.assertEqual(entries.status, 200)
+        self.wait_for(lambda: http_request(self.target.url, "POST", "/v1/memory/snapshot",
+                                           {"scope": "user", "expectedPrincipal": "alice"},
+                                           self.target_alice).json["entries"] != [])
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=15)
+        self.assertEqual(process.returncode, 0, err)
+        self.assertEqual(err, "")
+        self.assertRegex(out, r"^replicate: 2 feeds, 3 events copied, 0 already on the target; notes: 1 created")
+        with open(self.state_path) as f:
+            self.assertEqual(json.load(f)["feeds"], {"personal/proj": 2, "personal/fresh": 1})
+        self.assertEqual(self.target_pull("fresh", "platform")["records"], [])  # no --team: not copied
+        for token in (self.alice, self.target_alice):
+            self.assertNotIn(token, out + err)
+
+    def test_a_401_from_the_target_ends_follow_with_exit_1(self):
+        self.push(self.alice, "proj", [record()])
+        self.to_token = self.token_file("to.token", "ohs_000000000000_unknownunknownunknown")
+        started = time.monotonic()
+        code, out, err = self.replicate("--follow")
+        self.assertLess(time.monotonic() - started, 10)
+        self.assertEqual(code, 1)
+        self.assertEqual(err, "replicate: the target %s refuses its token: POST /v1/push answered 401 "
+                              '{"error": "unknown or revoked token"}\n' % self.target.url)
+
+    def test_a_401_from_the_source_ends_a_run_with_exit_1(self):
+        self.from_token = self.token_file("from.token", "ohs_000000000000_unknownunknownunknown")
+        for follow in ((), ("--follow",)):
+            code, out, err = self.replicate(*follow)
+            self.assertEqual(code, 1)
+            self.assertEqual(err, "replicate: the source %s refuses its token: GET /v1/projects answered 401 "
+                                  '{"error": "unknown or revoked token"}\n' % self.url)
+        code, out, err = self.replicate(memory=True)
+        self.assertEqual(code, 1)
+        self.assertEqual(err, "replicate: the source %s refuses its token: POST /v1/memory/identity answered 401 "
+                              '{"code": "sign_in_required", "error": "unknown or revoked token"}\n' % self.url)
+
+    def test_a_team_the_token_does_not_list_ends_the_run_with_exit_1(self):
+        code, out, err = self.replicate("--team", "elsewhere")
+        self.assertEqual(code, 1)
+        self.assertRegex(err, r"^replicate: the source http://\S+ refuses its token: GET /v1/projects answered 403 ")
+
+
+class PickyTarget:
+    """A target in this process that speaks just enough of pushes: it refuses a push holding a record
+    id in refuse (400), one of more than most events (413), and the first `unavailable` pushes (503)."""
+
+    def __init__(self, refuse=(), most=500, unavailable=0):
+        self.pushes = []  # the events of every push it accepted
+        target = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.answer(200, {"projects": []})
+
+            def do_POST(self):
+                doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                events = doc["records"] + doc["sessions"]
+                if target.unavailable > 0:
+                    target.unavailable -= 1
+                    return self.answer(503, {"error": "busy"})
+                if any(r["id"] in refuse for r in doc["records"]):
+                    return self.answer(400, {"error": "refused"})
+                if len(events) > most:
+                    return self.answer(413, {"error": "too many"})
+                target.pushes.append(events)
+                self.answer(200, {"cursor": 1, "accepted": len(events)})
+
+            def answer(self, status, doc):
+                data = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+        self.unavailable = unavailable
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = "http://127.0.0.1:%d" % self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class ReplicateRefusalsTest(ReplicateCase):
+    """What a target refuses, for good or for a while: nothing is skipped silently."""
+
+    def test_a_413_halves_the_push_and_an_event_refused_alone_stops_its_feed(self):
+        records = [record("s1", "r%d" % i, i) for i in range(6)]
+        records[4]["id"] = "poison"
+        self.push(self.alice, "proj", records)
+        self.push(self.alice, "other", [record("s1", "fine")])
+        picky = self.picky(refuse=("poison",), most=2)
+        code, out, err = self.replicate("--state", self.state_path)
+        self.assertEqual(code, 1)
+        self.assertEqual(err, 'replicate: personal/proj: the target refuses record s1/poison even alone: 400 '
+                              '{"error": "refused"}; this feed stops\n')
+        self.assertSummary(out, 2, 5)
+        # other first (sorted); proj's 6 events: 413, then 3 (413), 1, 2, then 3 (413), 1, 2 (400), 1 (400): stop.
+        self.assertEqual(picky.pushes, [[record("s1", "fine")], records[0:1], records[1:3], records[3:4]])
+        with open(self.state_path) as f:
+            self.assertEqual(json.load(f)["feeds"], {"personal/other": 1})  # proj's page was not all acknowledged
+
+    def test_5xx_backs_off_doubling_and_a_run_gives_up_after_its_tries(self):
+        self.push(self.alice, "proj", [record()])
+        with mock.patch.object(sync, "REPLICATE_BACKOFF", (0.01, 0.03)):
+            picky = self.picky(unavailable=3)
+            code, out, err = self.replicate()
+            self.assertEqual(code, 0, err)
+            self.assertEqual(picky.pushes, [[record()]])
+            waits = re.findall(r"^replicate: personal/proj: push: target: POST /v1/push answered 503 "
+                               r'\{"error": "busy"\}; trying again in ([0-9.]+) s$', err, re.M)
+            self.assertEqual(waits, ["0.01", "0.02", "0.03"])
+            picky.unavailable = 100
+            code, out, err = self.replicate()
+            self.assertEqual(code, 1)
+            self.assertTrue(err.endswith('replicate: personal/proj: target: POST /v1/push answered 503 '
+                                         '{"error": "busy"} (gave up after 5 tries); this feed stops\n'), err)
+
+    def test_quiet_prints_errors_only(self):
+        self.push(self.alice, "proj", [record()])
+        self.assertEqual(self.replicate("--quiet"), (0, "", ""))
+        self.picky(unavailable=100)
+        with mock.patch.object(sync, "REPLICATE_BACKOFF", (0.001, 0.001)):
+            code, out, err = self.replicate("--quiet")
+        self.assertEqual((code, out), (1, ""))
+        # A fault is shown even while it is tried again: a mirror's log must say why it is behind.
+        self.assertEqual(err, 'replicate: personal/proj: push: target: POST /v1/push answered 503 {"error": "busy"}; '
+                              'trying again in 0.001 s\n' * 4 + 'replicate: personal/proj: target: POST /v1/push '
+                              'answered 503 {"error": "busy"} (gave up after 5 tries); this feed stops\n')
+
+
+class ReplicateUsageTest(ReplicateCase):
+    """replicate's command line: what is refused with exit 2 before anything is copied."""
+
+    def assertUsage(self, argv, message):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            self.assertEqual(sync.main(argv), 2)
+        self.assertEqual(err.getvalue(), "oharness-sync: error: %s\n" % message)
+        self.assertEqual(out.getvalue(), "")
+
+    def test_usage_errors_exit_2_with_one_line(self):
+        missing = os.path.join(self.files, "missing.token")
+        argv = self.argv()
+        self.assertUsage([missing if a == self.from_token else a for a in argv],
+                         "cannot read --from-token-file %s: No such file or directory" % missing)
+        empty = self.token_file("empty.token", "")
+        self.assertUsage([empty if a == self.to_token else a for a in argv],
+                         "--to-token-file %s does not hold a token (printable ASCII, no spaces, on its first line)"
+                         % empty)
+        self.assertUsage([self.url if a == self.target_url else a for a in argv],
+                         "--from and --to name the same server")
+        self.assertUsage([self.url + "/" if a == self.target_url else a for a in argv],
+                         "--from and --to name the same server")
+        self.assertUsage([a.replace("127.0.0.1", "192.0.2.1") if a == self.target_url else a for a in argv],
+                         "--to is plain http to 192.0.2.1: the token would cross the network in clear "
+                         "(use https, or --allow-plain-http)")
+        self.assertUsage(self.argv()[:9] + ["--no-memory", "--project", "a/b"],
+                         "--project must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
+        self.assertUsage(self.argv(memory=False)[:-1],
+                         "memory needs the principal of the --from token, which is not a JWT: give --from-principal "
+                         "ID, or --no-memory")
+        self.assertUsage(self.argv("--state", self.token_file("bad.json", "{}")),
+                         "cannot use the state file %s: not a replicate state file (version 1)"
+                         % os.path.join(self.files, "bad.json"))
+        unwritable = os.path.join(self.files, "no-such-dir", "state.json")
+        self.assertUsage(self.argv("--state", unwritable),
+                         "cannot use the state file %s: No such file or directory" % unwritable)
+        self.assertUsage(["replicate", "--from", self.url], "the following arguments are required: "
+                         "--from-token-file, --to, --to-token-file")
+        self.assertEqual(self.target_pull()["cursor"], 0)
+
+    def test_a_self_signed_certificate_needs_ca_file(self):
+        self.stop_server(self.server, self.server_thread)
+        self.server_options = {"tls": sync.TlsFiles(os.path.join(TLS_DATA, "cert.pem"),
+                                                    os.path.join(TLS_DATA, "key.pem"))}
+        self.start_server()
+        self.push(self.alice, "proj", [record()])
+        code, out, err = self.replicate()
+        self.assertEqual(code, 1)
+        self.assertEqual(err, "replicate: the source %s: its certificate cannot be verified (self-signed "
+                              "certificate); for a self-signed one, give it with --ca-file\n" % self.url)
+        code, out, err = self.replicate("--ca-file", os.path.join(TLS_DATA, "cert.pem"))
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(self.target_pull()["records"], [record()])
+        missing = os.path.join(self.files, "missing.pem")
+        self.assertUsage(self.argv("--ca-file", missing),
+                         "cannot use --ca-file %s: No such file or directory" % missing)
+
+    def test_the_principal_of_a_jwt_is_its_sub(self):
+        token = hs256_token({"sub": "alice", "exp": NOW + 60})
+        self.assertEqual(sync.token_principal(token), "alice")
+        self.assertIsNone(sync.token_principal(self.alice))
 
 
 if __name__ == "__main__":
