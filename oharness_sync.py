@@ -1851,6 +1851,7 @@ def make_dirs(path):
     """Create path and its missing parents, syncing each parent so the new entries survive a crash.
     Returns the directories it created, outermost first."""
     missing = []
+    path = os.path.abspath(path)  # a relative path's dirname ends at "", which is never a directory
     while not os.path.isdir(path):
         missing.append(path)
         path = os.path.dirname(path)

@@ -2203,6 +2203,19 @@ def validated(records=(), sessions=()):
     return push.records, push.sessions
 
 
+class MakeDirsTest(unittest.TestCase):
+    def test_a_relative_path_is_made_with_its_missing_parents(self):
+        base = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, base, True)
+        cwd = os.getcwd()
+        os.chdir(base)
+        self.addCleanup(os.chdir, cwd)
+        made = sync.make_dirs(os.path.join("a", "b"))
+        self.assertEqual(made, [os.path.join(base, "a"), os.path.join(base, "a", "b")])
+        self.assertTrue(os.path.isdir(os.path.join(base, "a", "b")))
+        self.assertEqual(sync.make_dirs("a"), [])
+
+
 class FeedStoreTest(unittest.TestCase):
     owner = ("u", "alice")
 
