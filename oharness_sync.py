@@ -2152,6 +2152,13 @@ class _Batch:
         self.woken = threading.Condition(lock)
 
 
+def wake(conditions):
+    """Notify each of these Conditions (of parked pulls)."""
+    for condition in conditions:
+        with condition:
+            condition.notify()
+
+
 class Feed:
     """One (owner, project) feed: its file, and the index a start-up rebuilds from it.
 
@@ -2159,16 +2166,17 @@ class Feed:
     of its records and the winning (gen, updatedAt) of each session. Pushes to a
     feed share fsyncs (group commit): a push queues its lines; the push that finds
     no flush under way writes every queued line with one write and one fsync, and
-    the others wait on a Condition for the flush that holds theirs. Long-polls wait
-    on the feed's Condition `grew`, of the same lock, notified when events become
-    durable.
+    the others wait on a Condition for the flush that holds theirs. A parked
+    long-poll waits on a Condition of its own, which the feed keeps until events
+    become durable and then notifies: a thousand woken pulls do not queue for one
+    lock before they can answer.
     """
 
     def __init__(self, path, log):
         self.path = path
         self.log = log
-        self.lock = threading.Lock()                 # guards everything below
-        self.grew = threading.Condition(self.lock)     # events became durable: parked pulls look again
+        self.lock = threading.Lock()           # guards everything below
+        self.parked = set()                    # Conditions of pulls waiting for the next durable event
         self._load_lock = threading.Lock()
         self._flushing = False                 # a push is writing and fsyncing queued batches
         self.loaded = False
@@ -2248,6 +2256,7 @@ class Feed:
         """Add new records and winning metadata; (cursor, accepted) once they are durable, StorageError
         when they cannot be. Blocks until the group commit that holds them has fsynced."""
         self.ensure_loaded()
+        parked = ()
         with self.lock:
             batch = self._queue(records, sessions)
             if batch is None:
@@ -2256,7 +2265,8 @@ class Feed:
                 if self._flushing:
                     batch.woken.wait()
                 else:
-                    self._flush()
+                    parked = self._flush()
+        wake(parked)
         if isinstance(batch.outcome, Exception):
             raise batch.outcome
         return batch.outcome
@@ -2290,7 +2300,8 @@ class Feed:
 
     def _flush(self):
         """Write and fsync every queued batch, and settle each one's outcome (called with the lock held;
-        it is let go for the disk work, so more pushes queue meanwhile for the next flush)."""
+        it is let go for the disk work, so more pushes queue meanwhile for the next flush). The parked
+        pulls to wake, once the lock is let go."""
         group, self.pending = self.pending, []
         lines = [line for queued in group for line in queued.lines]
         self._flushing = True
@@ -2315,7 +2326,7 @@ class Feed:
             if lines:
                 self.fsyncs += 1
                 self.fsynced_pushes += sum(1 for queued in group if queued.lines)
-                self.grew.notify_all()
+                parked, self.parked = self.parked, set()
         else:
             group += self.pending  # numbered after the failed events: they fail with them
             self.pending = []
@@ -2328,6 +2339,7 @@ class Feed:
             queued.woken.notify()
         if self.pending:
             self.pending[0].woken.notify()  # queued meanwhile: its push flushes the next group
+        return parked if failure is None and lines else ()
 
     def _undo(self, batches):
         """Forget queued batches whose write failed, newest first; they all answer 500."""
@@ -2396,13 +2408,22 @@ class Feed:
     def wait(self, since, timeout, stopping):
         """Wait up to timeout seconds for an event after since; True once there is one, or stopping is set."""
         self.ensure_loaded()
-        with self.lock:
-            return self.grew.wait_for(lambda: self.count > since or stopping.is_set(), timeout)
+        woken = threading.Condition(threading.Lock())
+        with woken:  # held until wait() lets it go: a flush that takes this pull cannot notify it before
+            with self.lock:
+                if self.count > since or stopping.is_set():
+                    return True
+                self.parked.add(woken)
+            if not woken.wait(timeout):
+                with self.lock:
+                    self.parked.discard(woken)
+        return self.count > since or stopping.is_set()
 
     def wake(self):
         """Wake every parked pull, to look at stopping (shutdown)."""
         with self.lock:
-            self.grew.notify_all()
+            parked, self.parked = self.parked, set()
+        wake(parked)
 
 
 class FeedStore:
