@@ -45,6 +45,7 @@ import os
 import platform
 import re
 import secrets
+import select
 import shlex
 import shutil
 import signal
@@ -5322,11 +5323,15 @@ class BenchClient:
         if token:
             self.prefix += b"Authorization: Bearer %s\r\n" % token.encode("ascii")
 
-    def call(self, method, path, body=None):
-        """(status, body bytes) of one request; body is a JSON value, or bytes already encoded."""
+    def send(self, method, path, body=None):
+        """Send one request; body is a JSON value, or bytes already encoded."""
         data = b"" if body is None else body if isinstance(body, bytes) else encode_json(body)
         self.sock.sendall(b"%s %s HTTP/1.1\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
             method.encode("ascii"), path.encode("ascii"), self.prefix, len(data), data))
+
+    def call(self, method, path, body=None):
+        """(status, body bytes) of one request; body is a JSON value, or bytes already encoded."""
+        self.send(method, path, body)
         status_line = self.reader.readline()
         if not status_line:
             raise ConnectionError("the server closed the connection")
@@ -5514,40 +5519,65 @@ def catch_up(target, project, limit=MAX_PULL_LIMIT):
 
 
 def park_worker(url, token, projects, ready, results, answered):
-    """One client process holding a long-poll per project; reports (wall-clock wake time or None) each,
-    and counts answers in the shared answered value as they come."""
-    woke, lock = [], threading.Lock()
-
-    def poll(project):
+    """One client process holding a long-poll per project, a connection each, all read by one thread (a
+    thread per poll would make the clients' own wake-up, a thousand threads taking turns, part of the
+    figure); reports (wall-clock time its answer was whole, or None) each, and counts answers in the
+    shared answered value as they come."""
+    clients, woke = {}, []
+    for project in projects:
         try:
             client = BenchClient(url, token, timeout=60)
+            client.send("GET", "/v1/pull?project=%s&since=0&wait=30" % project)
+            clients[client.sock.fileno()] = (client, bytearray())
         except OSError:
-            ready.put(1)
-            with lock:
-                woke.append(None)
-            return
+            woke.append(None)
         ready.put(1)
-        try:
-            status, body = client.call("GET", "/v1/pull?project=%s&since=0&wait=30" % project)
+    poller = select.poll()
+    for fd in clients:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + 40
+    while clients and time.monotonic() < deadline:
+        for fd, _ in poller.poll(1000):
+            client, buf = clients[fd]
+            try:
+                data = client.sock.recv(65536)
+            except OSError:
+                data = b""
+            buf += data
+            answer = whole_answer(buf)
+            if data and answer is None:
+                continue
             at = time.time()
-            ok = status == 200 and b'"records":[]' not in body
+            poller.unregister(fd)
+            del clients[fd]
+            client.close()
+            if answer is None:  # closed before its answer was whole
+                woke.append(None)
+                continue
+            status, body = answer
             if status == 200:  # an empty answer too: a poll of another feed the push woke for nothing
                 with answered.get_lock():  # (a refusal is no answer; park_and_wake leaves out those before it)
                     answered.value += 1
-        except (OSError, ValueError):
-            at, ok = None, False
-        finally:
-            client.close()
-        with lock:
-            woke.append(at if ok else None)
-
-    threading.stack_size(256 * 1024)
-    threads = [threading.Thread(target=poll, args=(project,)) for project in projects]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(40)
+            woke.append(at if status == 200 and b'"records":[]' not in body else None)
+    woke += [None] * len(clients)
+    for client, _ in clients.values():
+        client.close()
     results.put(woke)
+
+
+def whole_answer(buf):
+    """(status, body) of the HTTP answer at the start of buf once all of it is there, else None."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = bytes(buf[:end]).lower()
+    start = head.find(b"content-length:")
+    if start < 0:
+        return None
+    length = int(head[start + 15:].split(b"\r\n", 1)[0])
+    if len(buf) < end + 4 + length:
+        return None
+    return int(head.split(None, 2)[1]), bytes(buf[end + 4:end + 4 + length])
 
 
 def park_and_wake(target, feeds, polls, processes=8):
