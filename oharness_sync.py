@@ -3224,6 +3224,8 @@ class ClientGone(Exception):
 class Request:
     """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and the
     body, read only when asked for."""
+    __slots__ = ("method", "path", "query", "headers", "read_body", "client_gone", "client", "tls", "principal",
+                 "__weakref__")
 
     def __init__(self, method, path, query, headers, read_body, client_gone=lambda: False, client=None,
                  tls=False):
@@ -3530,14 +3532,15 @@ def header_dict(message):
     """Headers by lower-case name (a repeated header's values joined with ', '), values trimmed of
     SP and HTAB only: str.strip() would also take VT, FF, NBSP and more as whitespace."""
     headers = {}
-    for name, value in message.items():
+    for name, value in message.raw_items():  # as parsed (items() runs each value through the email policy)
         name, value = name.lower(), value.strip(" \t")
         headers[name] = headers[name] + ", " + value if name in headers else value
     return headers
 
 
 def connection_tokens(headers):
-    return {token.strip(" \t").lower() for token in headers.get("connection", "").split(",")}
+    value = headers.get("connection")
+    return {token.strip(" \t").lower() for token in value.split(",")} if value else set()
 
 
 def declares_body(headers):
@@ -3752,7 +3755,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         if self.request_version not in ("HTTP/1.1", "HTTP/1.0"):
             self.send_error(505, "HTTP/1.1 only")
             return None
-        if not all(_HEADER_LINE.fullmatch(line) for line in reader.lines[1:-1]):
+        if not all(map(_HEADER_LINE.fullmatch, reader.lines[1:-1])):
             self.send_error(400, "malformed header line")
             return None
         headers = self.fields = header_dict(self.headers)
@@ -3792,7 +3795,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         request = Request(self.command, path, query, headers, self.read_body, self.client_gone,
                           self.client_address[0], self.server.tls is not None)
         self.body = None
-        self.server.begin_request()
+        self.server.begin_request(self)
         try:
             try:
                 response = self.server.app.handle(request)
@@ -3805,7 +3808,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             self.server.log_access(self.command, path, response.status, started, request.principal)
             self.send_answer(response, self.command)
         finally:
-            self.server.end_request()
+            self.server.end_request(self)
 
     def read_body(self, limit, error):
         """The request body, at most limit bytes; error(status, text) builds what is raised for a bad or
@@ -3919,7 +3922,7 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self.access_log = access_log
         self.stopping = threading.Event()      # set: answers close their connections
         self.connections = 0                   # accepted and not yet closed (past the cap: refused)
-        self.busy = 0                          # requests being answered, for a graceful stop
+        self._answering = set()                # handlers answering a request (set.add and discard need no lock)
         self._open = set()                     # the sockets of connections being served
         self._lock = threading.Lock()
         self.watchdog = Watchdog(self.log)     # before binding: a failed bind calls server_close
@@ -4004,13 +4007,16 @@ class SyncServer(http.server.ThreadingHTTPServer):
 
     # -- requests ------------------------------------------------------------
 
-    def begin_request(self):
-        with self._lock:
-            self.busy += 1
+    @property
+    def busy(self):
+        """Requests being answered, for a graceful stop."""
+        return len(self._answering)
 
-    def end_request(self):
-        with self._lock:
-            self.busy -= 1
+    def begin_request(self, handler):
+        self._answering.add(handler)
+
+    def end_request(self, handler):
+        self._answering.discard(handler)
 
     def log_access(self, method, path, status, started, principal):
         if self.access_log is not None:
