@@ -3303,7 +3303,7 @@ class SyncApp:
         self.rate_limiter = rate_limiter
         self.log = log or (lambda message: None)
         self.max_parked = max_parked
-        self.parked = 0                   # long-polls waiting now
+        self._parked = set()              # the requests of long-polls waiting now
         self._parked_lock = threading.Lock()
         self._checked_snapshots = {}      # (principal, body) -> MemoryRequest, for small snapshot bodies
 
@@ -3412,14 +3412,19 @@ class SyncApp:
             page = self.feeds.pull(owner, project, since, limit)  # one Page for every pull the push woke
         return Response(200, page.to_json())
 
+    @property
+    def parked(self):
+        """Long-polls waiting now."""
+        return len(self._parked)
+
     def park(self, owner, project, since, seconds, request):
         """Hold a pull until its feed has an event after since, its wait is over, or the server stops;
         False (at once) past max_parked. ClientGone when its client leaves meanwhile: it is looked for
         every PARKED_CHECK_SECONDS, so an abandoned pull gives its place back soon."""
-        with self._parked_lock:
-            if self.parked >= self.max_parked:
+        with self._parked_lock:  # (the count and the add, together)
+            if len(self._parked) >= self.max_parked:
                 return False
-            self.parked += 1
+            self._parked.add(request)
         try:
             deadline = time.monotonic() + seconds
             while True:
@@ -3429,8 +3434,7 @@ class SyncApp:
                 if request.client_gone():
                     raise ClientGone()
         finally:
-            with self._parked_lock:
-                self.parked -= 1
+            self._parked.discard(request)  # no lock: a thousand pulls woken at once would queue for it
 
     # -- memory sync -------------------------------------------------------
 
