@@ -3731,8 +3731,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
     # -- the request head ----------------------------------------------------
 
     def read_head(self):
-        """The headers of the next request (http.server's parse_request, within MAX_HEAD_BYTES, then
-        check_head); None when the head was refused, and answered."""
+        """The headers of the next request (http.server's parse_request, within MAX_HEAD_BYTES, then the
+        checks of _REQUEST_LINE and _HEADER_LINE); None when the head was refused, and answered."""
         self.command, self.request_version = None, "HTTP/1.1"
         reader = HeadReader(self.rfile)
         try:
