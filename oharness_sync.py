@@ -3775,7 +3775,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         return True  # 100 Continue is sent once the body is wanted (read_body), not for a refused request
 
     def send_error(self, code, message=None, explain=None):
-        """http.server's refusals, and check_head's, as JSON; logged; the connection then closes."""
+        """http.server's refusals, and read_head's, as JSON; logged; the connection then closes."""
         if code == 431 and message in ("Line too long", "Too many headers"):
             message = "request head larger than %d bytes or %d header lines" % (MAX_HEAD_BYTES, MAX_HEADERS)
         message = message or "bad request"
