@@ -96,6 +96,7 @@ MAX_PUSH_RECORDS = 500
 MAX_PUSH_SESSIONS = 500
 MAX_PULL_LIMIT = 500
 MAX_WAIT_SECONDS = 30
+CACHED_PAGE_BYTES = 256 * 1024      # the latest page read of a feed is kept for the next pull up to this size
 
 DEFAULT_REQUEST_SECONDS = 30.0      # headers and body of one request must arrive within this, in total
 IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed; also bounds each answer's send
@@ -2142,13 +2143,16 @@ class _Batch:
     """One push's new lines, waiting for the group commit that makes them durable, and its outcome:
     (cursor, accepted) once durable, or the StorageError that stopped it. Its push waits on its own
     Condition (of the feed's lock), so a flush wakes each push once: when its batch is settled, or when
-    it is to flush the next group."""
-    __slots__ = ("lines", "keys", "undo_meta", "outcome", "woken")
+    it is to flush the next group. A batch also keeps what its push found already there (skipped), which
+    may be in flight in another push's batch: should that one fail, so must this push."""
+    __slots__ = ("lines", "keys", "undo_meta", "skipped_keys", "skipped_meta", "outcome", "woken")
 
     def __init__(self, lock):
         self.lines = []
         self.keys = []
         self.undo_meta = []
+        self.skipped_keys = []                 # dedupe keys of records found already there
+        self.skipped_meta = []                 # (session id, stamp) of metadata that lost to what was there
         self.outcome = None
         self.woken = threading.Condition(lock)
 
@@ -2278,6 +2282,7 @@ class Feed:
         number = self.next_number
         for record in records:
             if record.key in self.keys:
+                batch.skipped_keys.append(record.key)
                 continue
             self.keys.add(record.key)
             batch.keys.append(record.key)
@@ -2286,6 +2291,7 @@ class Feed:
         for entry in sessions:
             old = self.meta.get(entry.session_id)
             if not metadata_wins(entry.stamp, old):
+                batch.skipped_meta.append((entry.session_id, entry.stamp))
                 continue
             self.meta[entry.session_id] = entry.stamp
             batch.undo_meta.append((entry.session_id, old))
@@ -2335,12 +2341,20 @@ class Feed:
             self.log("push to %s failed: %s" % (self.path, reason(failure)))
             outcome = StorageError("storage failure: %s" % reason(failure))
             for queued in group:
-                queued.outcome = outcome
+                # A push that added nothing fails only when what it found there was in the failed write.
+                held = not queued.lines and self._still_there(queued)
+                queued.outcome = (self.count, 0) if held else outcome
         for queued in group:
             queued.woken.notify()
         if self.pending:
             self.pending[0].woken.notify()  # queued meanwhile: its push flushes the next group
         return parked if failure is None and lines else ()
+
+    def _still_there(self, batch):
+        """Whether every record and metadata entry batch's push found already there still is (lock held)."""
+        return (all(key in self.keys for key in batch.skipped_keys)
+                and not any(metadata_wins(stamp, self.meta.get(session_id))
+                            for session_id, stamp in batch.skipped_meta))
 
     def _undo(self, batches):
         """Forget queued batches whose write failed, newest first; they all answer 500."""
@@ -2403,7 +2417,8 @@ class Feed:
             position += len(chunk)
         records, sessions = split_events(b"".join(chunks))
         page = Page(end, records, sessions, end < count)
-        self._last_page = ((since, limit, count), page)
+        if stop - start <= CACHED_PAGE_BYTES:  # a catch-up's big pages are read once: not kept
+            self._last_page = ((since, limit, count), page)
         return page
 
     def wait(self, since, timeout, stopping):
@@ -2494,7 +2509,8 @@ class FeedStore:
         return feed.wait(since, deadline - time.monotonic(), self.stopping)
 
     def projects(self, owner):
-        """The sorted project ids with a non-empty feed for owner."""
+        """The sorted project ids with a durable event in owner's feed. A feed in use counts its durable
+        events (its file may hold a first push still being fsynced, or being undone); another, its file."""
         try:
             entries = list(os.scandir(self.owner_dir(owner)))
         except FileNotFoundError:
@@ -2502,8 +2518,16 @@ class FeedStore:
         names = []
         for entry in entries:
             name = entry.name
-            if name.startswith("p-") and name.endswith(".jsonl") and entry.stat().st_size > 0:
-                names.append(decode_name(name[2:-6]))
+            if not (name.startswith("p-") and name.endswith(".jsonl")):
+                continue
+            project = decode_name(name[2:-6])
+            feed = self._feeds.get((owner, project))
+            if feed is not None and feed.loaded:
+                durable = feed.count > 0
+            else:
+                durable = entry.stat().st_size > 0
+            if durable:
+                names.append(project)
         return sorted(names)
 
     def commit_counts(self):
