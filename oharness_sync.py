@@ -101,7 +101,7 @@ CACHED_PAGE_BYTES = 256 * 1024      # the latest page read of a feed is kept for
 DEFAULT_REQUEST_SECONDS = 30.0      # headers and body of one request must arrive within this, in total
 IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed; also bounds each answer's send
 MAX_HEADER_LINE = 65536             # bytes in the request line or one header line
-MAX_HEADERS = 100                   # header lines in one request
+MAX_HEADERS = 100                   # lines in one request's headers, the closing blank one too (http.client's cap)
 DEFAULT_MAX_CONNECTIONS = 2000
 DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
 LISTEN_BACKLOG = 512
@@ -3248,11 +3248,11 @@ class ClientGone(Exception):
 class Request:
     """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and the
     body, read only when asked for."""
-    __slots__ = ("method", "path", "query", "headers", "read_body", "client_gone", "client", "tls", "principal",
-                 "__weakref__")
+    __slots__ = ("method", "path", "query", "headers", "read_body", "client_gone", "client", "tls", "hold",
+                 "principal", "__weakref__")
 
     def __init__(self, method, path, query, headers, read_body, client_gone=lambda: False, client=None,
-                 tls=False):
+                 tls=False, hold=lambda: None):
         self.method = method
         self.path = path
         self.query = query
@@ -3261,6 +3261,7 @@ class Request:
         self.client_gone = client_gone  # () -> True once the client has left (a parked pull stops waiting)
         self.client = client            # the client's address (host), as the connection shows it
         self.tls = tls                  # whether it came over HTTPS (to this server: a proxy's is not seen)
+        self.hold = hold                # () before a wait: the request's deadline stops (its wait bounds it)
         self.principal = None           # for the access log, once a token was verified
 
     def param(self, name):
@@ -3442,21 +3443,23 @@ class SyncApp:
         return len(self._parked)
 
     def park(self, owner, project, since, seconds, request):
-        """Hold a pull until its feed has an event after since, its wait is over, or the server stops;
-        False (at once) past max_parked. ClientGone when its client leaves meanwhile: it is looked for
-        every PARKED_CHECK_SECONDS, so an abandoned pull gives its place back soon."""
+        """Hold a pull until its feed has an event after since, its wait is over, the server stops, or
+        its client closes its side (looked at every PARKED_CHECK_SECONDS, so an abandoned pull gives its
+        place back soon; one that only half-closed still reads its answer); False (at once) past
+        max_parked."""
         with self._parked_lock:  # (the count and the add, together)
             if len(self._parked) >= self.max_parked:
                 return False
             self._parked.add(request)
         try:
+            request.hold()
             deadline = time.monotonic() + seconds
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.feeds.wait(owner, project, since, min(left, PARKED_CHECK_SECONDS)):
                     return True
                 if request.client_gone():
-                    raise ClientGone()
+                    return True
         finally:
             self._parked.discard(request)  # no lock: a thousand pulls woken at once would queue for it
 
@@ -3528,6 +3531,7 @@ _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _REQUEST_LINE = re.compile(_TOKEN + rb" [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r?\n")
 _HEADER_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r?\n")
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,8})(;[\t\x20-\x7e\x80-\xff]*)?\r\n")
+_QUERY = re.compile(r"\?[^ ]*")
 LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
 
 
@@ -3596,8 +3600,9 @@ def body_length(headers, limit, error):
 
 
 def read_chunked(rfile, limit, error):
-    """A chunked body from rfile, of at most limit bytes; trailer fields are read and dropped.
-    ClientGone for broken framing; error(400 or 413, text) for a bad chunk size or an oversized body."""
+    """A chunked body from rfile, of at most limit bytes; trailer fields are checked as header lines are,
+    and dropped. ClientGone for broken framing; error(400 or 413, text) for a bad chunk size or trailer
+    field, or an oversized body."""
     chunks, total = [], 0
     while True:
         line = rfile.readline(1024)
@@ -3616,13 +3621,15 @@ def read_chunked(rfile, limit, error):
         if len(chunk) < size or rfile.readline(3) != b"\r\n":
             raise ClientGone()
         chunks.append(chunk)
-    for _ in range(MAX_HEADERS + 1):
+    for _ in range(MAX_HEADERS):
         line = rfile.readline(MAX_HEADER_LINE)
         if line == b"\r\n":
             return b"".join(chunks)
         if not line.endswith(b"\n"):
-            break
-    raise ClientGone()
+            raise ClientGone()
+        if not line.endswith(b"\r\n") or _HEADER_LINE.fullmatch(line) is None:
+            raise error(400, "malformed trailer field")  # a bare LF must not end the body: it would swallow what follows
+    raise error(400, "more than %d trailer fields" % (MAX_HEADERS - 1))
 
 
 def render(response, method, close):
@@ -3756,11 +3763,15 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def read_head(self):
         """The headers of the next request (http.server's parse_request, within MAX_HEAD_BYTES, then the
-        checks of _REQUEST_LINE and _HEADER_LINE); None when the head was refused, and answered."""
+        checks of _REQUEST_LINE and _HEADER_LINE; one empty line before it is skipped); None when the head
+        was refused, and answered."""
         self.command, self.request_version = None, "HTTP/1.1"
         reader = HeadReader(self.rfile)
         try:
             self.raw_requestline = reader.readline(MAX_HEADER_LINE + 1)
+            if self.raw_requestline in (b"\r\n", b"\n"):  # RFC 9112 2.2: e.g. a CRLF a client sent after a body
+                reader.lines.clear()
+                self.raw_requestline = reader.readline(MAX_HEADER_LINE + 1)
         except http.client.LineTooLong:
             self.raw_requestline = b""
         if not self.raw_requestline.endswith(b"\n"):
@@ -3801,10 +3812,12 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
     def send_error(self, code, message=None, explain=None):
         """http.server's refusals, and read_head's, as JSON; logged; the connection then closes."""
         if code == 431 and message in ("Line too long", "Too many headers"):
-            message = "request head larger than %d bytes or %d header lines" % (MAX_HEAD_BYTES, MAX_HEADERS)
+            message = "request head larger than %d bytes or with more than %d header fields" % (
+                MAX_HEAD_BYTES, MAX_HEADERS - 1)
         message = message or "bad request"
+        line = str(self.raw_requestline[:200], "latin-1").rstrip("\r\n")
         self.server.log("refused a malformed request (%d %s): %s" % (
-            code, message, printable(str(self.raw_requestline[:200], "latin-1").rstrip("\r\n"))))
+            code, message, printable(_QUERY.sub("", line, 1))))  # a query may hold what is not for a log
         self.body_pending = True  # what follows a refused head is not read: close after the answer
         self.send_answer(Response(code, encode_json({"error": message}), close=True), self.command)
 
@@ -3821,7 +3834,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         if not self.body_pending:
             self.server.watchdog.disarm(self.connection)
         request = Request(self.command, path, query, headers, self.read_body, self.client_gone,
-                          self.client_address[0], self.server.tls is not None)
+                          self.client_address[0], self.server.tls is not None, self.hold)
         self.body = None
         self.server.begin_request(self)
         try:
@@ -3859,6 +3872,11 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.body, self.body_pending = body, False
         self.server.watchdog.disarm(self.connection)
         return body
+
+    def hold(self):
+        """The request will wait (a parked pull): from now on its wait bounds it, not the request
+        deadline. (A body it declared stays unread: the answer then closes the connection.)"""
+        self.server.watchdog.disarm(self.connection)
 
     def client_gone(self):
         """True when the client has closed its side or reset the connection. Asked while a pull is

@@ -2430,6 +2430,77 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(outcomes, ["failed", "failed"])
         self.assertEqual(self.store.push(self.owner, "p", *validated([record()])), (1, 1))
 
+    def in_flight_failure(self, first_push, second_push):
+        """Run first_push with its fsync held and then failed, and second_push meanwhile; their outcomes."""
+        gate, entered = threading.Event(), threading.Event()
+
+        def failing_sync(fd):
+            entered.set()
+            gate.wait(5)
+            raise OSError(errno.EIO, "I/O error")
+
+        outcomes = {}
+
+        def run(name, push):
+            try:
+                outcomes[name] = push()
+            except sync.StorageError:
+                outcomes[name] = "failed"
+
+        with mock.patch.object(sync, "sync_file", failing_sync):
+            first = threading.Thread(target=run, args=("first", first_push))
+            first.start()
+            entered.wait(5)
+            second = threading.Thread(target=run, args=("second", second_push))
+            second.start()
+            time.sleep(0.2)
+            gate.set()
+            first.join(5)
+            second.join(5)
+        return outcomes
+
+    def test_a_push_that_adds_nothing_is_not_failed_by_another_push_failing(self):
+        self.store.push(self.owner, "p", *validated([record(record_id="a")], [meta(gen=2, updated_at=9)]))
+        # A retry of what is durable already (a record, and metadata that loses to the stored generation),
+        # sent while an unrelated push is being written, and that write fails.
+        outcomes = self.in_flight_failure(
+            lambda: self.store.push(self.owner, "p", *validated([record(record_id="b")])),
+            lambda: self.store.push(self.owner, "p", *validated([record(record_id="a")], [meta(gen=1)])))
+        self.assertEqual(outcomes, {"first": "failed", "second": (2, 0)})
+        page = self.store.pull(self.owner, "p", 0, 500)
+        self.assertEqual((page.cursor, [json.loads(r)["id"] for r in page.records]), (2, ["a"]))
+
+    def test_a_push_whose_metadata_lost_to_a_failed_write_fails_with_it(self):
+        self.store.push(self.owner, "p", *validated([], [meta(gen=1, updated_at=1)]))
+        outcomes = self.in_flight_failure(
+            lambda: self.store.push(self.owner, "p", *validated([], [meta(gen=3, updated_at=1)])),
+            lambda: self.store.push(self.owner, "p", *validated([], [meta(gen=2, updated_at=1)])))
+        # The second lost to gen 3, which was never stored: answering it 200 would lose gen 2.
+        self.assertEqual(outcomes, {"first": "failed", "second": "failed"})
+        self.assertEqual(self.store.push(self.owner, "p", *validated([], [meta(gen=2, updated_at=1)])), (2, 1))
+
+    def test_projects_leaves_out_a_first_push_until_it_is_durable(self):
+        listed = []
+        outcomes = self.in_flight_failure(
+            lambda: self.store.push(self.owner, "new", *validated([record()])),
+            lambda: listed.append(self.store.projects(self.owner)))
+        self.assertEqual((outcomes["first"], listed), ("failed", [[]]))
+        self.assertEqual(self.store.projects(self.owner), [])
+        self.store.push(self.owner, "new", *validated([record()]))
+        self.assertEqual(self.store.projects(self.owner), ["new"])
+        self.assertEqual(self.reopen().projects(self.owner), ["new"])
+
+    def test_a_small_page_is_kept_for_the_next_pull_and_a_big_one_is_not(self):
+        self.store.push(self.owner, "p", *validated([record(record_id="small")]))
+        small = self.store.pull(self.owner, "p", 0, 500)
+        self.assertIs(self.store.pull(self.owner, "p", 0, 500), small)  # a thousand woken polls share it
+        big = {"content": "x" * (sync.CACHED_PAGE_BYTES // 2)}
+        self.store.push(self.owner, "p", *validated([record(record_id=str(i), body=big) for i in range(3)]))
+        page = self.store.pull(self.owner, "p", 0, 500)
+        self.assertEqual((page.cursor, len(page.records)), (4, 4))
+        self.assertIs(self.store.feed(self.owner, "p")._last_page[1], small)  # ~400 KiB: read once, not kept
+        self.assertIsNot(self.store.pull(self.owner, "p", 0, 500), page)
+
     def test_projects_lists_non_empty_feeds_sorted_and_decoded(self):
         for project in ("zeta", "Alpha", "alpha", "m_id"):
             self.store.push(self.owner, project, *validated([record()]))
@@ -4232,6 +4303,33 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         self.addCleanup(conn.close)
         return conn
 
+    def test_a_long_poll_that_declares_a_body_waits_past_the_request_deadline(self):
+        """The request deadline bounds the arrival of a request; a parked pull's wait bounds the wait.
+        The body a GET declared is never read, so its answer closes the connection."""
+        with open_raw(self.url) as sock:
+            sock.sendall(("GET /v1/pull?project=proj&since=0&wait=10 HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
+                          "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
+            time.sleep(1.6)  # past the 1 s request deadline, parked
+            self.assertAnswer(self.push(self.alice, records=[record()]), 200)
+            status, headers, body = read_raw_answer(sock)
+            self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]), (200, ["r1"]))
+            self.assertEqual(headers.get("connection"), "close")
+            self.assertTrue(server_closed(sock, 5))
+        self.assertEqual([line for line in self.log_lines if "did not arrive" in line], [])
+
+    def test_one_empty_line_before_a_request_is_skipped(self):
+        """RFC 9112 2.2: a client may send a CRLF after a body; the request after it is served."""
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        health = b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n"
+        with open_raw(self.url) as sock:
+            sock.sendall(push_head(self.alice, len(body)) + body + b"\r\n" + health + b"\n" + health)
+            answers, _ = read_pipelined_answers(sock, 3)
+            self.assertEqual(answers, [(200, b'{"cursor":1,"accepted":1}'), (200, b'{"ok":true}'),
+                                       (200, b'{"ok":true}')])
+        with open_raw(self.url) as sock:  # one is skipped, not any number
+            sock.sendall(b"\r\n\r\n" + health)
+            self.assertRawError(*read_raw_answer(sock), 400)
+
     def test_unknown_route_is_404(self):
         for method, path in (("GET", "/index.html"), ("GET", "/v1"), ("GET", "/v1/nope"), ("GET", "/v1/health/"),
                              ("GET", "/v1/HEALTH"), ("GET", "/v2/health"), ("POST", "/v1/pushes"),
@@ -4439,12 +4537,12 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
     def test_a_head_over_64_kib_in_all_is_431_and_the_request_line_over_64_kib_is_414(self):
         lines = b"".join(b"X-Pad%d: %s\r\n" % (i, b"p" * 1000) for i in range(70))  # 70 KiB, each line short
         self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\n" + lines + b"\r\n", 431),
-                         "request head larger than 65536 bytes or 100 header lines")
+                         "request head larger than 65536 bytes or with more than 99 header fields")
         self.assertEqual(self.refused(b"GET /" + b"a" * 65536 + b" HTTP/1.1\r\n\r\n", 414),
                          "request line too long")
         self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\n" + b"X: a\r\n" * 101 + b"\r\n", 431),
-                         "request head larger than 65536 bytes or 100 header lines")
-        with open_raw(self.url) as sock:  # 100 lines and 64 KiB less a little: still a request
+                         "request head larger than 65536 bytes or with more than 99 header fields")
+        with open_raw(self.url) as sock:  # 99 header fields: still a request
             sock.sendall(b"GET /v1/health HTTP/1.1\r\n" + b"X: a\r\n" * 99 + b"\r\n")
             self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
 
@@ -4489,6 +4587,13 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
                          ["GET /v1/caf%C3%A9 404", "GET /v1/health 200"])
         self.assertEqual(self.log_lines[2], "refused a malformed request (400 bad request line): GET /v1/caf\\xc3\\xa9 "
                                             "HTTP/1.1")
+
+    def test_a_refused_head_is_logged_without_its_query(self):
+        self.refused(b"GET /v1/pull?project=p&access_token=s3cret HTTP/1.1\r\nX: \x07\r\n\r\n")
+        self.refused(b"GET /v1/pull?access_token=s3cret\x01 HTTP/1.1\r\n\r\n")
+        self.assertEqual(self.log_lines, [
+            "refused a malformed request (400 malformed header line): GET /v1/pull HTTP/1.1",
+            "refused a malformed request (400 bad request line): GET /v1/pull HTTP/1.1"])
 
 
 class FrontPageTest(ServerCase):
@@ -5228,14 +5333,27 @@ class HeadCheckTest(unittest.TestCase):
         self.assertEqual(sync.read_chunked(rfile, 1000, sync.session_error), b"Wikipedia in\r\n\r\nchunks.")
         self.assertEqual(rfile.read(), b"NEXT")
 
+    def test_trailer_fields_are_read_and_dropped(self):
+        rfile = io.BufferedReader(io.BytesIO(b"2\r\nab\r\n0\r\nX-Sum: 1\r\nX-Other:\tv\r\n\r\nNEXT"))
+        self.assertEqual(sync.read_chunked(rfile, 1000, sync.session_error), b"ab")
+        self.assertEqual(rfile.read(), b"NEXT")
+
     def test_chunked_refusals(self):
-        for data, status in ((b"zz\r\n", 400), (b"10\r\n" + b"a" * 16 + b"\r\n", 413), (b"3\nabc\r\n", 400),
-                             (b"3;x\x00\r\nabc\r\n", 400), (b"3 \r\nabc\r\n", 400)):
+        for data, status, text in (
+                (b"zz\r\n", 400, "bad chunk size"),
+                (b"10\r\n" + b"a" * 16 + b"\r\n", 413, "request body is larger than 15 bytes"),
+                (b"3\nabc\r\n", 400, "bad chunk size"),
+                (b"3;x\x00\r\nabc\r\n", 400, "bad chunk size"),
+                (b"3 \r\nabc\r\n", 400, "bad chunk size"),
+                (b"0\r\n\nGET / HTTP/1.1\r\n\r\n", 400, "malformed trailer field"),  # a bare LF ends nothing
+                (b"0\r\nT: x\n\r\n", 400, "malformed trailer field"),
+                (b"0\r\nT x\r\n\r\n", 400, "malformed trailer field"),
+                (b"0\r\nT: \x00\r\n\r\n", 400, "malformed trailer field"),
+                (b"0\r\n" + b"T: x\r\n" * sync.MAX_HEADERS + b"\r\n", 400, "more than 99 trailer fields")):
             with self.assertRaises(sync.ApiError) as caught:
                 sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15, sync.session_error)
-            self.assertEqual(caught.exception.status, status, data)
-        for data in (b"3\r\nabcX\r\n", b"3\r\nabc\n0\r\n\r\n", b"1" * 1100, b"3\r\nab",
-                     b"0\r\n" + b"T: x\r\n" * (sync.MAX_HEADERS + 1)):
+            self.assertEqual((caught.exception.status, caught.exception.text), (status, text), data)
+        for data in (b"3\r\nabcX\r\n", b"3\r\nabc\n0\r\n\r\n", b"1" * 1100, b"3\r\nab", b"0\r\nT: x\r\n"):
             with self.assertRaises(sync.ClientGone):
                 sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15, sync.session_error)
 
@@ -5308,8 +5426,8 @@ class TransportTest(ServerCase):
             sender.start()
             status, headers, body = read_raw_answer(sock)
             sender.join(10)
-        self.assertEqual((status, json.loads(body)), (431, {"error": "request head larger than %d bytes or %d header "
-                                                            "lines" % (sync.MAX_HEAD_BYTES, sync.MAX_HEADERS)}))
+        self.assertEqual((status, json.loads(body)), (431, {"error": "request head larger than 65536 bytes or with "
+                                                            "more than 99 header fields"}))
         self.assertEqual(headers.get("connection"), "close")
         self.assertEqual(len([line for line in self.log_lines if line.startswith("refused a malformed request (431")]), 1)
 
@@ -5374,6 +5492,20 @@ class TransportTest(ServerCase):
             time.sleep(0.01)
         self.assertEqual((self.server.app.parked, self.server.connections, self.server.busy), (0, 0, 0))
         self.assertLess(time.monotonic() - left, 1.0)
+
+    def test_a_parked_pull_whose_client_half_closes_is_answered_within_a_check(self):
+        """A client that sent its pull and shut its sending side still reads: it gets the page as it is
+        now (empty) within PARKED_CHECK_SECONDS, not nothing."""
+        with mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.2), open_raw(self.url) as sock:
+            sock.sendall(("GET /v1/pull?project=proj&since=0&wait=30 HTTP/1.1\r\nHost: t\r\n"
+                          "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
+            sock.shutdown(socket.SHUT_WR)
+            started = time.monotonic()
+            status, _, body = read_raw_answer(sock)
+            self.assertEqual((status, json.loads(body)), (200, EMPTY_PULL))
+            self.assertLess(time.monotonic() - started, 2.0)
+            self.assertTrue(server_closed(sock, 5))
+        self.assertEqual(self.server.app.parked, 0)
 
     def test_a_parked_pull_whose_client_leaves_gives_its_place_back_within_a_check(self):
         self.park_and_leave(since=0)
