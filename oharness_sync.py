@@ -3530,6 +3530,7 @@ _REASONS = {status: phrase.encode("latin-1")
 _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _REQUEST_LINE = re.compile(_TOKEN + rb" [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r?\n")
 _HEADER_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r?\n")
+_WHOLE_HEAD = re.compile(_TOKEN + rb" [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r\n(?:" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r\n)*\r\n")
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,8})(;[\t\x20-\x7e\x80-\xff]*)?\r\n")
 _QUERY = re.compile(r"\?[^ ]*")
 LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
@@ -3766,6 +3767,14 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         checks of _REQUEST_LINE and _HEADER_LINE; one empty line before it is skipped); None when the head
         was refused, and answered."""
         self.command, self.request_version = None, "HTTP/1.1"
+        arrived = self.rfile.peek(MAX_HEAD_BYTES)  # (what is buffered: no wait)
+        end = arrived.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES) + 4
+        if end >= 4 and _WHOLE_HEAD.fullmatch(arrived, 0, end):
+            # The usual case: a whole head has arrived, and passes every check. http.server reads it.
+            self.raw_requestline = self.rfile.readline(MAX_HEADER_LINE + 1)
+            if not self.parse_request():
+                return None
+            return self.head_fields()
         reader = HeadReader(self.rfile)
         try:
             self.raw_requestline = reader.readline(MAX_HEADER_LINE + 1)
@@ -3791,11 +3800,16 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             return None  # parse_request answered it (send_error)
         if reader.lines[-1] not in (b"\r\n", b"\n"):
             raise ClientGone()  # the connection ended inside the headers
-        if self.request_version not in ("HTTP/1.1", "HTTP/1.0"):
-            self.send_error(505, "HTTP/1.1 only")
-            return None
         if not all(map(_HEADER_LINE.fullmatch, reader.lines[1:-1])):
             self.send_error(400, "malformed header line")
+            return None
+        return self.head_fields()
+
+    def head_fields(self):
+        """The parsed head's fields (header_dict), with what they say of keeping the connection; None
+        for a version other than HTTP/1.x (answered 505)."""
+        if self.request_version not in ("HTTP/1.1", "HTTP/1.0"):
+            self.send_error(505, "HTTP/1.1 only")
             return None
         headers = self.fields = header_dict(self.headers)
         tokens = connection_tokens(headers)

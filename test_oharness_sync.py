@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import http.client
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -5303,6 +5304,25 @@ class HeadCheckTest(unittest.TestCase):
             self.assertIsNotNone(sync._HEADER_LINE.fullmatch(line), line)
         for line in bad_headers:
             self.assertIsNone(sync._HEADER_LINE.fullmatch(line), line)
+
+    def test_the_whole_head_check_takes_only_heads_every_line_check_passes(self):
+        """A head that has wholly arrived is checked at once (_WHOLE_HEAD) and read without HeadReader;
+        it must accept no head the line checks refuse. Anything it does not take goes the long way."""
+        good_headers = [b"Host: x\r\n", b"X-Empty:\r\n", b"X-Tab:\ta\tb \r\n", b"X-Latin: caf\xe9\r\n"]
+        bad_headers = [b" Folded: x\r\n", b"Name : x\r\n", b"No colon\r\n", b"X: a\x00b\r\n", b"X: a\rb\r\n",
+                       b"Transfer-Encoding: chunked\x0b\r\n", b"X: \x1c\r\n", b"X: a\x7f\r\n", b"Bare: lf\n"]
+        request_lines = [b"GET /v1/health HTTP/1.1\r\n", b"POST /v1/push?x=1 HTTP/1.0\r\n", b"GET  / HTTP/1.1\r\n",
+                         b"GET\xa0/\xa0HTTP/1.1\r\n", b"GET / HTTP/1.1\n", b"\r\n"]
+        checked = 0
+        for first in request_lines:
+            for headers in itertools.chain([[]], ([h] for h in good_headers + bad_headers),
+                                           [good_headers], [good_headers + bad_headers[:1]]):
+                head = first + b"".join(headers) + b"\r\n"
+                lines_pass = (sync._REQUEST_LINE.fullmatch(first) is not None and first.endswith(b"\r\n")
+                              and all(sync._HEADER_LINE.fullmatch(h) and h.endswith(b"\r\n") for h in headers))
+                self.assertEqual(sync._WHOLE_HEAD.fullmatch(head) is not None, lines_pass, head)
+                checked += 1
+        self.assertEqual(checked, 6 * 16)
 
     def test_headers_are_by_lower_case_name_repeats_joined_and_trimmed_of_sp_and_htab_only(self):
         message = http.client.parse_headers(io.BytesIO(
