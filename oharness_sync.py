@@ -2479,8 +2479,12 @@ class FeedStore:
             return feed
 
     def push(self, owner, project, records, sessions):
-        """Append a validated push; (cursor, accepted) once durable. A push that adds nothing creates nothing."""
-        return self.feed(owner, project, create=True).append(records, sessions)
+        """Append a validated push; (cursor, accepted) once durable. A push that adds nothing creates nothing
+        (an empty push to a project without a feed leaves no Feed behind either)."""
+        feed = self.feed(owner, project, create=bool(records or sessions))
+        if feed is None:
+            return 0, 0
+        return feed.append(records, sessions)
 
     def pull(self, owner, project, since, limit):
         """The Page of at most limit events after since. A pull never creates a feed."""

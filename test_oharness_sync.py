@@ -2502,6 +2502,16 @@ class FeedStoreTest(unittest.TestCase):
         self.assertIs(self.store.feed(self.owner, "p")._last_page[1], small)  # ~400 KiB: read once, not kept
         self.assertIsNot(self.store.pull(self.owner, "p", 0, 500), page)
 
+    def test_empty_pushes_to_projects_without_a_feed_leave_nothing_behind(self):
+        for i in range(3):
+            self.assertEqual(self.store.push(self.owner, "made-up-%d" % i, *validated()), (0, 0))
+        self.assertEqual((self.store._feeds, self.feed_dirs()), ({}, []))
+        self.store.push(self.owner, "p", *validated([record()]))
+        self.assertEqual(self.store.push(self.owner, "p", *validated()), (1, 0))  # the feed's cursor
+
+    def feed_dirs(self):
+        return os.listdir(self.store.root) if os.path.isdir(self.store.root) else []
+
     def test_projects_lists_non_empty_feeds_sorted_and_decoded(self):
         for project in ("zeta", "Alpha", "alpha", "m_id"):
             self.store.push(self.owner, project, *validated([record()]))
