@@ -5301,6 +5301,51 @@ server.serve_forever()
 """
 
 
+# The long-poll reference: a bare http.server whose pulls each wait on a Condition of their own until one
+# push notifies them all, then answer a fixed one-record page. It is the wake-up that any Python server
+# with a thread per connection pays, and nothing else.
+REFERENCE_WAKE_SERVER = r"""
+import http.server, socketserver, threading
+PAGE = b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,"device":"bench","at":1,"body":null}],' \
+       b'"sessions":[],"more":false}'
+ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(PAGE), PAGE)
+PUSHED = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 25\r\n\r\n{"cursor":1,"accepted":1}'
+lock, parked, pushed = threading.Lock(), set(), []
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    def do_GET(self):
+        woken = threading.Condition(threading.Lock())
+        with woken:
+            with lock:
+                waits = not pushed
+                if waits:
+                    parked.add(woken)
+            if waits:
+                woken.wait(30)
+        self.wfile.write(ANSWER)
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with lock:
+            pushed.append(1)
+            waiting = list(parked)
+            parked.clear()
+        for woken in waiting:
+            with woken:
+                woken.notify()
+        self.wfile.write(PUSHED)
+    def log_message(self, *args):
+        pass
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    request_queue_size = 2048
+threading.stack_size(512 * 1024)
+server = Server(("127.0.0.1", 0), Handler)
+print("listening on http://127.0.0.1:%d" % server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
 class BenchRefused(RuntimeError):
     """A bench request was answered with another status than 200."""
 
@@ -5692,6 +5737,17 @@ def park_and_wake(target, feeds, polls, processes=8):
     return latencies, len(woke) - len(latencies), rss_parked, first_only
 
 
+def bare_wake_p99(polls):
+    """The p99 wake latency in s of polls long-polls on REFERENCE_WAKE_SERVER, woken by one push."""
+    process, url = start_subprocess([sys.executable, "-c", REFERENCE_WAKE_SERVER])
+    try:
+        latencies, _, _, _ = park_and_wake(BenchTarget(url, None), 1, polls)
+    finally:
+        process.terminate()
+        process.wait()
+    return percentile(latencies, 0.99)
+
+
 def percentile(values, fraction):
     if not values:
         return float("nan")
@@ -5944,8 +6000,9 @@ def run_bench(report, args, scratch):
         latencies, failures, rss_parked, _ = park_and_wake(target, 1, args.polls)
         report.add("long-poll wake p50, %d parked on one feed" % args.polls, percentile(latencies, 0.5) * 1000,
                    "ms")
+        bare_p99 = bare_wake_p99(args.polls) * 1000 if own else None
         report.add("long-poll wake p99, %d parked on one feed" % args.polls, percentile(latencies, 0.99) * 1000,
-                   "ms", target=BENCH_TARGETS["wake p99"])
+                   "ms", bare_p99, "bare http.server + Condition", BENCH_TARGETS["wake p99"])
         report.add("long-polls answered", len(latencies), "of %d" % args.polls)
         if rss_parked is not None and rss_before is not None:
             report.add("server memory growth while parked", rss_parked - rss_before, "MiB",
