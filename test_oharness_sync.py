@@ -8051,6 +8051,7 @@ class BenchCommandTest(unittest.TestCase):
                        "vs bare http.server + Condition",
                        "long-polls answered", "server memory growth while parked",
                        "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'", "vs health in turns",
+                       "server memory growth, 40 heads of 100 x 65,000-byte lines",
                        "memory snapshot, 300 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
@@ -8059,7 +8060,7 @@ class BenchCommandTest(unittest.TestCase):
         self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1 in 0\.5 s")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 18)
+        self.assertEqual(len(doc["figures"]), 19)
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
         wake = [figure for figure in doc["figures"] if figure["name"].startswith("long-poll wake p99")][0]
