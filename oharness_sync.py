@@ -5274,48 +5274,27 @@ def target_met(target, value, ratio):
     return measured == bound
 
 
-# The references: a bare http.server that answers health with the same bytes, and pushes by appending
-# the body to a file and fsyncing it, nothing else (no parsing, no checks, no group commit). What it
-# reaches is about the most any Python server can on the machine.
+# The reference: a bare http.server that answers health with the same bytes; appends each push body
+# to a file and fsyncs it (given one), nothing else (no parsing, no checks, no group commit); and holds
+# each pull on a Condition of its own until a push notifies them all, then answers a fixed one-record
+# page. What it reaches is about the most any Python server with a thread per connection can on the
+# machine.
 REFERENCE_SERVER = r"""
-import http.server, os, socketserver, sys
-HEALTH = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
-PUSHED = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 25\r\n\r\n{"cursor":1,"accepted":1}'
+import http.server, os, socketserver, sys, threading
+def answer(body):
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+HEALTH, PUSHED = answer(b'{"ok":true}'), answer(b'{"cursor":1,"accepted":1}')
+PAGE = answer(b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,"device":"bench","at":1,"body":null}],'
+              b'"sessions":[],"more":false}')
 fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if len(sys.argv) > 1 else None
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True
-    def do_GET(self):
-        self.wfile.write(HEALTH)
-    def do_POST(self):
-        os.write(fd, self.rfile.read(int(self.headers["Content-Length"])) + b"\n")
-        getattr(os, "fdatasync", os.fsync)(fd)
-        self.wfile.write(PUSHED)
-    def log_message(self, *args):
-        pass
-class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-    request_queue_size = 512
-server = Server(("127.0.0.1", 0), Handler)
-print("listening on http://127.0.0.1:%d" % server.server_address[1], flush=True)
-server.serve_forever()
-"""
-
-
-# The long-poll reference: a bare http.server whose pulls each wait on a Condition of their own until one
-# push notifies them all, then answer a fixed one-record page. It is the wake-up that any Python server
-# with a thread per connection pays, and nothing else.
-REFERENCE_WAKE_SERVER = r"""
-import http.server, socketserver, threading
-PAGE = b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,"device":"bench","at":1,"body":null}],' \
-       b'"sessions":[],"more":false}'
-ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(PAGE), PAGE)
-PUSHED = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 25\r\n\r\n{"cursor":1,"accepted":1}'
 lock, parked, pushed = threading.Lock(), set(), []
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
     def do_GET(self):
+        if not self.path.startswith("/v1/pull"):
+            self.wfile.write(HEALTH)
+            return
         woken = threading.Condition(threading.Lock())
         with woken:
             with lock:
@@ -5324,16 +5303,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     parked.add(woken)
             if waits:
                 woken.wait(30)
-        self.wfile.write(ANSWER)
+        self.wfile.write(PAGE)
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        with lock:
-            pushed.append(1)
-            waiting = list(parked)
-            parked.clear()
-        for woken in waiting:
-            with woken:
-                woken.notify()
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if fd is not None:
+            os.write(fd, body + b"\n")
+            getattr(os, "fdatasync", os.fsync)(fd)
+        if not pushed:
+            with lock:
+                pushed.append(1)
+                waiting = list(parked)
+                parked.clear()
+            for woken in waiting:
+                with woken:
+                    woken.notify()
         self.wfile.write(PUSHED)
     def log_message(self, *args):
         pass
@@ -5768,8 +5751,8 @@ def oversized_heads(target, connections=40, lines=100, line_bytes=65000):
 
 
 def bare_wake_p99(polls):
-    """The p99 wake latency in s of polls long-polls on REFERENCE_WAKE_SERVER, woken by one push."""
-    process, url = start_subprocess([sys.executable, "-c", REFERENCE_WAKE_SERVER])
+    """The p99 wake latency in s of polls long-polls on REFERENCE_SERVER, woken by one push."""
+    process, url = start_subprocess([sys.executable, "-c", REFERENCE_SERVER])
     try:
         latencies, _, _, _ = park_and_wake(BenchTarget(url, None), 1, polls)
     finally:
