@@ -3536,7 +3536,7 @@ _REQUEST_LINE = re.compile(_TOKEN + rb" [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r?\n")
 _HEADER_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r?\n")
 _WHOLE_HEAD = re.compile(_TOKEN + rb" [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r\n(?:" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r\n)*\r\n")
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,8})(;[\t\x20-\x7e\x80-\xff]*)?\r\n")
-_QUERY = re.compile(r"\?[^ ]*")
+_QUERY = re.compile(r"\?.*?(?= HTTP/[0-9]\.[0-9]$|$)")  # to the version, spaces and all
 LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
 
 
@@ -3750,7 +3750,13 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def handle_one_request(self):
         try:
-            if not self.rfile.peek(1):  # waits for a request to begin (the idle limit holds meanwhile)
+            arrived = self.rfile.peek(1)  # waits for a request to begin (the idle limit holds meanwhile)
+            for empty in (b"\r\n", b"\n"):  # RFC 9112 2.2: one empty line before a request is ignored (e.g.
+                if arrived.startswith(empty):  # a CRLF sent after a body); its request still waits idle
+                    self.rfile.read(len(empty))
+                    arrived = self.rfile.peek(1)
+                    break
+            if not arrived:
                 self.close_connection = True
                 return
         except OSError:
@@ -3768,8 +3774,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def read_head(self):
         """The headers of the next request (http.server's parse_request, within MAX_HEAD_BYTES, then the
-        checks of _REQUEST_LINE and _HEADER_LINE; one empty line before it is skipped); None when the head
-        was refused, and answered."""
+        checks of _REQUEST_LINE and _HEADER_LINE); None when the head was refused, and answered."""
         self.command, self.request_version = None, "HTTP/1.1"
         arrived = self.rfile.peek(MAX_HEAD_BYTES)  # (what is buffered: no wait)
         end = arrived.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES) + 4
@@ -3782,9 +3787,6 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         reader = HeadReader(self.rfile)
         try:
             self.raw_requestline = reader.readline(MAX_HEADER_LINE + 1)
-            if self.raw_requestline in (b"\r\n", b"\n"):  # RFC 9112 2.2: e.g. a CRLF a client sent after a body
-                reader.lines.clear()
-                self.raw_requestline = reader.readline(MAX_HEADER_LINE + 1)
         except http.client.LineTooLong:
             self.raw_requestline = b""
         if not self.raw_requestline.endswith(b"\n"):

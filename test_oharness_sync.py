@@ -4340,6 +4340,13 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         with open_raw(self.url) as sock:  # one is skipped, not any number
             sock.sendall(b"\r\n\r\n" + health)
             self.assertRawError(*read_raw_answer(sock), 400)
+        with open_raw(self.url) as sock:  # a CRLF and then nothing: an idle connection, not a late request
+            sock.sendall(health + b"\r\n")
+            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            time.sleep(1.6)  # past the 1 s request deadline
+            sock.sendall(health)
+            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+        self.assertEqual([line for line in self.log_lines if "did not arrive" in line], [])
 
     def test_unknown_route_is_404(self):
         for method, path in (("GET", "/index.html"), ("GET", "/v1"), ("GET", "/v1/nope"), ("GET", "/v1/health/"),
@@ -4602,8 +4609,12 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
     def test_a_refused_head_is_logged_without_its_query(self):
         self.refused(b"GET /v1/pull?project=p&access_token=s3cret HTTP/1.1\r\nX: \x07\r\n\r\n")
         self.refused(b"GET /v1/pull?access_token=s3cret\x01 HTTP/1.1\r\n\r\n")
+        self.refused(b"GET /v1/pull?project=p access_token=s3cret HTTP/1.1\r\n\r\n")  # a space in the query
+        self.refused(b"GET /v1/pull HTTP/1.1?access_token=s3cret\r\n\r\n")
         self.assertEqual(self.log_lines, [
             "refused a malformed request (400 malformed header line): GET /v1/pull HTTP/1.1",
+            "refused a malformed request (400 bad request line): GET /v1/pull HTTP/1.1",
+            "refused a malformed request (400 bad request line): GET /v1/pull HTTP/1.1",
             "refused a malformed request (400 bad request line): GET /v1/pull HTTP/1.1"])
 
 
