@@ -3532,9 +3532,11 @@ class SyncApp:
 _REASONS = {status: phrase.encode("latin-1")
             for status, (phrase, _) in http.server.BaseHTTPRequestHandler.responses.items()}
 _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
-_REQUEST_LINE = re.compile(_TOKEN + rb" [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r?\n")
-_HEADER_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r?\n")
-_WHOLE_HEAD = re.compile(_TOKEN + rb" [\x21-\x7e]+ HTTP/[0-9]\.[0-9]\r\n(?:" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*\r\n)*\r\n")
+_REQUEST_LINE_TEXT = _TOKEN + rb" [\x21-\x7e]+ HTTP/[0-9]\.[0-9]"   # only SP between its parts
+_FIELD_TEXT = _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*"              # no control byte but HTAB in a value
+_REQUEST_LINE = re.compile(_REQUEST_LINE_TEXT + rb"\r?\n")
+_HEADER_LINE = re.compile(_FIELD_TEXT + rb"\r?\n")
+_WHOLE_HEAD = re.compile(_REQUEST_LINE_TEXT + rb"\r\n(?:" + _FIELD_TEXT + rb"\r\n)*\r\n")  # both, CRLF only
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,8})(;[\t\x20-\x7e\x80-\xff]*)?\r\n")
 _QUERY = re.compile(r"\?.*?(?= HTTP/[0-9]\.[0-9]$|$)")  # to the version, spaces and all
 LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
