@@ -5683,14 +5683,20 @@ def whole_answer(buf):
     return int(head.split(None, 2)[1]), bytes(buf[end + 4:end + 4 + length])
 
 
+def wake_projects(feeds, polls):
+    """The project of each of polls long-polls, spread over feeds new projects of this call's own (a feed an
+    earlier call pushed to would answer its polls at once, with that record)."""
+    stamp = "bench-wake-%s-%d" % (BENCH_RUN, time.time() * 1000)  # once: one push per feed wakes its polls
+    return ["%s-%d" % (stamp, i % feeds) for i in range(polls)]
+
+
 def park_and_wake(target, feeds, polls, processes=8):
     """Park polls long-polls over feeds projects (clients in several processes), then push once to each
     feed; (sorted wake latencies in s, failures, server RSS while parked, how many answered within 0.5 s
     of the push to the first feed: with more than one feed, only its own should)."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     ready, results, answered = context.Queue(), context.Queue(), context.Value("i", 0)
-    # Feeds of this call's own: a feed an earlier call pushed to answers its polls at once, with that record.
-    projects = ["bench-wake-%s-%d-%d" % (BENCH_RUN, time.time() * 1000, i % feeds) for i in range(polls)]
+    projects = wake_projects(feeds, polls)
     workers = [context.Process(target=park_worker, args=(target.url, target.token, projects[i::processes],
                                                          ready, results, answered))
                for i in range(min(processes, polls))]

@@ -8231,6 +8231,18 @@ class BenchCommandTest(unittest.TestCase):
         self.assertEqual(os.getpid(), parent)
         self.assertEqual(sync.multiprocessing.active_children(), [])
 
+    def test_wake_projects_are_exactly_feeds_projects_however_long_the_list_takes(self):
+        # The stamp was taken once per poll: a list built over a millisecond boundary spread one feed's
+        # polls over two projects, and the second waited for a second push (the wake p99 measured that).
+        ticks = iter(range(1000000, 2000000))
+        with mock.patch.object(sync.time, "time", lambda: next(ticks)):
+            projects = sync.wake_projects(1, 1000)
+            spread = sync.wake_projects(3, 7)
+        self.assertEqual(len(projects), 1000)
+        self.assertEqual(len(set(projects)), 1)
+        self.assertEqual([p[-2:] for p in spread], ["-0", "-1", "-2", "-0", "-1", "-2", "-0"])
+        self.assertEqual(len(set(spread)), 3)
+
     def test_polls_answered_without_a_push_are_not_counted_as_woken(self):
         server, token, _ = self.start_server("--max-parked", "0")  # every pull with wait answers at once, empty
         latencies, failures, _, first_only = sync.park_and_wake(sync.BenchTarget(server.url, token), 2, 4,
