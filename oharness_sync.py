@@ -2157,11 +2157,29 @@ class _Batch:
         self.woken = threading.Condition(lock)
 
 
-def wake(conditions):
-    """Notify each of these Conditions (of parked pulls)."""
-    for condition in conditions:
-        with condition:
-            condition.notify()
+class ParkedPull:
+    """A long-poll waiting for its feed's next durable event: the Condition it waits on, and what the
+    thread that wakes it calls first (on_event, or None)."""
+    __slots__ = ("woken", "on_event")
+
+    def __init__(self, on_event=None):
+        self.woken = threading.Condition(threading.Lock())
+        self.on_event = on_event
+
+
+def wake(pulls, log):
+    """Wake parked pulls: first each one's on_event, in this thread, then a notify each. A thousand woken
+    threads take turns on the interpreter lock: an on_event that answers its pull (without waiting) keeps
+    those turns out of the clients' wait."""
+    for pull in pulls:
+        if pull.on_event is not None:
+            try:
+                pull.on_event()
+            except Exception as exc:  # the others must still be woken; this one answers for itself
+                log("waking a parked pull: %s: %s" % (type(exc).__name__, exc))
+    for pull in pulls:
+        with pull.woken:
+            pull.woken.notify()
 
 
 class Feed:
@@ -2177,11 +2195,11 @@ class Feed:
     lock before they can answer.
     """
 
-    def __init__(self, path, log):
+    def __init__(self, path, log, parked=()):
         self.path = path
         self.log = log
         self.lock = threading.Lock()           # guards everything below
-        self.parked = set()                    # Conditions of pulls waiting for the next durable event
+        self.parked = set(parked)              # ParkedPulls waiting for the next durable event
         self._load_lock = threading.Lock()
         self._flushing = False                 # a push is writing and fsyncing queued batches
         self.loaded = False
@@ -2271,7 +2289,7 @@ class Feed:
                     batch.woken.wait()
                 else:
                     parked = self._flush()
-        wake(parked)
+        wake(parked, self.log)
         if isinstance(batch.outcome, Exception):
             raise batch.outcome
         return batch.outcome
@@ -2421,25 +2439,29 @@ class Feed:
             self._last_page = ((since, limit, count), page)
         return page
 
-    def wait(self, since, timeout, stopping):
-        """Wait up to timeout seconds for an event after since; True once there is one, or stopping is set."""
+    def wait(self, since, timeout, stopping, on_event=None):
+        """Wait up to timeout seconds for an event after since; True once there is one, or stopping is set.
+        on_event: called by the thread that wakes this wait, before it does (see wake)."""
         self.ensure_loaded()
-        woken = threading.Condition(threading.Lock())
-        with woken:  # held until wait() lets it go: a flush that takes this pull cannot notify it before
+        pull = ParkedPull(on_event)
+        with pull.woken:  # held until wait() lets it go: a flush that takes this pull cannot notify it before
             with self.lock:
                 if self.count > since or stopping.is_set():
                     return True
-                self.parked.add(woken)
-            if not woken.wait(timeout):
-                with self.lock:
-                    self.parked.discard(woken)
+                self.parked.add(pull)
+            if not pull.woken.wait(timeout):
+                self.unpark(pull)
         return self.count > since or stopping.is_set()
+
+    def unpark(self, pull):
+        with self.lock:
+            self.parked.discard(pull)
 
     def wake(self):
         """Wake every parked pull, to look at stopping (shutdown)."""
         with self.lock:
             parked, self.parked = self.parked, set()
-        wake(parked)
+        wake(parked, self.log)
 
 
 class FeedStore:
@@ -2455,7 +2477,7 @@ class FeedStore:
         self.stopping = threading.Event()
         self._feeds = {}
         self._lock = threading.Lock()
-        self._made = threading.Condition(self._lock)  # a Feed was made: pulls parked on no feed look again
+        self._unborn = {}                      # (owner, project) without a Feed -> ParkedPulls waiting for one
 
     def owner_dir(self, owner):
         kind, owner_id = owner
@@ -2474,8 +2496,8 @@ class FeedStore:
         with self._lock:
             feed = self._feeds.get(key)
             if feed is None and (create or os.path.exists(path)):
-                feed = self._feeds[key] = Feed(path, self.log)
-                self._made.notify_all()
+                # Pulls waiting for this feed to exist now wait on it, for its first event: not woken now.
+                feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()))
             return feed
 
     def push(self, owner, project, records, sessions):
@@ -2493,24 +2515,44 @@ class FeedStore:
             return Page(since)
         return feed.read(since, limit)
 
-    def wait(self, owner, project, since, timeout):
+    def wait(self, owner, project, since, timeout, on_event=None):
         """Wait up to timeout seconds for (owner, project) to have an event after since; True once it
-        has, or once the store is stopping.
+        has, or once the store is stopping. on_event: called by the thread that wakes this wait, before
+        it does (see wake).
 
         A project without a feed gets no Feed object (long-polls on made-up names leave nothing
-        behind): its pulls wait on the store's Condition until some feed is made, then on that feed.
+        behind): its pulls wait aside, and the Feed made for it takes them over, parked.
         """
-        deadline = time.monotonic() + timeout
-        key = (owner, project)
         feed = self.feed(owner, project)
-        if feed is None:
+        if feed is not None:
+            return feed.wait(since, timeout, self.stopping, on_event)
+        key, pull = (owner, project), ParkedPull(on_event)
+        with pull.woken:  # (as in Feed.wait)
             with self._lock:
-                if not self._made.wait_for(lambda: key in self._feeds or self.stopping.is_set(), timeout):
-                    return False
                 feed = self._feeds.get(key)
-            if feed is None:
-                return True  # stopping
-        return feed.wait(since, deadline - time.monotonic(), self.stopping)
+                if feed is None:
+                    if self.stopping.is_set():
+                        return True
+                    self._unborn.setdefault(key, set()).add(pull)
+            if feed is not None:  # made meanwhile
+                return feed.wait(since, timeout, self.stopping, on_event)
+            if not pull.woken.wait(timeout):
+                self._unpark(key, pull)
+        feed = self._feeds.get(key)
+        return self.stopping.is_set() or (feed is not None and feed.count > since)
+
+    def _unpark(self, key, pull):
+        """Forget a pull whose wait for key's first event is over: aside, or on the Feed made since."""
+        with self._lock:
+            waiting = self._unborn.get(key)
+            if waiting is not None and pull in waiting:
+                waiting.discard(pull)
+                if not waiting:
+                    del self._unborn[key]
+                return
+            feed = self._feeds.get(key)
+        if feed is not None:
+            feed.unpark(pull)
 
     def projects(self, owner):
         """The sorted project ids with a durable event in owner's feed. A feed in use counts its durable
@@ -2545,7 +2587,9 @@ class FeedStore:
         self.stopping.set()
         with self._lock:
             feeds = list(self._feeds.values())
-            self._made.notify_all()
+            unborn = [pull for pulls in self._unborn.values() for pull in pulls]
+            self._unborn.clear()
+        wake(unborn, self.log)
         for feed in feeds:
             feed.wake()
 

@@ -2282,6 +2282,75 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(woken, [True])
         self.assertLess(time.monotonic() - started, 5)
 
+    def wait_in_thread(self, project, since, timeout=10, on_event=None):
+        results = []
+        thread = threading.Thread(target=lambda: results.append(
+            self.store.wait(self.owner, project, since, timeout, on_event)))
+        thread.start()
+        self.addCleanup(thread.join, 15)
+        return thread, results
+
+    def waiting_aside(self, project, count=1):
+        """The pulls waiting for project's feed to exist, once there are count of them."""
+        deadline = time.monotonic() + 5
+        while len(self.store._unborn.get((self.owner, project), ())) < count and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return set(self.store._unborn.get((self.owner, project), ()))
+
+    def test_a_feed_made_for_a_project_takes_its_waiting_pulls_over_still_parked(self):
+        # Before, making any feed woke every pull waiting on a project without one (a thousand threads
+        # taking turns on the interpreter lock, for nothing) and each parked again on the new feed.
+        events = []
+        thread, results = self.wait_in_thread("p", 0, on_event=lambda: events.append(threading.current_thread()))
+        other, other_results = self.wait_in_thread("q", 0, timeout=0.5)
+        waiting = self.waiting_aside("p")
+        self.assertEqual(len(waiting), 1)
+        feed = self.store.feed(self.owner, "p", create=True)
+        self.assertEqual(feed.parked, waiting)  # the same pull, not woken and parked again
+        self.assertEqual(set(self.store._unborn), {(self.owner, "q")})
+        self.assertTrue(thread.is_alive())
+        self.store.push(self.owner, "p", *validated([record()]))
+        thread.join(5)
+        self.assertEqual((results, events), ([True], [threading.current_thread()]))  # the pushing thread's call
+        self.assertEqual(feed.parked, set())
+        other.join(5)
+        self.assertEqual((other_results, self.store._unborn), ([False], {}))
+
+    def test_a_wait_that_times_out_is_forgotten_aside_or_on_the_feed_made_meanwhile(self):
+        thread, results = self.wait_in_thread("p", 0, timeout=0.3)
+        self.waiting_aside("p")
+        feed = self.store.feed(self.owner, "p", create=True)
+        thread.join(5)
+        self.assertEqual((results, feed.parked, self.store._unborn), ([False], set(), {}))
+
+    def test_wake_calls_each_on_event_before_any_notify_and_survives_a_failing_one(self):
+        order = []
+
+        class Woken:
+            def __init__(self, i):
+                self.i = i
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def notify(self):
+                order.append(("notify", self.i))
+
+        def failing():
+            order.append(("event", 1))
+            raise RuntimeError("boom")
+
+        pulls = [sync.ParkedPull(lambda: order.append(("event", 0))), sync.ParkedPull(failing), sync.ParkedPull()]
+        for i, pull in enumerate(pulls):
+            pull.woken = Woken(i)
+        logged = []
+        sync.wake(pulls, logged.append)
+        self.assertEqual(order, [("event", 0), ("event", 1), ("notify", 0), ("notify", 1), ("notify", 2)])
+        self.assertEqual(logged, ["waking a parked pull: RuntimeError: boom"])
+
     def test_a_wait_ends_on_a_durable_event_after_its_cursor_or_at_stop_and_times_out_otherwise(self):
         self.store.push(self.owner, "p", *validated([record(record_id="a")]))
         self.assertTrue(self.store.wait(self.owner, "p", 0, 10))  # an event after 0 is there already
