@@ -3294,23 +3294,23 @@ class ClientGone(Exception):
 
 
 class Request:
-    """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and the
-    body, read only when asked for."""
-    __slots__ = ("method", "path", "query", "headers", "read_body", "client_gone", "client", "tls", "hold",
-                 "principal", "__weakref__")
+    """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and its
+    connection: for the body, read only when asked for, and for a parked pull's wait."""
+    __slots__ = ("method", "path", "query", "headers", "connection", "client", "tls", "principal", "__weakref__")
 
-    def __init__(self, method, path, query, headers, read_body, client_gone=lambda: False, client=None,
-                 tls=False, hold=lambda: None):
+    def __init__(self, method, path, query, headers, connection, client=None, tls=False):
         self.method = method
         self.path = path
         self.query = query
         self.headers = headers
-        self.read_body = read_body      # read_body(limit, error) -> bytes; error(status, text) makes the exception
-        self.client_gone = client_gone  # () -> True once the client has left (a parked pull stops waiting)
+        self.connection = connection    # a SyncRequestHandler: read_body; hold, client_gone, answer_early, release
         self.client = client            # the client's address (host), as the connection shows it
         self.tls = tls                  # whether it came over HTTPS (to this server: a proxy's is not seen)
-        self.hold = hold                # () before a wait: the request's deadline stops (its wait bounds it)
         self.principal = None           # for the access log, once a token was verified
+
+    def read_body(self, limit, error):
+        """The body, at most limit bytes; error(status, text) makes the exception for a bad or oversized one."""
+        return self.connection.read_body(limit, error)
 
     def param(self, name):
         """A query parameter's value, None when absent; 400 when it is given twice."""
@@ -3481,35 +3481,47 @@ class SyncApp:
         limit = parse_clamped(request.param("limit"), "limit", 1, MAX_PULL_LIMIT, MAX_PULL_LIMIT)
         wait = parse_clamped(request.param("wait"), "wait", 0, MAX_WAIT_SECONDS, 0)
         page = self.feeds.pull(owner, project, since, limit)
-        if not (page.records or page.sessions) and wait > 0 and self.park(owner, project, since, wait, request):
-            page = self.feeds.pull(owner, project, since, limit)  # one Page for every pull the push woke
-        return Response(200, page.to_json())
+        if page.records or page.sessions or wait == 0:
+            return Response(200, page.to_json())
+        return self.park(request, owner, project, since, wait,
+                         lambda: Response(200, self.feeds.pull(owner, project, since, limit).to_json()))
 
     @property
     def parked(self):
         """Long-polls waiting now."""
         return len(self._parked)
 
-    def park(self, owner, project, since, seconds, request):
+    def park(self, request, owner, project, since, seconds, answer):
         """Hold a pull until its feed has an event after since, its wait is over, the server stops, or
         its client closes its side (looked at every PARKED_CHECK_SECONDS, so an abandoned pull gives its
-        place back soon; one that only half-closed still reads its answer); False (at once) past
-        max_parked."""
+        place back soon; one that only half-closed still reads its answer); then its answer(). Past
+        max_parked: answer() at once.
+
+        The thread that wakes the pull sends it answer() at once (answer_early): a thousand woken threads
+        take turns on the interpreter lock, and their clients need not wait for those turns. Feed.read
+        builds one Page for all the pulls a push wakes."""
         with self._parked_lock:  # (the count and the add, together)
             if len(self._parked) >= self.max_parked:
-                return False
+                return answer()
             self._parked.add(request)
+        connection = request.connection
+        connection.hold()
         try:
-            request.hold()
             deadline = time.monotonic() + seconds
+
+            def on_event():  # in the thread that wakes the pull
+                connection.answer_early(answer())
+
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or self.feeds.wait(owner, project, since, min(left, PARKED_CHECK_SECONDS)):
-                    return True
-                if request.client_gone():
-                    return True
+                if left <= 0 or self.feeds.wait(owner, project, since, min(left, PARKED_CHECK_SECONDS), on_event):
+                    break
+                if connection.client_gone():
+                    break
         finally:
             self._parked.discard(request)  # no lock: a thousand pulls woken at once would queue for it
+            early = connection.release()
+        return early if early is not None else answer()
 
     # -- memory sync -------------------------------------------------------
 
@@ -3783,6 +3795,9 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.connection.settimeout(None)
         self.server.opened(self.connection)
         self.body_pending = False   # a declared body not read: answering it closes the connection
+        self.held = False           # a parked pull's wait is on: another thread may answer it (answer_early)
+        self.early = None           # (answer, what of it is still to send) once another thread answered
+        self.early_lock = threading.Lock()
         self.server.watchdog.arm(self.connection, self.server.idle_seconds)
 
     def finish(self):
@@ -3899,8 +3914,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.body_pending = declares_body(headers)
         if not self.body_pending:
             self.server.watchdog.disarm(self.connection)
-        request = Request(self.command, path, query, headers, self.read_body, self.client_gone,
-                          self.client_address[0], self.server.tls is not None, self.hold)
+        request = Request(self.command, path, query, headers, self, self.client_address[0],
+                          self.server.tls is not None)
         self.body = None
         self.server.begin_request(self)
         try:
@@ -3941,8 +3956,32 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def hold(self):
         """The request will wait (a parked pull): from now on its wait bounds it, not the request
-        deadline. (A body it declared stays unread: the answer then closes the connection.)"""
+        deadline (a body it declared stays unread: the answer then closes the connection); until
+        release(), another thread may answer it (answer_early)."""
         self.server.watchdog.disarm(self.connection)
+        with self.early_lock:
+            self.held = True
+
+    def answer_early(self, response):
+        """From the thread that woke this held request: send its answer now, as much of it as the socket
+        takes without a wait; this connection's thread sends the rest (send_answer). Not under TLS: its
+        records are not for two threads to write; there the connection's own thread answers."""
+        with self.early_lock:
+            if not self.held or self.server.tls is not None:
+                return
+            self.held = False
+            data = self.answer_bytes(response, self.command)
+            try:
+                sent = socket.socket.send(self.connection, data, socket.MSG_DONTWAIT)
+            except OSError:  # the socket buffer is full (or the client left): it is all for send_answer
+                sent = 0
+            self.early = (response, data[sent:])
+
+    def release(self):
+        """The wait is over: no other thread answers the request now. The answer one sent, or None."""
+        with self.early_lock:
+            self.held = False
+            return self.early[0] if self.early is not None else None
 
     def client_gone(self):
         """True when the client has closed its side or reset the connection. Asked while a pull is
@@ -3958,13 +3997,21 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
     # -- the answer ----------------------------------------------------------
 
     def send_answer(self, response, method):
-        """Write the answer with one send; it closes the connection where it must."""
+        """Write the answer with one send (or what answer_early left of it)."""
+        if self.early is not None:
+            data, self.early = self.early[1], None
+        else:
+            data = self.answer_bytes(response, method)
+        self.server.watchdog.arm(self.connection, self.server.idle_seconds)  # a client that does not read
+        if data:
+            self.wfile.write(data)
+
+    def answer_bytes(self, response, method):
+        """The answer's bytes; whether the connection closes after it is decided here."""
         close = (response.close or self.close_connection or self.body_pending
                  or self.server.stopping.is_set())
         self.close_connection = close
-        data = render(response, method, close)
-        self.server.watchdog.arm(self.connection, self.server.idle_seconds)  # a client that does not read
-        self.wfile.write(data)
+        return render(response, method, close)
 
     def linger(self):
         """After a last answer sent before its request's body was read (an early 401 or 413): send

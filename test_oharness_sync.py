@@ -5082,7 +5082,76 @@ class LongPollTest(ServerCase):
         self.assertGreater(len(results[0][1].raw), 100000)
         self.assertEqual(results[0][1].json["records"], big)
 
-    def test_the_waker_lives_on_after_an_unexpected_error(self):
+    def raw_pull(self, project="proj", since=0, wait=20, receive_buffer=None):
+        sock = socket.socket()
+        if receive_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.connect(self.server.server_address[:2])
+        sock.settimeout(10)
+        self.addCleanup(sock.close)
+        sock.sendall(b"GET /v1/pull?project=%s&since=%d&wait=%d HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n\r\n"
+                     % (project.encode(), since, wait, self.alice.encode()))
+        return sock
+
+    @staticmethod
+    def read_answer(sock):
+        buf = bytearray()
+        while sync.whole_answer(buf) is None:
+            data = sock.recv(65536)
+            if not data:
+                raise AssertionError("closed before the answer was whole: %r" % bytes(buf[:200]))
+            buf += data
+        return sync.whole_answer(buf), bytes(buf)
+
+    def test_the_push_that_wakes_a_parked_pull_sends_its_answer(self):
+        # The pull's own thread is held in release() until its client has read the whole answer: only
+        # the pushing thread can have sent it. The connection then serves its next request as usual.
+        gate = threading.Event()
+        real_release = sync.SyncRequestHandler.release
+
+        def held_release(handler):
+            gate.wait(10)
+            return real_release(handler)
+
+        with mock.patch.object(sync.SyncRequestHandler, "release", held_release):
+            sock = self.raw_pull()
+            self.wait_parked(1)
+            self.assertEqual(self.push(self.alice, records=[record()]).status, 200)
+            (status, body), _ = self.read_answer(sock)
+            self.assertFalse(gate.is_set())
+            gate.set()
+        self.assertEqual((status, json.loads(body)),
+                         (200, {"cursor": 1, "records": [record()], "sessions": [], "more": False}))
+        sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        (status, body), raw = self.read_answer(sock)
+        self.assertEqual((status, body), (200, b'{"ok":true}'))
+        self.assertTrue(raw.startswith(b"HTTP/1.1 200 OK\r\n"))  # nothing of the first answer was left over
+
+    def test_an_early_answer_the_socket_cannot_take_at_once_is_finished_byte_for_byte(self):
+        # A socket takes what its buffer holds (up to some MB here): the early send is cut to 64 KiB.
+        real_send, offered = socket.socket.send, []
+
+        def short_send(sock, data, *flags):
+            offered.append(len(data))
+            return real_send(sock, data[:65536], *flags)
+
+        sock = self.raw_pull(receive_buffer=4096)
+        self.wait_parked(1)
+        big = [record(record_id="big-%d" % i, body="x" * 60000) for i in range(40)]  # about 2.4 MB
+        with mock.patch.object(socket.socket, "send", short_send):
+            self.assertEqual(self.push(self.alice, records=big).status, 200)
+            time.sleep(0.2)  # the client reads only now
+        self.assertEqual(len(offered), 1)
+        self.assertGreater(offered[0], 2400000)
+        (status, body), raw = self.read_answer(sock)
+        again = self.pull(self.alice, since=0)
+        self.assertEqual((status, body), (200, again.raw))
+        self.assertEqual(len(json.loads(body)["records"]), 40)
+        self.assertNotIn(b"Connection: close", raw[:raw.find(b"\r\n\r\n")])
+
+    def test_an_unexpected_error_while_answering_a_woken_pull_early_loses_no_answer(self):
+        # The pushing thread answers the pulls it wakes; when building one's answer fails there, that
+        # pull's own thread answers it, and later wakes work as before.
         results = []
         thread = self.pull_in_thread(results, wait=10)
         self.wait_parked(1)
@@ -5091,14 +5160,18 @@ class LongPollTest(ServerCase):
 
         def pull_failing_once(*args):
             if not failures:
-                failures.append(args)
+                failures.append(threading.current_thread().name)
                 raise RuntimeError("unexpected")
             return real_pull(*args)
 
         with mock.patch.object(self.server.app.feeds, "pull", pull_failing_once):
-            self.push(self.alice, records=[record()])
+            answer = self.push(self.alice, records=[record()])
             thread.join(5)
-        self.assertAnswer(results[0][1], 500, {"error": "internal server error"})
+        self.assertEqual(answer.status, 200)
+        self.assertEqual(results[0][1].status, 200)
+        self.assertEqual(results[0][1].json["records"], [record()])
+        self.assertEqual(len(failures), 1)
+        self.assertIn("waking a parked pull: RuntimeError: unexpected", self.log_lines)
         later = []
         thread = self.pull_in_thread(later, since=1, wait=10)
         self.wait_parked(1)
@@ -5359,6 +5432,55 @@ class TlsCommandLineTest(unittest.TestCase):
 # ---------------------------------------------------------------------------
 # The HTTP layer: the checks on top of http.server, and the transport
 # ---------------------------------------------------------------------------
+
+class EarlyAnswerTest(unittest.TestCase):
+    """answer_early, from the thread that wakes a parked pull, against the pull's own thread."""
+
+    def handler(self, tls=None):
+        ours, theirs = socket.socketpair()
+        self.addCleanup(ours.close)
+        self.addCleanup(theirs.close)
+        theirs.settimeout(0.2)
+        handler = sync.SyncRequestHandler.__new__(sync.SyncRequestHandler)
+        handler.connection, handler.command = ours, "GET"
+        handler.server = mock.Mock(tls=tls, stopping=threading.Event())
+        handler.close_connection = handler.body_pending = handler.held = False
+        handler.early, handler.early_lock = None, threading.Lock()
+        return handler, theirs
+
+    def test_a_held_request_is_answered_once_and_release_returns_that_answer(self):
+        handler, client = self.handler()
+        handler.hold()
+        answer = sync.Response(200, b'{"cursor":1}')
+        handler.answer_early(answer)
+        handler.answer_early(sync.Response(200, b'{"cursor":2}'))  # a second wake: nothing more is sent
+        self.assertIs(handler.release(), answer)
+        self.assertEqual(client.recv(1000), b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                            b"Content-Length: 12\r\n\r\n{\"cursor\":1}")
+        with self.assertRaises(socket.timeout):
+            client.recv(1000)
+        self.assertEqual(handler.early, (answer, b""))
+
+    def test_after_release_and_under_tls_nothing_is_sent_early(self):
+        for tls in (None, object()):
+            handler, client = self.handler(tls)
+            handler.hold()
+            if tls is None:
+                self.assertIsNone(handler.release())  # the wait timed out: the pull's own thread answers
+            handler.answer_early(sync.Response(200, b"{}"))
+            self.assertIsNone(handler.release())
+            self.assertIsNone(handler.early)
+            with self.assertRaises(socket.timeout):
+                client.recv(1000)
+
+    def test_an_early_answer_says_close_when_the_connection_will_close(self):
+        handler, client = self.handler()
+        handler.body_pending = True  # a pull that declared a body, never read
+        handler.hold()
+        handler.answer_early(sync.Response(200, b"{}"))
+        self.assertIn(b"\r\nConnection: close\r\n", client.recv(1000))
+        self.assertTrue(handler.close_connection)
+
 
 class HeadCheckTest(unittest.TestCase):
     """The pure rules the transport adds to http.server's reading of a head."""
