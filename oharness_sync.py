@@ -2147,14 +2147,14 @@ class _Batch:
     may be in flight in another push's batch: should that one fail, so must this push."""
     __slots__ = ("lines", "keys", "undo_meta", "skipped_keys", "skipped_meta", "outcome", "woken")
 
-    def __init__(self, lock):
+    def __init__(self):
         self.lines = []
         self.keys = []
         self.undo_meta = []
         self.skipped_keys = []                 # dedupe keys of records found already there
         self.skipped_meta = []                 # (session id, stamp) of metadata that lost to what was there
         self.outcome = None
-        self.woken = threading.Condition(lock)
+        self.woken = None                      # its Condition, made when its push has to wait
 
 
 class ParkedPull:
@@ -2286,6 +2286,8 @@ class Feed:
                 return self.count, 0
             while batch.outcome is None:
                 if self._flushing:
+                    if batch.woken is None:
+                        batch.woken = threading.Condition(self.lock)
                     batch.woken.wait()
                 else:
                     parked = self._flush()
@@ -2296,7 +2298,7 @@ class Feed:
 
     def _queue(self, records, sessions):
         """Number the new events and queue them as a batch (lock held); None when nothing need wait."""
-        batch = _Batch(self.lock)
+        batch = _Batch()
         number = self.next_number
         for record in records:
             if record.key in self.keys:
@@ -2363,9 +2365,10 @@ class Feed:
                 held = not queued.lines and self._still_there(queued)
                 queued.outcome = (self.count, 0) if held else outcome
         for queued in group:
-            queued.woken.notify()
+            if queued.woken is not None:
+                queued.woken.notify()
         if self.pending:
-            self.pending[0].woken.notify()  # queued meanwhile: its push flushes the next group
+            self.pending[0].woken.notify()  # queued meanwhile (so waiting): its push flushes the next group
         return parked if failure is None and lines else ()
 
     def _still_there(self, batch):
@@ -3280,7 +3283,7 @@ class Response:
     def __init__(self, status, body, headers=(), close=False, content_type="application/json"):
         self.status = status
         self.body = body
-        self.headers = list(headers)
+        self.headers = headers                 # a sequence of (name, value)
         self.close = close
         self.content_type = content_type
 
@@ -3697,12 +3700,12 @@ def read_chunked(rfile, limit, error):
 
 def render(response, method, close):
     """The bytes of an answer: status line, headers, body (none for HEAD), in one piece for one send."""
-    extra = "".join("%s: %s\r\n" % header for header in response.headers)
-    if close:
-        extra += "Connection: close\r\n"
-    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n" % (
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (
         response.status, _REASONS.get(response.status, b"Unknown"), response.content_type.encode("latin-1"),
-        len(response.body), extra.encode("latin-1"))
+        len(response.body))
+    if response.headers:
+        head += "".join("%s: %s\r\n" % header for header in response.headers).encode("latin-1")
+    head += b"Connection: close\r\n\r\n" if close else b"\r\n"
     return head if method == "HEAD" else head + response.body
 
 
@@ -3727,19 +3730,19 @@ class Watchdog:
 
     def __init__(self, log):
         self.log = log
-        self._deadlines = {}                   # socket -> (deadline, what to log or None, close it)
-        self._lock = threading.Lock()
+        # socket -> (deadline, what to log or None, close it). Without a lock (each request arms or disarms
+        # two or three times): a dict's item assignment, pop and copy are each atomic, its keys being
+        # compared by identity; the sweep's pop is what claims a late socket.
+        self._deadlines = {}
         self._stopped = threading.Event()
         threading.Thread(target=self._run, name="watchdog", daemon=True).start()
 
     def arm(self, sock, seconds, late_note=None, close=False):
         """Shut sock down (close=True: close it) unless armed again or disarmed within seconds."""
-        with self._lock:
-            self._deadlines[sock] = (time.monotonic() + seconds, late_note, close)
+        self._deadlines[sock] = (time.monotonic() + seconds, late_note, close)
 
     def disarm(self, sock):
-        with self._lock:
-            self._deadlines.pop(sock, None)
+        self._deadlines.pop(sock, None)
 
     def _run(self):
         while not self._stopped.wait(SWEEP_SECONDS):
@@ -3749,10 +3752,8 @@ class Watchdog:
                 self.log("watchdog: %s: %s" % (type(exc).__name__, exc))
 
     def _end_late(self, now, quiet=False):
-        with self._lock:
-            late = [(sock, entry) for sock, entry in self._deadlines.items() if entry[0] <= now]
-            for sock, _ in late:
-                del self._deadlines[sock]
+        late = [(sock, entry) for sock, entry in self._deadlines.copy().items()
+                if entry[0] <= now and self._deadlines.pop(sock, None) is not None]  # (not disarmed meanwhile)
         for sock, (_, note, close) in late:
             if note and not quiet:
                 self.log(note)

@@ -5433,6 +5433,35 @@ class TlsCommandLineTest(unittest.TestCase):
 # The HTTP layer: the checks on top of http.server, and the transport
 # ---------------------------------------------------------------------------
 
+class WatchdogTest(unittest.TestCase):
+    def test_a_late_socket_is_ended_once_and_a_disarmed_or_armed_again_one_is_not(self):
+        logged = []
+        watchdog = sync.Watchdog(logged.append)
+        self.addCleanup(watchdog.stop)
+        pairs = [socket.socketpair() for _ in range(3)]
+        for pair in pairs:
+            for sock in pair:
+                self.addCleanup(sock.close)
+        (late, late_peer), (disarmed, disarmed_peer), (again, again_peer) = pairs
+        watchdog.arm(late, 0, "late")
+        watchdog.arm(disarmed, 0, "disarmed")
+        watchdog.disarm(disarmed)
+        watchdog.arm(again, 0, "armed again")
+        watchdog.arm(again, 60)
+        for _ in range(2):  # a second sweep (or the watchdog's own, meanwhile) finds nothing more to end
+            watchdog._end_late(time.monotonic() + 1)
+        self.assertEqual(logged, ["late"])
+        late_peer.settimeout(1)
+        self.assertEqual(late_peer.recv(10), b"")  # shut down: its peer sees the end
+        for sock, peer in ((disarmed, disarmed_peer), (again, again_peer)):
+            sock.sendall(b"ok")
+            self.assertEqual(peer.recv(10), b"ok")
+        watchdog.stop()  # the sockets still watched are ended, quietly
+        again_peer.settimeout(1)
+        self.assertEqual(again_peer.recv(10), b"")
+        self.assertEqual(logged, ["late"])
+
+
 class EarlyAnswerTest(unittest.TestCase):
     """answer_early, from the thread that wakes a parked pull, against the pull's own thread."""
 
