@@ -311,8 +311,9 @@ def decode_json(data, max_depth=MAX_JSON_DEPTH):
         raise ValueError("body is not valid JSON") from None
 
 
-_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-_ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+# No check for circular references: what is encoded was decoded from JSON, or built here, and has none.
+_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False, check_circular=False)
+_ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
 
 
 def encode_json(value):
@@ -3813,11 +3814,12 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
     def handle_one_request(self):
         try:
             arrived = self.rfile.peek(1)  # waits for a request to begin (the idle limit holds meanwhile)
-            for empty in (b"\r\n", b"\n"):  # RFC 9112 2.2: one empty line before a request is ignored (e.g.
-                if arrived.startswith(empty):  # a CRLF sent after a body); its request still waits idle
-                    self.rfile.read(len(empty))
-                    arrived = self.rfile.peek(1)
-                    break
+            if arrived[:1] in (b"\r", b"\n"):  # RFC 9112 2.2: one empty line before a request is ignored
+                for empty in (b"\r\n", b"\n"):  # (e.g. a CRLF sent after a body); its request still waits idle
+                    if arrived.startswith(empty):
+                        self.rfile.read(len(empty))
+                        arrived = self.rfile.peek(1)
+                        break
             if not arrived:
                 self.close_connection = True
                 return
