@@ -3509,12 +3509,12 @@ class SyncApp:
                 return answer()
             self._parked.add(request)
         connection = request.connection
-        connection.hold()
+        connection.hold(request)
         try:
             deadline = time.monotonic() + seconds
 
             def on_event():  # in the thread that wakes the pull
-                connection.answer_early(answer())
+                connection.answer_early(request, answer)
 
             while True:
                 left = deadline - time.monotonic()
@@ -3599,6 +3599,7 @@ _HEADER_LINE = re.compile(_FIELD_TEXT + rb"\r?\n")
 _WHOLE_HEAD = re.compile(_REQUEST_LINE_TEXT + rb"\r\n(?:" + _FIELD_TEXT + rb"\r\n)*\r\n")  # both, CRLF only
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,8})(;[\t\x20-\x7e\x80-\xff]*)?\r\n")
 _QUERY = re.compile(r"\?.*?(?= HTTP/[0-9]\.[0-9]$|$)")  # to the version, spaces and all
+_DONT_WAIT = getattr(socket, "MSG_DONTWAIT", None)  # (not on Windows)
 LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
 
 
@@ -3731,19 +3732,19 @@ class Watchdog:
 
     def __init__(self, log):
         self.log = log
-        # socket -> (deadline, what to log or None, close it). Without a lock (each request arms or disarms
-        # two or three times): a dict's item assignment, pop and copy are each atomic, its keys being
-        # compared by identity; the sweep's pop is what claims a late socket.
-        self._deadlines = {}
+        self._deadlines = {}                   # socket -> (deadline, what to log or None, close it)
+        self._lock = threading.Lock()
         self._stopped = threading.Event()
         threading.Thread(target=self._run, name="watchdog", daemon=True).start()
 
     def arm(self, sock, seconds, late_note=None, close=False):
         """Shut sock down (close=True: close it) unless armed again or disarmed within seconds."""
-        self._deadlines[sock] = (time.monotonic() + seconds, late_note, close)
+        with self._lock:
+            self._deadlines[sock] = (time.monotonic() + seconds, late_note, close)
 
     def disarm(self, sock):
-        self._deadlines.pop(sock, None)
+        with self._lock:
+            self._deadlines.pop(sock, None)
 
     def _run(self):
         while not self._stopped.wait(SWEEP_SECONDS):
@@ -3753,15 +3754,18 @@ class Watchdog:
                 self.log("watchdog: %s: %s" % (type(exc).__name__, exc))
 
     def _end_late(self, now, quiet=False):
-        late = [(sock, entry) for sock, entry in self._deadlines.copy().items()
-                if entry[0] <= now and self._deadlines.pop(sock, None) is not None]  # (not disarmed meanwhile)
-        for sock, (_, note, close) in late:
+        # Ended under the lock (neither waits): a socket armed again or disarmed a moment ago is not late.
+        with self._lock:
+            late = [(sock, entry) for sock, entry in self._deadlines.items() if entry[0] <= now]
+            for sock, (_, _, close) in late:
+                del self._deadlines[sock]
+                if close:
+                    sock.close()
+                else:
+                    shut_down(sock)
+        for _, (_, note, _) in late:
             if note and not quiet:
                 self.log(note)
-            if close:
-                sock.close()
-            else:
-                shut_down(sock)
 
     def stop(self):
         """Stop watching; the sockets still watched are ended now."""
@@ -3797,7 +3801,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.connection.settimeout(None)
         self.server.opened(self.connection)
         self.body_pending = False   # a declared body not read: answering it closes the connection
-        self.held = False           # a parked pull's wait is on: another thread may answer it (answer_early)
+        self.held = None            # the parked pull whose wait is on: another thread may answer it
         self.early = None           # (answer, what of it is still to send) once another thread answered
         self.early_lock = threading.Lock()
         self.server.watchdog.arm(self.connection, self.server.idle_seconds)
@@ -3957,25 +3961,27 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.server.watchdog.disarm(self.connection)
         return body
 
-    def hold(self):
+    def hold(self, request):
         """The request will wait (a parked pull): from now on its wait bounds it, not the request
         deadline (a body it declared stays unread: the answer then closes the connection); until
         release(), another thread may answer it (answer_early)."""
         self.server.watchdog.disarm(self.connection)
         with self.early_lock:
-            self.held = True
+            self.held = request
 
-    def answer_early(self, response):
-        """From the thread that woke this held request: send its answer now, as much of it as the socket
-        takes without a wait; this connection's thread sends the rest (send_answer). Not under TLS: its
-        records are not for two threads to write; there the connection's own thread answers."""
+    def answer_early(self, request, answer):
+        """From the thread that woke a parked pull: if request is still held, send its answer() now, as
+        much as the socket takes without a wait; this connection's thread sends the rest (send_answer).
+        A wake that comes late, after the connection moved on to its next request, sends nothing. Not
+        under TLS: its records are not for two threads to write; there the connection's own thread answers."""
         with self.early_lock:
-            if not self.held or self.server.tls is not None:
+            if self.held is not request or self.server.tls is not None or _DONT_WAIT is None:
                 return
-            self.held = False
+            response = answer()
+            self.held = None
             data = self.answer_bytes(response, self.command)
             try:
-                sent = socket.socket.send(self.connection, data, socket.MSG_DONTWAIT)
+                sent = socket.socket.send(self.connection, data, _DONT_WAIT)
             except OSError:  # the socket buffer is full (or the client left): it is all for send_answer
                 sent = 0
             self.early = (response, data[sent:])
@@ -3983,15 +3989,17 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
     def release(self):
         """The wait is over: no other thread answers the request now. The answer one sent, or None."""
         with self.early_lock:
-            self.held = False
+            self.held = None
             return self.early[0] if self.early is not None else None
 
     def client_gone(self):
         """True when the client has closed its side or reset the connection. Asked while a pull is
         parked: what it may have pipelined meanwhile stays unread. (Under TLS a closing client's last
         record is data to this look, so there it waits out the pull.)"""
+        if _DONT_WAIT is None:
+            return False  # (no such look here: the pull waits out its time)
         try:
-            return not socket.socket.recv(self.connection, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return not socket.socket.recv(self.connection, 1, socket.MSG_PEEK | _DONT_WAIT)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:

@@ -5149,6 +5149,32 @@ class LongPollTest(ServerCase):
         self.assertEqual(len(json.loads(body)["records"]), 40)
         self.assertNotIn(b"Connection: close", raw[:raw.find(b"\r\n\r\n")])
 
+    def test_a_late_wake_never_answers_the_connections_next_pull(self):
+        # From a review: the push that woke alice's pull was slow to reach it (a thousand others first);
+        # her pull answered itself at its check, her connection (a proxy's, say) carried bob's pull next,
+        # and the late wake sent him alice's record. The wake is widened here to a second.
+        real_wake = sync.wake
+
+        def slow_wake(pulls, log):
+            if pulls:
+                time.sleep(1.0)
+            real_wake(pulls, log)
+
+        with mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.3), mock.patch.object(sync, "wake", slow_wake):
+            sock = self.raw_pull("a")
+            self.wait_parked(1)
+            pusher = threading.Thread(target=lambda: self.push(self.alice, "a", [record()]))
+            pusher.start()
+            self.addCleanup(pusher.join, 5)
+            (status, body), _ = self.read_answer(sock)  # answered by its own thread, at its 0.3 s check
+            self.assertEqual((status, json.loads(body)["records"]), (200, [record()]))
+            sock.sendall(b"GET /v1/pull?project=b&since=0&wait=2 HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer " + self.bob.encode() + b"\r\n\r\n")
+            started = time.monotonic()
+            (status, body), _ = self.read_answer(sock)
+        self.assertEqual((status, json.loads(body)), (200, {"cursor": 0, "records": [], "sessions": [], "more": False}))
+        self.assertGreaterEqual(time.monotonic() - started, 1.9)  # it waited out its own wait
+
     def test_an_unexpected_error_while_answering_a_woken_pull_early_loses_no_answer(self):
         # The pushing thread answers the pulls it wakes; when building one's answer fails there, that
         # pull's own thread answers it, and later wakes work as before.
@@ -5461,6 +5487,26 @@ class WatchdogTest(unittest.TestCase):
         self.assertEqual(again_peer.recv(10), b"")
         self.assertEqual(logged, ["late"])
 
+    def test_a_late_socket_is_ended_before_anyone_can_arm_it_again(self):
+        # From a review: the decision and the end were apart, so a request that began right at the idle
+        # deadline (and armed its own) could still be cut. Now arm() waits for the sweep to finish.
+        watchdog = sync.Watchdog(lambda line: None)
+        self.addCleanup(watchdog.stop)
+        sock, peer = socket.socketpair()
+        self.addCleanup(sock.close)
+        self.addCleanup(peer.close)
+        locked_while_ending = []
+        real_shut_down = sync.shut_down
+
+        def watched_shut_down(s):
+            locked_while_ending.append(watchdog._lock.locked())
+            real_shut_down(s)
+
+        with mock.patch.object(sync, "shut_down", watched_shut_down):
+            watchdog.arm(sock, 0)
+            watchdog._end_late(time.monotonic() + 1)  # (or the watchdog's own sweep, first)
+        self.assertEqual(locked_while_ending, [True])
+
 
 class EarlyAnswerTest(unittest.TestCase):
     """answer_early, from the thread that wakes a parked pull, against the pull's own thread."""
@@ -5473,40 +5519,75 @@ class EarlyAnswerTest(unittest.TestCase):
         handler = sync.SyncRequestHandler.__new__(sync.SyncRequestHandler)
         handler.connection, handler.command = ours, "GET"
         handler.server = mock.Mock(tls=tls, stopping=threading.Event())
-        handler.close_connection = handler.body_pending = handler.held = False
-        handler.early, handler.early_lock = None, threading.Lock()
+        handler.close_connection = handler.body_pending = False
+        handler.held, handler.early, handler.early_lock = None, None, threading.Lock()
         return handler, theirs
 
     def test_a_held_request_is_answered_once_and_release_returns_that_answer(self):
         handler, client = self.handler()
-        handler.hold()
+        request, built = object(), []
         answer = sync.Response(200, b'{"cursor":1}')
-        handler.answer_early(answer)
-        handler.answer_early(sync.Response(200, b'{"cursor":2}'))  # a second wake: nothing more is sent
+        handler.hold(request)
+        handler.answer_early(request, lambda: built.append(1) or answer)
+        handler.answer_early(request, lambda: built.append(2) or sync.Response(200, b"{}"))  # a second wake
         self.assertIs(handler.release(), answer)
+        self.assertEqual(built, [1])  # the second answer was not even built
         self.assertEqual(client.recv(1000), b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                                             b"Content-Length: 12\r\n\r\n{\"cursor\":1}")
         with self.assertRaises(socket.timeout):
             client.recv(1000)
         self.assertEqual(handler.early, (answer, b""))
 
-    def test_after_release_and_under_tls_nothing_is_sent_early(self):
-        for tls in (None, object()):
+    def test_after_release_under_tls_or_without_a_send_that_does_not_wait_nothing_is_sent_early(self):
+        for tls, dont_wait in ((None, sync._DONT_WAIT), (object(), sync._DONT_WAIT), (None, None)):
             handler, client = self.handler(tls)
-            handler.hold()
-            if tls is None:
+            request, built = object(), []
+            handler.hold(request)
+            if tls is None and dont_wait is not None:
                 self.assertIsNone(handler.release())  # the wait timed out: the pull's own thread answers
-            handler.answer_early(sync.Response(200, b"{}"))
+            with mock.patch.object(sync, "_DONT_WAIT", dont_wait):
+                handler.answer_early(request, lambda: built.append(1) or sync.Response(200, b"{}"))
+            self.assertEqual(built, [])
             self.assertIsNone(handler.release())
             self.assertIsNone(handler.early)
             with self.assertRaises(socket.timeout):
                 client.recv(1000)
 
+    def test_a_late_wake_of_an_earlier_pull_does_not_answer_the_next_request(self):
+        # From a review: a pull answered by its own thread (its check timed out while the push that woke
+        # it was still answering others), then the connection's next pull parked, and the late wake sent
+        # the first pull's page (another project, maybe another tenant's behind a proxy) as its answer.
+        handler, client = self.handler()
+        first, second = object(), object()
+        handler.hold(first)
+        self.assertIsNone(handler.release())
+        handler.hold(second)
+        handler.answer_early(first, lambda: sync.Response(200, b'{"first":true}'))
+        with self.assertRaises(socket.timeout):
+            client.recv(1000)
+        handler.answer_early(second, lambda: sync.Response(200, b'{"second":true}'))
+        self.assertTrue(client.recv(1000).endswith(b'{"second":true}'))
+
+    def test_a_failure_building_the_early_answer_leaves_the_request_to_its_own_thread(self):
+        handler, client = self.handler()
+        request = object()
+        handler.hold(request)
+
+        def failing():
+            raise RuntimeError("boom")
+
+        with self.assertRaises(RuntimeError):
+            handler.answer_early(request, failing)
+        self.assertIsNone(handler.release())
+        with self.assertRaises(socket.timeout):
+            client.recv(1000)
+
     def test_an_early_answer_says_close_when_the_connection_will_close(self):
         handler, client = self.handler()
         handler.body_pending = True  # a pull that declared a body, never read
-        handler.hold()
-        handler.answer_early(sync.Response(200, b"{}"))
+        request = object()
+        handler.hold(request)
+        handler.answer_early(request, lambda: sync.Response(200, b"{}"))
         self.assertIn(b"\r\nConnection: close\r\n", client.recv(1000))
         self.assertTrue(handler.close_connection)
 
