@@ -37,6 +37,7 @@ import hmac
 import html
 import http.client
 import http.server
+import ipaddress
 import json
 import math
 import multiprocessing
@@ -1726,6 +1727,26 @@ class SupabaseVerifier:
 
 # ---- forged tokens ------------------------------------------------------------
 
+def client_key(address):
+    """What a client's failed token checks are counted under: its address, or for IPv6 its /64 (one
+    host, or one home network, holds a whole /64 and could take a new address for each try).
+
+        198.51.100.7                 198.51.100.7
+        2001:db8:1:2:a:b:c:d         2001:db8:1:2::/64
+        ::ffff:198.51.100.7          198.51.100.7     (an IPv4 client of a dual-stack socket)
+        anything else                as it is
+    """
+    if ":" not in address:
+        return address
+    try:
+        ip = ipaddress.IPv6Address(address.split("%", 1)[0])  # (without a zone: fe80::1%eth0)
+    except ValueError:
+        return address
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))
+
+
 class GuardedVerifier:
     """A JWT or Supabase verifier behind two guards, so that forged tokens stay cheap: a token it refused
     lately is refused again at once, and a client whose tokens failed too often lately has no new token
@@ -1744,7 +1765,8 @@ class GuardedVerifier:
         self.refused = TokenCache(FAILED_TOKENS)   # token digest -> the text of its refusal
 
     def verify(self, token, client=None):
-        """The verifier's Identity for token; client is an opaque key (None: no bound per client)."""
+        """The verifier's Identity for token; client is the client's address (None: no bound per
+        client), counted by client_key."""
         identity = self.verifier.cached(token)
         if identity is not None:
             return identity
@@ -1753,6 +1775,7 @@ class GuardedVerifier:
         if refusal is not None:
             raise AuthError(refusal)
         if client is not None:
+            client = client_key(client)
             # Taken before the check, so that concurrent requests cannot overdraw the bucket; given back
             # unless the token fails.
             wait = self.failures.retry_after(client)

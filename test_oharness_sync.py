@@ -2091,6 +2091,23 @@ class ForgedTokenTest(unittest.TestCase):
         self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "203.0.113.9"), Identity("user_ec"))
         self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, None), Identity("user_ec"))
 
+    def test_an_ipv6_client_is_counted_by_its_64_and_a_mapped_ipv4_one_by_its_ipv4_address(self):
+        self.throttle(client="2001:db8:1:2::a")
+        with self.assertRaises(sync.AuthThrottled):  # another address in the same /64: the same bucket
+            self.auth.identify("Bearer " + forged_es256(11), "2001:db8:1:2:ffff:ffff:ffff:ffff")
+        self.assertEqual(self.refusal(forged_es256(12), client="2001:db8:1:3::a"), "bad token signature")
+        for number in range(21, 31):  # (new tokens: a refused one is refused again without counting)
+            self.assertEqual(self.refusal(forged_es256(number), client="::ffff:198.51.100.7"), "bad token signature")
+        with self.assertRaises(sync.AuthThrottled):
+            self.auth.identify("Bearer " + forged_es256(13), "198.51.100.7")
+
+    def test_client_keys(self):
+        for address, key in (("198.51.100.7", "198.51.100.7"), ("2001:db8:1:2:a:b:c:d", "2001:db8:1:2::/64"),
+                             ("2001:DB8:1:2::1", "2001:db8:1:2::/64"), ("::1", "::/64"),
+                             ("fe80::1%eth0", "fe80::/64"), ("::ffff:198.51.100.7", "198.51.100.7"),
+                             ("", ""), ("not:an:address", "not:an:address")):
+            self.assertEqual(sync.client_key(address), key, address)
+
     def test_a_token_verified_before_still_passes_from_a_throttled_client(self):
         self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "198.51.100.7"), Identity("user_ec"))
         self.throttle()
