@@ -3656,13 +3656,14 @@ def read_fields(rfile, left, fields):
             raise HeadRefused(431, HEAD_TOO_LARGE)
         if line == b"\r\n":
             return
-        if not line.endswith(b"\n"):
-            raise ClientGone()
         left -= len(line)
         match = _FIELD_LINE.fullmatch(line.decode("latin-1"))
         if match is None:
+            if not line.endswith(b"\n"):
+                raise ClientGone()
             raise HeadRefused(400, "malformed header line")
-        name, value = match.group(1).lower(), match.group(2).strip(" \t")
+        name, value = match.groups()
+        name, value = name.lower(), value.strip(" \t")
         fields[name] = fields[name] + ", " + value if name in fields else value
     raise HeadRefused(431, HEAD_TOO_LARGE)
 
@@ -3881,11 +3882,11 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         line = self.rfile.readline(MAX_HEAD_BYTES + 1)
         if len(line) > MAX_HEAD_BYTES:
             return self.refuse(414, "request line too long")
-        if not line.endswith(b"\n"):
-            raise ClientGone()
         self.raw_requestline = line
         match = _REQUEST_LINE.fullmatch(line.decode("latin-1"))
         if match is None:
+            if not line.endswith(b"\n"):
+                raise ClientGone()
             return self.refuse(400, "bad request line")
         self.command, self.path, self.request_version = match.groups()
         if self.request_version not in ("HTTP/1.1", "HTTP/1.0"):
@@ -3897,7 +3898,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             read_fields(self.rfile, MAX_HEAD_BYTES - len(line), headers)
         except HeadRefused as exc:
             return self.refuse(exc.status, exc.text)
-        tokens = connection_tokens(headers)
+        tokens = connection_tokens(headers) if "connection" in headers else ()
         if self.request_version == "HTTP/1.0":
             # RFC 9112 6.1: a chunked body from an HTTP/1.0 client leaves its framing in doubt.
             self.close_connection = "keep-alive" not in tokens or "transfer-encoding" in headers
