@@ -272,22 +272,24 @@ def _finite_float(text):
 
 
 _STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
-_ESCAPED_QUOTE_OR_BACKSLASH = re.compile(r'\\[\\"]')
-_JSON_STRING = re.compile(r'"[^"]*"')
-_NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
+_ESCAPED_QUOTE_OR_BACKSLASH = re.compile(rb'\\[\\"]')
+_JSON_STRING = re.compile(rb'"[^"]*"')
+_NOT_A_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-def json_too_deep(text, limit=MAX_JSON_DEPTH):
-    """True when arrays and objects in text nest deeper than limit.
+def json_too_deep(data, limit=MAX_JSON_DEPTH):
+    """True when arrays and objects in the JSON bytes data nest deeper than limit.
 
-    Checked before json.loads, whose C parser recurses on a small thread stack.
+    Checked before json.loads, whose C parser recurses on a small thread stack. Most bodies open no
+    more than limit of them in all, which one pass tells (bytes.translate keeping only the brackets:
+    half the cost of two str.count over a 40 KB snapshot); the others are looked at without strings.
     """
-    if text.count("[") + text.count("{") <= limit:
+    brackets = data.translate(None, _NOT_A_BRACKET)
+    if brackets.count(b"[") + brackets.count(b"{") <= limit:
         return False
-    brackets = _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", _ESCAPED_QUOTE_OR_BACKSLASH.sub("", text)))
     depth = 0
-    for char in brackets:
-        depth += 1 if char in "[{" else -1
+    for char in _JSON_STRING.sub(b"", _ESCAPED_QUOTE_OR_BACKSLASH.sub(b"", data)).translate(None, _NOT_A_BRACKET):
+        depth += 1 if char in b"[{" else -1
         if depth > limit:
             return True
     return False
@@ -303,7 +305,7 @@ def decode_json(data, max_depth=MAX_JSON_DEPTH):
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError("body is not valid UTF-8") from None
-    if max_depth is not None and json_too_deep(text, max_depth):
+    if max_depth is not None and json_too_deep(data, max_depth):
         raise ValueError("JSON is nested too deeply")
     try:
         return _STRICT_JSON.decode(text)

@@ -265,6 +265,10 @@ class JsonCodecTest(unittest.TestCase):
         self.assertEqual(sync.decode_json(b"[" * depth + b"]" * depth), eval("[" * depth + "]" * depth))
         with self.assertRaises(ValueError):
             sync.decode_json(b"[" * (depth + 1) + b"]" * (depth + 1))
+        mixed = b'{"a":[' * (depth // 2) + b"1" + b"]}" * (depth // 2)  # objects and arrays count alike
+        self.assertEqual(sync.decode_json(mixed), json.loads(mixed))
+        with self.assertRaises(ValueError):
+            sync.decode_json(b"[" + mixed + b"]")
 
     def test_brackets_inside_strings_do_not_count_as_depth(self):
         text = '["' + "[" * 5000 + '\\"[", "\\\\"]'
