@@ -3640,7 +3640,7 @@ class HeadRefused(Exception):
         self.text = text
 
 
-def read_fields(rfile, left, fields):
+def read_fields(rfile, left, fields, known=None):
     """Read header (or trailer) fields from rfile up to their blank line, into fields: a dict by
     lower-case name, a repeated field's values joined with ", ", each value trimmed of SP and HTAB
     only (str.strip() would also take VT, FF, NBSP and more as whitespace). At most MAX_HEADERS - 1
@@ -3651,21 +3651,30 @@ def read_fields(rfile, left, fields):
         (over left bytes, or 100 fields)         HeadRefused(431)
         Name : x  /  \x20Folded: x  /  X: a\x00b  HeadRefused(400), as is a bare CR or LF
         (the connection ends first)              ClientGone
+
+    Returns {line: (name, value)} of the lines read. Given as known for the next head of the same
+    connection, a line that comes again (a keep-alive client sends its Host, Authorization and the
+    like with every request) is taken as it was parsed, unchecked: the same bytes pass the same way.
     """
+    lines = {}
     for _ in range(MAX_HEADERS):
         line = rfile.readline(left + 1)
         if len(line) > left:
             raise HeadRefused(431, HEAD_TOO_LARGE)
         if line == b"\r\n":
-            return
+            return lines
         left -= len(line)
-        match = _FIELD_LINE.fullmatch(line.decode("latin-1"))
-        if match is None:
-            if not line.endswith(b"\n"):
-                raise ClientGone()
-            raise HeadRefused(400, "malformed header line")
-        name, value = match.groups()
-        name, value = name.lower(), value.strip(" \t")
+        field = known.get(line) if known else None
+        if field is None:
+            match = _FIELD_LINE.fullmatch(line.decode("latin-1"))
+            if match is None:
+                if not line.endswith(b"\n"):
+                    raise ClientGone()
+                raise HeadRefused(400, "malformed header line")
+            name, value = match.groups()
+            field = name.lower(), value.strip(" \t")
+        lines[line] = field
+        name, value = field
         fields[name] = fields[name] + ", " + value if name in fields else value
     raise HeadRefused(431, HEAD_TOO_LARGE)
 
@@ -3833,6 +3842,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.held = None            # the parked pull whose wait is on: another thread may answer it
         self.early = None           # (answer, what of it is still to send) once another thread answered
         self.early_lock = threading.Lock()
+        self.known_lines = None     # the last head's field lines, as parsed (read_fields)
         self.server.watchdog.arm(self.connection, self.server.idle_seconds)
 
     def finish(self):
@@ -3897,7 +3907,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             self.path = "/" + self.path.lstrip("/")
         self.headers = headers = {}
         try:
-            read_fields(self.rfile, MAX_HEAD_BYTES - len(line), headers)
+            self.known_lines = read_fields(self.rfile, MAX_HEAD_BYTES - len(line), headers, self.known_lines)
         except HeadRefused as exc:
             return self.refuse(exc.status, exc.text)
         tokens = connection_tokens(headers) if "connection" in headers else ()

@@ -4691,6 +4691,19 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
             sock.sendall(b"GET //v1/health HTTP/1.1\r\nHost: t\r\n\r\n")
             self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
 
+    def test_each_request_on_a_connection_is_its_own_tenants(self):
+        """A keep-alive connection whose requests change their Authorization line: each answers for
+        the token it carries (a line known from the last head is taken only when its bytes are equal)."""
+        body = json.dumps({"project": "only-alice", "records": [record()]}).encode()
+        with open_raw(self.url) as sock:
+            sock.sendall(push_head(self.alice, len(body)) + body)
+            self.assertEqual(read_raw_answer(sock)[0], 200)
+            for token, projects in ((self.bob, b'{"projects":[]}'), (self.alice, b'{"projects":["only-alice"]}'),
+                                    (self.bob, b'{"projects":[]}')):
+                sock.sendall(b"GET /v1/projects HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n\r\n"
+                             % token.encode())
+                self.assertEqual(read_raw_answer(sock)[::2], (200, projects))
+
     def test_the_head_is_read_once_without_the_email_package(self):
         """http.server's own head parse (http.client.parse_headers, through the email package) is not
         run: the handler's strict read is the only one. (The client here writes and reads by hand.)"""
@@ -5724,6 +5737,20 @@ class HeadCheckTest(unittest.TestCase):
             self.fields_of(b"".join(b"X%d: a\r\n" % i for i in range(100)) + b"\r\n")
         self.assertEqual(caught.exception.status, 431)
         self.assertEqual(sync.HEAD_TOO_LARGE, "request head larger than 65536 bytes or with more than 99 header fields")
+
+    def test_lines_of_the_last_head_are_taken_as_parsed_and_only_those_bytes(self):
+        first = io.BufferedReader(io.BytesIO(b"Host: x\r\nAuthorization: Bearer a\r\n\r\n"))
+        fields = {}
+        known = sync.read_fields(first, 1000, fields)
+        self.assertEqual(known, {b"Host: x\r\n": ("host", "x"), b"Authorization: Bearer a\r\n": ("authorization", "Bearer a")})
+        again = {}
+        sync.read_fields(io.BufferedReader(io.BytesIO(b"Host: x\r\nAuthorization: Bearer b\r\n\r\n")), 1000, again, known)
+        self.assertEqual(again, {"host": "x", "authorization": "Bearer b"})
+        with self.assertRaises(sync.HeadRefused):  # a line that differs is checked, however like a known one it is
+            sync.read_fields(io.BufferedReader(io.BytesIO(b"Host: x\r\nHost: x\x00\r\n\r\n")), 1000, {}, known)
+        with self.assertRaises(sync.HeadRefused) as caught:  # the caps hold for known lines too
+            sync.read_fields(io.BufferedReader(io.BytesIO(b"Host: x\r\n" * 100 + b"\r\n")), 10000, {}, known)
+        self.assertEqual(caught.exception.status, 431)
 
     def test_a_head_cut_short_is_a_client_gone(self):
         for data in (b"", b"Host: x\r\n", b"Host: x", b"Host: x\r\n\r"):
