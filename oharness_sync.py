@@ -81,9 +81,20 @@ except ImportError:  # Windows: owners are named by number
 
 __version__ = "0.1.0"
 
-# ---------------------------------------------------------------------------
+
+# =================================================================================================
+# Part I. The server
+#
+# What `python3 oharness_sync.py --data DIR` runs, top-down: constants and limits; errors; the pure rules
+# (validation and hashing); authentication; storage (files and tokens, session feeds, memory); HTTP (the
+# protocol's routes and handlers, then the transport on http.server); the wiring that serves.
+# Part I names nothing of Part II.
+# =================================================================================================
+
+
+# -------------------------------------------------------------------------------------------------
 # Constants and limits
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8787
@@ -142,9 +153,9 @@ FAILED_CHECKS_PER_MINUTE = 20  # JWT or Supabase tokens that may fail verificati
 FAILED_CHECKS_BURST = 10       # ... and in a burst; past it a new token is refused unchecked (429)
 
 
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Errors
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 class ApiError(Exception):
     """An answer other than 200 for a session route: a status and a short text."""
@@ -216,6 +227,31 @@ class FeedDamaged(Exception):
     """A feed file has a damaged line in the middle; the feed is refused until repaired."""
 
 
+class InvalidNote(ValueError):
+    """A note failed validation; the message is a short human reason."""
+
+
+class AuthNotConfigured(Exception):
+    """Memory sync has no identity verifier (--memory-auth off)."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection, or broke the framing of its request: no answer is sent."""
+
+
+class HeadRefused(Exception):
+    """A request head that breaks a rule: answered with status and text, then the connection closes."""
+
+    def __init__(self, status, text):
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+class EncryptedKey(Exception):
+    """A TLS key asked for its passphrase (which the server never has)."""
+
+
 class UsageError(Exception):
     """A command-line problem: printed as one line, exit code 2."""
 
@@ -226,9 +262,9 @@ def reason(exc):
     return getattr(exc, "strerror", None) or exc
 
 
-# ---------------------------------------------------------------------------
-# Validation and encoding (pure functions)
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# Validation and hashing (pure functions)
+# -------------------------------------------------------------------------------------------------
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 RESERVED_IDS = frozenset({"__proto__", "constructor", "prototype"})
@@ -519,10 +555,6 @@ def note_hash(note):
     return hashlib.sha256(js_stringify(fields).encode("utf-8")).hexdigest()
 
 
-class InvalidNote(ValueError):
-    """A note failed validation; the message is a short human reason."""
-
-
 def _safe_int_field(obj, name):
     value = as_safe_int(obj[name])
     if value is None:
@@ -589,52 +621,6 @@ def validate_note(obj, max_note_bytes=131072):
 
 
 # -- memory requests -----------------------------------------------------------
-
-class RateLimiter:
-    """A token bucket per principal: `per_minute` sustained, bursts of `burst`; 0 turns it off."""
-
-    def __init__(self, per_minute, burst=None, clock=time.monotonic):
-        self.rate = per_minute / 60.0
-        self.burst = float(burst if burst is not None else max(1, per_minute // 2))
-        self.clock = clock
-        self._buckets = {}
-        self._lock = threading.Lock()
-
-    def retry_after(self, key):
-        """0 when key may go ahead now (and takes a token), else the whole seconds to wait."""
-        if self.rate <= 0:
-            return 0
-        now = self.clock()
-        with self._lock:
-            tokens, then = self._buckets.get(key, (self.burst, now))
-            tokens = min(self.burst, tokens + (now - then) * self.rate)
-            if tokens >= 1:
-                self._buckets[key] = (tokens - 1, now)
-                if len(self._buckets) > 10000:
-                    self._forget_full(now)
-                return 0
-            self._buckets[key] = (tokens, now)
-            return max(1, math.ceil((1 - tokens) / self.rate))
-
-    def give_back(self, key):
-        """Return the token key took last: what it was taken for is not to be counted after all."""
-        if self.rate <= 0:
-            return
-        with self._lock:
-            entry = self._buckets.get(key)
-            if entry is not None:  # else forgotten meanwhile, as full
-                tokens, then = entry
-                self._buckets[key] = (min(self.burst, tokens + 1), then)
-
-    def _forget_full(self, now):
-        """Drop buckets that have refilled: they hold nothing a new bucket would not."""
-        for key, (tokens, then) in list(self._buckets.items()):
-            if tokens + (now - then) * self.rate >= self.burst:
-                del self._buckets[key]
-
-
-
-
 
 class MemoryScope:
     """Where a principal's notes live: one project (project is its id) or the user scope (project is None)."""
@@ -929,9 +915,9 @@ def decode_name(name):
     return "".join(out)
 
 
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Authentication: one small verifier per token kind
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 class Identity:
     """Who a verified token speaks for: a principal id, its teams, and whether it is anonymous."""
@@ -1727,6 +1713,49 @@ class SupabaseVerifier:
         return Identity(user["id"])
 
 
+class RateLimiter:
+    """A token bucket per principal: `per_minute` sustained, bursts of `burst`; 0 turns it off."""
+
+    def __init__(self, per_minute, burst=None, clock=time.monotonic):
+        self.rate = per_minute / 60.0
+        self.burst = float(burst if burst is not None else max(1, per_minute // 2))
+        self.clock = clock
+        self._buckets = {}
+        self._lock = threading.Lock()
+
+    def retry_after(self, key):
+        """0 when key may go ahead now (and takes a token), else the whole seconds to wait."""
+        if self.rate <= 0:
+            return 0
+        now = self.clock()
+        with self._lock:
+            tokens, then = self._buckets.get(key, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - then) * self.rate)
+            if tokens >= 1:
+                self._buckets[key] = (tokens - 1, now)
+                if len(self._buckets) > 10000:
+                    self._forget_full(now)
+                return 0
+            self._buckets[key] = (tokens, now)
+            return max(1, math.ceil((1 - tokens) / self.rate))
+
+    def give_back(self, key):
+        """Return the token key took last: what it was taken for is not to be counted after all."""
+        if self.rate <= 0:
+            return
+        with self._lock:
+            entry = self._buckets.get(key)
+            if entry is not None:  # else forgotten meanwhile, as full
+                tokens, then = entry
+                self._buckets[key] = (min(self.burst, tokens + 1), then)
+
+    def _forget_full(self, now):
+        """Drop buckets that have refilled: they hold nothing a new bucket would not."""
+        for key, (tokens, then) in list(self._buckets.items()):
+            if tokens + (now - then) * self.rate >= self.burst:
+                del self._buckets[key]
+
+
 # ---- forged tokens ------------------------------------------------------------
 
 def client_key(address):
@@ -1796,10 +1825,6 @@ class GuardedVerifier:
                 self.failures.give_back(client)
 
 
-class AuthNotConfigured(Exception):
-    """Memory sync has no identity verifier (--memory-auth off)."""
-
-
 class Authenticator:
     """Chooses the verifier for a bearer token by its kind and the route family.
 
@@ -1847,9 +1872,9 @@ class Authenticator:
         return identity
 
 
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Storage: files, the data-dir lock, tokens
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 def sync_file(fd):
     """Make the bytes written to fd durable (fdatasync where there is one)."""
@@ -2088,9 +2113,10 @@ class TokenStore:
         return self._update(change)
 
 
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Storage: session feeds
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+
 #
 # One append-only file per (owner, project). Each line is one event:
 #
@@ -2622,9 +2648,9 @@ class FeedStore:
             feed.wake()
 
 
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Storage: memory manifests and immutable note revisions
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 # An entry's size is its JSON in a full snapshot: {"id":..,"hash":..,"note":..} or {"id":..,"hash":null}.
 _LIVE_ENTRY_BYTES = len(b'{"id":"","hash":"","note":}') + 64   # + id + the note's JSON
@@ -3104,201 +3130,14 @@ class MemoryStore:
         return removed
 
 
-# ---------------------------------------------------------------------------
-# Storage: checking a data dir (fsck)
-# ---------------------------------------------------------------------------
-
-class DataDirCheck:
-    """Reads a whole data dir and lists what is wrong with it; read-only unless asked to repair.
-
-    Problems are damage: a bad line, a gap in event numbers, a record stored twice, a manifest or
-    token file that does not parse, a note whose object is missing or does not hash right. Notes are
-    harmless findings (unreferenced revision objects, left by a crash or a replaced note). Repair only
-    cuts a torn last line off a feed and removes unreferenced objects; it never drops data from the
-    middle of a feed.
-
-    progress, if given, is called as progress(feeds done, feeds in all, bytes done, bytes in all) as the
-    feeds are read: at each feed and every few thousand lines.
-    """
-
-    PROGRESS_LINES = 8192  # feed lines between two calls of progress
-
-    def __init__(self, data_dir, repair=False, progress=None):
-        self.data_dir = data_dir
-        self.repair = repair
-        self.progress = progress
-        self.problems = []
-        self.notes = []
-        self.repaired = []
-        self.repairable = False  # something --repair would fix was found (and left, without --repair)
-        self.cuts = []  # (path, line number, byte offset, lines from there on) of a feed the server refuses
-        self.counts = {"feeds": 0, "events": 0, "scopes": 0, "notes": 0, "tokens": 0}
-        self.feeds_total = self.bytes_total = self.bytes_done = 0
-
-    def run(self):
-        self.check_feeds()
-        self.check_memory()
-        self.check_tokens()
-        return not self.problems
-
-    def _dirs(self, root, prefixes):
-        try:
-            entries = sorted(os.scandir(root), key=lambda entry: entry.name)
-        except FileNotFoundError:
-            return []
-        return [entry.path for entry in entries if entry.is_dir() and entry.name.startswith(prefixes)]
-
-    # -- feeds ---------------------------------------------------------------
-
-    def check_feeds(self):
-        feeds = []  # (path, size)
-        for owner_dir in self._dirs(os.path.join(self.data_dir, "feeds"), ("u-", "t-")):
-            for entry in sorted(os.scandir(owner_dir), key=lambda entry: entry.name):
-                if entry.name.startswith("p-") and entry.name.endswith(".jsonl"):
-                    feeds.append((entry.path, entry.stat().st_size))
-                else:
-                    self.notes.append("%s: not a feed file (left alone)" % entry.path)
-        self.feeds_total, self.bytes_total = len(feeds), sum(size for _, size in feeds)
-        for path, size in feeds:
-            self._report_progress(0)
-            self.check_feed(path)
-            self.bytes_done += size
-        self._report_progress(0)
-
-    def _report_progress(self, feed_bytes):
-        if self.progress is not None:
-            self.progress(self.counts["feeds"], self.feeds_total, self.bytes_done + feed_bytes, self.bytes_total)
-
-    def check_feed(self, path):
-        keys, expected, offset, cut = set(), 1, 0, None
-        with open(path, "rb") as f:
-            for line_number, line in enumerate(f, 1):
-                if line_number % self.PROGRESS_LINES == 0:
-                    self._report_progress(offset)
-                try:
-                    number, kind, key, event = parse_feed_line(line)
-                    if kind == b"s":
-                        session = json.loads(event)
-                        if not isinstance(session, dict) or "id" not in session:
-                            raise ValueError("session event without an id")
-                except ValueError as exc:
-                    if not f.peek(1):
-                        self._torn_tail(path, line_number, offset, exc)
-                        break
-                    self.problems.append("%s:%d: %s" % (path, line_number, exc))
-                    cut = cut or (line_number, offset)
-                    offset += len(line)
-                    expected += 1
-                    continue
-                if number != expected:
-                    self.problems.append("%s:%d: event number %d where %d was expected" % (
-                        path, line_number, number, expected))
-                    cut = cut or (line_number, offset)  # the server refuses a feed whose numbers jump
-                if key is not None:
-                    if key in keys:
-                        self.problems.append("%s:%d: a record (session, id) stored a second time" % (path, line_number))
-                    keys.add(key)
-                self.counts["events"] += 1
-                expected = number + 1
-                offset += len(line)
-        self.counts["feeds"] += 1
-        if cut is not None:
-            self.cuts.append((path, cut[0], cut[1], line_number - cut[0] + 1))
-
-    def _torn_tail(self, path, line_number, offset, exc):
-        if self.repair:
-            with open(path, "r+b") as f:
-                f.truncate(offset)
-                sync_file(f.fileno())
-            self.repaired.append("%s:%d: cut a torn or damaged last line (%s)" % (path, line_number, exc))
-        else:
-            self.repairable = True
-            self.problems.append("%s:%d: torn or damaged last line (%s); --repair cuts it, and a running "
-                                 "server cuts it at its next start" % (path, line_number, exc))
-
-    # -- memory ----------------------------------------------------------------
-
-    def check_memory(self):
-        for principal_dir in self._dirs(os.path.join(self.data_dir, "memory"), ("u-",)):
-            for scope_dir in self._dirs(principal_dir, ("p-", "user")):
-                self.check_scope(scope_dir)
-
-    def check_scope(self, scope_dir):
-        self.counts["scopes"] += 1
-        manifest_path = os.path.join(scope_dir, "manifest.json")
-        try:
-            with open(manifest_path, "rb") as f:
-                manifest = Manifest.from_bytes(f.read())
-        except FileNotFoundError:
-            manifest = NO_MANIFEST
-        except (OSError, ValueError) as exc:
-            self.problems.append("%s: manifest does not parse: %s" % (manifest_path, exc))
-            return
-        objects = os.path.join(scope_dir, "objects")
-        referenced = set()
-        for note_id in manifest.sorted_ids():
-            entry = manifest.entries[note_id]
-            if entry["hash"] is None:
-                continue
-            self.counts["notes"] += 1
-            referenced.add(entry["rev"] + ".json")
-            self.check_object(manifest_path, note_id, entry, os.path.join(objects, entry["rev"] + ".json"))
-        try:
-            names = sorted(os.listdir(objects))
-        except FileNotFoundError:
-            names = []
-        unreferenced = [name for name in names if name not in referenced and _OBJECT_NAME.fullmatch(name)]
-        if unreferenced and self.repair:
-            for name in unreferenced:
-                os.unlink(os.path.join(objects, name))
-            self.repaired.append("%s: removed %d unreferenced revision objects" % (objects, len(unreferenced)))
-        elif unreferenced:
-            self.repairable = True
-            self.notes.append("%s: %d unreferenced revision objects (harmless; --repair removes them)" % (
-                objects, len(unreferenced)))
-
-    def check_object(self, manifest_path, note_id, entry, path):
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError:
-            self.problems.append("%s: note %s: its object %s is missing" % (manifest_path, note_id, path))
-            return
-        try:
-            note = decode_json(data)
-            intact = isinstance(note, dict) and note_hash(note) == entry["hash"]
-        except (ValueError, KeyError, TypeError):
-            intact = False
-        if not intact:
-            self.problems.append("%s: note %s: its object %s does not hash to the manifest's hash" % (
-                manifest_path, note_id, path))
-
-    # -- tokens ----------------------------------------------------------------
-
-    def check_tokens(self):
-        tokens = TokenStore(self.data_dir)
-        try:
-            self.counts["tokens"] = len(tokens.read())
-        except (OSError, ValueError) as exc:
-            self.problems.append("%s: token file does not parse: %s" % (tokens.path, exc))
-
-    def summary(self):
-        counts = self.counts
-        return ("fsck %s: %d feeds with %d events, %d memory scopes with %d live notes, %d tokens: %d problems%s"
-                % (self.data_dir, counts["feeds"], counts["events"], counts["scopes"], counts["notes"],
-                   counts["tokens"], len(self.problems), ", %d repaired" % len(self.repaired) if self.repaired else ""))
-
-
-# ---------------------------------------------------------------------------
-# The HTTP layer: requests and answers, the route table, the handlers; then the
-# transport on http.server
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# HTTP: requests and responses, the route table, the handlers; then the transport on http.server
+# -------------------------------------------------------------------------------------------------
 #
-# http.server's ThreadingHTTPServer gives every connection a thread, and its
-# BaseHTTPRequestHandler reads the request line and headers. A handler simply
-# blocks: a push returns once its group commit is fsynced (Feed.append), a
-# long-poll waits on its feed's Condition (FeedStore.wait). A watchdog thread
-# keeps the time limits by shutting late sockets down.
+# http.server's ThreadingHTTPServer gives every connection a thread, and a BaseHTTPRequestHandler
+# subclass reads each request's head once, strictly. A handler simply blocks: a push returns once
+# its group commit is fsynced (Feed.append), a long-poll waits on its feed's Condition
+# (FeedStore.wait). A watchdog thread keeps the time limits by shutting late sockets down.
 
 class Response:
     """An answer: status, body bytes (JSON unless content_type says otherwise), extra headers, and
@@ -3315,10 +3154,6 @@ class Response:
 
 def json_response(status, value, headers=()):
     return Response(status, encode_json(value), headers)
-
-
-class ClientGone(Exception):
-    """The client closed its connection, or broke the framing of its request: no answer is sent."""
 
 
 class Request:
@@ -3629,15 +3464,6 @@ _DONT_WAIT = getattr(socket, "MSG_DONTWAIT", None)  # (not on Windows)
 LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
 HEAD_TOO_LARGE = "request head larger than %d bytes or with more than %d header fields" % (
     MAX_HEAD_BYTES, MAX_HEADERS - 1)
-
-
-class HeadRefused(Exception):
-    """A request head that breaks a rule: answered with status and text, then the connection closes."""
-
-    def __init__(self, status, text):
-        super().__init__(text)
-        self.status = status
-        self.text = text
 
 
 def read_fields(rfile, left, fields, known=None):
@@ -4242,9 +4068,9 @@ class SyncServer(http.server.ThreadingHTTPServer):
             shut_down(sock)
 
 
-# ---------------------------------------------------------------------------
-# The command line: serve, token, fsck, check, bench, replicate
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# Serving: the command line that runs the server, and its signals
+# -------------------------------------------------------------------------------------------------
 
 class Log:
     """Lines on stderr: events always, the access log unless --quiet. Never a token."""
@@ -4336,10 +4162,6 @@ def auth_from_flags(args, log=None):
 
 _PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
 _PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")
-
-
-class EncryptedKey(Exception):
-    """A TLS key asked for its passphrase (which the server never has)."""
 
 
 def refuse_passphrase():
@@ -4581,6 +4403,129 @@ def run_until_signalled(server, ready):
     server.log("stopped: %s made durable with %s" % (plural(pushes, "push"), plural(fsyncs, "fsync")))
 
 
+# =================================================================================================
+# Part II. The tools
+#
+# The sub-commands, each a client of Part I: first the protocol client that check, replicate and bench
+# talk to a server with; then token, fsck, note-hash, check, replicate and bench; main last.
+# =================================================================================================
+
+
+# -------------------------------------------------------------------------------------------------
+# The protocol client
+# -------------------------------------------------------------------------------------------------
+
+CHECK_TIMEOUT = 15  # seconds for one request; a long-poll gets its wait on top
+
+
+def connect_failure(url, exc):
+    """The cause, in words, of a failed connection (or TLS handshake) to url."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return ("the certificate of %s is not trusted: %s (for a self-signed certificate, give it with "
+                "--ca-file)" % (url, exc.verify_message or reason(exc)))
+    if isinstance(exc, ssl.SSLError):
+        return "the TLS handshake with %s failed: %s" % (url, exc.reason or reason(exc))
+    if isinstance(exc, ConnectionRefusedError):
+        return "cannot connect to %s: connection refused (is the server running, on that port?)" % url
+    if isinstance(exc, socket.gaierror):
+        return "cannot connect to %s: the host name does not resolve (%s)" % (url, reason(exc))
+    if isinstance(exc, socket.timeout):  # with https, the TCP connection or the TLS handshake
+        return "cannot connect to %s: timed out%s" % (url, " (is it serving HTTPS on that port?)"
+                                                      if url.startswith("https:") else "")
+    return "cannot connect to %s: %s" % (url, reason(exc))
+
+
+def excerpt(value, limit=200):
+    """A short ASCII rendering of an answer, for a FAIL reason."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def parse_base_url(url, flag="--url"):
+    """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else UsageError
+    naming flag."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        parts = None
+    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0
+            or parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc):
+        raise UsageError("%s must be http(s)://host[:port], with no path, query or credentials" % flag)
+    https = parts.scheme == "https"
+    return https, parts.hostname, port if port is not None else (443 if https else 80)
+
+
+class SyncClient:
+    """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token.
+
+    exchange() sends one request on a connection of its own, or with keep_alive on the connection the
+    previous keep_alive request left open; when that one turns out closed by the server (an idle
+    keep-alive), the request is sent once more on a new connection. Every request of the protocol may
+    be sent twice (pushes deduplicate, a commit carries its etag), so that is safe.
+    """
+
+    def __init__(self, url, token=None, context=None, timeout=CHECK_TIMEOUT, flag="--url"):
+        self.url = url
+        self.https, self.host, self.port = parse_base_url(url, flag)
+        self.token = token
+        self.context = context  # an ssl.SSLContext for https (None: the system's trusted certificates)
+        self.timeout = timeout
+        self._kept = None
+
+    def connect(self, timeout):
+        if self.https:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               context=self.context or ssl.create_default_context())
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def exchange(self, method, path, data=None, token=None, timeout=None, keep_alive=False):
+        """(status, headers with lower-case names, body bytes) of one request; data is a JSON body as bytes.
+        token None sends ours; "" sends none. Raises OSError or http.client.HTTPException."""
+        timeout = self.timeout if timeout is None else timeout
+        if not keep_alive:
+            conn = self.connect(timeout)
+            try:
+                return self.send(conn, method, path, data, token)
+            finally:
+                conn.close()
+        reused = self._kept is not None
+        for attempt in (1, 2):
+            if self._kept is None:
+                self._kept = self.connect(timeout)
+            elif self._kept.sock is not None:
+                self._kept.sock.settimeout(timeout)
+            try:
+                return self.send(self._kept, method, path, data, token)
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                if attempt == 2 or not reused or not isinstance(exc, (ConnectionError, http.client.BadStatusLine)):
+                    raise
+        raise AssertionError("not reached")
+
+    def send(self, conn, method, path, data=None, token=None):
+        """One request on conn: (status, headers with lower-case names, body bytes)."""
+        headers = {}
+        token = self.token if token is None else token
+        if token:
+            headers["Authorization"] = "Bearer " + token
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        conn.request(method, path, data, headers)
+        response = conn.getresponse()
+        raw = response.read()
+        return response.status, {name.lower(): value for name, value in response.getheaders()}, raw
+
+    def close(self):
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
+
+
+# -------------------------------------------------------------------------------------------------
+# token: issue, list and revoke local tokens
+# -------------------------------------------------------------------------------------------------
+
 def token_command(argv):
     parser = ArgumentParser(prog="oharness_sync.py token", description="Manage local bearer tokens.")
     commands = parser.add_subparsers(dest="action", required=True)
@@ -4663,6 +4608,191 @@ def list_tokens(tokens):
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return 0
+
+
+# -------------------------------------------------------------------------------------------------
+# fsck: check a data dir
+# -------------------------------------------------------------------------------------------------
+
+class DataDirCheck:
+    """Reads a whole data dir and lists what is wrong with it; read-only unless asked to repair.
+
+    Problems are damage: a bad line, a gap in event numbers, a record stored twice, a manifest or
+    token file that does not parse, a note whose object is missing or does not hash right. Notes are
+    harmless findings (unreferenced revision objects, left by a crash or a replaced note). Repair only
+    cuts a torn last line off a feed and removes unreferenced objects; it never drops data from the
+    middle of a feed.
+
+    progress, if given, is called as progress(feeds done, feeds in all, bytes done, bytes in all) as the
+    feeds are read: at each feed and every few thousand lines.
+    """
+
+    PROGRESS_LINES = 8192  # feed lines between two calls of progress
+
+    def __init__(self, data_dir, repair=False, progress=None):
+        self.data_dir = data_dir
+        self.repair = repair
+        self.progress = progress
+        self.problems = []
+        self.notes = []
+        self.repaired = []
+        self.repairable = False  # something --repair would fix was found (and left, without --repair)
+        self.cuts = []  # (path, line number, byte offset, lines from there on) of a feed the server refuses
+        self.counts = {"feeds": 0, "events": 0, "scopes": 0, "notes": 0, "tokens": 0}
+        self.feeds_total = self.bytes_total = self.bytes_done = 0
+
+    def run(self):
+        self.check_feeds()
+        self.check_memory()
+        self.check_tokens()
+        return not self.problems
+
+    def _dirs(self, root, prefixes):
+        try:
+            entries = sorted(os.scandir(root), key=lambda entry: entry.name)
+        except FileNotFoundError:
+            return []
+        return [entry.path for entry in entries if entry.is_dir() and entry.name.startswith(prefixes)]
+
+    # -- feeds ---------------------------------------------------------------
+
+    def check_feeds(self):
+        feeds = []  # (path, size)
+        for owner_dir in self._dirs(os.path.join(self.data_dir, "feeds"), ("u-", "t-")):
+            for entry in sorted(os.scandir(owner_dir), key=lambda entry: entry.name):
+                if entry.name.startswith("p-") and entry.name.endswith(".jsonl"):
+                    feeds.append((entry.path, entry.stat().st_size))
+                else:
+                    self.notes.append("%s: not a feed file (left alone)" % entry.path)
+        self.feeds_total, self.bytes_total = len(feeds), sum(size for _, size in feeds)
+        for path, size in feeds:
+            self._report_progress(0)
+            self.check_feed(path)
+            self.bytes_done += size
+        self._report_progress(0)
+
+    def _report_progress(self, feed_bytes):
+        if self.progress is not None:
+            self.progress(self.counts["feeds"], self.feeds_total, self.bytes_done + feed_bytes, self.bytes_total)
+
+    def check_feed(self, path):
+        keys, expected, offset, cut = set(), 1, 0, None
+        with open(path, "rb") as f:
+            for line_number, line in enumerate(f, 1):
+                if line_number % self.PROGRESS_LINES == 0:
+                    self._report_progress(offset)
+                try:
+                    number, kind, key, event = parse_feed_line(line)
+                    if kind == b"s":
+                        session = json.loads(event)
+                        if not isinstance(session, dict) or "id" not in session:
+                            raise ValueError("session event without an id")
+                except ValueError as exc:
+                    if not f.peek(1):
+                        self._torn_tail(path, line_number, offset, exc)
+                        break
+                    self.problems.append("%s:%d: %s" % (path, line_number, exc))
+                    cut = cut or (line_number, offset)
+                    offset += len(line)
+                    expected += 1
+                    continue
+                if number != expected:
+                    self.problems.append("%s:%d: event number %d where %d was expected" % (
+                        path, line_number, number, expected))
+                    cut = cut or (line_number, offset)  # the server refuses a feed whose numbers jump
+                if key is not None:
+                    if key in keys:
+                        self.problems.append("%s:%d: a record (session, id) stored a second time" % (path, line_number))
+                    keys.add(key)
+                self.counts["events"] += 1
+                expected = number + 1
+                offset += len(line)
+        self.counts["feeds"] += 1
+        if cut is not None:
+            self.cuts.append((path, cut[0], cut[1], line_number - cut[0] + 1))
+
+    def _torn_tail(self, path, line_number, offset, exc):
+        if self.repair:
+            with open(path, "r+b") as f:
+                f.truncate(offset)
+                sync_file(f.fileno())
+            self.repaired.append("%s:%d: cut a torn or damaged last line (%s)" % (path, line_number, exc))
+        else:
+            self.repairable = True
+            self.problems.append("%s:%d: torn or damaged last line (%s); --repair cuts it, and a running "
+                                 "server cuts it at its next start" % (path, line_number, exc))
+
+    # -- memory ----------------------------------------------------------------
+
+    def check_memory(self):
+        for principal_dir in self._dirs(os.path.join(self.data_dir, "memory"), ("u-",)):
+            for scope_dir in self._dirs(principal_dir, ("p-", "user")):
+                self.check_scope(scope_dir)
+
+    def check_scope(self, scope_dir):
+        self.counts["scopes"] += 1
+        manifest_path = os.path.join(scope_dir, "manifest.json")
+        try:
+            with open(manifest_path, "rb") as f:
+                manifest = Manifest.from_bytes(f.read())
+        except FileNotFoundError:
+            manifest = NO_MANIFEST
+        except (OSError, ValueError) as exc:
+            self.problems.append("%s: manifest does not parse: %s" % (manifest_path, exc))
+            return
+        objects = os.path.join(scope_dir, "objects")
+        referenced = set()
+        for note_id in manifest.sorted_ids():
+            entry = manifest.entries[note_id]
+            if entry["hash"] is None:
+                continue
+            self.counts["notes"] += 1
+            referenced.add(entry["rev"] + ".json")
+            self.check_object(manifest_path, note_id, entry, os.path.join(objects, entry["rev"] + ".json"))
+        try:
+            names = sorted(os.listdir(objects))
+        except FileNotFoundError:
+            names = []
+        unreferenced = [name for name in names if name not in referenced and _OBJECT_NAME.fullmatch(name)]
+        if unreferenced and self.repair:
+            for name in unreferenced:
+                os.unlink(os.path.join(objects, name))
+            self.repaired.append("%s: removed %d unreferenced revision objects" % (objects, len(unreferenced)))
+        elif unreferenced:
+            self.repairable = True
+            self.notes.append("%s: %d unreferenced revision objects (harmless; --repair removes them)" % (
+                objects, len(unreferenced)))
+
+    def check_object(self, manifest_path, note_id, entry, path):
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            self.problems.append("%s: note %s: its object %s is missing" % (manifest_path, note_id, path))
+            return
+        try:
+            note = decode_json(data)
+            intact = isinstance(note, dict) and note_hash(note) == entry["hash"]
+        except (ValueError, KeyError, TypeError):
+            intact = False
+        if not intact:
+            self.problems.append("%s: note %s: its object %s does not hash to the manifest's hash" % (
+                manifest_path, note_id, path))
+
+    # -- tokens ----------------------------------------------------------------
+
+    def check_tokens(self):
+        tokens = TokenStore(self.data_dir)
+        try:
+            self.counts["tokens"] = len(tokens.read())
+        except (OSError, ValueError) as exc:
+            self.problems.append("%s: token file does not parse: %s" % (tokens.path, exc))
+
+    def summary(self):
+        counts = self.counts
+        return ("fsck %s: %d feeds with %d events, %d memory scopes with %d live notes, %d tokens: %d problems%s"
+                % (self.data_dir, counts["feeds"], counts["events"], counts["scopes"], counts["notes"],
+                   counts["tokens"], len(self.problems), ", %d repaired" % len(self.repaired) if self.repaired else ""))
 
 
 def fsck_command(argv):
@@ -4764,6 +4894,10 @@ class FsckProgress:
             self.show("\n")
 
 
+# -------------------------------------------------------------------------------------------------
+# note-hash: a memory note's hash
+# -------------------------------------------------------------------------------------------------
+
 def note_hash_command(argv):
     parser = ArgumentParser(prog="oharness_sync.py note-hash",
                             description="Print the hash a memory commit needs for a note: the lowercase hex "
@@ -4789,9 +4923,10 @@ def note_hash_command(argv):
     return 0
 
 
-# -- check: does a server speak protocol v1? ------------------------------------
+# -------------------------------------------------------------------------------------------------
+# check: does a server speak protocol v1?
+# -------------------------------------------------------------------------------------------------
 
-CHECK_TIMEOUT = 15  # seconds for one request; a long-poll gets its wait on top
 CHECK_PROJECTS = ("smoke", "paging", "poll", "bodies", "listed", "unpushed", "shared", "mine", "team",
                   "noteam", "memory")
 
@@ -4822,113 +4957,9 @@ class CheckStopped(Exception):
     refused): the message is the cause, said once, and no further check runs."""
 
 
-def connect_failure(url, exc):
-    """The cause, in words, of a failed connection (or TLS handshake) to url."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return ("the certificate of %s is not trusted: %s (for a self-signed certificate, give it with "
-                "--ca-file)" % (url, exc.verify_message or reason(exc)))
-    if isinstance(exc, ssl.SSLError):
-        return "the TLS handshake with %s failed: %s" % (url, exc.reason or reason(exc))
-    if isinstance(exc, ConnectionRefusedError):
-        return "cannot connect to %s: connection refused (is the server running, on that port?)" % url
-    if isinstance(exc, socket.gaierror):
-        return "cannot connect to %s: the host name does not resolve (%s)" % (url, reason(exc))
-    if isinstance(exc, socket.timeout):  # with https, the TCP connection or the TLS handshake
-        return "cannot connect to %s: timed out%s" % (url, " (is it serving HTTPS on that port?)"
-                                                      if url.startswith("https:") else "")
-    return "cannot connect to %s: %s" % (url, reason(exc))
-
-
 def check_record(record_id, body="unchanged"):
     """A well-formed record for the checks' pushes."""
     return {"session": "s1", "id": record_id, "seq": 1, "device": "ohs-check", "at": 1, "body": body}
-
-
-def excerpt(value, limit=200):
-    """A short ASCII rendering of an answer, for a FAIL reason."""
-    text = json.dumps(value, ensure_ascii=True)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def parse_base_url(url, flag="--url"):
-    """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else UsageError
-    naming flag."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError:
-        parts = None
-    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0
-            or parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc):
-        raise UsageError("%s must be http(s)://host[:port], with no path, query or credentials" % flag)
-    https = parts.scheme == "https"
-    return https, parts.hostname, port if port is not None else (443 if https else 80)
-
-
-class SyncClient:
-    """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token.
-
-    exchange() sends one request on a connection of its own, or with keep_alive on the connection the
-    previous keep_alive request left open; when that one turns out closed by the server (an idle
-    keep-alive), the request is sent once more on a new connection. Every request of the protocol may
-    be sent twice (pushes deduplicate, a commit carries its etag), so that is safe.
-    """
-
-    def __init__(self, url, token=None, context=None, timeout=CHECK_TIMEOUT, flag="--url"):
-        self.url = url
-        self.https, self.host, self.port = parse_base_url(url, flag)
-        self.token = token
-        self.context = context  # an ssl.SSLContext for https (None: the system's trusted certificates)
-        self.timeout = timeout
-        self._kept = None
-
-    def connect(self, timeout):
-        if self.https:
-            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                               context=self.context or ssl.create_default_context())
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-
-    def exchange(self, method, path, data=None, token=None, timeout=None, keep_alive=False):
-        """(status, headers with lower-case names, body bytes) of one request; data is a JSON body as bytes.
-        token None sends ours; "" sends none. Raises OSError or http.client.HTTPException."""
-        timeout = self.timeout if timeout is None else timeout
-        if not keep_alive:
-            conn = self.connect(timeout)
-            try:
-                return self.send(conn, method, path, data, token)
-            finally:
-                conn.close()
-        reused = self._kept is not None
-        for attempt in (1, 2):
-            if self._kept is None:
-                self._kept = self.connect(timeout)
-            elif self._kept.sock is not None:
-                self._kept.sock.settimeout(timeout)
-            try:
-                return self.send(self._kept, method, path, data, token)
-            except (OSError, http.client.HTTPException) as exc:
-                self.close()
-                if attempt == 2 or not reused or not isinstance(exc, (ConnectionError, http.client.BadStatusLine)):
-                    raise
-        raise AssertionError("not reached")
-
-    def send(self, conn, method, path, data=None, token=None):
-        """One request on conn: (status, headers with lower-case names, body bytes)."""
-        headers = {}
-        token = self.token if token is None else token
-        if token:
-            headers["Authorization"] = "Bearer " + token
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        conn.request(method, path, data, headers)
-        response = conn.getresponse()
-        raw = response.read()
-        return response.status, {name.lower(): value for name, value in response.getheaders()}, raw
-
-    def close(self):
-        if self._kept is not None:
-            self._kept.close()
-            self._kept = None
 
 
 class ConformanceCheck:
@@ -5361,830 +5392,10 @@ def check_command(argv):
     return 0 if check.run() else 1
 
 
-# -- bench: how fast is this box? --------------------------------------------
-#
-# Every figure is printed with the reference it should be read against, both
-# measured in the same run: these are ratios, not absolute numbers, because a
-# small machine's speed swings with everything else it does.
+# -------------------------------------------------------------------------------------------------
+# replicate: copy a principal's feeds and memory to another server
+# -------------------------------------------------------------------------------------------------
 
-# What each figure should reach: `OP NUMBER`, where a NUMBER ending in x is a ratio to the figure's reference
-# (a figure without a reference cannot be judged against it) and any other is the figure itself.
-BENCH_TARGETS = {
-    "health": ">= 0.9x",
-    "push, 1 client": ">= 0.8x",
-    "push, clients": ">= 1.0x",
-    "pushes per fsync": ">= 4",
-    "catch-up": ">= 100000/s",
-    "wake p99": "<= 250 ms",
-    "memory while parked": "<= 64 MiB",
-    "wake own feed": "== 1 (its own)",
-    "memory under oversized heads": "<= 20 MiB",
-    "snapshot unchanged": ">= 0.6x",
-    "snapshot full": ">= 50/s",
-    "start-up": "<= 10 s",
-    "memory after start-up": "<= 200 MiB",
-}
-_BENCH_TARGET = re.compile(r"(>=|<=|==) ([0-9]+(?:\.[0-9]+)?)(x?)")
-
-
-def target_met(target, value, ratio):
-    """True or False: does the figure (value, and ratio to its reference) meet target; None when target
-    is a ratio and the figure has no reference."""
-    match = _BENCH_TARGET.match(target)
-    if match is None:
-        raise ValueError("a bench target must be OP NUMBER: %r" % target)
-    operator, bound, of_ratio = match.group(1), float(match.group(2)), match.group(3) == "x"
-    if of_ratio and ratio is None:
-        return None
-    measured = ratio if of_ratio else value
-    if operator == ">=":
-        return measured >= bound
-    if operator == "<=":
-        return measured <= bound
-    return measured == bound
-
-
-# The reference: a bare http.server that answers health with the same bytes; appends each push body
-# to a file and fsyncs it (given one), nothing else (no parsing, no checks, no group commit); and holds
-# each pull on a Condition of its own until a push notifies them all, then answers a fixed one-record
-# page. What it reaches is about the most any Python server with a thread per connection can on the
-# machine.
-REFERENCE_SERVER = r"""
-import http.server, os, socketserver, sys, threading
-def answer(body):
-    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-HEALTH, PUSHED = answer(b'{"ok":true}'), answer(b'{"cursor":1,"accepted":1}')
-PAGE = answer(b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,"device":"bench","at":1,"body":null}],'
-              b'"sessions":[],"more":false}')
-fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if len(sys.argv) > 1 else None
-lock, parked, pushed = threading.Lock(), set(), []
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True
-    def do_GET(self):
-        if not self.path.startswith("/v1/pull"):
-            self.wfile.write(HEALTH)
-            return
-        woken = threading.Condition(threading.Lock())
-        with woken:
-            with lock:
-                waits = not pushed
-                if waits:
-                    parked.add(woken)
-            if waits:
-                woken.wait(30)
-        self.wfile.write(PAGE)
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if fd is not None:
-            os.write(fd, body + b"\n")
-            getattr(os, "fdatasync", os.fsync)(fd)
-        if not pushed:
-            with lock:
-                pushed.append(1)
-                waiting = list(parked)
-                parked.clear()
-            for woken in waiting:
-                with woken:
-                    woken.notify()
-        self.wfile.write(PUSHED)
-    def log_message(self, *args):
-        pass
-class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-    request_queue_size = 2048
-threading.stack_size(512 * 1024)
-server = Server(("127.0.0.1", 0), Handler)
-print("listening on http://127.0.0.1:%d" % server.server_address[1], flush=True)
-server.serve_forever()
-"""
-
-
-class BenchRefused(RuntimeError):
-    """A bench request was answered with another status than 200."""
-
-    def __init__(self, what, status, body=b""):
-        try:
-            shown = excerpt(json.loads(body))
-        except ValueError:
-            shown = excerpt(body.decode("utf-8", "replace"))
-        if status == 0:  # no answer at all: body says why, in words
-            RuntimeError.__init__(self, "%s got no answer: %s" % (what, body.decode("utf-8", "replace")))
-        else:
-            RuntimeError.__init__(self, "%s was answered %d, not 200: %s" % (what, status, shown))
-        self.status = status
-
-
-# Memory answers that mean "memory sync cannot be measured on this server with this token" (not signed in,
-# another account, rate-limited, no identity service, memory sync off): the memory figures are skipped.
-MEMORY_NOT_MEASURABLE = (401, 403, 429, 502, 503)
-
-
-class BenchTarget:
-    """The server being measured: a URL, a token and its principal (None: unknown, no memory figures),
-    and (when bench started it) its process."""
-
-    def __init__(self, url, token, principal=None, process=None, data_dir=None):
-        self.url = url
-        self.token = token
-        self.principal = principal
-        self.process = process
-        self.data_dir = data_dir
-
-    @classmethod
-    def start(cls, data_dir, *flags, log=subprocess.DEVNULL):
-        """Our own server as a subprocess on data_dir, with a fresh token; its log lines go to log."""
-        make_dirs(data_dir)
-        token, _ = TokenStore(data_dir).issue("bench", ["bench-team"], name="bench")
-        process, url = start_subprocess([sys.executable, os.path.abspath(__file__), "--data", data_dir,
-                                         "--port", "0", "--quiet"] + list(flags), log)
-        return cls(url, token, "bench", process, data_dir)
-
-    def rss_mib(self):
-        """The server's resident memory in MiB (Linux), or None."""
-        if self.process is None:
-            return None
-        try:
-            with open("/proc/%d/status" % self.process.pid) as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024.0
-        except OSError:
-            return None
-        return None
-
-    def stop(self):
-        if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except Exception:
-                self.process.kill()
-                self.process.wait()
-
-
-def start_subprocess(command, stderr=subprocess.DEVNULL):
-    """Start a server command; (process, URL) once it printed its listening line."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr)
-    line = process.stdout.readline().decode()
-    if "listening on " not in line:
-        process.kill()
-        raise UsageError("could not start %s" % command[1])
-    return process, line.split()[-1]
-
-
-class BenchClient:
-    """A lean keep-alive HTTP/1.1 client for the bench: each request leaves in one send.
-
-    (http.client sends headers and body separately, and its own cost would be measured
-    along with the server's: the clients share the machine's cores with it.)
-    """
-
-    def __init__(self, url, token=None, timeout=60):
-        https, host, port = parse_base_url(url)
-        sock = socket.create_connection((host, port), timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if https:
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
-        self.sock = sock
-        self.reader = sock.makefile("rb")
-        self.prefix = b"Host: %s\r\n" % host.encode("ascii")
-        if token:
-            self.prefix += b"Authorization: Bearer %s\r\n" % token.encode("ascii")
-
-    def send(self, method, path, body=None):
-        """Send one request; body is a JSON value, or bytes already encoded."""
-        data = b"" if body is None else body if isinstance(body, bytes) else encode_json(body)
-        self.sock.sendall(b"%s %s HTTP/1.1\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
-            method.encode("ascii"), path.encode("ascii"), self.prefix, len(data), data))
-
-    def call(self, method, path, body=None):
-        """(status, body bytes) of one request; body is a JSON value, or bytes already encoded."""
-        self.send(method, path, body)
-        status_line = self.reader.readline()
-        if not status_line:
-            raise ConnectionError("the server closed the connection")
-        length = None
-        while True:
-            line = self.reader.readline()
-            if line in (b"\r\n", b"\n", b""):
-                break
-            if line[:15].lower() == b"content-length:":
-                length = int(line[15:])
-        if length is None:
-            raise ConnectionError("an answer without Content-Length: bench needs one")
-        return int(status_line.split()[1]), self.reader.read(length)
-
-    def close(self):
-        self.reader.close()
-        self.sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
-
-
-_BENCH_PUSH = b'{"project":"bench-push","records":[{"session":"w%d","id":"%s-%d","seq":%d,"device":"bench",' \
-              b'"at":1,"body":{"text":"' + b"x" * 150 + b'"}}]}'
-
-
-def bench_request(kind, worker, number, extra):
-    """(method, path, body bytes) of a benchmark request: 'health', 'push' (a new record each time) or
-    'snapshot' (extra is the whole body, encoded once). Bodies are filled into templates, not
-    encoded from objects: the clients share the cores with the server, and their cost is not its."""
-    if kind == "health":
-        return "GET", "/v1/health", None
-    if kind == "push":
-        return "POST", "/v1/push", _BENCH_PUSH % (worker, extra.encode("ascii"), number, number)
-    if kind == "snapshot":
-        return "POST", "/v1/memory/snapshot", extra
-    raise ValueError(kind)
-
-
-BENCH_RUN = secrets.token_hex(4)
-
-
-def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
-    """One client process: connect, say so on ready, and once go is set send kind requests back to back
-    within the window (start, stop) the parent set; on results (count, None), or (count, (status, body))
-    of the first answer that was not 200, which ends its requests."""
-    try:
-        client, failure = BenchClient(url, token), None
-    except Exception as exc:  # the parent waits for a result from every worker: always one
-        client, failure = None, "could not connect: %s" % exc
-    ready.put(1)
-    go.wait()
-    start_at, stop_at = window[0], window[1]
-    if client is None:
-        results.put((0, (0, failure.encode("utf-8", "replace"))))
-        return
-    count, refused = 0, None
-    time.sleep(max(0.0, start_at - time.time()))
-    try:
-        while time.time() < stop_at:
-            method, path, body = bench_request(kind, worker, count, extra)
-            status, answer = client.call(method, path, body)
-            if status != 200:
-                refused = (status, answer)
-                break
-            count += 1
-    except Exception as exc:  # as above: always a result
-        refused = (0, str(exc).encode("utf-8", "replace"))
-    finally:
-        client.close()
-    results.put((count, refused))
-
-
-BENCH_RESULT_WAIT = 60  # seconds bench waits for a client process to be ready, or for its result past the window
-
-
-def bench_rate(url, token, kind, clients, seconds, extra=None):
-    """Requests per second of kind from clients processes; BenchRefused if one was not answered 200.
-    The timed window opens once every client is connected."""
-    context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    ready, go, window, results = context.Queue(), context.Event(), context.Array("d", 2), context.Queue()
-    if kind == "push":
-        extra = "%s-%d" % (BENCH_RUN, time.time() * 1000)  # new records in every phase
-    processes = [context.Process(target=bench_worker, args=(url, token, kind, extra, i, ready, go, window,
-                                                            results)) for i in range(clients)]
-    for process in processes:
-        process.start()
-    try:
-        for _ in processes:
-            ready.get(timeout=BENCH_RESULT_WAIT)
-        window[0] = time.time() + 0.02
-        window[1] = window[0] + seconds
-        go.set()
-        counts = [results.get(timeout=seconds + BENCH_RESULT_WAIT) for _ in processes]
-    except BaseException:
-        # Those still waiting for go, or stuck in a request, would hold bench's exit (multiprocessing
-        # joins its children at exit): a stop after a minute would still be a hang.
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(5)
-        raise
-    for process in processes:
-        process.join()
-    for _, refused in counts:
-        if refused is not None:
-            raise BenchRefused("a %s request" % kind, *refused)
-    return sum(c for c, _ in counts) / float(seconds)
-
-
-def bench_reference(script, arguments, kind, client_counts, seconds):
-    """Rates of kind against a reference server script (one per entry of client_counts)."""
-    process, url = start_subprocess([sys.executable, "-c", script] + arguments)
-    try:
-        return [bench_rate(url, None, kind, count, seconds) for count in client_counts]
-    finally:
-        process.terminate()
-        process.wait()
-
-
-def disk_fsync_rate(directory, seconds):
-    """Serial append + fsync of 200-byte lines per second in directory: the disk's own ceiling."""
-    path = os.path.join(directory, "bench-fsync-%s.tmp" % secrets.token_hex(4))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    line, count = b"x" * 199 + b"\n", 0
-    try:
-        stop_at = time.monotonic() + seconds
-        while time.monotonic() < stop_at:
-            write_all(fd, line)
-            sync_file(fd)
-            count += 1
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return count / float(seconds)
-
-
-def group_commit(data_dir, clients, seconds):
-    """(pushes a second, pushes per fsync) of clients pushing to one feed, on a server of its own: the
-    line it logs when it stops counts the pushes made durable and the fsyncs that did it."""
-    make_dirs(data_dir)
-    log_path = os.path.join(data_dir, "server.log")
-    with open(log_path, "wb") as log:
-        target = BenchTarget.start(data_dir, "--memory-rate-limit", "0", log=log)
-        try:
-            rate = bench_rate(target.url, target.token, "push", clients, seconds)
-        finally:
-            target.stop()
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        counts = re.search(r"stopped: (\d+) push(?:es)? made durable with (\d+) fsyncs?", f.read())
-    if counts is None or not int(counts.group(2)):
-        raise RuntimeError("the group-commit server's stop line is missing from %s" % log_path)
-    return rate, int(counts.group(1)) / int(counts.group(2))
-
-
-def fill_feed(target, project, records, body_bytes=200):
-    """Push records records (about body_bytes each) into project, 500 a push."""
-    with BenchClient(target.url, target.token) as client:
-        text = "y" * (body_bytes - 60)
-        for start in range(0, records, MAX_PUSH_RECORDS):
-            batch = [{"session": "s%d" % (i // 1000), "id": "r%d" % i, "seq": i, "device": "bench", "at": i,
-                      "body": {"role": "assistant", "text": text}} for i in range(start, min(records, start + 500))]
-            status, answer = client.call("POST", "/v1/push", {"project": project, "records": batch})
-            if status != 200:
-                raise BenchRefused("a push filling the catch-up feed", status, answer)
-
-
-def catch_up(target, project, limit=MAX_PULL_LIMIT):
-    """Pull a whole feed page by page; (records, seconds)."""
-    with BenchClient(target.url, target.token) as client:
-        since, records, started = 0, 0, time.monotonic()
-        while True:
-            status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d" % (project, since, limit))
-            if status != 200:
-                raise BenchRefused("a catch-up pull", status, body)
-            page = json.loads(body)
-            records += len(page["records"])
-            since = page["cursor"]
-            if not page["more"]:
-                break
-    return records, time.monotonic() - started
-
-
-def park_worker(url, token, projects, ready, results, answered):
-    """One client process holding a long-poll per project, a connection each, all read by one thread (a
-    thread per poll would make the clients' own wake-up, a thousand threads taking turns, part of the
-    figure); reports (wall-clock time its answer was whole, or None) each, and counts answers in the
-    shared answered value as they come."""
-    clients, woke = {}, []
-    for project in projects:
-        try:
-            client = BenchClient(url, token, timeout=60)
-            client.send("GET", "/v1/pull?project=%s&since=0&wait=30" % project)
-            clients[client.sock.fileno()] = (client, bytearray())
-        except OSError:
-            woke.append(None)
-        ready.put(1)
-    poller = select.poll()
-    for fd in clients:
-        poller.register(fd, select.POLLIN)
-    deadline = time.monotonic() + 40
-    while clients and time.monotonic() < deadline:
-        for fd, _ in poller.poll(1000):
-            client, buf = clients[fd]
-            try:
-                data = client.sock.recv(65536)
-            except OSError:
-                data = b""
-            buf += data
-            answer = whole_answer(buf)
-            if data and answer is None:
-                continue
-            at = time.time()
-            poller.unregister(fd)
-            del clients[fd]
-            client.close()
-            if answer is None:  # closed before its answer was whole
-                woke.append(None)
-                continue
-            status, body = answer
-            if status == 200:  # an empty answer too: a poll of another feed the push woke for nothing
-                with answered.get_lock():  # (a refusal is no answer; park_and_wake leaves out those before it)
-                    answered.value += 1
-            woke.append(at if status == 200 and b'"records":[]' not in body else None)
-    woke += [None] * len(clients)
-    for client, _ in clients.values():
-        client.close()
-    results.put(woke)
-
-
-def whole_answer(buf):
-    """(status, body) of the HTTP answer at the start of buf once all of it is there, else None."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        return None
-    head = bytes(buf[:end]).lower()
-    start = head.find(b"content-length:")
-    if start < 0:
-        return None
-    length = int(head[start + 15:].split(b"\r\n", 1)[0])
-    if len(buf) < end + 4 + length:
-        return None
-    return int(head.split(None, 2)[1]), bytes(buf[end + 4:end + 4 + length])
-
-
-def wake_projects(feeds, polls):
-    """The project of each of polls long-polls, spread over feeds new projects of this call's own (a feed an
-    earlier call pushed to would answer its polls at once, with that record)."""
-    stamp = "bench-wake-%s-%d" % (BENCH_RUN, time.time() * 1000)  # once: one push per feed wakes its polls
-    return ["%s-%d" % (stamp, i % feeds) for i in range(polls)]
-
-
-def park_and_wake(target, feeds, polls, processes=8):
-    """Park polls long-polls over feeds projects (clients in several processes), then push once to each
-    feed; (sorted wake latencies in s, failures, server RSS while parked, how many answered within 0.5 s
-    of the push to the first feed: with more than one feed, only its own should)."""
-    context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    ready, results, answered = context.Queue(), context.Queue(), context.Value("i", 0)
-    projects = wake_projects(feeds, polls)
-    workers = [context.Process(target=park_worker, args=(target.url, target.token, projects[i::processes],
-                                                         ready, results, answered))
-               for i in range(min(processes, polls))]
-    for worker in workers:
-        worker.start()
-    for _ in projects:
-        ready.get(timeout=60)
-    time.sleep(min(2.0, 0.2 + polls / 500.0))  # let every request reach the server and park
-    rss_parked = target.rss_mib()
-    try:
-        with BenchClient(target.url, target.token) as client:
-            pushed, first_only, before = time.time(), None, answered.value  # answered without a push: not counted
-            for project in sorted(set(projects)):
-                status, answer = client.call("POST", "/v1/push", {"project": project, "records": [
-                    {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
-                if status != 200:  # the parked polls would wait out their 30 s and look unanswered
-                    raise BenchRefused("a push waking long-polls", status, answer)
-                if first_only is None:
-                    if feeds > 1:  # the polls of other feeds must not wake: give them the time to show it
-                        time.sleep(0.5)
-                    first_only = answered.value - before
-    except BaseException:
-        for worker in workers:  # their polls would hold bench's exit for up to 30 s
-            worker.terminate()
-        for worker in workers:
-            worker.join(5)
-        raise
-    woke = [at for _ in workers for at in results.get(timeout=60)]
-    for worker in workers:
-        worker.join()
-    latencies = sorted(at - pushed for at in woke if at is not None)
-    return latencies, len(woke) - len(latencies), rss_parked, first_only
-
-
-def oversized_heads(target, connections=40, lines=100, line_bytes=65000):
-    """The server's peak RSS growth in MiB while connections clients each send a request line and lines
-    header lines of line_bytes bytes, with no end to the head (refused at MAX_HEAD_BYTES); None without
-    the server's RSS."""
-    before = target.rss_mib()
-    if before is None:
-        return None
-    parts = urllib.parse.urlsplit(target.url)
-    line = b"X-Pad: " + b"p" * (line_bytes - 9) + b"\r\n"
-
-    def flood():
-        try:
-            with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
-                sock.sendall(b"GET /v1/health HTTP/1.1\r\n")
-                for _ in range(lines):
-                    sock.sendall(line)
-        except OSError:  # refused with 431 and closed: what is left unsent goes nowhere
-            pass
-
-    senders = [threading.Thread(target=flood, daemon=True) for _ in range(connections)]
-    for sender in senders:
-        sender.start()
-    peak = before
-    while any(sender.is_alive() for sender in senders):
-        peak = max(peak, target.rss_mib() or 0.0)
-        time.sleep(0.02)
-    return max(peak, target.rss_mib() or 0.0) - before
-
-
-def bare_wake_p99(polls):
-    """The p99 wake latency in s of polls long-polls on REFERENCE_SERVER, woken by one push."""
-    process, url = start_subprocess([sys.executable, "-c", REFERENCE_SERVER])
-    try:
-        latencies, _, _, _ = park_and_wake(BenchTarget(url, None), 1, polls)
-    finally:
-        process.terminate()
-        process.wait()
-    return percentile(latencies, 0.99)
-
-
-def percentile(values, fraction):
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, int(round(fraction * (len(values) - 1))))]
-
-
-def make_memory_scope(target, project, notes):
-    """Commit notes notes into project (a new one); its etag and the note hashes (for a full `have`)."""
-    with BenchClient(target.url, target.token) as client:
-        etag, have = None, {}
-        for start in range(0, notes, 500):
-            changes = []
-            for i in range(start, min(notes, start + 500)):
-                note = {"id": "note-%d" % i, "summary": "note %d" % i, "body": "body of note %d " % i + "z" * 200,
-                        "tags": ["bench"], "createdAt": 1}
-                have[note["id"]] = note_hash(note)
-                changes.append({"id": note["id"], "hash": have[note["id"]], "note": note})
-            status, body = client.call("POST", "/v1/memory/commit", {
-                "expectedPrincipal": target.principal, "project": project, "etag": etag, "changes": changes})
-            if status != 200:
-                raise BenchRefused("a memory commit", status, body)
-            etag = json.loads(body)["etag"]
-    return etag, have
-
-
-def snapshot_rate(target, project, have, seconds):
-    """Full snapshots per second of project with every note in `have` (one client)."""
-    with BenchClient(target.url, target.token) as client:
-        # Encoded once: the figure is the server's, not the bench client's JSON encoder's.
-        body = encode_json({"expectedPrincipal": target.principal, "project": project, "have": have})
-        count, stop_at = 0, time.monotonic() + seconds
-        while time.monotonic() < stop_at:
-            status, answer = client.call("POST", "/v1/memory/snapshot", body)
-            if status != 200:
-                raise BenchRefused("a memory snapshot", status, answer)
-            count += 1
-    return count / float(seconds)
-
-
-def bench_memory(report, target, args):
-    """The memory figures, on a new project of this run: snapshots answered `unchanged` against health
-    requests, and full snapshots of args.notes notes. Where the server cannot be measured so (no principal
-    given, an answer in MEMORY_NOT_MEASURABLE), a note line says why and the rest is left out."""
-    if target.principal is None:
-        report.note("no memory figures: give --principal (the token's principal) to measure them")
-        return
-    try:
-        measure_memory(report, target, args.clients, args.seconds, args.notes)
-    except BenchRefused as exc:
-        if exc.status not in MEMORY_NOT_MEASURABLE:
-            raise
-        report.note("no more memory figures: %s" % exc)
-
-
-def measure_memory(report, target, clients, seconds, notes):
-    project = "bench-memory-" + BENCH_RUN
-    etag, have = make_memory_scope(target, project, notes)
-    unchanged_body = encode_json({"expectedPrincipal": target.principal, "project": project, "knownEtag": etag})
-    # Health once more, in turns with the snapshots: the machine may have grown busier or calmer since
-    # the start, and taking turns lets any drift weigh on both alike.
-    health_now = unchanged = 0.0
-    for _ in range(2):
-        health_now += bench_rate(target.url, target.token, "health", clients, seconds / 2) / 2
-        unchanged += bench_rate(target.url, target.token, "snapshot", clients, seconds / 2, unchanged_body) / 2
-    report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health_now,
-               "health in turns", BENCH_TARGETS["snapshot unchanged"])
-    report.add("memory snapshot, %d notes, full have" % notes, snapshot_rate(target, project, have, seconds),
-               "/s", target=BENCH_TARGETS["snapshot full"])
-
-
-def write_big_data_dir(data_dir, feeds, records_per_feed):
-    """Write feeds feed files of records_per_feed records each, straight to disk (as pushes would)."""
-    body = encode_json({"role": "assistant", "text": "w" * 140})
-    directory = os.path.join(data_dir, "feeds", "u-bench")
-    make_dirs(directory)
-    for f in range(feeds):
-        with open(os.path.join(directory, "p-big-%d.jsonl" % f), "wb") as out:
-            lines = []
-            for i in range(records_per_feed):
-                event = b'{"session":"s%d","id":"r%d","seq":%d,"device":"bench","at":%d,"body":%s}' % (
-                    i // 1000, i, i, i, body)
-                lines.append(feed_line(i + 1, b"r", event, record_key("s%d" % (i // 1000), "r%d" % i)))
-                if len(lines) == 10000:
-                    out.write(b"".join(lines))
-                    lines = []
-            out.write(b"".join(lines))
-
-
-def big_start(data_dir, feeds, records_per_feed):
-    """Start a server on a big data dir; (seconds from process start to the last page of every feed, RSS)."""
-    started = time.monotonic()
-    target = BenchTarget.start(data_dir)
-    try:
-        with BenchClient(target.url, target.token) as client:
-            for f in range(feeds):
-                since = max(0, records_per_feed - MAX_PULL_LIMIT)
-                status, body = client.call("GET", "/v1/pull?project=big-%d&since=%d" % (f, since))
-                if status != 200 or len(json.loads(body)["records"]) != records_per_feed - since:
-                    raise RuntimeError("the big feed did not answer its last page")
-            elapsed = time.monotonic() - started
-        return elapsed, target.rss_mib()
-    finally:
-        target.stop()
-
-
-class BenchReport:
-    """Figures with their references, ratios and targets, printed as a table (a missed target marked
-    MISSED) and optionally written as JSON."""
-
-    def __init__(self, out=None):
-        self.out = out or sys.stdout
-        self.figures = []
-
-    def add(self, name, value, unit, reference=None, reference_name="", target=None):
-        ratio = value / reference if reference else None
-        met = None if target is None else target_met(target, value, ratio)
-        figure = {"name": name, "value": value if isinstance(value, int) else round(value, 2), "unit": unit,
-                  "reference": None if reference is None else round(reference, 2),
-                  "reference_name": reference_name, "ratio": None if ratio is None else round(ratio, 2),
-                  "target": target, "met": met}
-        self.figures.append(figure)
-        shown = "%12d" % value if isinstance(value, int) else "%12.1f" % value  # a count is an integer
-        line = "%-44s %s %-10s" % (name, shown, unit)
-        if reference is not None:
-            line += "  vs %s %.1f: %.2fx" % (reference_name, reference, ratio)
-        if target is not None and met is None:
-            line += "  (target %s: not judged, no reference)" % target
-        elif target is not None:
-            line += "  (target %s)%s" % (target, "" if met else "  MISSED")
-        print(line, file=self.out, flush=True)
-
-    def missed(self):
-        return sum(1 for figure in self.figures if figure["met"] is False)
-
-    def summary(self):
-        """The closing line: how many of the targets that could be judged were met."""
-        judged = [figure for figure in self.figures if figure["met"] is not None]
-        line = "%d of %d targets met" % (len(judged) - self.missed(), len(judged))
-        unjudged = sum(1 for figure in self.figures if figure["target"] is not None and figure["met"] is None)
-        if unjudged:
-            line += " (%d more not judged: no reference)" % unjudged
-        return line
-
-    def note(self, text):
-        print(text, file=self.out, flush=True)
-
-    def write_json(self, path):
-        judged = sum(1 for figure in self.figures if figure["met"] is not None)
-        doc = {"version": __version__, "python": sys.version.split()[0], "machine": platform.machine(),
-               "cpus": os.cpu_count(), "figures": self.figures,
-               "targets": {"met": judged - self.missed(), "judged": judged}}
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=2)
-
-
-def bench_command(argv):
-    parser = ArgumentParser(prog="oharness_sync.py bench", description="Measure a server's speed.")
-    parser.add_argument("--url", help="measure this server instead of starting one (needs --token)")
-    parser.add_argument("--token", help="a token for --url")
-    parser.add_argument("--principal", metavar="ID",
-                        help="the token's principal, for the memory figures with --url (without it they are skipped)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed phase (default 3)")
-    parser.add_argument("--clients", type=int, default=16, help="concurrent client processes (default 16)")
-    parser.add_argument("--polls", type=int, default=1000, help="parked long-polls (default 1000)")
-    parser.add_argument("--catchup-records", type=int, default=100000,
-                        help="records in the catch-up pull's feed (default 100,000)")
-    parser.add_argument("--notes", type=int, default=5000, help="notes in the memory scope (default 5,000)")
-    parser.add_argument("--big-records", type=int, default=1000000,
-                        help="records in the start-up test's 10 feeds (default 1,000,000; 0 skips it)")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    parser.add_argument("--no-fail", action="store_true",
-                        help="exit 0 even when a target is missed (default: exit code 1)")
-    args = parser.parse_args(argv)
-    if bool(args.url) != bool(args.token):
-        raise UsageError("--url and --token go together")
-    if args.url:
-        parse_base_url(args.url)
-    if args.principal is not None and (not args.url or not is_valid_id(args.principal)):
-        raise UsageError("--principal goes with --url, and must be an id")
-    if (args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1 or args.notes < 1
-            or args.big_records < 0):
-        raise UsageError("--seconds, --clients, --polls, --catchup-records and --notes must be positive")
-    raise_open_file_limit()
-    report = BenchReport()
-    scratch = tempfile.mkdtemp(prefix="oharness-bench-")
-    try:
-        run_bench(report, args, scratch)
-    except (RuntimeError, OSError, ValueError, http.client.HTTPException) as exc:
-        print("oharness-sync bench: stopped: %s" % exc, file=sys.stderr)
-        return 1
-    except queue.Empty:
-        print("oharness-sync bench: stopped: a client process gave no result within a minute", file=sys.stderr)
-        return 1
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    report.note(report.summary())
-    if args.json:
-        report.write_json(args.json)
-    return 1 if report.missed() and not args.no_fail else 0
-
-
-def run_bench(report, args, scratch):
-    seconds, clients = args.seconds, args.clients
-    own = not args.url
-    if own:
-        target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0")
-    else:
-        target = BenchTarget(args.url, args.token, args.principal)
-    report.note("oharness-sync bench: %s, %s; %d client processes, %g s a phase; Python %s on %s, %d CPUs" % (
-        "a server started on a temporary data dir" if own else target.url,
-        "writes bench data" if own else "WRITES test data to that server",
-        clients, seconds, sys.version.split()[0], os.uname().machine if hasattr(os, "uname") else "?",
-        os.cpu_count() or 0))
-    try:
-        rss_start = target.rss_mib()
-        reference = None
-        if own:
-            reference = bench_reference(REFERENCE_SERVER, [], "health", [clients], seconds)[0]
-        health = bench_rate(target.url, target.token, "health", clients, seconds)
-        report.add("health, %d keep-alive clients" % clients, health, "req/s", reference,
-                   "bare http.server", BENCH_TARGETS["health"])
-        if not own:
-            report.note("  no reference with --url: a bare http.server started here would measure this machine, "
-                        "not the server's")
-        # With --url the disk measured is this machine's, which is the server's only if bench runs there.
-        report.add("disk: serial append+fsync" if own else "this machine's disk: serial append+fsync",
-                   disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds), "/s")
-        bare = [None, None]
-        if own:
-            bare = bench_reference(REFERENCE_SERVER, [os.path.join(scratch, "bare-pushes")], "push",
-                                   [1, clients], seconds)
-            report.add("1-record pushes to a bare http.server, 1 client", bare[0], "push/s")
-            report.add("  the same, %d clients" % clients, bare[1], "push/s")
-        push_1 = bench_rate(target.url, target.token, "push", 1, seconds)
-        report.add("1-record pushes, 1 client", push_1, "push/s", bare[0], "bare", BENCH_TARGETS["push, 1 client"])
-        if own:
-            push_n, per_fsync = group_commit(os.path.join(scratch, "group-commit"), clients, seconds)
-        else:
-            push_n, per_fsync = bench_rate(target.url, target.token, "push", clients, seconds), None
-        report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", bare[1], "bare",
-                   BENCH_TARGETS["push, clients"])
-        if per_fsync is not None:
-            report.add("  pushes per fsync, %d clients" % clients, per_fsync, "push/fsync",
-                       target=BENCH_TARGETS["pushes per fsync"])
-        fill_feed(target, "bench-catchup-" + BENCH_RUN, args.catchup_records)
-        records, elapsed = catch_up(target, "bench-catchup-" + BENCH_RUN)
-        report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed, "records/s",
-                   target=BENCH_TARGETS["catch-up"])
-        rss_before = target.rss_mib()
-        latencies, failures, rss_parked, _ = park_and_wake(target, 1, args.polls)
-        report.add("long-poll wake p50, %d parked on one feed" % args.polls, percentile(latencies, 0.5) * 1000,
-                   "ms")
-        bare_p99 = bare_wake_p99(args.polls) * 1000 if own else None
-        report.add("long-poll wake p99, %d parked on one feed" % args.polls, percentile(latencies, 0.99) * 1000,
-                   "ms", bare_p99, "bare http.server + Condition", BENCH_TARGETS["wake p99"])
-        report.add("long-polls answered", len(latencies), "of %d" % args.polls)
-        if rss_parked is not None and rss_before is not None:
-            report.add("server memory growth while parked", rss_parked - rss_before, "MiB",
-                       target=BENCH_TARGETS["memory while parked"])
-        _, _, _, first_only = park_and_wake(target, args.polls, args.polls)
-        report.add("polls answered by a push to 1 of %d feeds" % args.polls, first_only, "in 0.5 s",
-                   target=BENCH_TARGETS["wake own feed"])
-        growth = oversized_heads(target)
-        if growth is not None:
-            report.add("server memory growth, 40 heads of 100 x 65,000-byte lines", growth, "MiB",
-                       target=BENCH_TARGETS["memory under oversized heads"])
-        bench_memory(report, target, args)
-        rss_end = target.rss_mib()
-        if rss_end is not None:
-            report.add("server memory (start / end)", rss_end, "MiB", rss_start, "at start")
-    finally:
-        target.stop()
-    if not own:
-        report.note("not measured with --url: pushes to a bare http.server (so the push figures have no "
-                    "reference), pushes per fsync, the server's memory and its start-up (bench would have to start "
-                    "the server on its own machine)")
-    if own and args.big_records:
-        big_dir = os.path.join(scratch, "big")
-        write_big_data_dir(big_dir, 10, args.big_records // 10)
-        elapsed, rss = big_start(big_dir, 10, args.big_records // 10)
-        report.add("start-up: last page of 10 feeds, %d records" % args.big_records, elapsed, "s",
-                   target=BENCH_TARGETS["start-up"])
-        if rss is not None:
-            report.add("server memory after that start-up", rss, "MiB", target=BENCH_TARGETS["memory after start-up"])
-
-
-# -- replicate: copy a principal's feeds and memory to another server -----------
-#
 # A client of the protocol on both sides: it reads no data dir and works between any two servers.
 # Feeds are copied page by page from the last cursor the target acknowledged; memory notes are
 # reconciled three ways against the source's hashes of the previous pass (the state file's base).
@@ -7049,9 +6260,833 @@ def replicate_command(argv):
     return code
 
 
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# bench: how fast is this box?
+# -------------------------------------------------------------------------------------------------
+
+# Every figure is printed with the reference it should be read against, both
+# measured in the same run: these are ratios, not absolute numbers, because a
+# small machine's speed swings with everything else it does.
+
+# What each figure should reach: `OP NUMBER`, where a NUMBER ending in x is a ratio to the figure's reference
+# (a figure without a reference cannot be judged against it) and any other is the figure itself.
+BENCH_TARGETS = {
+    "health": ">= 0.9x",
+    "push, 1 client": ">= 0.8x",
+    "push, clients": ">= 1.0x",
+    "pushes per fsync": ">= 4",
+    "catch-up": ">= 100000/s",
+    "wake p99": "<= 250 ms",
+    "memory while parked": "<= 64 MiB",
+    "wake own feed": "== 1 (its own)",
+    "memory under oversized heads": "<= 20 MiB",
+    "snapshot unchanged": ">= 0.6x",
+    "snapshot full": ">= 50/s",
+    "start-up": "<= 10 s",
+    "memory after start-up": "<= 200 MiB",
+}
+_BENCH_TARGET = re.compile(r"(>=|<=|==) ([0-9]+(?:\.[0-9]+)?)(x?)")
+
+
+def target_met(target, value, ratio):
+    """True or False: does the figure (value, and ratio to its reference) meet target; None when target
+    is a ratio and the figure has no reference."""
+    match = _BENCH_TARGET.match(target)
+    if match is None:
+        raise ValueError("a bench target must be OP NUMBER: %r" % target)
+    operator, bound, of_ratio = match.group(1), float(match.group(2)), match.group(3) == "x"
+    if of_ratio and ratio is None:
+        return None
+    measured = ratio if of_ratio else value
+    if operator == ">=":
+        return measured >= bound
+    if operator == "<=":
+        return measured <= bound
+    return measured == bound
+
+
+# The reference: a bare http.server that answers health with the same bytes; appends each push body
+# to a file and fsyncs it (given one), nothing else (no parsing, no checks, no group commit); and holds
+# each pull on a Condition of its own until a push notifies them all, then answers a fixed one-record
+# page. What it reaches is about the most any Python server with a thread per connection can on the
+# machine.
+REFERENCE_SERVER = r"""
+import http.server, os, socketserver, sys, threading
+def answer(body):
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+HEALTH, PUSHED = answer(b'{"ok":true}'), answer(b'{"cursor":1,"accepted":1}')
+PAGE = answer(b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,"device":"bench","at":1,"body":null}],'
+              b'"sessions":[],"more":false}')
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if len(sys.argv) > 1 else None
+lock, parked, pushed = threading.Lock(), set(), []
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    def do_GET(self):
+        if not self.path.startswith("/v1/pull"):
+            self.wfile.write(HEALTH)
+            return
+        woken = threading.Condition(threading.Lock())
+        with woken:
+            with lock:
+                waits = not pushed
+                if waits:
+                    parked.add(woken)
+            if waits:
+                woken.wait(30)
+        self.wfile.write(PAGE)
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if fd is not None:
+            os.write(fd, body + b"\n")
+            getattr(os, "fdatasync", os.fsync)(fd)
+        if not pushed:
+            with lock:
+                pushed.append(1)
+                waiting = list(parked)
+                parked.clear()
+            for woken in waiting:
+                with woken:
+                    woken.notify()
+        self.wfile.write(PUSHED)
+    def log_message(self, *args):
+        pass
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    request_queue_size = 2048
+threading.stack_size(512 * 1024)
+server = Server(("127.0.0.1", 0), Handler)
+print("listening on http://127.0.0.1:%d" % server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+class BenchRefused(RuntimeError):
+    """A bench request was answered with another status than 200."""
+
+    def __init__(self, what, status, body=b""):
+        try:
+            shown = excerpt(json.loads(body))
+        except ValueError:
+            shown = excerpt(body.decode("utf-8", "replace"))
+        if status == 0:  # no answer at all: body says why, in words
+            RuntimeError.__init__(self, "%s got no answer: %s" % (what, body.decode("utf-8", "replace")))
+        else:
+            RuntimeError.__init__(self, "%s was answered %d, not 200: %s" % (what, status, shown))
+        self.status = status
+
+
+# Memory answers that mean "memory sync cannot be measured on this server with this token" (not signed in,
+# another account, rate-limited, no identity service, memory sync off): the memory figures are skipped.
+MEMORY_NOT_MEASURABLE = (401, 403, 429, 502, 503)
+
+
+class BenchTarget:
+    """The server being measured: a URL, a token and its principal (None: unknown, no memory figures),
+    and (when bench started it) its process."""
+
+    def __init__(self, url, token, principal=None, process=None, data_dir=None):
+        self.url = url
+        self.token = token
+        self.principal = principal
+        self.process = process
+        self.data_dir = data_dir
+
+    @classmethod
+    def start(cls, data_dir, *flags, log=subprocess.DEVNULL):
+        """Our own server as a subprocess on data_dir, with a fresh token; its log lines go to log."""
+        make_dirs(data_dir)
+        token, _ = TokenStore(data_dir).issue("bench", ["bench-team"], name="bench")
+        process, url = start_subprocess([sys.executable, os.path.abspath(__file__), "--data", data_dir,
+                                         "--port", "0", "--quiet"] + list(flags), log)
+        return cls(url, token, "bench", process, data_dir)
+
+    def rss_mib(self):
+        """The server's resident memory in MiB (Linux), or None."""
+        if self.process is None:
+            return None
+        try:
+            with open("/proc/%d/status" % self.process.pid) as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024.0
+        except OSError:
+            return None
+        return None
+
+    def stop(self):
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except Exception:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_subprocess(command, stderr=subprocess.DEVNULL):
+    """Start a server command; (process, URL) once it printed its listening line."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr)
+    line = process.stdout.readline().decode()
+    if "listening on " not in line:
+        process.kill()
+        raise UsageError("could not start %s" % command[1])
+    return process, line.split()[-1]
+
+
+class BenchClient:
+    """A lean keep-alive HTTP/1.1 client for the bench: each request leaves in one send.
+
+    (http.client sends headers and body separately, and its own cost would be measured
+    along with the server's: the clients share the machine's cores with it.)
+    """
+
+    def __init__(self, url, token=None, timeout=60):
+        https, host, port = parse_base_url(url)
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if https:
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+        self.sock = sock
+        self.reader = sock.makefile("rb")
+        self.prefix = b"Host: %s\r\n" % host.encode("ascii")
+        if token:
+            self.prefix += b"Authorization: Bearer %s\r\n" % token.encode("ascii")
+
+    def send(self, method, path, body=None):
+        """Send one request; body is a JSON value, or bytes already encoded."""
+        data = b"" if body is None else body if isinstance(body, bytes) else encode_json(body)
+        self.sock.sendall(b"%s %s HTTP/1.1\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+            method.encode("ascii"), path.encode("ascii"), self.prefix, len(data), data))
+
+    def call(self, method, path, body=None):
+        """(status, body bytes) of one request; body is a JSON value, or bytes already encoded."""
+        self.send(method, path, body)
+        status_line = self.reader.readline()
+        if not status_line:
+            raise ConnectionError("the server closed the connection")
+        length = None
+        while True:
+            line = self.reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        if length is None:
+            raise ConnectionError("an answer without Content-Length: bench needs one")
+        return int(status_line.split()[1]), self.reader.read(length)
+
+    def close(self):
+        self.reader.close()
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+_BENCH_PUSH = b'{"project":"bench-push","records":[{"session":"w%d","id":"%s-%d","seq":%d,"device":"bench",' \
+              b'"at":1,"body":{"text":"' + b"x" * 150 + b'"}}]}'
+
+
+def bench_request(kind, worker, number, extra):
+    """(method, path, body bytes) of a benchmark request: 'health', 'push' (a new record each time) or
+    'snapshot' (extra is the whole body, encoded once). Bodies are filled into templates, not
+    encoded from objects: the clients share the cores with the server, and their cost is not its."""
+    if kind == "health":
+        return "GET", "/v1/health", None
+    if kind == "push":
+        return "POST", "/v1/push", _BENCH_PUSH % (worker, extra.encode("ascii"), number, number)
+    if kind == "snapshot":
+        return "POST", "/v1/memory/snapshot", extra
+    raise ValueError(kind)
+
+
+BENCH_RUN = secrets.token_hex(4)
+
+
+def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
+    """One client process: connect, say so on ready, and once go is set send kind requests back to back
+    within the window (start, stop) the parent set; on results (count, None), or (count, (status, body))
+    of the first answer that was not 200, which ends its requests."""
+    try:
+        client, failure = BenchClient(url, token), None
+    except Exception as exc:  # the parent waits for a result from every worker: always one
+        client, failure = None, "could not connect: %s" % exc
+    ready.put(1)
+    go.wait()
+    start_at, stop_at = window[0], window[1]
+    if client is None:
+        results.put((0, (0, failure.encode("utf-8", "replace"))))
+        return
+    count, refused = 0, None
+    time.sleep(max(0.0, start_at - time.time()))
+    try:
+        while time.time() < stop_at:
+            method, path, body = bench_request(kind, worker, count, extra)
+            status, answer = client.call(method, path, body)
+            if status != 200:
+                refused = (status, answer)
+                break
+            count += 1
+    except Exception as exc:  # as above: always a result
+        refused = (0, str(exc).encode("utf-8", "replace"))
+    finally:
+        client.close()
+    results.put((count, refused))
+
+
+BENCH_RESULT_WAIT = 60  # seconds bench waits for a client process to be ready, or for its result past the window
+
+
+def bench_rate(url, token, kind, clients, seconds, extra=None):
+    """Requests per second of kind from clients processes; BenchRefused if one was not answered 200.
+    The timed window opens once every client is connected."""
+    context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+    ready, go, window, results = context.Queue(), context.Event(), context.Array("d", 2), context.Queue()
+    if kind == "push":
+        extra = "%s-%d" % (BENCH_RUN, time.time() * 1000)  # new records in every phase
+    processes = [context.Process(target=bench_worker, args=(url, token, kind, extra, i, ready, go, window,
+                                                            results)) for i in range(clients)]
+    for process in processes:
+        process.start()
+    try:
+        for _ in processes:
+            ready.get(timeout=BENCH_RESULT_WAIT)
+        window[0] = time.time() + 0.02
+        window[1] = window[0] + seconds
+        go.set()
+        counts = [results.get(timeout=seconds + BENCH_RESULT_WAIT) for _ in processes]
+    except BaseException:
+        # Those still waiting for go, or stuck in a request, would hold bench's exit (multiprocessing
+        # joins its children at exit): a stop after a minute would still be a hang.
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(5)
+        raise
+    for process in processes:
+        process.join()
+    for _, refused in counts:
+        if refused is not None:
+            raise BenchRefused("a %s request" % kind, *refused)
+    return sum(c for c, _ in counts) / float(seconds)
+
+
+def bench_reference(script, arguments, kind, client_counts, seconds):
+    """Rates of kind against a reference server script (one per entry of client_counts)."""
+    process, url = start_subprocess([sys.executable, "-c", script] + arguments)
+    try:
+        return [bench_rate(url, None, kind, count, seconds) for count in client_counts]
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def disk_fsync_rate(directory, seconds):
+    """Serial append + fsync of 200-byte lines per second in directory: the disk's own ceiling."""
+    path = os.path.join(directory, "bench-fsync-%s.tmp" % secrets.token_hex(4))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    line, count = b"x" * 199 + b"\n", 0
+    try:
+        stop_at = time.monotonic() + seconds
+        while time.monotonic() < stop_at:
+            write_all(fd, line)
+            sync_file(fd)
+            count += 1
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return count / float(seconds)
+
+
+def group_commit(data_dir, clients, seconds):
+    """(pushes a second, pushes per fsync) of clients pushing to one feed, on a server of its own: the
+    line it logs when it stops counts the pushes made durable and the fsyncs that did it."""
+    make_dirs(data_dir)
+    log_path = os.path.join(data_dir, "server.log")
+    with open(log_path, "wb") as log:
+        target = BenchTarget.start(data_dir, "--memory-rate-limit", "0", log=log)
+        try:
+            rate = bench_rate(target.url, target.token, "push", clients, seconds)
+        finally:
+            target.stop()
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        counts = re.search(r"stopped: (\d+) push(?:es)? made durable with (\d+) fsyncs?", f.read())
+    if counts is None or not int(counts.group(2)):
+        raise RuntimeError("the group-commit server's stop line is missing from %s" % log_path)
+    return rate, int(counts.group(1)) / int(counts.group(2))
+
+
+def fill_feed(target, project, records, body_bytes=200):
+    """Push records records (about body_bytes each) into project, 500 a push."""
+    with BenchClient(target.url, target.token) as client:
+        text = "y" * (body_bytes - 60)
+        for start in range(0, records, MAX_PUSH_RECORDS):
+            batch = [{"session": "s%d" % (i // 1000), "id": "r%d" % i, "seq": i, "device": "bench", "at": i,
+                      "body": {"role": "assistant", "text": text}} for i in range(start, min(records, start + 500))]
+            status, answer = client.call("POST", "/v1/push", {"project": project, "records": batch})
+            if status != 200:
+                raise BenchRefused("a push filling the catch-up feed", status, answer)
+
+
+def catch_up(target, project, limit=MAX_PULL_LIMIT):
+    """Pull a whole feed page by page; (records, seconds)."""
+    with BenchClient(target.url, target.token) as client:
+        since, records, started = 0, 0, time.monotonic()
+        while True:
+            status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d" % (project, since, limit))
+            if status != 200:
+                raise BenchRefused("a catch-up pull", status, body)
+            page = json.loads(body)
+            records += len(page["records"])
+            since = page["cursor"]
+            if not page["more"]:
+                break
+    return records, time.monotonic() - started
+
+
+def park_worker(url, token, projects, ready, results, answered):
+    """One client process holding a long-poll per project, a connection each, all read by one thread (a
+    thread per poll would make the clients' own wake-up, a thousand threads taking turns, part of the
+    figure); reports (wall-clock time its answer was whole, or None) each, and counts answers in the
+    shared answered value as they come."""
+    clients, woke = {}, []
+    for project in projects:
+        try:
+            client = BenchClient(url, token, timeout=60)
+            client.send("GET", "/v1/pull?project=%s&since=0&wait=30" % project)
+            clients[client.sock.fileno()] = (client, bytearray())
+        except OSError:
+            woke.append(None)
+        ready.put(1)
+    poller = select.poll()
+    for fd in clients:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + 40
+    while clients and time.monotonic() < deadline:
+        for fd, _ in poller.poll(1000):
+            client, buf = clients[fd]
+            try:
+                data = client.sock.recv(65536)
+            except OSError:
+                data = b""
+            buf += data
+            answer = whole_answer(buf)
+            if data and answer is None:
+                continue
+            at = time.time()
+            poller.unregister(fd)
+            del clients[fd]
+            client.close()
+            if answer is None:  # closed before its answer was whole
+                woke.append(None)
+                continue
+            status, body = answer
+            if status == 200:  # an empty answer too: a poll of another feed the push woke for nothing
+                with answered.get_lock():  # (a refusal is no answer; park_and_wake leaves out those before it)
+                    answered.value += 1
+            woke.append(at if status == 200 and b'"records":[]' not in body else None)
+    woke += [None] * len(clients)
+    for client, _ in clients.values():
+        client.close()
+    results.put(woke)
+
+
+def whole_answer(buf):
+    """(status, body) of the HTTP answer at the start of buf once all of it is there, else None."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = bytes(buf[:end]).lower()
+    start = head.find(b"content-length:")
+    if start < 0:
+        return None
+    length = int(head[start + 15:].split(b"\r\n", 1)[0])
+    if len(buf) < end + 4 + length:
+        return None
+    return int(head.split(None, 2)[1]), bytes(buf[end + 4:end + 4 + length])
+
+
+def wake_projects(feeds, polls):
+    """The project of each of polls long-polls, spread over feeds new projects of this call's own (a feed an
+    earlier call pushed to would answer its polls at once, with that record)."""
+    stamp = "bench-wake-%s-%d" % (BENCH_RUN, time.time() * 1000)  # once: one push per feed wakes its polls
+    return ["%s-%d" % (stamp, i % feeds) for i in range(polls)]
+
+
+def park_and_wake(target, feeds, polls, processes=8):
+    """Park polls long-polls over feeds projects (clients in several processes), then push once to each
+    feed; (sorted wake latencies in s, failures, server RSS while parked, how many answered within 0.5 s
+    of the push to the first feed: with more than one feed, only its own should)."""
+    context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+    ready, results, answered = context.Queue(), context.Queue(), context.Value("i", 0)
+    projects = wake_projects(feeds, polls)
+    workers = [context.Process(target=park_worker, args=(target.url, target.token, projects[i::processes],
+                                                         ready, results, answered))
+               for i in range(min(processes, polls))]
+    for worker in workers:
+        worker.start()
+    for _ in projects:
+        ready.get(timeout=60)
+    time.sleep(min(2.0, 0.2 + polls / 500.0))  # let every request reach the server and park
+    rss_parked = target.rss_mib()
+    try:
+        with BenchClient(target.url, target.token) as client:
+            pushed, first_only, before = time.time(), None, answered.value  # answered without a push: not counted
+            for project in sorted(set(projects)):
+                status, answer = client.call("POST", "/v1/push", {"project": project, "records": [
+                    {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
+                if status != 200:  # the parked polls would wait out their 30 s and look unanswered
+                    raise BenchRefused("a push waking long-polls", status, answer)
+                if first_only is None:
+                    if feeds > 1:  # the polls of other feeds must not wake: give them the time to show it
+                        time.sleep(0.5)
+                    first_only = answered.value - before
+    except BaseException:
+        for worker in workers:  # their polls would hold bench's exit for up to 30 s
+            worker.terminate()
+        for worker in workers:
+            worker.join(5)
+        raise
+    woke = [at for _ in workers for at in results.get(timeout=60)]
+    for worker in workers:
+        worker.join()
+    latencies = sorted(at - pushed for at in woke if at is not None)
+    return latencies, len(woke) - len(latencies), rss_parked, first_only
+
+
+def oversized_heads(target, connections=40, lines=100, line_bytes=65000):
+    """The server's peak RSS growth in MiB while connections clients each send a request line and lines
+    header lines of line_bytes bytes, with no end to the head (refused at MAX_HEAD_BYTES); None without
+    the server's RSS."""
+    before = target.rss_mib()
+    if before is None:
+        return None
+    parts = urllib.parse.urlsplit(target.url)
+    line = b"X-Pad: " + b"p" * (line_bytes - 9) + b"\r\n"
+
+    def flood():
+        try:
+            with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\n")
+                for _ in range(lines):
+                    sock.sendall(line)
+        except OSError:  # refused with 431 and closed: what is left unsent goes nowhere
+            pass
+
+    senders = [threading.Thread(target=flood, daemon=True) for _ in range(connections)]
+    for sender in senders:
+        sender.start()
+    peak = before
+    while any(sender.is_alive() for sender in senders):
+        peak = max(peak, target.rss_mib() or 0.0)
+        time.sleep(0.02)
+    return max(peak, target.rss_mib() or 0.0) - before
+
+
+def bare_wake_p99(polls):
+    """The p99 wake latency in s of polls long-polls on REFERENCE_SERVER, woken by one push."""
+    process, url = start_subprocess([sys.executable, "-c", REFERENCE_SERVER])
+    try:
+        latencies, _, _, _ = park_and_wake(BenchTarget(url, None), 1, polls)
+    finally:
+        process.terminate()
+        process.wait()
+    return percentile(latencies, 0.99)
+
+
+def percentile(values, fraction):
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(fraction * (len(values) - 1))))]
+
+
+def make_memory_scope(target, project, notes):
+    """Commit notes notes into project (a new one); its etag and the note hashes (for a full `have`)."""
+    with BenchClient(target.url, target.token) as client:
+        etag, have = None, {}
+        for start in range(0, notes, 500):
+            changes = []
+            for i in range(start, min(notes, start + 500)):
+                note = {"id": "note-%d" % i, "summary": "note %d" % i, "body": "body of note %d " % i + "z" * 200,
+                        "tags": ["bench"], "createdAt": 1}
+                have[note["id"]] = note_hash(note)
+                changes.append({"id": note["id"], "hash": have[note["id"]], "note": note})
+            status, body = client.call("POST", "/v1/memory/commit", {
+                "expectedPrincipal": target.principal, "project": project, "etag": etag, "changes": changes})
+            if status != 200:
+                raise BenchRefused("a memory commit", status, body)
+            etag = json.loads(body)["etag"]
+    return etag, have
+
+
+def snapshot_rate(target, project, have, seconds):
+    """Full snapshots per second of project with every note in `have` (one client)."""
+    with BenchClient(target.url, target.token) as client:
+        # Encoded once: the figure is the server's, not the bench client's JSON encoder's.
+        body = encode_json({"expectedPrincipal": target.principal, "project": project, "have": have})
+        count, stop_at = 0, time.monotonic() + seconds
+        while time.monotonic() < stop_at:
+            status, answer = client.call("POST", "/v1/memory/snapshot", body)
+            if status != 200:
+                raise BenchRefused("a memory snapshot", status, answer)
+            count += 1
+    return count / float(seconds)
+
+
+def bench_memory(report, target, args):
+    """The memory figures, on a new project of this run: snapshots answered `unchanged` against health
+    requests, and full snapshots of args.notes notes. Where the server cannot be measured so (no principal
+    given, an answer in MEMORY_NOT_MEASURABLE), a note line says why and the rest is left out."""
+    if target.principal is None:
+        report.note("no memory figures: give --principal (the token's principal) to measure them")
+        return
+    try:
+        measure_memory(report, target, args.clients, args.seconds, args.notes)
+    except BenchRefused as exc:
+        if exc.status not in MEMORY_NOT_MEASURABLE:
+            raise
+        report.note("no more memory figures: %s" % exc)
+
+
+def measure_memory(report, target, clients, seconds, notes):
+    project = "bench-memory-" + BENCH_RUN
+    etag, have = make_memory_scope(target, project, notes)
+    unchanged_body = encode_json({"expectedPrincipal": target.principal, "project": project, "knownEtag": etag})
+    # Health once more, in turns with the snapshots: the machine may have grown busier or calmer since
+    # the start, and taking turns lets any drift weigh on both alike.
+    health_now = unchanged = 0.0
+    for _ in range(2):
+        health_now += bench_rate(target.url, target.token, "health", clients, seconds / 2) / 2
+        unchanged += bench_rate(target.url, target.token, "snapshot", clients, seconds / 2, unchanged_body) / 2
+    report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health_now,
+               "health in turns", BENCH_TARGETS["snapshot unchanged"])
+    report.add("memory snapshot, %d notes, full have" % notes, snapshot_rate(target, project, have, seconds),
+               "/s", target=BENCH_TARGETS["snapshot full"])
+
+
+def write_big_data_dir(data_dir, feeds, records_per_feed):
+    """Write feeds feed files of records_per_feed records each, straight to disk (as pushes would)."""
+    body = encode_json({"role": "assistant", "text": "w" * 140})
+    directory = os.path.join(data_dir, "feeds", "u-bench")
+    make_dirs(directory)
+    for f in range(feeds):
+        with open(os.path.join(directory, "p-big-%d.jsonl" % f), "wb") as out:
+            lines = []
+            for i in range(records_per_feed):
+                event = b'{"session":"s%d","id":"r%d","seq":%d,"device":"bench","at":%d,"body":%s}' % (
+                    i // 1000, i, i, i, body)
+                lines.append(feed_line(i + 1, b"r", event, record_key("s%d" % (i // 1000), "r%d" % i)))
+                if len(lines) == 10000:
+                    out.write(b"".join(lines))
+                    lines = []
+            out.write(b"".join(lines))
+
+
+def big_start(data_dir, feeds, records_per_feed):
+    """Start a server on a big data dir; (seconds from process start to the last page of every feed, RSS)."""
+    started = time.monotonic()
+    target = BenchTarget.start(data_dir)
+    try:
+        with BenchClient(target.url, target.token) as client:
+            for f in range(feeds):
+                since = max(0, records_per_feed - MAX_PULL_LIMIT)
+                status, body = client.call("GET", "/v1/pull?project=big-%d&since=%d" % (f, since))
+                if status != 200 or len(json.loads(body)["records"]) != records_per_feed - since:
+                    raise RuntimeError("the big feed did not answer its last page")
+            elapsed = time.monotonic() - started
+        return elapsed, target.rss_mib()
+    finally:
+        target.stop()
+
+
+class BenchReport:
+    """Figures with their references, ratios and targets, printed as a table (a missed target marked
+    MISSED) and optionally written as JSON."""
+
+    def __init__(self, out=None):
+        self.out = out or sys.stdout
+        self.figures = []
+
+    def add(self, name, value, unit, reference=None, reference_name="", target=None):
+        ratio = value / reference if reference else None
+        met = None if target is None else target_met(target, value, ratio)
+        figure = {"name": name, "value": value if isinstance(value, int) else round(value, 2), "unit": unit,
+                  "reference": None if reference is None else round(reference, 2),
+                  "reference_name": reference_name, "ratio": None if ratio is None else round(ratio, 2),
+                  "target": target, "met": met}
+        self.figures.append(figure)
+        shown = "%12d" % value if isinstance(value, int) else "%12.1f" % value  # a count is an integer
+        line = "%-44s %s %-10s" % (name, shown, unit)
+        if reference is not None:
+            line += "  vs %s %.1f: %.2fx" % (reference_name, reference, ratio)
+        if target is not None and met is None:
+            line += "  (target %s: not judged, no reference)" % target
+        elif target is not None:
+            line += "  (target %s)%s" % (target, "" if met else "  MISSED")
+        print(line, file=self.out, flush=True)
+
+    def missed(self):
+        return sum(1 for figure in self.figures if figure["met"] is False)
+
+    def summary(self):
+        """The closing line: how many of the targets that could be judged were met."""
+        judged = [figure for figure in self.figures if figure["met"] is not None]
+        line = "%d of %d targets met" % (len(judged) - self.missed(), len(judged))
+        unjudged = sum(1 for figure in self.figures if figure["target"] is not None and figure["met"] is None)
+        if unjudged:
+            line += " (%d more not judged: no reference)" % unjudged
+        return line
+
+    def note(self, text):
+        print(text, file=self.out, flush=True)
+
+    def write_json(self, path):
+        judged = sum(1 for figure in self.figures if figure["met"] is not None)
+        doc = {"version": __version__, "python": sys.version.split()[0], "machine": platform.machine(),
+               "cpus": os.cpu_count(), "figures": self.figures,
+               "targets": {"met": judged - self.missed(), "judged": judged}}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+
+
+def bench_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py bench", description="Measure a server's speed.")
+    parser.add_argument("--url", help="measure this server instead of starting one (needs --token)")
+    parser.add_argument("--token", help="a token for --url")
+    parser.add_argument("--principal", metavar="ID",
+                        help="the token's principal, for the memory figures with --url (without it they are skipped)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed phase (default 3)")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent client processes (default 16)")
+    parser.add_argument("--polls", type=int, default=1000, help="parked long-polls (default 1000)")
+    parser.add_argument("--catchup-records", type=int, default=100000,
+                        help="records in the catch-up pull's feed (default 100,000)")
+    parser.add_argument("--notes", type=int, default=5000, help="notes in the memory scope (default 5,000)")
+    parser.add_argument("--big-records", type=int, default=1000000,
+                        help="records in the start-up test's 10 feeds (default 1,000,000; 0 skips it)")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--no-fail", action="store_true",
+                        help="exit 0 even when a target is missed (default: exit code 1)")
+    args = parser.parse_args(argv)
+    if bool(args.url) != bool(args.token):
+        raise UsageError("--url and --token go together")
+    if args.url:
+        parse_base_url(args.url)
+    if args.principal is not None and (not args.url or not is_valid_id(args.principal)):
+        raise UsageError("--principal goes with --url, and must be an id")
+    if (args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1 or args.notes < 1
+            or args.big_records < 0):
+        raise UsageError("--seconds, --clients, --polls, --catchup-records and --notes must be positive")
+    raise_open_file_limit()
+    report = BenchReport()
+    scratch = tempfile.mkdtemp(prefix="oharness-bench-")
+    try:
+        run_bench(report, args, scratch)
+    except (RuntimeError, OSError, ValueError, http.client.HTTPException) as exc:
+        print("oharness-sync bench: stopped: %s" % exc, file=sys.stderr)
+        return 1
+    except queue.Empty:
+        print("oharness-sync bench: stopped: a client process gave no result within a minute", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report.note(report.summary())
+    if args.json:
+        report.write_json(args.json)
+    return 1 if report.missed() and not args.no_fail else 0
+
+
+def run_bench(report, args, scratch):
+    seconds, clients = args.seconds, args.clients
+    own = not args.url
+    if own:
+        target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0")
+    else:
+        target = BenchTarget(args.url, args.token, args.principal)
+    report.note("oharness-sync bench: %s, %s; %d client processes, %g s a phase; Python %s on %s, %d CPUs" % (
+        "a server started on a temporary data dir" if own else target.url,
+        "writes bench data" if own else "WRITES test data to that server",
+        clients, seconds, sys.version.split()[0], os.uname().machine if hasattr(os, "uname") else "?",
+        os.cpu_count() or 0))
+    try:
+        rss_start = target.rss_mib()
+        reference = None
+        if own:
+            reference = bench_reference(REFERENCE_SERVER, [], "health", [clients], seconds)[0]
+        health = bench_rate(target.url, target.token, "health", clients, seconds)
+        report.add("health, %d keep-alive clients" % clients, health, "req/s", reference,
+                   "bare http.server", BENCH_TARGETS["health"])
+        if not own:
+            report.note("  no reference with --url: a bare http.server started here would measure this machine, "
+                        "not the server's")
+        # With --url the disk measured is this machine's, which is the server's only if bench runs there.
+        report.add("disk: serial append+fsync" if own else "this machine's disk: serial append+fsync",
+                   disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds), "/s")
+        bare = [None, None]
+        if own:
+            bare = bench_reference(REFERENCE_SERVER, [os.path.join(scratch, "bare-pushes")], "push",
+                                   [1, clients], seconds)
+            report.add("1-record pushes to a bare http.server, 1 client", bare[0], "push/s")
+            report.add("  the same, %d clients" % clients, bare[1], "push/s")
+        push_1 = bench_rate(target.url, target.token, "push", 1, seconds)
+        report.add("1-record pushes, 1 client", push_1, "push/s", bare[0], "bare", BENCH_TARGETS["push, 1 client"])
+        if own:
+            push_n, per_fsync = group_commit(os.path.join(scratch, "group-commit"), clients, seconds)
+        else:
+            push_n, per_fsync = bench_rate(target.url, target.token, "push", clients, seconds), None
+        report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", bare[1], "bare",
+                   BENCH_TARGETS["push, clients"])
+        if per_fsync is not None:
+            report.add("  pushes per fsync, %d clients" % clients, per_fsync, "push/fsync",
+                       target=BENCH_TARGETS["pushes per fsync"])
+        fill_feed(target, "bench-catchup-" + BENCH_RUN, args.catchup_records)
+        records, elapsed = catch_up(target, "bench-catchup-" + BENCH_RUN)
+        report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed, "records/s",
+                   target=BENCH_TARGETS["catch-up"])
+        rss_before = target.rss_mib()
+        latencies, failures, rss_parked, _ = park_and_wake(target, 1, args.polls)
+        report.add("long-poll wake p50, %d parked on one feed" % args.polls, percentile(latencies, 0.5) * 1000,
+                   "ms")
+        bare_p99 = bare_wake_p99(args.polls) * 1000 if own else None
+        report.add("long-poll wake p99, %d parked on one feed" % args.polls, percentile(latencies, 0.99) * 1000,
+                   "ms", bare_p99, "bare http.server + Condition", BENCH_TARGETS["wake p99"])
+        report.add("long-polls answered", len(latencies), "of %d" % args.polls)
+        if rss_parked is not None and rss_before is not None:
+            report.add("server memory growth while parked", rss_parked - rss_before, "MiB",
+                       target=BENCH_TARGETS["memory while parked"])
+        _, _, _, first_only = park_and_wake(target, args.polls, args.polls)
+        report.add("polls answered by a push to 1 of %d feeds" % args.polls, first_only, "in 0.5 s",
+                   target=BENCH_TARGETS["wake own feed"])
+        growth = oversized_heads(target)
+        if growth is not None:
+            report.add("server memory growth, 40 heads of 100 x 65,000-byte lines", growth, "MiB",
+                       target=BENCH_TARGETS["memory under oversized heads"])
+        bench_memory(report, target, args)
+        rss_end = target.rss_mib()
+        if rss_end is not None:
+            report.add("server memory (start / end)", rss_end, "MiB", rss_start, "at start")
+    finally:
+        target.stop()
+    if not own:
+        report.note("not measured with --url: pushes to a bare http.server (so the push figures have no "
+                    "reference), pushes per fsync, the server's memory and its start-up (bench would have to start "
+                    "the server on its own machine)")
+    if own and args.big_records:
+        big_dir = os.path.join(scratch, "big")
+        write_big_data_dir(big_dir, 10, args.big_records // 10)
+        elapsed, rss = big_start(big_dir, 10, args.big_records // 10)
+        report.add("start-up: last page of 10 feeds, %d records" % args.big_records, elapsed, "s",
+                   target=BENCH_TARGETS["start-up"])
+        if rss is not None:
+            report.add("server memory after that start-up", rss, "MiB", target=BENCH_TARGETS["memory after start-up"])
+
+
+# -------------------------------------------------------------------------------------------------
 # main
-# ---------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 COMMANDS = {"serve": serve_command, "token": token_command, "check": check_command, "bench": bench_command,
             "fsck": fsck_command, "note-hash": note_hash_command, "replicate": replicate_command}
