@@ -682,13 +682,6 @@ _HASH = re.compile(r"[0-9a-f]{64}")
 _ID_LINES = re.compile(r"[A-Za-z0-9_-]{1,128}(?:\n[A-Za-z0-9_-]{1,128})*")
 
 
-def memory_request(kind, doc, principal, quota=MEMORY_QUOTA):
-    """Validate the parsed body of a memory route ("identity", "snapshot" or "commit") for the verified
-    principal; a MemoryRequest, or MemoryApiError with the protocol's code."""
-    check_memory_envelope(kind, doc, principal)
-    return memory_fields(kind, doc, quota)
-
-
 def check_memory_envelope(kind, doc, principal):
     """The contract's checks 5 and 6: body shape, unknown fields anywhere, expectedPrincipal."""
     if not isinstance(doc, dict):
@@ -2834,9 +2827,6 @@ class MemoryAnswer:
                 self.principal.encode("ascii"), self.etag_json, middle, self.quota_json)
         return self._json
 
-    def to_dict(self):
-        return json.loads(self.to_json())
-
 
 class MemoryStore:
     """Memory notes under DIR/memory: one manifest plus immutable revision objects per scope.
@@ -2933,14 +2923,6 @@ class MemoryStore:
                     os.utime(files.object_path(entry["rev"]), (now, now))
                 except OSError:
                     pass
-
-    def collect_garbage(self, principal, scope):
-        """Remove revision objects the scope's manifest does not use and older than garbage_age; the count."""
-        files = self._files(principal, scope)
-        with self._scope_lock(files.root):
-            return self._collect_garbage(files, self._manifest(files))
-
-    # -- reading -----------------------------------------------------------
 
     def _scope_lock(self, key):
         with self._locks_guard:
@@ -3229,6 +3211,17 @@ def retry_after(seconds):
     return [("Retry-After", str(seconds))]
 
 
+# How a failed token check is answered: on a session route {"error": text}, on a memory route
+# {"code", "error"}. A token that cannot be checked now is 503 on a session route and, as the
+# contract wants, 502 auth_unavailable on a memory route.
+AUTH_FAILURES = (  # (exception, session status, session text, memory status, memory code)
+    (AuthError, 401, "%s", 401, "sign_in_required"),
+    (AuthThrottled, 429, "%s; try again later", 429, "rate_limited"),
+    (AuthUnavailable, 503, "cannot check this token now (%s); try again later", 502, "auth_unavailable"),
+    (AuthNotConfigured, 503, "%s", 503, "auth_not_configured"),
+)
+
+
 class SyncApp:
     """The protocol: routes to thin handlers that parse, call storage and answer."""
 
@@ -3239,7 +3232,7 @@ class SyncApp:
         self.rate_limiter = rate_limiter
         self.log = log or (lambda message: None)
         self.max_parked = max_parked
-        self._parked = set()              # the requests of long-polls waiting now
+        self.parked = set()               # the requests of long-polls waiting now
         self._parked_lock = threading.Lock()
         self._checked_snapshots = {}      # (principal, body) -> MemoryRequest, for small snapshot bodies
 
@@ -3268,30 +3261,34 @@ class SyncApp:
             return json_response(405, body, [("Allow", ", ".join(allowed))])
         try:
             return getattr(self, handler)(request)
-        except (ApiError, MemoryApiError, FeedDamaged, StorageError) as exc:
-            return self.error_response(exc)
+        except (ApiError, MemoryApiError, FeedDamaged, StorageError, AuthError, AuthThrottled, AuthUnavailable,
+                AuthNotConfigured) as exc:
+            return self.error_response(exc, request.path.startswith("/v1/memory/"))
 
-    def error_response(self, exc):
-        """The answer for an expected failure."""
+    def error_response(self, exc, memory_route):
+        """The response to an expected failure: the one place that turns an exception into one."""
         if isinstance(exc, FeedDamaged):
             self.log("refused a damaged feed: %s" % exc)
             return json_response(500, {"error": "this feed is damaged; the server log names the file and line"})
         if isinstance(exc, StorageError):
             self.log("storage failure: %s" % exc)
             return json_response(500, {"error": "storage failure; nothing was stored"})
-        return json_response(exc.status, exc.payload(), exc.headers)
+        if isinstance(exc, (ApiError, MemoryApiError)):
+            return json_response(exc.status, exc.payload(), exc.headers)
+        for kind, status, text, memory_status, code in AUTH_FAILURES:
+            if isinstance(exc, kind):
+                break
+        headers = ([("WWW-Authenticate", "Bearer")] if kind is AuthError
+                   else retry_after(exc.retry_after) if kind is AuthThrottled else [])
+        if memory_route:
+            return json_response(memory_status, {"code": code, "error": str(exc)}, headers)
+        return json_response(status, {"error": text % exc}, headers)
 
     # -- session sync ------------------------------------------------------
 
     def session_identity(self, request):
-        try:
-            identity = self.auth.identify(request.headers.get("authorization"), request.client)
-        except AuthError as exc:
-            raise ApiError(401, str(exc), [("WWW-Authenticate", "Bearer")]) from None
-        except AuthUnavailable as exc:
-            raise ApiError(503, "cannot check this token now (%s); try again later" % exc) from None
-        except AuthThrottled as exc:
-            raise ApiError(429, "%s; try again later" % exc, retry_after(exc.retry_after)) from None
+        """The verified Identity of the request's token (a failure is answered by AUTH_FAILURES)."""
+        identity = self.auth.identify(request.headers.get("authorization"), request.client)
         request.principal = identity.principal
         return identity
 
@@ -3349,11 +3346,6 @@ class SyncApp:
         return self.park(request, owner, project, since, wait,
                          lambda: Response(200, self.feeds.pull(owner, project, since, limit).to_json()))
 
-    @property
-    def parked(self):
-        """Long-polls waiting now."""
-        return len(self._parked)
-
     def park(self, request, owner, project, since, seconds, answer):
         """Hold a pull until its feed has an event after since, its wait is over, the server stops, or
         its client closes its side (looked at every PARKED_CHECK_SECONDS, so an abandoned pull gives its
@@ -3364,9 +3356,9 @@ class SyncApp:
         take turns on the interpreter lock, and their clients need not wait for those turns. Feed.read
         builds one Page for all the pulls a push wakes."""
         with self._parked_lock:  # (the count and the add, together)
-            if len(self._parked) >= self.max_parked:
+            if len(self.parked) >= self.max_parked:
                 return answer()
-            self._parked.add(request)
+            self.parked.add(request)
         connection = request.connection
         connection.hold(request)
         try:
@@ -3382,7 +3374,7 @@ class SyncApp:
                 if connection.client_gone():
                     break
         finally:
-            self._parked.discard(request)  # no lock: a thousand pulls woken at once would queue for it
+            self.parked.discard(request)  # no lock: a thousand pulls woken at once would queue for it
             early = connection.release()
         return early if early is not None else answer()
 
@@ -3408,16 +3400,7 @@ class SyncApp:
         if content_type != "application/json" and (
                 content_type or "").split(";", 1)[0].strip().lower() != "application/json":
             raise MemoryApiError(415, "json_required", "Content-Type must be application/json")
-        try:
-            identity = self.auth.identify_for_memory(request.headers.get("authorization"), request.client)
-        except AuthError as exc:
-            raise MemoryApiError(401, "sign_in_required", str(exc), [("WWW-Authenticate", "Bearer")]) from None
-        except AuthNotConfigured as exc:
-            raise MemoryApiError(503, "auth_not_configured", str(exc)) from None
-        except AuthUnavailable as exc:
-            raise MemoryApiError(502, "auth_unavailable", str(exc)) from None
-        except AuthThrottled as exc:
-            raise MemoryApiError(429, "rate_limited", str(exc), retry_after(exc.retry_after)) from None
+        identity = self.auth.identify_for_memory(request.headers.get("authorization"), request.client)
         request.principal = identity.principal
         body = request.read_body(MAX_MEMORY_BODY, memory_body_error)
         # A client polling for changes sends the same small snapshot body again and again: its checked
@@ -3903,13 +3886,6 @@ class TlsFiles:
         context.load_cert_chain(self.cert_path, self.key_path)
         return context
 
-    def reload(self, log):
-        """Swap in the files as they are now; keep the old context when they are unusable."""
-        try:
-            self.context = self.load()
-            log("reloaded TLS certificate %s" % self.cert_path)
-        except (ssl.SSLError, OSError) as exc:
-            log("kept the old TLS certificate: cannot load %s: %s" % (self.cert_path, exc))
 
 
 _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 64\r\n"

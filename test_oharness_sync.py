@@ -17,7 +17,6 @@ import hashlib
 import hmac
 import http.client
 import io
-import itertools
 import json
 import multiprocessing
 import os
@@ -2646,9 +2645,21 @@ def commit_body(changes, etag=None, **fields):
     return memory_body(project="proj-1", etag=etag, changes=changes, **fields)
 
 
+def memory_request(kind, doc, principal):
+    """A memory body's checks, as the server makes them (SyncApp.memory_request): the envelope, then the
+    route's own fields."""
+    sync.check_memory_envelope(kind, doc, principal)
+    return sync.memory_fields(kind, doc)
+
+
+def as_doc(answer):
+    """A MemoryAnswer as the client reads it."""
+    return json.loads(answer.to_json())
+
+
 def memory_changes_of(*docs):
     """Validated MemoryChange objects, as the HTTP layer would pass them."""
-    return sync.memory_request("commit", commit_body(list(docs)), P).changes
+    return memory_request("commit", commit_body(list(docs)), P).changes
 
 
 def no_fsync():
@@ -2664,7 +2675,7 @@ class ValidationTest(unittest.TestCase):
 
     def refused(self, kind, doc, principal=P):
         with self.assertRaises(sync.MemoryApiError) as caught:
-            sync.memory_request(kind, doc, principal)
+            memory_request(kind, doc, principal)
         return caught.exception.status, caught.exception.code
 
     def assertRefused(self, kind, doc, status, code):
@@ -2676,15 +2687,15 @@ class ValidationTest(unittest.TestCase):
                          {"code": "invalid_body", "error": "why"})
 
     def test_valid_requests(self):
-        request = sync.memory_request("identity", memory_body(), P)
+        request = memory_request("identity", memory_body(), P)
         self.assertIsNone(request.scope)
-        request = sync.memory_request("snapshot", memory_body(scope="user", knownEtag="e", have={"n1": "a" * 64}), P)
+        request = memory_request("snapshot", memory_body(scope="user", knownEtag="e", have={"n1": "a" * 64}), P)
         self.assertEqual(request.scope, sync.USER_SCOPE)
         self.assertEqual((request.known_etag, request.have), ("e", {"n1": "a" * 64}))
-        request = sync.memory_request("snapshot", memory_body(project="p", knownEtag=None), P)
+        request = memory_request("snapshot", memory_body(project="p", knownEtag=None), P)
         self.assertEqual((request.scope, request.known_etag, request.have), (sync.MemoryScope("p"), None, None))
         change = dict(memory_put("n1", updatedAt=5), note=memory_note("n1", createdAt=1.0, updatedAt=5))
-        request = sync.memory_request("commit", commit_body([change, memory_delete("n2")], etag="e", have={}), P)
+        request = memory_request("commit", commit_body([change, memory_delete("n2")], etag="e", have={}), P)
         self.assertEqual((request.scope, request.etag, request.have), (PROJECT, "e", {}))
         first, second = request.changes
         self.assertEqual((first.id, first.hash, first.note["createdAt"]), ("n1", change["hash"], 1))
@@ -2735,7 +2746,7 @@ class ValidationTest(unittest.TestCase):
     def test_invalid_project(self):
         for project in (None, "", 5, "a/b", "a.b", "__proto__", "constructor", "x" * 129):
             self.assertRefused("snapshot", memory_body(project=project), 400, "invalid_project")
-        self.assertEqual(sync.memory_request("snapshot", memory_body(project="x" * 128), P).scope.project, "x" * 128)
+        self.assertEqual(memory_request("snapshot", memory_body(project="x" * 128), P).scope.project, "x" * 128)
 
     def test_invalid_have(self):
         good = "0123456789abcdef" * 4
@@ -2747,7 +2758,7 @@ class ValidationTest(unittest.TestCase):
             self.assertRefused("commit", commit_body([memory_put()], have=have), 400, "invalid_have")
         limit = 5000 * 2 + 1000
         have = {"n%d" % i: good for i in range(limit)}
-        self.assertEqual(len(sync.memory_request("snapshot", memory_body(project="p", have=have), P).have), limit)
+        self.assertEqual(len(memory_request("snapshot", memory_body(project="p", have=have), P).have), limit)
         have["one-more"] = good
         self.assertRefused("snapshot", memory_body(project="p", have=have), 400, "invalid_have")
 
@@ -2821,7 +2832,7 @@ class StoreTest(unittest.TestCase):
         return sync.MemoryStore(self.dir, clock=lambda: self.now)
 
     def commit(self, docs, etag=None, scope=PROJECT, principal=P, have=None, store=None):
-        return (store or self.store).commit(principal, scope, etag, memory_changes_of(*docs), have).to_dict()
+        return as_doc((store or self.store).commit(principal, scope, etag, memory_changes_of(*docs), have))
 
     def refused(self, call, *args, **kwargs):
         with self.assertRaises(sync.MemoryApiError) as caught:
@@ -2840,9 +2851,9 @@ class StoreTest(unittest.TestCase):
     # -- snapshots and commits -------------------------------------------------
 
     def test_empty_scope(self):
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict(),
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT)),
                          {"principal": P, "etag": None, "entries": [], "quota": sync.MEMORY_QUOTA})
-        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=None).to_dict()["entries"], [])
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=None))["entries"], [])
         self.assertFalse(os.path.exists(os.path.join(self.dir, "memory")))  # reading creates nothing
 
     def test_commit_then_snapshot(self):
@@ -2853,10 +2864,10 @@ class StoreTest(unittest.TestCase):
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["C", "a", "b"])
         self.assertEqual(answer["entries"][1], {"id": "a", "hash": memory_put("a", type="user")["hash"],
                                                 "note": memory_note("a", type="user")})
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict(), answer)
-        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict(),
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT)), answer)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag)),
                          {"principal": P, "etag": etag, "unchanged": True, "quota": sync.MEMORY_QUOTA})
-        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag="old").to_dict()["entries"], answer["entries"])
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag="old"))["entries"], answer["entries"])
         # An update replaces the note and changes the etag.
         answer = self.commit([memory_put("a", body="new", updatedAt=7)], etag=etag)
         self.assertNotEqual(answer["etag"], etag)
@@ -2865,11 +2876,11 @@ class StoreTest(unittest.TestCase):
     def test_have_leaves_out_notes_and_skips_reads(self):
         etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
         have = {"a": memory_put("a")["hash"], "b": "0" * 64, "zzz": "1" * 64}
-        entries = self.store.snapshot(P, PROJECT, have=have).to_dict()["entries"]
+        entries = as_doc(self.store.snapshot(P, PROJECT, have=have))["entries"]
         self.assertEqual(entries, [{"id": "a", "hash": have["a"]},
                                    {"id": "b", "hash": memory_put("b")["hash"], "note": memory_note("b")}])
         os.remove(self.object_path("a"))
-        self.assertEqual(self.store.snapshot(P, PROJECT, have=have).to_dict()["entries"], entries)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, have=have))["entries"], entries)
         self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "missing_memory_object"))
         # The commit answer honours have as well.
         answer = self.commit([memory_put("c")], etag=etag, have=have)
@@ -2881,7 +2892,7 @@ class StoreTest(unittest.TestCase):
         have = {"a": memory_put("a")["hash"], "c": memory_put("c")["hash"], "gone-elsewhere": "1" * 64}
         shutil.rmtree(self.files().objects)  # nothing may be read
         for store in (self.store, self.open_store()):
-            answer = store.snapshot(P, PROJECT, have=have).to_dict()
+            answer = as_doc(store.snapshot(P, PROJECT, have=have))
             self.assertEqual(answer["entries"], [{"id": "a", "hash": have["a"]}, {"id": "b", "hash": None},
                                                  {"id": "c", "hash": have["c"]}])
         self.assertEqual(self.refused(self.store.snapshot, P, PROJECT, have=dict(have, c="2" * 64)),
@@ -2890,26 +2901,26 @@ class StoreTest(unittest.TestCase):
     def test_unchanged_reads_nothing(self):
         etag = self.commit([memory_put("a")])["etag"]
         shutil.rmtree(self.files().root)  # the manifest is cached; the notes are not needed
-        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict()["unchanged"])
+        self.assertTrue(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag))["unchanged"])
 
     def test_unchanged_only_for_the_current_etag_with_a_cold_or_warm_cache(self):
         first = self.commit([memory_put("a")])["etag"]
         second = self.commit([memory_put("b")], etag=first)["etag"]
         for store in (self.open_store(), self.store):  # a restarted server's empty cache, then a warm one
             with self.subTest(cold=store is not self.store):
-                self.assertEqual(store.snapshot(P, PROJECT, known_etag=second).to_dict(),
+                self.assertEqual(as_doc(store.snapshot(P, PROJECT, known_etag=second)),
                                  {"principal": P, "etag": second, "unchanged": True, "quota": sync.MEMORY_QUOTA})
-                stale = store.snapshot(P, PROJECT, known_etag=first).to_dict()
+                stale = as_doc(store.snapshot(P, PROJECT, known_etag=first))
                 self.assertEqual((stale["etag"], [entry["id"] for entry in stale["entries"]]), (second, ["a", "b"]))
-        self.assertEqual(self.store.snapshot(P, sync.USER_SCOPE, known_etag="anything").to_dict()["entries"], [])
+        self.assertEqual(as_doc(self.store.snapshot(P, sync.USER_SCOPE, known_etag="anything"))["entries"], [])
 
     def test_a_changed_quota_is_what_answers_advertise(self):
         etag = self.commit([memory_put("a")])["etag"]
-        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict()["quota"], sync.MEMORY_QUOTA)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag))["quota"], sync.MEMORY_QUOTA)
         self.store.quota["maxNotes"] = 7
         expected = dict(sync.MEMORY_QUOTA, maxNotes=7)
-        self.assertEqual(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict()["quota"], expected)
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["quota"], expected)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag))["quota"], expected)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["quota"], expected)
 
     def test_revision_conflict(self):
         etag = self.commit([memory_put("a")])["etag"]
@@ -2917,7 +2928,7 @@ class StoreTest(unittest.TestCase):
             self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=stale), (409, "revision_conflict"))
         self.assertEqual(self.refused(self.commit, [memory_put("a")], etag="x", scope=sync.USER_SCOPE),
                          (409, "revision_conflict"))  # no manifest there: only null matches
-        snapshot = self.store.snapshot(P, PROJECT).to_dict()
+        snapshot = as_doc(self.store.snapshot(P, PROJECT))
         self.assertEqual((snapshot["etag"], [entry["id"] for entry in snapshot["entries"]]), (etag, ["a"]))
 
     def test_deletes_and_tombstones(self):
@@ -2942,9 +2953,9 @@ class StoreTest(unittest.TestCase):
         etag = self.commit([memory_delete("a")], etag=etag)["etag"]
         self.now += 90 * 86400  # exactly tombstoneDays old: kept
         etag = self.commit([memory_put("c")], etag=etag)["etag"]
-        self.assertIn({"id": "a", "hash": None}, self.store.snapshot(P, PROJECT).to_dict()["entries"])
+        self.assertIn({"id": "a", "hash": None}, as_doc(self.store.snapshot(P, PROJECT))["entries"])
         self.now += 1
-        self.assertIn({"id": "a", "hash": None}, self.store.snapshot(P, PROJECT).to_dict()["entries"])  # until a commit
+        self.assertIn({"id": "a", "hash": None}, as_doc(self.store.snapshot(P, PROJECT))["entries"])  # until a commit
         answer = self.commit([memory_put("d")], etag=etag)
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["b", "c", "d"])
 
@@ -2952,7 +2963,7 @@ class StoreTest(unittest.TestCase):
         etag = self.commit([memory_put("note-a")])["etag"]
         self.assertEqual(self.refused(self.commit, [memory_put("Note-A")], etag=etag), (400, "id_case_conflict"))
         self.assertEqual(self.refused(self.commit, [memory_put("x"), memory_put("X")], etag=etag), (400, "id_case_conflict"))
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["etag"], etag)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["etag"], etag)
         # A rename in one commit is fine, and so is updating the note under its own id.
         answer = self.commit([memory_delete("note-a"), memory_put("Note-A")], etag=etag)
         self.assertEqual(answer["entries"][0]["id"], "Note-A")
@@ -2971,7 +2982,7 @@ class StoreTest(unittest.TestCase):
         self.commit([memory_put("b")], principal="bob")
         self.commit([memory_put("c")], principal="Alice")
         self.commit([memory_put("d")], scope=sync.MemoryScope("user"))  # a project called "user"
-        ids = lambda principal, scope: [e["id"] for e in self.store.snapshot(principal, scope).to_dict()["entries"]]
+        ids = lambda principal, scope: [e["id"] for e in as_doc(self.store.snapshot(principal, scope))["entries"]]
         self.assertEqual(ids(P, PROJECT), ["a"])
         self.assertEqual(ids(P, sync.USER_SCOPE), ["u"])
         self.assertEqual(ids("bob", PROJECT), ["b"])
@@ -2985,15 +2996,15 @@ class StoreTest(unittest.TestCase):
     def test_no_raw_ids_in_paths(self):
         for principal, project in (("../x", "p"), ("a", "../../x"), ("a/b", "p"), ("__proto__", "p")):
             with self.assertRaises(ValueError):
-                self.store.snapshot(principal, sync.MemoryScope(project)).to_dict()
+                as_doc(self.store.snapshot(principal, sync.MemoryScope(project)))
 
     def test_restart_keeps_etag_and_entries(self):
         etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
         self.commit([memory_delete("a")], etag=etag)
-        before = self.store.snapshot(P, PROJECT).to_dict()
+        before = as_doc(self.store.snapshot(P, PROJECT))
         again = self.open_store()
-        self.assertEqual(again.snapshot(P, PROJECT).to_dict(), before)
-        self.assertTrue(again.snapshot(P, PROJECT, known_etag=before["etag"]).to_dict()["unchanged"])
+        self.assertEqual(as_doc(again.snapshot(P, PROJECT)), before)
+        self.assertTrue(as_doc(again.snapshot(P, PROJECT, known_etag=before["etag"]))["unchanged"])
         self.assertEqual(self.refused(self.commit, [memory_put("c")], etag=etag, store=again), (409, "revision_conflict"))
         self.commit([memory_put("c")], etag=before["etag"], store=again)
 
@@ -3002,7 +3013,7 @@ class StoreTest(unittest.TestCase):
     def test_deletes_allowed_above_a_lowered_quota(self):
         etag = self.commit([memory_put("n%d" % i) for i in range(5)])["etag"]
         self.store.quota["maxNotes"] = 3
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["quota"]["maxNotes"], 3)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["quota"]["maxNotes"], 3)
         self.assertEqual(self.refused(self.commit, [memory_put("n9")], etag=etag), (413, "memory_quota_exceeded"))
         etag = self.commit([memory_delete("n0")], etag=etag)["etag"]  # 4 live: still above, but fewer
         etag = self.commit([memory_delete("n1"), memory_put("n9")], etag=etag)["etag"]  # 4 live: not more than before
@@ -3011,12 +3022,12 @@ class StoreTest(unittest.TestCase):
 
     def test_snapshot_size_limit(self):
         self.commit([memory_put("a"), memory_put("b", body="\u00e9" * 100)], scope=sync.USER_SCOPE)  # to measure the answer
-        size = len(sync.encode_json(self.store.snapshot(P, sync.USER_SCOPE).to_dict()["entries"]))
+        size = len(sync.encode_json(as_doc(self.store.snapshot(P, sync.USER_SCOPE))["entries"]))
         etag = self.commit([memory_put("a")])["etag"]
         self.store.max_snapshot_bytes = size - 1
         self.assertEqual(self.refused(self.commit, [memory_put("b", body="\u00e9" * 100)], etag=etag),
                          (413, "memory_quota_exceeded"))
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["etag"], etag)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["etag"], etag)
         self.store.max_snapshot_bytes = size
         etag = self.commit([memory_put("b", body="\u00e9" * 100)], etag=etag)["etag"]
         self.store.max_snapshot_bytes = 10
@@ -3027,12 +3038,12 @@ class StoreTest(unittest.TestCase):
         docs = [memory_put("a", body="caf\u00e9 \U0001f600"), memory_put("b", body='"quotes" \\ and \x01', type="project")]
         self.commit(docs + [memory_delete("c")])
         manifest = self.store._manifest(self.files())
-        entries = self.store.snapshot(P, PROJECT).to_dict()["entries"]
+        entries = as_doc(self.store.snapshot(P, PROJECT))["entries"]
         self.assertEqual(manifest.entry_bytes, len(sync.encode_json(entries)))
 
     def test_lone_surrogates_round_trip(self):
         answer = self.commit([memory_put("a", body="lone \ud800 surrogate", tags=["\udc00"])])
-        self.assertEqual(self.open_store().snapshot(P, PROJECT).to_dict(), answer)
+        self.assertEqual(as_doc(self.open_store().snapshot(P, PROJECT)), answer)
         self.assertEqual(answer["entries"][0]["note"]["body"], "lone \ud800 surrogate")
 
     # -- integrity ----------------------------------------------------------------
@@ -3047,7 +3058,7 @@ class StoreTest(unittest.TestCase):
             with open(path, "wb") as stream:
                 stream.write(data)
             self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "memory_integrity_error"))
-        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=etag).to_dict()["unchanged"])
+        self.assertTrue(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag))["unchanged"])
         os.remove(path)
         self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "missing_memory_object"))
 
@@ -3083,23 +3094,23 @@ class StoreTest(unittest.TestCase):
 
     def test_manifest_write_failure_keeps_the_old_state(self):
         etag = self.commit([memory_put("a")])["etag"]
-        before = self.store.snapshot(P, PROJECT).to_dict()
+        before = as_doc(self.store.snapshot(P, PROJECT))
         with mock.patch.object(sync, "write_atomically", side_effect=OSError(errno.ENOSPC, "full")):
             self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=etag), (502, "memory_sync_failed"))
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict(), before)
-        self.assertEqual(self.open_store().snapshot(P, PROJECT).to_dict(), before)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT)), before)
+        self.assertEqual(as_doc(self.open_store().snapshot(P, PROJECT)), before)
         answer = self.commit([memory_put("b")], etag=etag)
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["a", "b"])
 
     def test_first_manifest_write_failure(self):
         with mock.patch.object(sync, "write_atomically", side_effect=OSError(errno.ENOSPC, "full")):
             self.assertEqual(self.refused(self.commit, [memory_put("a")]), (502, "memory_sync_failed"))
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["etag"], None)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["etag"], None)
         self.commit([memory_put("a")])
 
     def test_object_write_failure_keeps_the_old_state(self):
         etag = self.commit([memory_put("a")])["etag"]
-        before = self.store.snapshot(P, PROJECT).to_dict()
+        before = as_doc(self.store.snapshot(P, PROJECT))
         objects_before = sorted(os.listdir(self.files().objects))
         calls = []
 
@@ -3112,8 +3123,8 @@ class StoreTest(unittest.TestCase):
             self.assertEqual(self.refused(self.commit, [memory_put("b"), memory_put("c"), memory_put("d")], etag=etag),
                              (502, "memory_sync_failed"))
         self.assertEqual(len(calls), 2)
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict(), before)
-        self.assertEqual(self.open_store().snapshot(P, PROJECT).to_dict(), before)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT)), before)
+        self.assertEqual(as_doc(self.open_store().snapshot(P, PROJECT)), before)
         self.assertEqual(sorted(os.listdir(self.files().objects)), objects_before)  # the new ones are removed
         self.commit([memory_put("b")], etag=etag)
 
@@ -3163,7 +3174,7 @@ class StoreTest(unittest.TestCase):
         self.assertEqual(len(winners), 1)
         self.assertEqual(results.count("revision_conflict"), 9)
         for store in (self.store, self.open_store()):
-            snapshot = store.snapshot(P, PROJECT).to_dict()
+            snapshot = as_doc(store.snapshot(P, PROJECT))
             self.assertEqual(snapshot["etag"], results[winners[0]])
             self.assertEqual([entry["id"] for entry in snapshot["entries"]], ["base", "t%d" % winners[0]])
 
@@ -3175,22 +3186,22 @@ class StoreTest(unittest.TestCase):
         self.assertEqual(len(os.listdir(objects)), 3)  # replaced revisions stay for garbage_age
         with open(os.path.join(objects, "not-ours.txt"), "wb"):
             pass
-        self.assertEqual(self.store.collect_garbage(P, PROJECT), 0)
+        etag = self.commit([memory_put("d")], etag=etag)["etag"]  # a commit collects: none is old enough yet
+        self.assertEqual(len(os.listdir(objects)), 5)  # a's two revisions, b, d, not-ours.txt
         self.now = time.time() + sync.GARBAGE_AGE_SECONDS + 1
-        self.assertEqual(self.store.collect_garbage(P, PROJECT), 2)
-        self.assertEqual(sorted(os.listdir(objects)),
-                         sorted([os.path.basename(self.object_path("a")), "not-ours.txt"]))
+        etag = self.commit([memory_put("e")], etag=etag)["etag"]  # now the replaced a and the deleted b go
+        self.assertEqual(sorted(os.listdir(objects)), sorted(
+            [os.path.basename(self.object_path(note_id)) for note_id in "ade"] + ["not-ours.txt"]))
         self.assertNotIn(old_a, os.listdir(objects))
-        self.assertEqual(self.store.snapshot(P, PROJECT).to_dict()["entries"][0]["note"]["body"], "v2")
-        # A commit collects too.
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["entries"][0]["note"]["body"], "v2")
         self.commit([memory_put("a", body="v3")], etag=etag)
         self.now += sync.GARBAGE_AGE_SECONDS + 1
-        self.commit([memory_put("c")], etag=self.store.snapshot(P, PROJECT).to_dict()["etag"])
-        self.assertEqual(len(os.listdir(objects)), 3)  # a v3, c, not-ours.txt
+        self.commit([memory_put("c")], etag=as_doc(self.store.snapshot(P, PROJECT))["etag"])
+        self.assertEqual(len(os.listdir(objects)), 5)  # a v3, c, d, e, not-ours.txt
 
     def test_a_crash_between_objects_and_manifest_leaves_a_valid_state(self):
         etag = self.commit([memory_put("a")])["etag"]
-        before = self.store.snapshot(P, PROJECT).to_dict()
+        before = as_doc(self.store.snapshot(P, PROJECT))
 
         class Crash(BaseException):
             """The process dying right after the objects were written."""
@@ -3201,11 +3212,14 @@ class StoreTest(unittest.TestCase):
         objects = os.listdir(self.files().objects)
         self.assertEqual(len(objects), 3)  # the two new revisions are on disk, unreferenced
         restarted = self.open_store()
-        self.assertEqual(restarted.snapshot(P, PROJECT).to_dict(), before)
+        self.assertEqual(as_doc(restarted.snapshot(P, PROJECT)), before)
         answer = self.commit([memory_put("c")], etag=etag, store=restarted)  # the old etag is still current
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["a", "c"])
         self.now = time.time() + sync.GARBAGE_AGE_SECONDS + 1  # file times are the real clock's
-        self.assertEqual(restarted.collect_garbage(P, PROJECT), 2)
+        kept = sorted(os.path.basename(self.object_path(note_id)) for note_id in "ac")
+        self.commit([memory_put("d")], etag=answer["etag"], store=restarted)  # a commit collects
+        kept.append(os.path.basename(self.object_path("d")))
+        self.assertEqual(sorted(os.listdir(self.files().objects)), sorted(kept))  # the crash's two went
 
     def test_a_replaced_old_revision_stays_for_garbage_age_after_its_replacement(self):
         etag = self.commit([memory_put("a")])["etag"]
@@ -3214,7 +3228,7 @@ class StoreTest(unittest.TestCase):
         self.commit([memory_put("a", body="v2")], etag=etag)  # replaced now, and this commit collects
         self.assertTrue(os.path.exists(old_object))  # a backup copying the old manifest still finds it
         self.now += sync.GARBAGE_AGE_SECONDS + 1
-        self.assertEqual(self.store.collect_garbage(P, PROJECT), 1)
+        self.commit([memory_put("b")], etag=as_doc(self.store.snapshot(P, PROJECT))["etag"])
         self.assertFalse(os.path.exists(old_object))
 
 
@@ -3232,7 +3246,7 @@ class FullScopeTest(unittest.TestCase):
             for start in range(0, 5000, 500):
                 docs = [memory_put("n%04d" % i) for i in range(start, start + 500)]
                 cls.have.update((doc["id"], doc["hash"]) for doc in docs)
-                cls.answer = cls.store.commit(P, PROJECT, cls.etag, memory_changes_of(*docs), cls.have).to_dict()
+                cls.answer = as_doc(cls.store.commit(P, PROJECT, cls.etag, memory_changes_of(*docs), cls.have))
                 cls.etag = cls.answer["etag"]
         finally:
             restore_fsync()
@@ -3245,17 +3259,17 @@ class FullScopeTest(unittest.TestCase):
         self.assertEqual(len(self.answer["entries"]), 5000)
         self.assertEqual(self.answer["entries"][-1], {"id": "n4999", "hash": self.have["n4999"]})
         with self.assertRaises(sync.MemoryApiError) as caught:
-            self.store.commit(P, PROJECT, self.etag, memory_changes_of(memory_put("n5000"))).to_dict()
+            as_doc(self.store.commit(P, PROJECT, self.etag, memory_changes_of(memory_put("n5000"))))
         self.assertEqual((caught.exception.status, caught.exception.code), (413, "memory_quota_exceeded"))
-        self.assertTrue(self.store.snapshot(P, PROJECT, known_etag=self.etag).to_dict()["unchanged"])
+        self.assertTrue(as_doc(self.store.snapshot(P, PROJECT, known_etag=self.etag))["unchanged"])
 
     def test_full_have_snapshot_is_fast(self):
         store = sync.MemoryStore(self.dir)
-        self.assertTrue(store.snapshot(P, PROJECT, known_etag=self.etag).to_dict()["unchanged"])  # loads the manifest
+        self.assertTrue(as_doc(store.snapshot(P, PROJECT, known_etag=self.etag))["unchanged"])  # loads the manifest
         best = float("inf")
         for _ in range(5):
             started = time.perf_counter()
-            answer = store.snapshot(P, PROJECT, have=self.have).to_dict()
+            answer = as_doc(store.snapshot(P, PROJECT, have=self.have))
             best = min(best, time.perf_counter() - started)
         self.assertEqual(len(answer["entries"]), 5000)
         self.assertNotIn("note", answer["entries"][0])
@@ -3263,7 +3277,7 @@ class FullScopeTest(unittest.TestCase):
 
     def test_full_snapshot_reads_every_note(self):
         started = time.perf_counter()
-        answer = sync.MemoryStore(self.dir).snapshot(P, PROJECT).to_dict()
+        answer = as_doc(sync.MemoryStore(self.dir).snapshot(P, PROJECT))
         elapsed = time.perf_counter() - started
         self.assertEqual(answer["entries"][1234]["note"], memory_note("n1234"))
         self.assertLess(elapsed, 2.0)
@@ -4949,7 +4963,7 @@ class ParkedCapTest(ServerCase):
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 5
-        while self.server.app.parked < 2:
+        while len(self.server.app.parked) < 2:
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
         started = time.monotonic()
@@ -4961,7 +4975,7 @@ class ParkedCapTest(ServerCase):
             thread.join(5)
         self.assertEqual([len(answer.json["records"]) for answer in results], [1, 1])
         deadline = time.monotonic() + 5
-        while self.server.app.parked:  # the places are given back once the threads resume
+        while len(self.server.app.parked):  # the places are given back once the threads resume
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
 
@@ -5353,9 +5367,9 @@ class LongPollTest(ServerCase):
         self.wait_parked(1)
         sock.close()
         deadline = time.monotonic() + 5
-        while self.server.app.parked and time.monotonic() < deadline:
+        while len(self.server.app.parked) and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.assertEqual(self.server.app.parked, 0)  # the abandoned pull is forgotten at once
+        self.assertEqual(len(self.server.app.parked), 0)  # the abandoned pull is forgotten at once
         self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
         self.assertAnswer(self.pull(self.alice), 200)
         self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
@@ -5932,14 +5946,14 @@ class TransportTest(ServerCase):
             sock.sendall(("GET /v1/pull?project=proj&since=%d&wait=30 HTTP/1.1\r\nHost: t\r\n"
                           "Authorization: Bearer %s\r\n\r\n" % (since, self.alice)).encode("ascii"))
             deadline = time.monotonic() + 5
-            while self.server.app.parked != 1 and time.monotonic() < deadline:
+            while len(self.server.app.parked) != 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            self.assertEqual(self.server.app.parked, 1)
+            self.assertEqual(len(self.server.app.parked), 1)
         left = time.monotonic()
         deadline = left + 5
-        while (self.server.app.parked or self.server.connections) and time.monotonic() < deadline:
+        while (len(self.server.app.parked) or self.server.connections) and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.assertEqual((self.server.app.parked, self.server.connections, self.server.busy), (0, 0, 0))
+        self.assertEqual((len(self.server.app.parked), self.server.connections, self.server.busy), (0, 0, 0))
         self.assertLess(time.monotonic() - left, 1.0)
 
     def test_a_parked_pull_whose_client_half_closes_is_answered_within_a_check(self):
@@ -5954,7 +5968,7 @@ class TransportTest(ServerCase):
             self.assertEqual((status, json.loads(body)), (200, EMPTY_PULL))
             self.assertLess(time.monotonic() - started, 2.0)
             self.assertTrue(server_closed(sock, 5))
-        self.assertEqual(self.server.app.parked, 0)
+        self.assertEqual(len(self.server.app.parked), 0)
 
     def test_a_parked_pull_whose_client_leaves_gives_its_place_back_within_a_check(self):
         self.park_and_leave(since=0)
@@ -6002,7 +6016,7 @@ class TransportTest(ServerCase):
             thread = threading.Thread(target=lambda: results.append(self.pull(self.alice, since=1, wait=10)))
             thread.start()
             deadline = time.monotonic() + 5
-            while self.server.app.parked != 1 and time.monotonic() < deadline:
+            while len(self.server.app.parked) != 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
             self.assertAnswer(self.push(self.alice, records=[record(record_id="r2")]), 200)
             thread.join(5)
