@@ -630,10 +630,6 @@ class MemoryScope:
     def __init__(self, project=None):
         self.project = project
 
-    def dir_name(self):
-        # "user" can never clash with a project: those all start with "p-".
-        return "user" if self.project is None else "p-" + encode_name(self.project)
-
     def __eq__(self, other):
         return isinstance(other, MemoryScope) and other.project == self.project
 
@@ -1869,6 +1865,83 @@ class Authenticator:
 # Storage: files, the data-dir lock, tokens
 # -------------------------------------------------------------------------------------------------
 
+class DataDir:
+    """Where everything lives under a data dir: the one place that spells its paths.
+
+        DIR/server.lock                              held by the running server (DataDirLock)
+        DIR/tokens.json, DIR/tokens.lock             token hashes (TokenStore), and their writers' lock
+        DIR/feeds/u-<principal>/p-<project>.jsonl    a personal feed
+        DIR/feeds/t-<team>/p-<project>.jsonl         a team's feed
+        DIR/memory/u-<principal>/p-<project>/        a project's notes: manifest.json, objects/<rev>.json
+        DIR/memory/u-<principal>/user/               the user scope's notes ("user" is no "p-" name)
+
+    Ids are written with encode_name: reversibly, and safely on case-insensitive disks. An owner is
+    ("u", principal) or ("t", team): two namespaces, so a principal and a team with one id never meet.
+    """
+
+    def __init__(self, path):
+        self.path = path
+        self.lock = os.path.join(path, "server.lock")
+        self.tokens = os.path.join(path, "tokens.json")
+        self.tokens_lock = os.path.join(path, "tokens.lock")
+        self.feeds = os.path.join(path, "feeds")
+        self.memory = os.path.join(path, "memory")
+
+    def owner_dir(self, owner):
+        kind, owner_id = owner
+        return os.path.join(self.feeds, "%s-%s" % (kind, encode_name(owner_id)))
+
+    def feed_path(self, owner, project):
+        return os.path.join(self.owner_dir(owner), "p-%s.jsonl" % encode_name(project))
+
+    def owner_feeds(self, owner):
+        """[(project, os.DirEntry)] of owner's feed files, in no order."""
+        try:
+            entries = list(os.scandir(self.owner_dir(owner)))
+        except FileNotFoundError:
+            return []
+        return [(decode_name(entry.name[2:-6]), entry) for entry in entries if _is_feed_name(entry.name)]
+
+    def all_feeds(self):
+        """(owner, project, os.DirEntry) of every file under DIR/feeds/u-*|t-*, sorted by path; owner and
+        project are None for a file that is no feed."""
+        for owner_entry in _sorted_dirs(self.feeds, ("u-", "t-")):
+            owner = (owner_entry.name[0], decode_name(owner_entry.name[2:]))
+            for entry in sorted(os.scandir(owner_entry.path), key=lambda entry: entry.name):
+                if _is_feed_name(entry.name):
+                    yield owner, decode_name(entry.name[2:-6]), entry
+                else:
+                    yield None, None, entry
+
+    def scope_files(self, principal, scope):
+        return ScopeFiles(os.path.join(self.memory, "u-" + encode_name(principal),
+                                       "user" if scope.project is None else "p-" + encode_name(scope.project)))
+
+    def all_scopes(self):
+        """(principal, MemoryScope, ScopeFiles) of every scope directory, sorted by path (those whose
+        names are no valid ids are not scopes of this server's making, and are left out)."""
+        for principal_entry in _sorted_dirs(self.memory, ("u-",)):
+            principal = decode_name(principal_entry.name[2:])
+            for scope_entry in _sorted_dirs(principal_entry.path, ("p-", "user")):
+                name = scope_entry.name
+                scope = USER_SCOPE if name == "user" else MemoryScope(decode_name(name[2:]))
+                if is_valid_id(principal) and (scope.project is None or is_valid_id(scope.project)):
+                    yield principal, scope, self.scope_files(principal, scope)
+
+
+def _is_feed_name(name):
+    return name.startswith("p-") and name.endswith(".jsonl")
+
+
+def _sorted_dirs(path, prefixes):
+    """The directories in path whose names begin with one of prefixes, sorted by name."""
+    try:
+        entries = sorted(os.scandir(path), key=lambda entry: entry.name)
+    except FileNotFoundError:
+        return []
+    return [entry for entry in entries if entry.is_dir() and entry.name.startswith(prefixes)]
+
+
 def sync_file(fd):
     """Make the bytes written to fd durable (fdatasync where there is one)."""
     if hasattr(os, "fdatasync"):
@@ -1976,7 +2049,7 @@ class DataDirLock:
     """One server per data directory: an exclusive lock on DIR/server.lock, held while serving."""
 
     def __init__(self, data_dir):
-        self.path = os.path.join(data_dir, "server.lock")
+        self.path = DataDir(data_dir).lock
         self.fd = None
 
     def acquire(self):
@@ -2004,11 +2077,10 @@ class TokenStore:
     readable by the server's user); a first one gets the data dir's owner.
     """
 
-    FILE_NAME = "tokens.json"
-
     def __init__(self, data_dir, clock=time.time):
-        self.path = os.path.join(data_dir, self.FILE_NAME)
-        self.lock_path = os.path.join(data_dir, "tokens.lock")
+        layout = DataDir(data_dir)
+        self.path = layout.tokens
+        self.lock_path = layout.tokens_lock
         self.clock = clock
 
     def version(self):
@@ -2153,6 +2225,39 @@ def parse_feed_line(line):
     return int(number), kind, None if key is None else int(key, 16), content[head.end():]
 
 
+def scan_feed(f):
+    """Read an open feed file line by line, checking each line as the server takes it. Yields
+    (line number, offset, size, number, kind, key, stamp, problem, last) per line: for a good one its
+    event number, kind and dedupe key (records) or stamp (session metadata: (id, (gen, updatedAt)));
+    for a bad one, problem says what is wrong (the others are None) and last whether it is the file's
+    last line, which a crash may have torn. Numbers follow one another from 1; a line that cannot be
+    read is taken to hold the number it is in the place of."""
+    expected, offset = 1, 0
+    for line_number, line in enumerate(f, 1):
+        number = None
+        try:
+            number, kind, key, event = parse_feed_line(line)
+            if number != expected:
+                raise ValueError("event number %d where %d was expected" % (number, expected))
+            stamp = None
+            if kind == b"s":
+                session = json.loads(event)
+                stamp = session["id"], (session["gen"], session["updatedAt"])
+        except (ValueError, KeyError, TypeError) as exc:
+            yield line_number, offset, len(line), None, None, None, None, str(exc), not f.peek(1)
+        else:
+            yield line_number, offset, len(line), number, kind, key, stamp, None, False
+        expected = (expected if number is None else number) + 1  # after a jump, counted on from there
+        offset += len(line)
+
+
+def cut_feed(path, offset):
+    """Cut a feed file back to offset, durably: a torn last line goes."""
+    with open(path, "r+b") as f:
+        f.truncate(offset)
+        sync_file(f.fileno())
+
+
 def split_events(data):
     """The (records, sessions) event bytes of a run of whole feed lines, without parsing JSON."""
     records, sessions = [], []
@@ -2282,40 +2387,27 @@ class Feed:
             return
         count, offsets, keys, meta = 0, array.array("Q", [0]), set(), {}
         with f:
-            offset = 0
-            for line_number, line in enumerate(f, 1):
-                try:
-                    number, kind, key, event = parse_feed_line(line)
-                    if number != count + 1:
-                        raise ValueError("event number %d where %d was expected" % (number, count + 1))
-                    if kind == b"s":
-                        session = json.loads(event)
-                        meta[session["id"]] = (session["gen"], session["updatedAt"])
-                    else:
-                        keys.add(key)
-                except (ValueError, KeyError, TypeError) as exc:
-                    if f.peek(1):
-                        self.damage = "%s:%d: %s" % (self.path, line_number, exc)
+            for line_number, offset, size, _, _, key, stamp, problem, last in scan_feed(f):
+                if problem is not None:
+                    if not last:
+                        self.damage = "%s:%d: %s" % (self.path, line_number, problem)
                         self.log("feed refused: %s" % self.damage)
                         return
-                    self._cut_tail(offset, line_number)
+                    cut_feed(self.path, offset)
+                    self.log("cut a torn last line off %s (line %d)" % (self.path, line_number))
                     break
-                offset += len(line)
+                if stamp is None:
+                    keys.add(key)
+                else:
+                    meta[stamp[0]] = stamp[1]
                 count += 1
-                offsets.append(offset)
+                offsets.append(offset + size)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
         with self.lock:
             self.count, self.offsets, self.keys, self.meta = count, offsets, keys, meta
             self.next_number = count + 1
             self.fd = fd
         self.loaded = True
-
-    def _cut_tail(self, offset, line_number):
-        """Cut a torn or damaged last line, left by a crash or power cut, off the file."""
-        with open(self.path, "r+b") as f:
-            f.truncate(offset)
-            sync_file(f.fileno())
-        self.log("cut a torn last line off %s (line %d)" % (self.path, line_number))
 
     # -- appending ---------------------------------------------------------
 
@@ -2519,16 +2611,12 @@ class FeedStore:
     """
 
     def __init__(self, data_dir, log=None):
-        self.root = os.path.join(data_dir, "feeds")
+        self.layout = DataDir(data_dir)
         self.log = log or (lambda message: None)
         self.stopping = threading.Event()
         self._feeds = {}
         self._lock = threading.Lock()
         self._unborn = {}                      # (owner, project) without a Feed -> ParkedPulls waiting for one
-
-    def owner_dir(self, owner):
-        kind, owner_id = owner
-        return os.path.join(self.root, "%s-%s" % (kind, encode_name(owner_id)))
 
     def feed(self, owner, project, create=False):
         """The Feed of (owner, project); None when it has no file and create is false.
@@ -2539,7 +2627,7 @@ class FeedStore:
         feed = self._feeds.get(key)
         if feed is not None:
             return feed
-        path = os.path.join(self.owner_dir(owner), "p-%s.jsonl" % encode_name(project))
+        path = self.layout.feed_path(owner, project)
         with self._lock:
             feed = self._feeds.get(key)
             if feed is None and (create or os.path.exists(path)):
@@ -2604,16 +2692,8 @@ class FeedStore:
     def projects(self, owner):
         """The sorted project ids with a durable event in owner's feed. A feed in use counts its durable
         events (its file may hold a first push still being fsynced, or being undone); another, its file."""
-        try:
-            entries = list(os.scandir(self.owner_dir(owner)))
-        except FileNotFoundError:
-            return []
         names = []
-        for entry in entries:
-            name = entry.name
-            if not (name.startswith("p-") and name.endswith(".jsonl")):
-                continue
-            project = decode_name(name[2:-6])
+        for project, entry in self.layout.owner_feeds(owner):
             feed = self._feeds.get((owner, project))
             if feed is not None and feed.loaded:
                 durable = feed.count > 0
@@ -2790,15 +2870,12 @@ class ManifestCache:
 
 
 class ScopeFiles:
-    """The paths of one scope: DIR/memory/u-<principal>/<scope>/{manifest.json, objects/<rev>.json}."""
+    """The paths of one scope's directory (DataDir.scope_files): manifest.json, objects/<rev>.json."""
 
     __slots__ = ("root", "manifest", "objects")
 
-    def __init__(self, data_dir, principal, scope):
-        # Ids are checked here too: encode_name keeps '/' and '.', so only a valid id is a safe name.
-        if not is_valid_id(principal) or (scope.project is not None and not is_valid_id(scope.project)):
-            raise ValueError("invalid principal or project id")
-        self.root = os.path.join(data_dir, "memory", "u-" + encode_name(principal), scope.dir_name())
+    def __init__(self, root):
+        self.root = root
         self.manifest = os.path.join(self.root, "manifest.json")
         self.objects = os.path.join(self.root, "objects")
 
@@ -2836,7 +2913,7 @@ class MemoryStore:
     """
 
     def __init__(self, data_dir, clock=time.time, log=None):
-        self.data_dir = data_dir
+        self.layout = DataDir(data_dir)
         self.clock = clock
         self.log = log or (lambda message: None)
         self.quota = dict(MEMORY_QUOTA)              # what is enforced and advertised; tests may lower it
@@ -2866,7 +2943,10 @@ class MemoryStore:
         if files is None:
             if len(self._paths) > 10000:
                 self._paths.clear()
-            files = self._paths[key] = ScopeFiles(self.data_dir, principal, scope)
+            # Ids are checked here too: encode_name keeps '/' and '.', so only a valid id is a safe name.
+            if not is_valid_id(principal) or (scope.project is not None and not is_valid_id(scope.project)):
+                raise ValueError("invalid principal or project id")
+            files = self._paths[key] = self.layout.scope_files(principal, scope)
         return files
 
     # -- the two operations ------------------------------------------------
@@ -4607,6 +4687,7 @@ class DataDirCheck:
 
     def __init__(self, data_dir, repair=False, progress=None):
         self.data_dir = data_dir
+        self.layout = DataDir(data_dir)
         self.repair = repair
         self.progress = progress
         self.problems = []
@@ -4623,23 +4704,15 @@ class DataDirCheck:
         self.check_tokens()
         return not self.problems
 
-    def _dirs(self, root, prefixes):
-        try:
-            entries = sorted(os.scandir(root), key=lambda entry: entry.name)
-        except FileNotFoundError:
-            return []
-        return [entry.path for entry in entries if entry.is_dir() and entry.name.startswith(prefixes)]
-
     # -- feeds ---------------------------------------------------------------
 
     def check_feeds(self):
         feeds = []  # (path, size)
-        for owner_dir in self._dirs(os.path.join(self.data_dir, "feeds"), ("u-", "t-")):
-            for entry in sorted(os.scandir(owner_dir), key=lambda entry: entry.name):
-                if entry.name.startswith("p-") and entry.name.endswith(".jsonl"):
-                    feeds.append((entry.path, entry.stat().st_size))
-                else:
-                    self.notes.append("%s: not a feed file (left alone)" % entry.path)
+        for owner, _, entry in self.layout.all_feeds():
+            if owner is not None:
+                feeds.append((entry.path, entry.stat().st_size))
+            else:
+                self.notes.append("%s: not a feed file (left alone)" % entry.path)
         self.feeds_total, self.bytes_total = len(feeds), sum(size for _, size in feeds)
         for path, size in feeds:
             self._report_progress(0)
@@ -4652,62 +4725,45 @@ class DataDirCheck:
             self.progress(self.counts["feeds"], self.feeds_total, self.bytes_done + feed_bytes, self.bytes_total)
 
     def check_feed(self, path):
-        keys, expected, offset, cut = set(), 1, 0, None
+        keys, cut, line_number = set(), None, 0
         with open(path, "rb") as f:
-            for line_number, line in enumerate(f, 1):
+            for line_number, offset, _, _, _, key, _, problem, last in scan_feed(f):
                 if line_number % self.PROGRESS_LINES == 0:
                     self._report_progress(offset)
-                try:
-                    number, kind, key, event = parse_feed_line(line)
-                    if kind == b"s":
-                        session = json.loads(event)
-                        if not isinstance(session, dict) or "id" not in session:
-                            raise ValueError("session event without an id")
-                except ValueError as exc:
-                    if not f.peek(1):
-                        self._torn_tail(path, line_number, offset, exc)
-                        break
-                    self.problems.append("%s:%d: %s" % (path, line_number, exc))
-                    cut = cut or (line_number, offset)
-                    offset += len(line)
-                    expected += 1
+                if problem is not None and last:
+                    self._torn_tail(path, line_number, offset, problem)
+                    break
+                if problem is not None:
+                    self.problems.append("%s:%d: %s" % (path, line_number, problem))
+                    cut = cut or (line_number, offset)  # the server refuses the feed from here
                     continue
-                if number != expected:
-                    self.problems.append("%s:%d: event number %d where %d was expected" % (
-                        path, line_number, number, expected))
-                    cut = cut or (line_number, offset)  # the server refuses a feed whose numbers jump
                 if key is not None:
                     if key in keys:
                         self.problems.append("%s:%d: a record (session, id) stored a second time" % (path, line_number))
                     keys.add(key)
                 self.counts["events"] += 1
-                expected = number + 1
-                offset += len(line)
         self.counts["feeds"] += 1
         if cut is not None:
             self.cuts.append((path, cut[0], cut[1], line_number - cut[0] + 1))
 
-    def _torn_tail(self, path, line_number, offset, exc):
+    def _torn_tail(self, path, line_number, offset, problem):
         if self.repair:
-            with open(path, "r+b") as f:
-                f.truncate(offset)
-                sync_file(f.fileno())
-            self.repaired.append("%s:%d: cut a torn or damaged last line (%s)" % (path, line_number, exc))
+            cut_feed(path, offset)
+            self.repaired.append("%s:%d: cut a torn or damaged last line (%s)" % (path, line_number, problem))
         else:
             self.repairable = True
             self.problems.append("%s:%d: torn or damaged last line (%s); --repair cuts it, and a running "
-                                 "server cuts it at its next start" % (path, line_number, exc))
+                                 "server cuts it at its next start" % (path, line_number, problem))
 
     # -- memory ----------------------------------------------------------------
 
     def check_memory(self):
-        for principal_dir in self._dirs(os.path.join(self.data_dir, "memory"), ("u-",)):
-            for scope_dir in self._dirs(principal_dir, ("p-", "user")):
-                self.check_scope(scope_dir)
+        for _, _, files in self.layout.all_scopes():
+            self.check_scope(files)
 
-    def check_scope(self, scope_dir):
+    def check_scope(self, files):
         self.counts["scopes"] += 1
-        manifest_path = os.path.join(scope_dir, "manifest.json")
+        manifest_path = files.manifest
         try:
             with open(manifest_path, "rb") as f:
                 manifest = Manifest.from_bytes(f.read())
@@ -4716,7 +4772,7 @@ class DataDirCheck:
         except (OSError, ValueError) as exc:
             self.problems.append("%s: manifest does not parse: %s" % (manifest_path, exc))
             return
-        objects = os.path.join(scope_dir, "objects")
+        objects = files.objects
         referenced = set()
         for note_id in manifest.sorted_ids():
             entry = manifest.entries[note_id]
@@ -4724,7 +4780,7 @@ class DataDirCheck:
                 continue
             self.counts["notes"] += 1
             referenced.add(entry["rev"] + ".json")
-            self.check_object(manifest_path, note_id, entry, os.path.join(objects, entry["rev"] + ".json"))
+            self.check_object(manifest_path, note_id, entry, files.object_path(entry["rev"]))
         try:
             names = sorted(os.listdir(objects))
         except FileNotFoundError:
@@ -6847,10 +6903,10 @@ def measure_memory(report, target, clients, seconds, notes):
 def write_big_data_dir(data_dir, feeds, records_per_feed):
     """Write feeds feed files of records_per_feed records each, straight to disk (as pushes would)."""
     body = encode_json({"role": "assistant", "text": "w" * 140})
-    directory = os.path.join(data_dir, "feeds", "u-bench")
-    make_dirs(directory)
+    layout = DataDir(data_dir)
+    make_dirs(layout.owner_dir(("u", "bench")))
     for f in range(feeds):
-        with open(os.path.join(directory, "p-big-%d.jsonl" % f), "wb") as out:
+        with open(layout.feed_path(("u", "bench"), "big-%d" % f), "wb") as out:
             lines = []
             for i in range(records_per_feed):
                 event = b'{"session":"s%d","id":"r%d","seq":%d,"device":"bench","at":%d,"body":%s}' % (

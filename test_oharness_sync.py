@@ -2322,9 +2322,10 @@ class FeedStoreTest(unittest.TestCase):
         # taking turns on the interpreter lock, for nothing) and each parked again on the new feed.
         events = []
         thread, results = self.wait_in_thread("p", 0, on_event=lambda: events.append(threading.current_thread()))
-        other, other_results = self.wait_in_thread("q", 0, timeout=0.5)
+        other, other_results = self.wait_in_thread("q", 0, timeout=2)
         waiting = self.waiting_aside("p")
         self.assertEqual(len(waiting), 1)
+        self.assertEqual(len(self.waiting_aside("q")), 1)  # (both aside before a feed is made)
         feed = self.store.feed(self.owner, "p", create=True)
         self.assertEqual(feed.parked, waiting)  # the same pull, not woken and parked again
         self.assertEqual(set(self.store._unborn), {(self.owner, "q")})
@@ -2599,7 +2600,7 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(self.store.push(self.owner, "p", *validated()), (1, 0))  # the feed's cursor
 
     def feed_dirs(self):
-        return os.listdir(self.store.root) if os.path.isdir(self.store.root) else []
+        return os.listdir(self.store.layout.feeds) if os.path.isdir(self.store.layout.feeds) else []
 
     def test_projects_lists_non_empty_feeds_sorted_and_decoded(self):
         for project in ("zeta", "Alpha", "alpha", "m_id"):
@@ -2840,7 +2841,7 @@ class StoreTest(unittest.TestCase):
         return caught.exception.status, caught.exception.code
 
     def files(self, scope=PROJECT, principal=P):
-        return sync.ScopeFiles(self.dir, principal, scope)
+        return sync.DataDir(self.dir).scope_files(principal, scope)
 
     def object_path(self, note_id, scope=PROJECT):
         files = self.files(scope)
