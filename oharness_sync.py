@@ -51,6 +51,7 @@ import shlex
 import shutil
 import signal
 import socket
+import socketserver
 import ssl
 import subprocess
 import sys
@@ -6337,60 +6338,89 @@ def target_met(target, value, ratio):
     return measured == bound
 
 
-# The reference: a bare http.server that answers health with the same bytes; appends each push body
-# to a file and fsyncs it (given one), nothing else (no parsing, no checks, no group commit); and holds
-# each pull on a Condition of its own until a push notifies them all, then answers a fixed one-record
-# page. What it reaches is about the most any Python server with a thread per connection can on the
-# machine.
-REFERENCE_SERVER = r"""
-import http.server, os, socketserver, sys, threading
-def answer(body):
-    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-HEALTH, PUSHED = answer(b'{"ok":true}'), answer(b'{"cursor":1,"accepted":1}')
-PAGE = answer(b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,"device":"bench","at":1,"body":null}],'
-              b'"sessions":[],"more":false}')
-fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if len(sys.argv) > 1 else None
-lock, parked, pushed = threading.Lock(), set(), []
-class Handler(http.server.BaseHTTPRequestHandler):
+def canned_response(body):
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body), body)
+
+
+class ReferenceHandler(http.server.BaseHTTPRequestHandler):
+    """The reference's requests: health and a push are answered with fixed bytes (a push's body is
+    appended to the server's file and fsynced first, when it has one); a pull waits on a Condition of
+    its own until a push notifies them all, then gets a fixed one-record page."""
+
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
+    HEALTH = canned_response(b'{"ok":true}')
+    PUSHED = canned_response(b'{"cursor":1,"accepted":1}')
+    PAGE = canned_response(b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,"device":"bench",'
+                           b'"at":1,"body":null}],"sessions":[],"more":false}')
+
     def do_GET(self):
         if not self.path.startswith("/v1/pull"):
-            self.wfile.write(HEALTH)
+            self.wfile.write(self.HEALTH)
             return
-        woken = threading.Condition(threading.Lock())
+        server, woken = self.server, threading.Condition(threading.Lock())
         with woken:
-            with lock:
-                waits = not pushed
+            with server.lock:
+                waits = not server.pushed
                 if waits:
-                    parked.add(woken)
+                    server.parked.add(woken)
             if waits:
-                woken.wait(30)
-        self.wfile.write(PAGE)
+                woken.wait(MAX_WAIT_SECONDS)
+        self.wfile.write(self.PAGE)
+
     def do_POST(self):
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if fd is not None:
-            os.write(fd, body + b"\n")
-            getattr(os, "fdatasync", os.fsync)(fd)
-        if not pushed:
-            with lock:
-                pushed.append(1)
-                waiting = list(parked)
-                parked.clear()
-            for woken in waiting:
+        server, body = self.server, self.rfile.read(int(self.headers["Content-Length"]))
+        if server.fd is not None:
+            os.write(server.fd, body + b"\n")
+            getattr(os, "fdatasync", os.fsync)(server.fd)
+        if not server.pushed:
+            with server.lock:
+                server.pushed = True
+                parked, server.parked = server.parked, set()
+            for woken in parked:
                 with woken:
                     woken.notify()
-        self.wfile.write(PUSHED)
+        self.wfile.write(self.PUSHED)
+
     def log_message(self, *args):
         pass
-class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+
+
+class ReferenceServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """What bench measures this server against: a bare http.server (ReferenceHandler) that does
+    nothing of the protocol's work (no parsing, no checks, no group commit), in a process of its own.
+    What it reaches is about the most any Python server with a thread per connection can on the
+    machine."""
+
     daemon_threads = True
     request_queue_size = 2048
-threading.stack_size(512 * 1024)
-server = Server(("127.0.0.1", 0), Handler)
-print("listening on http://127.0.0.1:%d" % server.server_address[1], flush=True)
-server.serve_forever()
-"""
+
+    def __init__(self, push_file=None):
+        super().__init__(("127.0.0.1", 0), ReferenceHandler)
+        self.fd = None if push_file is None else os.open(push_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                                         0o600)
+        self.lock, self.parked, self.pushed = threading.Lock(), set(), False
+
+    @classmethod
+    def start(cls, push_file=None):
+        """(process, URL) of a reference server started in a process of its own."""
+        context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+        ready = context.Queue()
+        process = context.Process(target=cls.serve, args=(push_file, ready), daemon=True)
+        process.start()
+        try:
+            return process, ready.get(timeout=BENCH_RESULT_WAIT)
+        except queue.Empty:
+            process.kill()
+            raise UsageError("could not start the reference server") from None
+
+    @classmethod
+    def serve(cls, push_file, ready):
+        threading.stack_size(THREAD_STACK_BYTES)
+        server = cls(push_file)
+        ready.put("http://127.0.0.1:%d" % server.server_address[1])
+        server.serve_forever()
 
 
 class BenchRefused(RuntimeError):
@@ -6607,14 +6637,14 @@ def bench_rate(url, token, kind, clients, seconds, extra=None):
     return sum(c for c, _ in counts) / float(seconds)
 
 
-def bench_reference(script, arguments, kind, client_counts, seconds):
-    """Rates of kind against a reference server script (one per entry of client_counts)."""
-    process, url = start_subprocess([sys.executable, "-c", script] + arguments)
+def bench_reference(kind, client_counts, seconds, push_file=None):
+    """Rates of kind against a ReferenceServer (one per entry of client_counts)."""
+    process, url = ReferenceServer.start(push_file)
     try:
         return [bench_rate(url, None, kind, count, seconds) for count in client_counts]
     finally:
         process.terminate()
-        process.wait()
+        process.join()
 
 
 def disk_fsync_rate(directory, seconds):
@@ -6820,13 +6850,13 @@ def oversized_heads(target, connections=40, lines=100, line_bytes=65000):
 
 
 def bare_wake_p99(polls):
-    """The p99 wake latency in s of polls long-polls on REFERENCE_SERVER, woken by one push."""
-    process, url = start_subprocess([sys.executable, "-c", REFERENCE_SERVER])
+    """The p99 wake latency in s of polls long-polls on a ReferenceServer, woken by one push."""
+    process, url = ReferenceServer.start()
     try:
         latencies, _, _, _ = park_and_wake(BenchTarget(url, None), 1, polls)
     finally:
         process.terminate()
-        process.wait()
+        process.join()
     return percentile(latencies, 0.99)
 
 
@@ -7047,7 +7077,7 @@ def run_bench(report, args, scratch):
         rss_start = target.rss_mib()
         reference = None
         if own:
-            reference = bench_reference(REFERENCE_SERVER, [], "health", [clients], seconds)[0]
+            reference = bench_reference("health", [clients], seconds)[0]
         health = bench_rate(target.url, target.token, "health", clients, seconds)
         report.add("health, %d keep-alive clients" % clients, health, "req/s", reference,
                    "bare http.server", BENCH_TARGETS["health"])
@@ -7059,8 +7089,7 @@ def run_bench(report, args, scratch):
                    disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds), "/s")
         bare = [None, None]
         if own:
-            bare = bench_reference(REFERENCE_SERVER, [os.path.join(scratch, "bare-pushes")], "push",
-                                   [1, clients], seconds)
+            bare = bench_reference("push", [1, clients], seconds, os.path.join(scratch, "bare-pushes"))
             report.add("1-record pushes to a bare http.server, 1 client", bare[0], "push/s")
             report.add("  the same, %d clients" % clients, bare[1], "push/s")
         push_1 = bench_rate(target.url, target.token, "push", 1, seconds)

@@ -8470,6 +8470,28 @@ class BenchCommandTest(unittest.TestCase):
         self.addCleanup(server.stop)
         return server, token, data_dir
 
+    def test_the_reference_server_answers_health_appends_pushes_and_holds_pulls_until_one(self):
+        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, out_dir, True)
+        pushes = os.path.join(out_dir, "pushes")
+        process, url = sync.ReferenceServer.start(pushes)
+        self.addCleanup(process.join, 5)
+        self.addCleanup(process.terminate)
+        health = http_request(url, "GET", "/v1/health")
+        self.assertEqual((health.status, health.json), (200, {"ok": True}))
+        held = []
+        puller = threading.Thread(target=lambda: held.append(http_request(url, "GET", "/v1/pull?project=p")))
+        puller.start()
+        time.sleep(0.3)
+        self.assertEqual(held, [])  # held until a push
+        answer = http_request(url, "POST", "/v1/push", {"project": "p"})
+        self.assertEqual((answer.status, answer.json), (200, {"cursor": 1, "accepted": 1}))
+        puller.join(5)
+        self.assertEqual([a.json["records"][0]["id"] for a in held], ["wake"])
+        with open(pushes, "rb") as f:
+            self.assertEqual(f.read(), b'{"project": "p"}\n')
+        self.assertEqual(http_request(url, "GET", "/v1/pull?project=p").status, 200)  # pushed: at once
+
     def test_bench_prints_every_figure_and_writes_json(self):
         out_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, out_dir, True)
