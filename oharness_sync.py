@@ -112,14 +112,14 @@ MAX_WAIT_SECONDS = 30
 CACHED_PAGE_BYTES = 256 * 1024      # the latest page read of a feed is kept for the next pull up to this size
 
 DEFAULT_REQUEST_SECONDS = 30.0      # headers and body of one request must arrive within this, in total
-IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed; also bounds each answer's send
+IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed; also bounds each response's send
 MAX_HEADERS = 100                   # lines in one request's headers, the closing blank one too
 DEFAULT_MAX_CONNECTIONS = 2000
 DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
 LISTEN_BACKLOG = 512
 MAX_HEAD_BYTES = 65536              # the request line and every header line together
 SWEEP_SECONDS = 0.25                # how often the watchdog looks at the connections' deadlines
-LINGER_SECONDS = 2.0                # after a last answer, what the client still sends is dropped this long
+LINGER_SECONDS = 2.0                # after a last response, what the client still sends is dropped this long
 PARKED_CHECK_SECONDS = 5.0          # how often a parked pull looks whether its client has left
 THREAD_STACK_BYTES = 512 * 1024     # small stacks for the connection threads (1,000 parked pulls on a 32-bit Pi)
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
@@ -147,7 +147,7 @@ JWKS_REFETCH_INTERVAL = 60     # an unknown kid refetches a JWKS URL at most thi
 JWKS_MAX_AGE = 600             # a JWKS URL is refreshed on use once its keys are this old
 JWKS_FILE_CHECK_INTERVAL = 1   # a JWKS file's mtime is looked at this often at most (and for an unknown kid)
 JWKS_UNKNOWN_KIDS = 1024       # unknown kids remembered with the fetch they were first asked for after
-MAX_RESPONSE_BYTES = 1 << 20   # largest JWKS or user answer read from the network
+MAX_RESPONSE_BYTES = 1 << 20   # largest JWKS or user document read from the network
 FAILED_TOKEN_SECONDS = 600     # a JWT or Supabase token refused once is refused again, unchecked, this long
 FAILED_TOKENS = 10000          # ... this many of them (least recently used dropped)
 FAILED_CHECKS_PER_MINUTE = 20  # JWT or Supabase tokens that may fail verification per client address, sustained,
@@ -159,7 +159,7 @@ FAILED_CHECKS_BURST = 10       # ... and in a burst; past it a new token is refu
 # -------------------------------------------------------------------------------------------------
 
 class ApiError(Exception):
-    """An answer other than 200 for a session route: a status and a short text."""
+    """A response other than 200 for a session route: a status and a short text."""
 
     def __init__(self, status, text, headers=()):
         super().__init__(text)
@@ -182,7 +182,7 @@ class TooLarge(ApiError):
 
 
 class MemoryApiError(Exception):
-    """An answer other than 200 for a memory route: a status and a stable machine-readable code."""
+    """A response other than 200 for a memory route: a status and a stable machine-readable code."""
 
     def __init__(self, status, code, text=None, headers=()):
         super().__init__(text or code)
@@ -237,7 +237,7 @@ class AuthNotConfigured(Exception):
 
 
 class ClientGone(Exception):
-    """The client closed its connection, or broke the framing of its request: no answer is sent."""
+    """The client closed its connection, or broke the framing of its request: no response is sent."""
 
 
 class HeadRefused(Exception):
@@ -1638,7 +1638,7 @@ class SupabaseVerifier:
     200 with a user object -> Identity(id); anonymous users, 401 and 403 -> AuthError;
     a 200 whose id is a string but not a valid id -> AuthError; network errors,
     time-outs, redirects, other statuses and malformed 200 bodies -> AuthUnavailable.
-    Positive answers are cached for 60 s by the token's SHA-256.
+    Positive verdicts are cached for 60 s by the token's SHA-256.
     """
 
     def __init__(self, base_url, anon_key, timeout=5.0, clock=time.monotonic):
@@ -1668,7 +1668,7 @@ class SupabaseVerifier:
         return self.cache.get(token, self.clock())
 
     def _ask(self, token):
-        """The body of a 200 answer; AuthError on 401/403, AuthUnavailable otherwise."""
+        """The body of a 200 response; AuthError on 401/403, AuthUnavailable otherwise."""
         request = urllib.request.Request(self.user_url, headers={
             "Authorization": "Bearer " + token,
             "apikey": self.anon_key,
@@ -1686,16 +1686,16 @@ class SupabaseVerifier:
         except (OSError, http.client.HTTPException, ValueError):
             raise AuthUnavailable("identity service unreachable") from None
         if status != 200 or len(body) > MAX_RESPONSE_BYTES:
-            raise AuthUnavailable("unexpected answer from the identity service")
+            raise AuthUnavailable("unexpected response from the identity service")
         return body
 
     def _identity_from(self, body):
         try:
             user = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
         except (ValueError, RecursionError):
-            raise AuthUnavailable("malformed answer from the identity service") from None
+            raise AuthUnavailable("malformed response from the identity service") from None
         if not isinstance(user, dict) or not isinstance(user.get("id"), str):
-            raise AuthUnavailable("malformed answer from the identity service")
+            raise AuthUnavailable("malformed response from the identity service")
         if not is_valid_id(user["id"]):
             raise AuthError("user id is not a valid id")
         if bool(user.get("is_anonymous")) or user.get("role") == "anon":
@@ -1774,7 +1774,7 @@ class GuardedVerifier:
     checked (AuthThrottled) until its bucket in `failures` (a RateLimiter shared by the verifiers) refills.
 
     A JWT's signature is checked in pure Python under the GIL (ES256: 2.5 ms) and a Supabase token costs a
-    request to the service: unbounded, a few connections sending forged tokens slow every answer of the
+    request to the service: unbounded, a few connections sending forged tokens slow every response of the
     server. A token verified lately still passes when its client is throttled (a good client behind the
     same NAT as a broken one). Local tokens never come here: they cost a hash lookup, and one refused
     before it was issued must pass once it is.
@@ -2190,7 +2190,7 @@ class TokenStore:
 #   {"n":8,"k":"s","e":<session metadata>,"c":"<crc32>"}
 #
 # n is the event number (the cursor), k the kind, e the event exactly as it is
-# answered to a pull, c the CRC-32 of every byte before `,"c":`. A pull copies
+# sent to a pull, c the CRC-32 of every byte before `,"c":`. A pull copies
 # the bytes of e without parsing them; a start-up reads n, k and h, and parses
 # only the (few) session events.
 
@@ -2272,7 +2272,7 @@ def split_events(data):
 
 
 class Page:
-    """What a pull answers: events after a cursor, split into records and sessions."""
+    """What a pull returns: events after a cursor, split into records and sessions."""
     __slots__ = ("cursor", "records", "sessions", "more", "_json")
 
     def __init__(self, cursor, records=(), sessions=(), more=False):
@@ -2317,10 +2317,14 @@ class ParkedPull:
         self.on_event = on_event
 
 
-def wake(pulls, log):
-    """Wake parked pulls: first each one's on_event, in this thread, then a notify each. A thousand woken
-    threads take turns on the interpreter lock: an on_event that answers its pull (without waiting) keeps
-    those turns out of the clients' wait."""
+def wake_pulls(pulls, log):
+    """Wake parked pulls: first each one's on_event, in this thread, then a notify each.
+
+    This is where a push hands other connections their responses. The thousand threads of a thousand
+    woken pulls would take turns on the interpreter lock before each could send its own response; so
+    the waking thread (the push's, once its events are durable) calls each pull's on_event, which
+    sends that pull its response without waiting (SyncApp.park, SyncRequestHandler.respond_early),
+    and the pulls' own threads, notified after, only finish what a full socket did not take."""
     for pull in pulls:
         if pull.on_event is not None:
             try:
@@ -2339,10 +2343,9 @@ class Feed:
     of its records and the winning (gen, updatedAt) of each session. Pushes to a
     feed share fsyncs (group commit): a push queues its lines; the push that finds
     no flush under way writes every queued line with one write and one fsync, and
-    the others wait on a Condition for the flush that holds theirs. A parked
-    long-poll waits on a Condition of its own, which the feed keeps until events
-    become durable and then notifies: a thousand woken pulls do not queue for one
-    lock before they can answer.
+    the others wait on a Condition for the flush that holds theirs (the lock hand-off
+    is explained at _flush). A parked long-poll waits on a Condition of its own,
+    which the feed keeps until events become durable and then hands to wake_pulls.
     """
 
     def __init__(self, path, log, parked=()):
@@ -2428,7 +2431,7 @@ class Feed:
                     batch.woken.wait()
                 else:
                     parked = self._flush()
-        wake(parked, self.log)
+        wake_pulls(parked, self.log)
         if isinstance(batch.outcome, Exception):
             raise batch.outcome
         return batch.outcome
@@ -2463,9 +2466,12 @@ class Feed:
         return batch
 
     def _flush(self):
-        """Write and fsync every queued batch, and settle each one's outcome (called with the lock held;
-        it is let go for the disk work, so more pushes queue meanwhile for the next flush). The parked
-        pulls to wake, once the lock is let go."""
+        """Write and fsync every queued batch, and settle each one's outcome; the parked pulls to wake.
+
+        Called with the lock held, which it lets go for the disk work and takes again before it
+        returns: pushes that arrive meanwhile queue their batches for the next flush (the push that
+        finds no flush under way does it: append's loop), and reads go on. _flushing tells them one is
+        under way."""
         group, self.pending = self.pending, []
         lines = [line for queued in group for line in queued.lines]
         self._flushing = True
@@ -2474,7 +2480,7 @@ class Feed:
         try:
             if lines:
                 self._write(b"".join(lines))
-        except Exception as exc:  # whatever it is, every push of the group must get its answer
+        except Exception as exc:  # whatever it is, every push of the group must get its outcome
             failure = exc
         finally:
             self.lock.acquire()
@@ -2553,7 +2559,7 @@ class Feed:
     def read(self, since, limit):
         """The Page of at most limit events after cursor since."""
         self.ensure_loaded()
-        last = self._last_page  # without the lock: a thousand long-polls woken by one push ask for it at once
+        last = self._last_page  # without the lock: every pull one push woke asks for this page at once
         if last is not None and last[0] == (since, limit, self.count):
             return last[1]  # (a page is built for one count, and never changes)
         with self.lock:
@@ -2562,7 +2568,7 @@ class Feed:
                 return Page(since)
             last = self._last_page
             if last is not None and last[0] == (since, limit, count):
-                return last[1]  # a thousand long-polls woken by one push all ask for this page
+                return last[1]
             end = min(count, since + limit)
             start, stop = self.offsets[since], self.offsets[end]
             fd = self.fd
@@ -2601,7 +2607,7 @@ class Feed:
         """Wake every parked pull, to look at stopping (shutdown)."""
         with self.lock:
             parked, self.parked = self.parked, set()
-        wake(parked, self.log)
+        wake_pulls(parked, self.log)
 
 
 class FeedStore:
@@ -2717,7 +2723,7 @@ class FeedStore:
             feeds = list(self._feeds.values())
             unborn = [pull for pulls in self._unborn.values() for pull in pulls]
             self._unborn.clear()
-        wake(unborn, self.log)
+        wake_pulls(unborn, self.log)
         for feed in feeds:
             feed.wake()
 
@@ -2742,7 +2748,7 @@ class Manifest:
     """
 
     __slots__ = ("etag", "entries", "live_count", "entry_bytes", "_sorted_ids", "_fragments", "_etag_json",
-                 "_live_hashes", "_all_fragments", "unchanged_answer")
+                 "_live_hashes", "_all_fragments", "unchanged_snapshot")
 
     def __init__(self, etag, entries):
         self.etag = etag
@@ -2762,7 +2768,7 @@ class Manifest:
         self._etag_json = None
         self._live_hashes = None
         self._all_fragments = None
-        self.unchanged_answer = None  # the MemoryAnswer `unchanged`, once asked for
+        self.unchanged_snapshot = None  # the Snapshot `unchanged`, once asked for
 
     def etag_json(self):
         """The etag as a JSON value (null when there is no manifest), encoded once per manifest."""
@@ -2792,7 +2798,7 @@ class Manifest:
         return self._live_hashes
 
     def all_fragments(self):
-        """Every entry's fragment, joined: the entries of an answer to a client that holds every note."""
+        """Every entry's fragment, joined: the entries of a snapshot for a client that holds every note."""
         if self._all_fragments is None:
             self._all_fragments = b",".join(fragment for _, _, fragment in self.fragments())
         return self._all_fragments
@@ -2884,8 +2890,8 @@ class ScopeFiles:
         return os.path.join(self.objects, rev + ".json")
 
 
-class MemoryAnswer:
-    """What a snapshot or commit answers: principal, etag and quota (as JSON bytes), and the entries as
+class Snapshot:
+    """What a snapshot or commit returns: principal, etag and quota (as JSON bytes), and the entries as
     JSON fragments (or `unchanged`)."""
 
     __slots__ = ("principal", "etag_json", "quota_json", "entries", "unchanged", "_json")
@@ -2899,7 +2905,7 @@ class MemoryAnswer:
         self._json = None
 
     def to_json(self):
-        if self._json is None:  # built once: an `unchanged` answer is given again and again
+        if self._json is None:  # built once: an `unchanged` snapshot is given again and again
             middle = b'"unchanged":true' if self.unchanged else b'"entries":[%s]' % b",".join(self.entries)
             self._json = b'{"principal":"%s","etag":%s,%s,"quota":%s}' % (
                 self.principal.encode("ascii"), self.etag_json, middle, self.quota_json)
@@ -2953,32 +2959,32 @@ class MemoryStore:
     # -- the two operations ------------------------------------------------
 
     def snapshot(self, principal, scope, known_etag=None, have=None):
-        """The snapshot answer body for principal's scope."""
+        """The Snapshot of principal's scope."""
         files = self._files(principal, scope)
         if known_etag is not None:
             # `unchanged` reads no note, so it needs no scope lock: the cached manifest is the
-            # published one (commits replace it under the lock), and the answer is true as of this read.
-            answer = self._unchanged(principal, known_etag, self._cache.get(files.root))
-            if answer is not None:
-                return answer
+            # published one (commits replace it under the lock), and the snapshot is true as of this read.
+            snapshot = self._unchanged(principal, known_etag, self._cache.get(files.root))
+            if snapshot is not None:
+                return snapshot
         with self._scope_lock(files.root):
             manifest = self._manifest(files)
             return (self._unchanged(principal, known_etag, manifest)
-                    or self._answer(principal, files, manifest, have))
+                    or self._snapshot(principal, files, manifest, have))
 
     def _unchanged(self, principal, known_etag, manifest):
-        """The `unchanged` answer when known_etag is manifest's etag (there being one), else None."""
+        """The `unchanged` Snapshot when known_etag is manifest's etag (there being one), else None."""
         if manifest is None or known_etag is None or known_etag != manifest.etag:
             return None
         quota_json = self.quota_json()
-        answer = manifest.unchanged_answer  # a scope has one principal: the answer is the manifest's
-        if answer is None or answer.quota_json is not quota_json:
-            answer = manifest.unchanged_answer = MemoryAnswer(principal, manifest.etag_json(), quota_json,
+        snapshot = manifest.unchanged_snapshot  # a scope has one principal: it is the manifest's
+        if snapshot is None or snapshot.quota_json is not quota_json:
+            snapshot = manifest.unchanged_snapshot = Snapshot(principal, manifest.etag_json(), quota_json,
                                                               unchanged=True)
-        return answer
+        return snapshot
 
     def commit(self, principal, scope, etag, changes, have=None):
-        """Apply a list of MemoryChange if etag is still current; the snapshot answer with the new etag."""
+        """Apply a list of MemoryChange if etag is still current; the Snapshot with the new etag."""
         files = self._files(principal, scope)
         with self._scope_lock(files.root):
             old = self._manifest(files)
@@ -2992,7 +2998,7 @@ class MemoryStore:
             self._cache.put(files.root, new)
             self._mark_replaced(files, old, new)
             self._collect_garbage(files, new)
-            return self._answer(principal, files, new, have, fresh)
+            return self._snapshot(principal, files, new, have, fresh)
 
     def _mark_replaced(self, files, old, new):
         """Touch the revisions this commit stopped using, so garbage collection keeps them for
@@ -3034,15 +3040,15 @@ class MemoryStore:
         self._cache.put(files.root, manifest)
         return manifest
 
-    def _answer(self, principal, files, manifest, have, fresh=None):
-        """The snapshot answer for manifest: every entry by id; a note only where have lacks its hash.
+    def _snapshot(self, principal, files, manifest, have, fresh=None):
+        """The Snapshot of manifest: every entry by id; a note only where have lacks its hash.
 
         Entries are written as JSON fragments (a stored note's bytes are used as they are, once they
-        proved to hash right), so a scope of thousands of notes is answered without building objects.
+        proved to hash right), so a scope of thousands of notes is sent without building objects.
         """
         have = have or {}
         if manifest.live_hashes().items() <= have.items():  # the client holds every note: no note to send
-            return MemoryAnswer(principal, manifest.etag_json(), self.quota_json(), [manifest.all_fragments()])
+            return Snapshot(principal, manifest.etag_json(), self.quota_json(), [manifest.all_fragments()])
         fresh = fresh or {}
         entries = []
         for note_id, current, fragment in manifest.fragments():
@@ -3053,7 +3059,7 @@ class MemoryStore:
                 data = encode_json(note) if note is not None else self._read_note(files, note_id,
                                                                                    manifest.entries[note_id])
                 entries.append(b'%s,"note":%s}' % (fragment[:-1], data))
-        return MemoryAnswer(principal, manifest.etag_json(), self.quota_json(), entries)
+        return Snapshot(principal, manifest.etag_json(), self.quota_json(), entries)
 
     def _read_note(self, files, note_id, entry):
         """The stored bytes of a live note, after checking that they hash to the manifest's hash."""
@@ -3203,7 +3209,7 @@ class MemoryStore:
 # (FeedStore.wait). A watchdog thread keeps the time limits by shutting late sockets down.
 
 class Response:
-    """An answer: status, body bytes (JSON unless content_type says otherwise), extra headers, and
+    """A response: status, body bytes (JSON unless content_type says otherwise), extra headers, and
     whether to close the connection."""
     __slots__ = ("status", "body", "headers", "close", "content_type")
 
@@ -3220,23 +3226,24 @@ def json_response(status, value, headers=()):
 
 
 class Request:
-    """What a handler sees of one HTTP request: headers by lower-case name, the query parsed, and its
-    connection: for the body, read only when asked for, and for a parked pull's wait."""
-    __slots__ = ("method", "path", "query", "headers", "connection", "client", "tls", "principal", "__weakref__")
+    """What a route's handler sees of one HTTP request: headers by lower-case name, the query parsed,
+    and the SyncRequestHandler serving its connection: for the body, read only when asked for, and
+    for a parked pull's wait."""
+    __slots__ = ("method", "path", "query", "headers", "handler", "client", "tls", "principal", "__weakref__")
 
-    def __init__(self, method, path, query, headers, connection, client=None, tls=False):
+    def __init__(self, method, path, query, headers, handler, client=None, tls=False):
         self.method = method
         self.path = path
         self.query = query
         self.headers = headers
-        self.connection = connection    # a SyncRequestHandler: read_body; hold, client_gone, answer_early, release
+        self.handler = handler          # read_body; hold, client_gone, respond_early, release
         self.client = client            # the client's address (host), as the connection shows it
         self.tls = tls                  # whether it came over HTTPS (to this server: a proxy's is not seen)
         self.principal = None           # for the access log, once a token was verified
 
     def read_body(self, limit, error):
         """The body, at most limit bytes; error(status, text) makes the exception for a bad or oversized one."""
-        return self.connection.read_body(limit, error)
+        return self.handler.read_body(limit, error)
 
     def param(self, name):
         """A query parameter's value, None when absent; 400 when it is given twice."""
@@ -3264,7 +3271,7 @@ pre,code{background:#f3f3f3}pre{padding:.8em;overflow:auto}</style>
 <body>
 <h1>oharness-sync</h1>
 <p>This is an <strong>OHarness sync server</strong>, and it is up: oharness-sync %(version)s, sync protocol v1.
-Its health answer is at <a href="/v1/health">/v1/health</a>.</p>
+Its health check is at <a href="/v1/health">/v1/health</a>.</p>
 <h2>Point an OHarness client at it</h2>
 <p>Put this in your <em>user</em> configuration, <code>~/.oharness/config.json</code>, with a token from this
 server's operator (<code>python3 oharness_sync.py token issue --data DIR --principal YOU</code>), then restart
@@ -3288,7 +3295,7 @@ def memory_body_error(status, text):
 
 
 def retry_after(seconds):
-    """The header of an answer that says when to try again."""
+    """The header of a response that says when to try again."""
     return [("Retry-After", str(seconds))]
 
 
@@ -3304,7 +3311,7 @@ AUTH_FAILURES = (  # (exception, session status, session text, memory status, me
 
 
 class SyncApp:
-    """The protocol: routes to thin handlers that parse, call storage and answer."""
+    """The protocol: routes to thin handlers that parse, call storage and respond."""
 
     def __init__(self, feeds, memory, auth, rate_limiter, log=None, max_parked=DEFAULT_MAX_PARKED):
         self.feeds = feeds
@@ -3329,7 +3336,7 @@ class SyncApp:
     }
 
     def handle(self, request):
-        """Route a request and turn every expected failure into its answer."""
+        """Route a request and turn every expected failure into its response."""
         methods = self.ROUTES.get(request.path)
         if methods is None:
             return json_response(404, {"error": "unknown route"})
@@ -3427,37 +3434,36 @@ class SyncApp:
         return self.park(request, owner, project, since, wait,
                          lambda: Response(200, self.feeds.pull(owner, project, since, limit).to_json()))
 
-    def park(self, request, owner, project, since, seconds, answer):
+    def park(self, request, owner, project, since, seconds, make_response):
         """Hold a pull until its feed has an event after since, its wait is over, the server stops, or
         its client closes its side (looked at every PARKED_CHECK_SECONDS, so an abandoned pull gives its
-        place back soon; one that only half-closed still reads its answer); then its answer(). Past
-        max_parked: answer() at once.
+        place back soon; one that only half-closed still reads its response); then make_response().
+        Past max_parked: make_response() at once.
 
-        The thread that wakes the pull sends it answer() at once (answer_early): a thousand woken threads
-        take turns on the interpreter lock, and their clients need not wait for those turns. Feed.read
-        builds one Page for all the pulls a push wakes."""
+        The thread that wakes the pull sends its response (on_event, see wake_pulls); Feed.read builds
+        one Page for all the pulls a push wakes."""
         with self._parked_lock:  # (the count and the add, together)
             if len(self.parked) >= self.max_parked:
-                return answer()
+                return make_response()
             self.parked.add(request)
-        connection = request.connection
-        connection.hold(request)
+        handler = request.handler
+        handler.hold(request)
         try:
             deadline = time.monotonic() + seconds
 
             def on_event():  # in the thread that wakes the pull
-                connection.answer_early(request, answer)
+                handler.respond_early(request, make_response)
 
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.feeds.wait(owner, project, since, min(left, PARKED_CHECK_SECONDS), on_event):
                     break
-                if connection.client_gone():
+                if handler.client_gone():
                     break
         finally:
-            self.parked.discard(request)  # no lock: a thousand pulls woken at once would queue for it
-            early = connection.release()
-        return early if early is not None else answer()
+            self.parked.discard(request)  # no lock: the pulls one push woke would all queue for it
+            early = handler.release()
+        return early if early is not None else make_response()
 
     # -- memory sync -------------------------------------------------------
 
@@ -3629,7 +3635,7 @@ def read_chunked(rfile, limit, error):
 
 
 def render(response, method, close):
-    """The bytes of an answer: status line, headers, body (none for HEAD), in one piece for one send."""
+    """The bytes of a response: status line, headers, body (none for HEAD), in one piece for one send."""
     head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (
         response.status, _REASONS.get(response.status, b"Unknown"), response.content_type.encode("latin-1"),
         len(response.body))
@@ -3711,10 +3717,10 @@ def shut_down(sock):
 
 
 class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
-    """One connection's thread: read a request, hand it to the app, send the answer, again.
+    """One connection's thread: read a request, hand it to the app, send the response, again.
 
     http.server reads the request line and headers (parse_request); every method then reaches the
-    app (an unknown one is a 405, never http.server's 501), and each answer leaves in one send with
+    app (an unknown one is a 405, never http.server's 501), and each response leaves in one send with
     TCP_NODELAY set.
     """
 
@@ -3730,7 +3736,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.server.opened(self.connection)
         self.body_pending = False   # a declared body not read: answering it closes the connection
         self.held = None            # the parked pull whose wait is on: another thread may answer it
-        self.early = None           # (answer, what of it is still to send) once another thread answered
+        self.early = None           # (response, what of it is still to send) once another thread sent it
         self.early_lock = threading.Lock()
         self.known_lines = None     # the last head's field lines, as parsed (read_fields)
         self.server.watchdog.arm(self.connection, self.server.idle_seconds)
@@ -3762,7 +3768,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.server.watchdog.arm(self.connection, self.server.request_seconds, LATE_REQUEST_NOTE)
         try:
             if self.parse_request():
-                self.answer()
+                self.handle_request()
         except (ClientGone, OSError):  # the client left, or was cut off by the watchdog
             self.close_connection = True
 
@@ -3771,7 +3777,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
     def parse_request(self):
         """Read the head of the next request once, strictly: command, path and request_version from
         its request line, headers (a dict by lower-case name, read_fields) and whether the connection
-        stays open after the answer. False when the head was refused, and answered (send_error):
+        stays open after the response. False when the head was refused, and answered (send_error):
 
             a request line over MAX_HEAD_BYTES                       414
             the whole head over MAX_HEAD_BYTES, or over 99 fields    431
@@ -3819,15 +3825,15 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         line = str(self.raw_requestline[:200], "latin-1").rstrip("\r\n")
         self.server.log("refused a malformed request (%d %s): %s" % (
             code, message, printable(_QUERY.sub("", line, 1))))  # a query may hold what is not for a log
-        self.body_pending = True  # what follows a refused head is not read: close after the answer
-        self.send_answer(Response(code, encode_json({"error": message}), close=True), self.command)
+        self.body_pending = True  # what follows a refused head is not read: close after the response
+        self.write_response(Response(code, encode_json({"error": message}), close=True), self.command)
 
     def log_message(self, format, *args):
         pass  # the server writes its own access log
 
     # -- the request ---------------------------------------------------------
 
-    def answer(self):
+    def handle_request(self):
         started = time.monotonic()
         headers = self.headers
         path, _, query = self.path.partition("?")
@@ -3849,7 +3855,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
                     printable(self.command), printable(path), type(exc).__name__, exc))
                 response = json_response(500, {"error": "internal server error"})
             self.server.log_access(self.command, path, response.status, started, request.principal)
-            self.send_answer(response, self.command)
+            self.write_response(response, self.command)
         finally:
             self.server.end_request(self)
 
@@ -3877,31 +3883,31 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def hold(self, request):
         """The request will wait (a parked pull): from now on its wait bounds it, not the request
-        deadline (a body it declared stays unread: the answer then closes the connection); until
-        release(), another thread may answer it (answer_early)."""
+        deadline (a body it declared stays unread: the response then closes the connection); until
+        release(), another thread may answer it (respond_early)."""
         self.server.watchdog.disarm(self.connection)
         with self.early_lock:
             self.held = request
 
-    def answer_early(self, request, answer):
-        """From the thread that woke a parked pull: if request is still held, send its answer() now, as
-        much as the socket takes without a wait; this connection's thread sends the rest (send_answer).
+    def respond_early(self, request, make_response):
+        """From the thread that woke a parked pull: if request is still held, send make_response() now, as
+        much as the socket takes without a wait; this connection's thread sends the rest (write_response).
         A wake that comes late, after the connection moved on to its next request, sends nothing. Not
         under TLS: its records are not for two threads to write; there the connection's own thread answers."""
         with self.early_lock:
             if self.held is not request or self.server.tls is not None or _DONT_WAIT is None:
                 return
-            response = answer()
+            response = make_response()
             self.held = None
-            data = self.answer_bytes(response, self.command)
+            data = self.response_bytes(response, self.command)
             try:
                 sent = socket.socket.send(self.connection, data, _DONT_WAIT)
-            except OSError:  # the socket buffer is full (or the client left): it is all for send_answer
+            except OSError:  # the socket buffer is full (or the client left): it is all for write_response
                 sent = 0
             self.early = (response, data[sent:])
 
     def release(self):
-        """The wait is over: no other thread answers the request now. The answer one sent, or None."""
+        """The wait is over: no other thread answers the request now. The response one sent, or None."""
         with self.early_lock:
             self.held = None
             return self.early[0] if self.early is not None else None
@@ -3919,29 +3925,29 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         except OSError:
             return True
 
-    # -- the answer ----------------------------------------------------------
+    # -- the response --------------------------------------------------------
 
-    def send_answer(self, response, method):
-        """Write the answer with one send (or what answer_early left of it)."""
+    def write_response(self, response, method):
+        """Write the response with one send (or what respond_early left of it)."""
         if self.early is not None:
             data, self.early = self.early[1], None
         else:
-            data = self.answer_bytes(response, method)
+            data = self.response_bytes(response, method)
         self.server.watchdog.arm(self.connection, self.server.idle_seconds)  # a client that does not read
         if data:
             self.wfile.write(data)
 
-    def answer_bytes(self, response, method):
-        """The answer's bytes; whether the connection closes after it is decided here."""
+    def response_bytes(self, response, method):
+        """The response's bytes; whether the connection closes after it is decided here."""
         close = (response.close or self.close_connection or self.body_pending
                  or self.server.stopping.is_set())
         self.close_connection = close
         return render(response, method, close)
 
     def linger(self):
-        """After a last answer sent before its request's body was read (an early 401 or 413): send
+        """After a last response sent before its request's body was read (an early 401 or 413): send
         nothing more and drop what still arrives, until the client closes or LINGER_SECONDS pass.
-        Closing on unread bytes would reset the connection, and the answer with it."""
+        Closing on unread bytes would reset the connection, and the response with it."""
         sock, dropped = self.connection, bytearray(4096)  # (one small buffer: nothing new per receive)
         try:
             socket.socket.shutdown(sock, socket.SHUT_WR)
@@ -3997,9 +4003,9 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self.max_connections = max_connections
         self.log = log or (lambda message: None)
         self.access_log = access_log
-        self.stopping = threading.Event()      # set: answers close their connections
+        self.stopping = threading.Event()      # set: responses close their connections
         self.connections = 0                   # accepted and not yet closed (past the cap: refused)
-        self._answering = set()                # handlers answering a request (set.add and discard need no lock)
+        self._in_flight = set()                # handlers answering a request (set.add and discard need no lock)
         self._open = set()                     # the sockets of connections being served
         self._lock = threading.Lock()
         self.watchdog = Watchdog(self.log)     # before binding: a failed bind calls server_close
@@ -4056,8 +4062,8 @@ class SyncServer(http.server.ThreadingHTTPServer):
             self.watchdog.disarm(tls_sock)
 
     def refuse(self, sock):
-        """Past the connection cap: a 503 JSON answer rather than a hang (with TLS: closed at once). The
-        socket is closed LINGER_SECONDS later, so closing does not reset the answer away."""
+        """Past the connection cap: a 503 JSON response rather than a hang (with TLS: closed at once). The
+        socket is closed LINGER_SECONDS later, so closing does not reset the response away."""
         try:
             if self.tls is None:
                 sock.setblocking(False)
@@ -4087,13 +4093,13 @@ class SyncServer(http.server.ThreadingHTTPServer):
     @property
     def busy(self):
         """Requests being answered, for a graceful stop."""
-        return len(self._answering)
+        return len(self._in_flight)
 
     def begin_request(self, handler):
-        self._answering.add(handler)
+        self._in_flight.add(handler)
 
     def end_request(self, handler):
-        self._answering.discard(handler)
+        self._in_flight.discard(handler)
 
     def log_access(self, method, path, status, started, principal):
         if self.access_log is not None:

@@ -2368,7 +2368,7 @@ class FeedStoreTest(unittest.TestCase):
         for i, pull in enumerate(pulls):
             pull.woken = Woken(i)
         logged = []
-        sync.wake(pulls, logged.append)
+        sync.wake_pulls(pulls, logged.append)
         self.assertEqual(order, [("event", 0), ("event", 1), ("notify", 0), ("notify", 1), ("notify", 2)])
         self.assertEqual(logged, ["waking a parked pull: RuntimeError: boom"])
 
@@ -2654,7 +2654,7 @@ def memory_request(kind, doc, principal):
 
 
 def as_doc(answer):
-    """A MemoryAnswer as the client reads it."""
+    """A Snapshot as the client reads it."""
     return json.loads(answer.to_json())
 
 
@@ -5262,14 +5262,14 @@ class LongPollTest(ServerCase):
         # From a review: the push that woke alice's pull was slow to reach it (a thousand others first);
         # her pull answered itself at its check, her connection (a proxy's, say) carried bob's pull next,
         # and the late wake sent him alice's record. The wake is widened here to a second.
-        real_wake = sync.wake
+        real_wake = sync.wake_pulls
 
         def slow_wake(pulls, log):
             if pulls:
                 time.sleep(1.0)
             real_wake(pulls, log)
 
-        with mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.3), mock.patch.object(sync, "wake", slow_wake):
+        with mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.3), mock.patch.object(sync, "wake_pulls", slow_wake):
             sock = self.raw_pull("a")
             self.wait_parked(1)
             pusher = threading.Thread(target=lambda: self.push(self.alice, "a", [record()]))
@@ -5618,7 +5618,7 @@ class WatchdogTest(unittest.TestCase):
 
 
 class EarlyAnswerTest(unittest.TestCase):
-    """answer_early, from the thread that wakes a parked pull, against the pull's own thread."""
+    """respond_early, from the thread that wakes a parked pull, against the pull's own thread."""
 
     def handler(self, tls=None):
         ours, theirs = socket.socketpair()
@@ -5637,8 +5637,8 @@ class EarlyAnswerTest(unittest.TestCase):
         request, built = object(), []
         answer = sync.Response(200, b'{"cursor":1}')
         handler.hold(request)
-        handler.answer_early(request, lambda: built.append(1) or answer)
-        handler.answer_early(request, lambda: built.append(2) or sync.Response(200, b"{}"))  # a second wake
+        handler.respond_early(request, lambda: built.append(1) or answer)
+        handler.respond_early(request, lambda: built.append(2) or sync.Response(200, b"{}"))  # a second wake
         self.assertIs(handler.release(), answer)
         self.assertEqual(built, [1])  # the second answer was not even built
         self.assertEqual(client.recv(1000), b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -5655,7 +5655,7 @@ class EarlyAnswerTest(unittest.TestCase):
             if tls is None and dont_wait is not None:
                 self.assertIsNone(handler.release())  # the wait timed out: the pull's own thread answers
             with mock.patch.object(sync, "_DONT_WAIT", dont_wait):
-                handler.answer_early(request, lambda: built.append(1) or sync.Response(200, b"{}"))
+                handler.respond_early(request, lambda: built.append(1) or sync.Response(200, b"{}"))
             self.assertEqual(built, [])
             self.assertIsNone(handler.release())
             self.assertIsNone(handler.early)
@@ -5671,10 +5671,10 @@ class EarlyAnswerTest(unittest.TestCase):
         handler.hold(first)
         self.assertIsNone(handler.release())
         handler.hold(second)
-        handler.answer_early(first, lambda: sync.Response(200, b'{"first":true}'))
+        handler.respond_early(first, lambda: sync.Response(200, b'{"first":true}'))
         with self.assertRaises(socket.timeout):
             client.recv(1000)
-        handler.answer_early(second, lambda: sync.Response(200, b'{"second":true}'))
+        handler.respond_early(second, lambda: sync.Response(200, b'{"second":true}'))
         self.assertTrue(client.recv(1000).endswith(b'{"second":true}'))
 
     def test_a_failure_building_the_early_answer_leaves_the_request_to_its_own_thread(self):
@@ -5686,7 +5686,7 @@ class EarlyAnswerTest(unittest.TestCase):
             raise RuntimeError("boom")
 
         with self.assertRaises(RuntimeError):
-            handler.answer_early(request, failing)
+            handler.respond_early(request, failing)
         self.assertIsNone(handler.release())
         with self.assertRaises(socket.timeout):
             client.recv(1000)
@@ -5696,7 +5696,7 @@ class EarlyAnswerTest(unittest.TestCase):
         handler.body_pending = True  # a pull that declared a body, never read
         request = object()
         handler.hold(request)
-        handler.answer_early(request, lambda: sync.Response(200, b"{}"))
+        handler.respond_early(request, lambda: sync.Response(200, b"{}"))
         self.assertIn(b"\r\nConnection: close\r\n", client.recv(1000))
         self.assertTrue(handler.close_connection)
 
