@@ -13,18 +13,37 @@ Usage:
     python3 oharness_sync.py token issue  --data DIR --principal ID [--team ID]...
     python3 oharness_sync.py token list   --data DIR
     python3 oharness_sync.py token revoke --data DIR TOKEN_ID
-    python3 oharness_sync.py check --url URL --token TOKEN [--other-token TOKEN] [--team ID]
-                                   [--memory --principal ID] [--ca-file CERT.pem]
-    python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N] [--json FILE]
-                                   [--no-fail]
     python3 oharness_sync.py fsck --data DIR [--repair]
     python3 oharness_sync.py note-hash FILE
-    python3 oharness_sync.py replicate --from URL --from-token-file FILE --to URL --to-token-file FILE
-                                       [--team ID]... [--project ID]... [--follow] [--state FILE] ...
+    python3 oharness_sync.py check --url URL --token TOKEN [--other-token TOKEN] [--team ID]
+                                   [--memory --principal ID] [--ca-file CERT.pem]
+    python3 oharness_sync.py replicate --from URL --from-token-file FILE --to URL
+                                       --to-token-file FILE [--follow] [--state FILE] ...
+    python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N]
 
-The module reads top-down: constants and limits; errors; pure validation and
-hashing; authentication; storage (feeds, tokens); the HTTP layer; the command
-line; main.
+How to read it. The file is two parts, each read top-down.
+
+Part I, the server, is what `--data DIR` runs:
+    Constants and limits
+    Errors              every exception the server raises
+    Validation and hashing
+                        pure rules: ids and numbers, a push, a note and its hash
+                        (JavaScript's JSON.stringify), a memory request
+    Authentication      one small verifier per token kind: local tokens, JWTs
+                        (HS256, RS256, ES256), Supabase; the guard against
+                        forged ones; the Authenticator that picks
+    Storage             files, the data dir's layout (DataDir), the lock and
+                        the tokens; session feeds (one scanner of a feed file,
+                        group commit, long-poll waits); memory manifests
+    HTTP                the protocol's routes and thin handlers (SyncApp), the
+                        strict reading of a request, the transport on
+                        http.server (SyncRequestHandler, SyncServer)
+    Serving             flags, build_server, signals
+Storage knows nothing of HTTP, and the HTTP layer does no storage work.
+
+Part II, the tools, holds the clients of Part I: the protocol client first (check,
+replicate and bench talk to a server through it), then token, fsck, note-hash,
+check, replicate and bench; main last. Part I names nothing of Part II.
 """
 
 import argparse
