@@ -128,19 +128,24 @@ MAX_PUSH_RECORDS = 500
 MAX_PUSH_SESSIONS = 500
 MAX_PULL_LIMIT = 500
 MAX_WAIT_SECONDS = 30
-CACHED_PAGE_BYTES = 256 * 1024      # the latest page read of a feed is kept for the next pull up to this size
+# The latest page read of a feed is kept for the next pull up to this size.
+CACHED_PAGE_BYTES = 256 * 1024
 
-DEFAULT_REQUEST_SECONDS = 30.0      # headers and body of one request must arrive within this, in total
-IDLE_SECONDS = 60.0                 # an idle keep-alive connection is closed; also bounds each response's send
+# Headers and body of one request must arrive within this, in total.
+DEFAULT_REQUEST_SECONDS = 30.0
+# An idle keep-alive connection is closed; also bounds each response's send.
+IDLE_SECONDS = 60.0
 MAX_HEADERS = 100                   # lines in one request's headers, the closing blank one too
 DEFAULT_MAX_CONNECTIONS = 2000
 DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
 LISTEN_BACKLOG = 512
 MAX_HEAD_BYTES = 65536              # the request line and every header line together
 SWEEP_SECONDS = 0.25                # how often the watchdog looks at the connections' deadlines
-LINGER_SECONDS = 2.0                # after a last response, what the client still sends is dropped this long
+# After a last response, what the client still sends is dropped this long.
+LINGER_SECONDS = 2.0
 PARKED_CHECK_SECONDS = 5.0          # how often a parked pull looks whether its client has left
-THREAD_STACK_BYTES = 512 * 1024     # small stacks for the connection threads (1,000 parked pulls on a 32-bit Pi)
+# Small stacks for the connection threads (1,000 parked pulls on a 32-bit Pi).
+THREAD_STACK_BYTES = 512 * 1024
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
 SIGNAL_POLL_SECONDS = 0.1           # how soon the main loop acts on a signal (SIGHUP, SIGTERM)
 
@@ -148,14 +153,18 @@ LOCAL_TOKEN_PREFIX = "ohs_"
 
 # Memory sync
 MEMORY_QUOTA = {"maxNotes": 5000, "maxChanges": 500, "maxNoteBytes": 131072, "tombstoneDays": 90}
-MAX_MEMORY_BODY = 4 * 1024 * 1024       # a larger request body is refused with 413 before it is read
-REMEMBERED_BODY_BYTES = 512             # snapshot bodies up to this size have their checked fields remembered
+# A larger request body is refused with 413 before it is read.
+MAX_MEMORY_BODY = 4 * 1024 * 1024
+# Snapshot bodies up to this size have their checked fields remembered.
+REMEMBERED_BODY_BYTES = 512
 REMEMBERED_BODIES = 1024                # ... this many of them (then forgotten all at once)
 MAX_SNAPSHOT_BYTES = 16 * 1024 * 1024   # the entries of a full snapshot, as JSON
 MANIFEST_CACHE_SIZE = 256               # scopes whose parsed manifest stays in memory
-GARBAGE_AGE_SECONDS = 3600              # an unreferenced revision is kept this long before it is removed
+# An unreferenced revision is kept this long before it is removed.
+GARBAGE_AGE_SECONDS = 3600
 DAY_MS = 24 * 60 * 60 * 1000
-DEFAULT_MEMORY_RATE_LIMIT = 1200        # memory requests per minute and principal (20/s), bursts of 600
+# Memory requests per minute and principal (20/s), bursts of 600.
+DEFAULT_MEMORY_RATE_LIMIT = 1200
 
 # JWTs and identity services
 LEEWAY_SECONDS = 60            # allowed clock skew for exp and nbf
@@ -164,12 +173,16 @@ TOKEN_CACHE_SIZE = 10000       # verified tokens remembered (least recently used
 TOKEN_CACHE_MAX_AGE = 3600     # a verified token is re-checked at least hourly
 JWKS_REFETCH_INTERVAL = 60     # an unknown kid refetches a JWKS URL at most this often
 JWKS_MAX_AGE = 600             # a JWKS URL is refreshed on use once its keys are this old
-JWKS_FILE_CHECK_INTERVAL = 1   # a JWKS file's mtime is looked at this often at most (and for an unknown kid)
-JWKS_UNKNOWN_KIDS = 1024       # unknown kids remembered with the fetch they were first asked for after
+# A JWKS file's mtime is looked at this often at most (and for an unknown kid).
+JWKS_FILE_CHECK_INTERVAL = 1
+# Unknown kids remembered with the fetch they were first asked for after.
+JWKS_UNKNOWN_KIDS = 1024
 MAX_RESPONSE_BYTES = 1 << 20   # largest JWKS or user document read from the network
-FAILED_TOKEN_SECONDS = 600     # a JWT or Supabase token refused once is refused again, unchecked, this long
+# A JWT or Supabase token refused once is refused again, unchecked, this long.
+FAILED_TOKEN_SECONDS = 600
 FAILED_TOKENS = 10000          # ... this many of them (least recently used dropped)
-FAILED_CHECKS_PER_MINUTE = 20  # JWT or Supabase tokens that may fail verification per client address, sustained,
+# JWT or Supabase tokens that may fail verification per client address, sustained, ...
+FAILED_CHECKS_PER_MINUTE = 20
 FAILED_CHECKS_BURST = 10       # ... and in a burst; past it a new token is refused unchecked (429)
 
 
@@ -201,7 +214,8 @@ class TooLarge(ApiError):
 
 
 class MemoryApiError(Exception):
-    """A response other than 200 for a memory route: a status and a stable machine-readable code."""
+    """A response other than 200 for a memory route: a status and a stable machine-readable
+    code."""
 
     def __init__(self, status, code, text=None, headers=()):
         super().__init__(text or code)
@@ -219,8 +233,8 @@ class MemoryApiError(Exception):
 
 class AuthError(Exception):
     """The bearer token is missing, malformed, unknown, expired or badly signed (answers 401).
-    lasting=False: the same token may pass later (it is not valid yet, or its key may yet be published),
-    so the refusal is not remembered."""
+    lasting=False: the same token may pass later (it is not valid yet, or its key may yet be
+    published), so the refusal is not remembered."""
 
     def __init__(self, text, lasting=True):
         super().__init__(text)
@@ -232,7 +246,8 @@ class AuthUnavailable(Exception):
 
 
 class AuthThrottled(Exception):
-    """Too many tokens from this client failed verification lately: a new one is not checked (answers 429)."""
+    """Too many tokens from this client failed verification lately: a new one is not checked
+    (answers 429)."""
 
     def __init__(self, retry_after):
         super().__init__("too many tokens from this client failed verification lately")
@@ -256,11 +271,13 @@ class AuthNotConfigured(Exception):
 
 
 class ClientGone(Exception):
-    """The client closed its connection, or broke the framing of its request: no response is sent."""
+    """The client closed its connection, or broke the framing of its request: no response is
+    sent."""
 
 
 class HeadRefused(Exception):
-    """A request head that breaks a rule: answered with status and text, then the connection closes."""
+    """A request head that breaks a rule: answered with status and text, then the connection
+    closes."""
 
     def __init__(self, status, text):
         super().__init__(text)
@@ -291,8 +308,10 @@ RESERVED_IDS = frozenset({"__proto__", "constructor", "prototype"})
 
 
 def is_valid_id(value):
-    """True for an id the protocol allows: [A-Za-z0-9_-]{1,128}, not a JavaScript prototype name."""
-    return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None and value not in RESERVED_IDS
+    """True for an id the protocol allows: [A-Za-z0-9_-]{1,128}, not a JavaScript prototype
+    name."""
+    return (isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
+            and value not in RESERVED_IDS)
 
 
 def as_safe_int(value):
@@ -337,14 +356,16 @@ def json_too_deep(data, limit=MAX_JSON_DEPTH):
     """True when arrays and objects in the JSON bytes data nest deeper than limit.
 
     Checked before json.loads, whose C parser recurses on a small thread stack. Most bodies open no
-    more than limit of them in all, which one pass tells (bytes.translate keeping only the brackets:
-    half the cost of two str.count over a 40 KB snapshot); the others are looked at without strings.
+    more than limit of them in all, which one pass tells (bytes.translate keeping only the
+    brackets: half the cost of two str.count over a 40 KB snapshot); the others are looked at
+    without strings.
     """
     brackets = data.translate(None, _NOT_A_BRACKET)
     if brackets.count(b"[") + brackets.count(b"{") <= limit:
         return False
     depth = 0
-    for char in _JSON_STRING.sub(b"", _ESCAPED_QUOTE_OR_BACKSLASH.sub(b"", data)).translate(None, _NOT_A_BRACKET):
+    outside_strings = _JSON_STRING.sub(b"", _ESCAPED_QUOTE_OR_BACKSLASH.sub(b"", data))
+    for char in outside_strings.translate(None, _NOT_A_BRACKET):
         depth += 1 if char in b"[{" else -1
         if depth > limit:
             return True
@@ -352,8 +373,8 @@ def json_too_deep(data, limit=MAX_JSON_DEPTH):
 
 
 def decode_json(data, max_depth=MAX_JSON_DEPTH):
-    """Parse request bytes as strict JSON (UTF-8, no NaN or Infinity, nesting bounded by max_depth; None:
-    only by the interpreter's recursion limit, for a thread with a full-size stack).
+    """Parse request bytes as strict JSON (UTF-8, no NaN or Infinity, nesting bounded by max_depth;
+    None: only by the interpreter's recursion limit, for a thread with a full-size stack).
 
     Raises ValueError with a short reason.
     """
@@ -369,8 +390,10 @@ def decode_json(data, max_depth=MAX_JSON_DEPTH):
         raise ValueError("body is not valid JSON") from None
 
 
-# No check for circular references: what is encoded was decoded from JSON, or built here, and has none.
-_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False, check_circular=False)
+# No check for circular references: what is encoded was decoded from JSON, or built here, and
+# has none.
+_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                                 check_circular=False)
 _ASCII_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
 
 
@@ -459,7 +482,8 @@ def validate_record(record, index):
         raise BadRequest("records[%d].at must be a non-negative safe integer" % index)
     if "body" not in record:
         raise BadRequest("records[%d].body is missing" % index)
-    event = {"session": session, "id": record_id, "seq": seq, "device": device, "at": at, "body": record["body"]}
+    event = {"session": session, "id": record_id, "seq": seq, "device": device, "at": at,
+             "body": record["body"]}
     return PushRecord(record_key(session, record_id), encode_json(event))
 
 
@@ -643,7 +667,8 @@ def validate_note(obj, max_note_bytes=131072):
 # -- memory requests -----------------------------------------------------------
 
 class MemoryScope:
-    """Where a principal's notes live: one project (project is its id) or the user scope (project is None)."""
+    """Where a principal's notes live: one project (project is its id) or the user scope (project
+    is None)."""
 
     __slots__ = ("project",)
 
@@ -664,8 +689,8 @@ USER_SCOPE = MemoryScope()
 
 
 class MemoryChange:
-    """One validated change of a commit: a create or update (note is the normalised note), or a delete
-    (hash and note are None)."""
+    """One validated change of a commit: a create or update (note is the normalised note), or a
+    delete (hash and note are None)."""
 
     __slots__ = ("id", "hash", "note")
 
@@ -676,7 +701,8 @@ class MemoryChange:
 
 
 class MemoryRequest:
-    """A validated memory request: what the route needs of it. Fields a route does not take stay None."""
+    """A validated memory request: what the route needs of it. Fields a route does not take stay
+    None."""
 
     __slots__ = ("scope", "known_etag", "have", "etag", "changes")
 
@@ -711,7 +737,8 @@ def check_memory_envelope(kind, doc, principal):
 
 
 def memory_fields(kind, doc, quota=MEMORY_QUOTA):
-    """The route's own fields of an envelope-checked body: scope, then etag or knownEtag, have, changes."""
+    """The route's own fields of an envelope-checked body: scope, then etag or knownEtag, have,
+    changes."""
     request = MemoryRequest()
     if kind == "identity":
         return request
@@ -720,7 +747,8 @@ def memory_fields(kind, doc, quota=MEMORY_QUOTA):
         request.known_etag = _optional_etag(doc, "knownEtag")
     else:
         if "etag" not in doc:
-            raise MemoryApiError(400, "invalid_body", "etag is required (null when there is no manifest)")
+            raise MemoryApiError(400, "invalid_body",
+                                 "etag is required (null when there is no manifest)")
         request.etag = _optional_etag(doc, "etag")
     request.have = memory_have(doc, quota)
     if kind == "commit":
@@ -729,10 +757,11 @@ def memory_fields(kind, doc, quota=MEMORY_QUOTA):
 
 
 def refuse_unknown_fields(doc, allowed):
-    """400 unknown_field for a field the protocol does not know, in the request, a change or a note.
+    """400 unknown_field for a field the protocol does not know, in the request, a change or a
+    note.
 
-    Changes and notes are only looked into where they are objects: any other shape is the business of
-    the later checks (invalid_changes, invalid_note).
+    Changes and notes are only looked into where they are objects: any other shape is the business
+    of the later checks (invalid_changes, invalid_note).
     """
     for name in doc:
         if name not in allowed:
@@ -780,7 +809,8 @@ def memory_have(doc, quota=MEMORY_QUOTA):
         return None
     have = doc["have"]
     if not isinstance(have, dict):
-        raise MemoryApiError(400, "invalid_have", "have must be an object mapping note ids to hashes")
+        raise MemoryApiError(400, "invalid_have",
+                             "have must be an object mapping note ids to hashes")
     if len(have) > quota["maxNotes"] * 2 + 1000:
         raise MemoryApiError(400, "invalid_have", "have may hold at most maxNotes * 2 + 1000 ids")
     # Checked as two joined strings rather than key by key: a full `have` has thousands of entries.
@@ -791,7 +821,8 @@ def memory_have(doc, quota=MEMORY_QUOTA):
         joined = None
     if have and not (joined is not None and set(map(len, values)) == {64} and is_lower_hex(joined)
                      and _valid_id_run(have)):
-        raise MemoryApiError(400, "invalid_have", "have must map note ids to 64 lowercase hex hashes")
+        raise MemoryApiError(400, "invalid_have",
+                             "have must map note ids to 64 lowercase hex hashes")
     return have
 
 
@@ -805,7 +836,8 @@ def is_lower_hex(text):
 
 
 def _valid_id_run(ids):
-    """True when every one of many ids is valid, checked as one joined string (no id holds a newline)."""
+    """True when every one of many ids is valid, checked as one joined string (no id holds a
+    newline)."""
     joined = "\n".join(ids)
     return (_ID_LINES.fullmatch(joined) is not None and joined.count("\n") == len(ids) - 1
             and RESERVED_IDS.isdisjoint(ids))
@@ -818,7 +850,8 @@ def memory_changes(changes, quota=MEMORY_QUOTA):
     (invalid_changes), then every note (invalid_note), then every hash (hash_mismatch).
     """
     if not isinstance(changes, list) or not 1 <= len(changes) <= quota["maxChanges"]:
-        raise MemoryApiError(400, "invalid_changes", "changes must be a list of 1..maxChanges entries")
+        raise MemoryApiError(400, "invalid_changes",
+                             "changes must be a list of 1..maxChanges entries")
     seen = set()
     for change in changes:
         _check_change_shape(change, seen)
@@ -841,7 +874,8 @@ def memory_changes(changes, quota=MEMORY_QUOTA):
 
 
 def _check_change_shape(change, seen):
-    """400 invalid_changes unless change is {id, hash: string, note} or {id, hash: null}, with a new id."""
+    """400 invalid_changes unless change is {id, hash: string, note} or {id, hash: null}, with a
+    new id."""
     def refuse(text):
         raise MemoryApiError(400, "invalid_changes", text)
 
@@ -991,8 +1025,9 @@ class LocalTokenVerifier:
         self._version = None
         self._bad_version = None   # the stamp of the damaged file last logged
         self._records = {}
-        # Read now, not at the first request: if the file breaks before that, the set in force from the
-        # start is the last good one. (The first request still looks at the file again, as ever.)
+        # Read now, not at the first request: if the file breaks before that, the set in force from
+        # the start is the last good one. (The first request still looks at the file again, as
+        # ever.)
         self._reload()
 
     def _refresh(self):
@@ -1015,7 +1050,8 @@ class LocalTokenVerifier:
         try:
             records = self.tokens.read()
         except (OSError, ValueError) as exc:
-            # Read again at every look (a chmod mends it without a new stamp), but logged once a version.
+            # Read again at every look (a chmod mends it without a new stamp), but logged once a
+            # version.
             if version != self._bad_version:
                 self.log("token file %s unreadable, keeping the previous tokens: %s" % (
                     self.tokens.path, reason(exc)))
@@ -1026,13 +1062,15 @@ class LocalTokenVerifier:
 
     def _install(self, records, version):
         # Each token's Identity is made here, once, not on every request.
-        self._records = {record["id"]: (record, Identity(record["principal"], record.get("teams", ())))
+        self._records = {record["id"]: (record, Identity(record["principal"],
+                                                         record.get("teams", ())))
                          for record in records}
         self._version = version
 
     def reload(self):
-        """Read the token file now, whatever its stamp (SIGHUP); the number of tokens in force. OSError or
-        ValueError when it cannot be read: the tokens last read stay in force (and it is not logged again)."""
+        """Read the token file now, whatever its stamp (SIGHUP); the number of tokens in force.
+        OSError or ValueError when it cannot be read: the tokens last read stay in force (and it is
+        not logged again)."""
         with self._lock:
             version = self.tokens.version()
             try:
@@ -1076,7 +1114,8 @@ def b64url_encode(data):
 
 
 def b64url_decode(text):
-    """Strict base64url: no padding, no other characters, canonical form only. Raises ValueError."""
+    """Strict base64url: no padding, no other characters, canonical form only. Raises
+    ValueError."""
     if not isinstance(text, str) or _B64URL_PATTERN.fullmatch(text) is None or len(text) % 4 == 1:
         raise ValueError("malformed base64url")
     data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
@@ -1097,7 +1136,8 @@ def _json_object(data, what):
 
 
 def decode_jwt(token):
-    """Split a compact JWT into (header, payload, signing_input, signature) without verifying it."""
+    """Split a compact JWT into (header, payload, signing_input, signature) without verifying
+    it."""
     if not isinstance(token, str) or not token:
         raise AuthError("missing bearer token")
     if len(token) > MAX_TOKEN_LENGTH:
@@ -1302,7 +1342,8 @@ def _parse_jwk(jwk):
 
 
 def parse_jwks(obj):
-    """{"keys": [...]} -> {kid: RsaKey or EcKey}. Unusable keys are skipped; the first of a repeated kid wins.
+    """{"keys": [...]} -> {kid: RsaKey or EcKey}. Unusable keys are skipped; the first of a
+    repeated kid wins.
 
     Raises ValueError when obj is not a JWKS at all.
     """
@@ -1369,7 +1410,8 @@ class JwksSource:
         self._loaded_at = None     # clock() of the last good fetch
         self._failed = False       # the last fetch or re-read failed
         self._looks = 0            # fetches and file checks so far
-        self._unknown = OrderedDict()  # (kid, alg) -> self._looks when it first got a 503 for want of a fetch
+        # (kid, alg) -> self._looks when it first got a 503 for want of a fetch
+        self._unknown = OrderedDict()
         self._file_stamp = None
         if path is not None:
             self._file_stamp = self._stamp()
@@ -1377,15 +1419,18 @@ class JwksSource:
             self._last_load = clock()
 
     def key(self, kid, alg):
-        """The key for a token's kid and alg; AuthError if there is none or it is for another alg."""
+        """The key for a token's kid and alg; AuthError if there is none or it is for another
+        alg."""
         with self._lock:
             looks = self._looks
             self._refresh_if_due()
             key = self._pick(kid, alg)
             if key is None and self._looks == looks:  # not looked at for this token yet
                 if self.path is not None:
-                    if not self._failed:  # a stat: its key may have been written this second (while the
-                        self._check_file()  # file is unreadable, a 503 anyway: no read per request)
+                    # A stat: its key may have been written this second (while the file is
+                    # unreadable, a 503 anyway: no read per request).
+                    if not self._failed:
+                        self._check_file()
                 elif self._may_fetch():
                     self._fetch()
                 key = self._pick(kid, alg)
@@ -1397,12 +1442,13 @@ class JwksSource:
                 if len(self._unknown) > JWKS_UNKNOWN_KIDS:
                     self._unknown.popitem(last=False)
             elif key is not None and self._unknown:
-                self._unknown.pop((kid, alg), None)  # published since: a later removal starts afresh
+                # Published since: a later removal starts afresh.
+                self._unknown.pop((kid, alg), None)
         if key is None and failed:
             raise AuthUnavailable("its signing keys cannot be read")
         if key is None and not read_for_it:
-            raise AuthUnavailable("its key is not among the signing keys fetched less than %d s ago" %
-                                  JWKS_REFETCH_INTERVAL)
+            raise AuthUnavailable("its key is not among the signing keys fetched less than "
+                                  "%d s ago" % JWKS_REFETCH_INTERVAL)
         if key is None:
             raise AuthError("no signing key for this token", lasting=False)
         if key.token_alg != alg or (key.alg is not None and key.alg != alg):
@@ -1425,7 +1471,8 @@ class JwksSource:
                 self._check_file()
         elif self._last_load is None:  # first use
             self._fetch()
-        elif self._loaded_at is not None and now - self._loaded_at >= JWKS_MAX_AGE and self._may_fetch():
+        elif (self._loaded_at is not None and now - self._loaded_at >= JWKS_MAX_AGE
+                and self._may_fetch()):
             self._fetch()
 
     def _fetch(self):
@@ -1435,9 +1482,9 @@ class JwksSource:
             keys = fetch_jwks_url(self.url, self.timeout)
         except Exception as exc:  # any failure of the key service: keep the last good keys
             self._failed = True
-            self.log("cannot fetch the JWKS from %s (%s: %s); keeping the last good keys (%d), trying again "
-                     "in %d s at the earliest" % (self.url, type(exc).__name__, exc, len(self.keys),
-                                                  JWKS_REFETCH_INTERVAL))
+            self.log("cannot fetch the JWKS from %s (%s: %s); keeping the last good keys (%d), "
+                     "trying again in %d s at the earliest"
+                     % (self.url, type(exc).__name__, exc, len(self.keys), JWKS_REFETCH_INTERVAL))
             return
         self.keys = keys
         self._loaded_at = self._last_load
@@ -1450,15 +1497,16 @@ class JwksSource:
         return (info.st_dev, info.st_ino, info.st_ctime_ns, info.st_mtime_ns, info.st_size)
 
     def reload(self):
-        """Read the JWKS file now, whatever its stamp (SIGHUP); the number of keys. OSError or ValueError when
-        it cannot be read: the last good keys stay in force, as when a look finds it unreadable."""
+        """Read the JWKS file now, whatever its stamp (SIGHUP); the number of keys. OSError or
+        ValueError when it cannot be read: the last good keys stay in force, as when a look finds
+        it unreadable."""
         with self._lock:
             self._check_file(forced=True)
             return len(self.keys)
 
     def _check_file(self, forced=False):
-        """Read the file again if its stamp has changed (or its last read failed). forced: read it anyway,
-        and raise a failure instead of logging it."""
+        """Read the file again if its stamp has changed (or its last read failed). forced: read it
+        anyway, and raise a failure instead of logging it."""
         self._last_load = self.clock()
         self._looks += 1
         try:
@@ -1469,12 +1517,13 @@ class JwksSource:
             self.keys = read_jwks_file(self.path)
             self._failed = False
         except (OSError, ValueError) as exc:  # read_jwks_file turns a RecursionError into one
-            if not self._failed and not forced:  # once, not at every look while it stays unreadable
-                self.log("cannot re-read the JWKS file %s (%s); keeping the last good keys (%d)" % (
-                    self.path, exc, len(self.keys)))
+            # Once, not at every look while it stays unreadable.
+            if not self._failed and not forced:
+                self.log("cannot re-read the JWKS file %s (%s); keeping the last good keys (%d)"
+                         % (self.path, exc, len(self.keys)))
             self._failed = True
-            # Read it again at the next look even if its stamp stays the same: a chmod, or a file moved
-            # away and back, makes it readable without changing its mtime or size.
+            # Read it again at the next look even if its stamp stays the same: a chmod, or a file
+            # moved away and back, makes it readable without changing its mtime or size.
             self._file_stamp = None
             if forced:
                 raise
@@ -1496,8 +1545,8 @@ def read_secret_file(path):
 # ---- verified-token cache ---------------------------------------------------
 
 class TokenCache:
-    """SHA-256 of a token -> (value, expires_at), least recently used dropped first. The value is the
-    Identity of a verified token, or the refusal of a failed one (GuardedVerifier)."""
+    """SHA-256 of a token -> (value, expires_at), least recently used dropped first. The value is
+    the Identity of a verified token, or the refusal of a failed one (GuardedVerifier)."""
 
     def __init__(self, max_entries=TOKEN_CACHE_SIZE):
         self.max_entries = max_entries
@@ -1788,15 +1837,16 @@ def client_key(address):
 
 
 class GuardedVerifier:
-    """A JWT or Supabase verifier behind two guards, so that forged tokens stay cheap: a token it refused
-    lately is refused again at once, and a client whose tokens failed too often lately has no new token
-    checked (AuthThrottled) until its bucket in `failures` (a RateLimiter shared by the verifiers) refills.
+    """A JWT or Supabase verifier behind two guards, so that forged tokens stay cheap: a token it
+    refused lately is refused again at once, and a client whose tokens failed too often lately has
+    no new token checked (AuthThrottled) until its bucket in `failures` (a RateLimiter shared by
+    the verifiers) refills.
 
-    A JWT's signature is checked in pure Python under the GIL (ES256: 2.5 ms) and a Supabase token costs a
-    request to the service: unbounded, a few connections sending forged tokens slow every response of the
-    server. A token verified lately still passes when its client is throttled (a good client behind the
-    same NAT as a broken one). Local tokens never come here: they cost a hash lookup, and one refused
-    before it was issued must pass once it is.
+    A JWT's signature is checked in pure Python under the GIL (ES256: 2.5 ms) and a Supabase token
+    costs a request to the service: unbounded, a few connections sending forged tokens slow every
+    response of the server. A token verified lately still passes when its client is throttled (a
+    good client behind the same NAT as a broken one). Local tokens never come here: they cost a
+    hash lookup, and one refused before it was issued must pass once it is.
     """
 
     def __init__(self, verifier, failures):
@@ -1816,8 +1866,8 @@ class GuardedVerifier:
             raise AuthError(refusal)
         if client is not None:
             client = client_key(client)
-            # Taken before the check, so that concurrent requests cannot overdraw the bucket; given back
-            # unless the token fails.
+            # Taken before the check, so that concurrent requests cannot overdraw the bucket; given
+            # back unless the token fails.
             wait = self.failures.retry_after(client)
             if wait:
                 raise AuthThrottled(wait)
@@ -1830,7 +1880,8 @@ class GuardedVerifier:
                 self.refused.put(token, str(exc), now + FAILED_TOKEN_SECONDS)
             raise
         finally:
-            if client is not None and not failed:  # verified, or cannot be checked now (AuthUnavailable)
+            # Verified, or cannot be checked now (AuthUnavailable).
+            if client is not None and not failed:
                 self.failures.give_back(client)
 
 
@@ -1852,11 +1903,13 @@ class Authenticator:
         self.supabase = supabase
         self.failures = failures or RateLimiter(FAILED_CHECKS_PER_MINUTE, FAILED_CHECKS_BURST)
         self._guarded_jwt = GuardedVerifier(jwt, self.failures) if jwt is not None else None
-        self._guarded_supabase = GuardedVerifier(supabase, self.failures) if supabase is not None else None
+        self._guarded_supabase = (GuardedVerifier(supabase, self.failures)
+                                  if supabase is not None else None)
 
     def identify(self, header, client=None):
-        """The Identity for an Authorization header; AuthError for any unusable token, AuthThrottled when
-        too many tokens from client (an opaque key, such as an address) failed lately."""
+        """The Identity for an Authorization header; AuthError for any unusable token,
+        AuthThrottled when too many tokens from client (an opaque key, such as an address) failed
+        lately."""
         return self._session_identity(bearer_token(header), client)
 
     def _session_identity(self, token, client):
@@ -1867,12 +1920,14 @@ class Authenticator:
         raise AuthError("unknown token")
 
     def identify_for_memory(self, header, client=None):
-        """The Identity for memory sync; AuthError, AuthUnavailable, AuthThrottled or AuthNotConfigured."""
+        """The Identity for memory sync; AuthError, AuthUnavailable, AuthThrottled or
+        AuthNotConfigured."""
         token = bearer_token(header)
         if self.memory_mode == "off":
             raise AuthNotConfigured("memory sync is turned off on this server")
         if self.memory_mode == "supabase":
-            if token.startswith(LOCAL_TOKEN_PREFIX):  # never hand one of our tokens to another service
+            # Never hand one of our tokens to another service.
+            if token.startswith(LOCAL_TOKEN_PREFIX):
                 raise AuthError("memory sync here needs an account token, not a local token")
             return self._guarded_supabase.verify(token, client)
         identity = self._session_identity(token, client)
@@ -1888,15 +1943,16 @@ class Authenticator:
 class DataDir:
     """Where everything lives under a data dir: the one place that spells its paths.
 
-        DIR/server.lock                              held by the running server (DataDirLock)
-        DIR/tokens.json, DIR/tokens.lock             token hashes (TokenStore), and their writers' lock
-        DIR/feeds/u-<principal>/p-<project>.jsonl    a personal feed
-        DIR/feeds/t-<team>/p-<project>.jsonl         a team's feed
-        DIR/memory/u-<principal>/p-<project>/        a project's notes: manifest.json, objects/<rev>.json
-        DIR/memory/u-<principal>/user/               the user scope's notes ("user" is no "p-" name)
+    DIR/server.lock                            held by the running server (DataDirLock)
+    DIR/tokens.json, DIR/tokens.lock           token hashes (TokenStore), and their writers' lock
+    DIR/feeds/u-<principal>/p-<project>.jsonl  a personal feed
+    DIR/feeds/t-<team>/p-<project>.jsonl       a team's feed
+    DIR/memory/u-<principal>/p-<project>/      a project's notes: manifest.json, objects/<rev>.json
+    DIR/memory/u-<principal>/user/             the user scope's notes ("user" is no "p-" name)
 
     Ids are written with encode_name: reversibly, and safely on case-insensitive disks. An owner is
-    ("u", principal) or ("t", team): two namespaces, so a principal and a team with one id never meet.
+    ("u", principal) or ("t", team): two namespaces, so a principal and a team with one id never
+    meet.
     """
 
     def __init__(self, path):
@@ -1920,11 +1976,12 @@ class DataDir:
             entries = list(os.scandir(self.owner_dir(owner)))
         except FileNotFoundError:
             return []
-        return [(decode_name(entry.name[2:-6]), entry) for entry in entries if _is_feed_name(entry.name)]
+        return [(decode_name(entry.name[2:-6]), entry) for entry in entries
+                if _is_feed_name(entry.name)]
 
     def all_feeds(self):
-        """(owner, project, os.DirEntry) of every file under DIR/feeds/u-*|t-*, sorted by path; owner and
-        project are None for a file that is no feed."""
+        """(owner, project, os.DirEntry) of every file under DIR/feeds/u-*|t-*, sorted by path;
+        owner and project are None for a file that is no feed."""
         for owner_entry in _sorted_dirs(self.feeds, ("u-", "t-")):
             owner = (owner_entry.name[0], decode_name(owner_entry.name[2:]))
             for entry in sorted(os.scandir(owner_entry.path), key=lambda entry: entry.name):
@@ -1935,17 +1992,19 @@ class DataDir:
 
     def scope_files(self, principal, scope):
         return ScopeFiles(os.path.join(self.memory, "u-" + encode_name(principal),
-                                       "user" if scope.project is None else "p-" + encode_name(scope.project)))
+                                       "user" if scope.project is None
+                                       else "p-" + encode_name(scope.project)))
 
     def all_scopes(self):
-        """(principal, MemoryScope, ScopeFiles) of every scope directory, sorted by path (those whose
-        names are no valid ids are not scopes of this server's making, and are left out)."""
+        """(principal, MemoryScope, ScopeFiles) of every scope directory, sorted by path (those
+        whose names are no valid ids are not scopes of this server's making, and are left out)."""
         for principal_entry in _sorted_dirs(self.memory, ("u-",)):
             principal = decode_name(principal_entry.name[2:])
             for scope_entry in _sorted_dirs(principal_entry.path, ("p-", "user")):
                 name = scope_entry.name
                 scope = USER_SCOPE if name == "user" else MemoryScope(decode_name(name[2:]))
-                if is_valid_id(principal) and (scope.project is None or is_valid_id(scope.project)):
+                if (is_valid_id(principal)
+                        and (scope.project is None or is_valid_id(scope.project))):
                     yield principal, scope, self.scope_files(principal, scope)
 
 
@@ -1989,7 +2048,8 @@ def make_dirs(path):
     """Create path and its missing parents, syncing each parent so the new entries survive a crash.
     Returns the directories it created, outermost first."""
     missing = []
-    path = os.path.abspath(path)  # a relative path's dirname ends at "", which is never a directory
+    # A relative path's dirname ends at "", which is never a directory.
+    path = os.path.abspath(path)
     while not os.path.isdir(path):
         missing.append(path)
         path = os.path.dirname(path)
@@ -2012,7 +2072,8 @@ def write_all(fd, data):
 
 def write_atomically(path, data, owner=None):
     """Replace path with data: temporary file, fsync, rename, fsync of the directory.
-    owner: (uid, gid, mode) the new file gets before it replaces the old one (else the caller's, 0600)."""
+    owner: (uid, gid, mode) the new file gets before it replaces the old one (else the caller's,
+    0600)."""
     directory = os.path.dirname(path)
     temporary = "%s.tmp-%s" % (path, secrets.token_hex(4))
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -2035,7 +2096,8 @@ def write_atomically(path, data, owner=None):
 
 
 def give_file(fd, owner):
-    """Give an open file the owner, group and mode of owner = (uid, gid, mode), changing only what differs."""
+    """Give an open file the owner, group and mode of owner = (uid, gid, mode), changing only what
+    differs."""
     uid, gid, mode = owner
     info = os.fstat(fd)
     if (info.st_uid, info.st_gid) != (uid, gid):
@@ -2053,7 +2115,8 @@ def user_name(uid):
 
 
 def lock_exclusively(fd):
-    """Take an exclusive lock on an open file without waiting; False when another process holds it."""
+    """Take an exclusive lock on an open file without waiting; False when another process holds
+    it."""
     try:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -2076,7 +2139,8 @@ class DataDirLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         if not lock_exclusively(fd):
             os.close(fd)
-            raise UsageError("another oharness-sync server is already using %s" % os.path.dirname(self.path))
+            raise UsageError("another oharness-sync server is already using %s"
+                             % os.path.dirname(self.path))
         os.ftruncate(fd, 0)
         os.write(fd, b"%d\n" % os.getpid())
         self.fd = fd
@@ -2128,18 +2192,21 @@ class TokenStore:
     @staticmethod
     def _well_formed(record):
         return (isinstance(record, dict)
-                and isinstance(record.get("id"), str) and re.fullmatch(r"[0-9a-f]{12}", record["id"]) is not None
-                and isinstance(record.get("hash"), str) and re.fullmatch(r"[0-9a-f]{64}", record["hash"]) is not None
+                and isinstance(record.get("id"), str)
+                and re.fullmatch(r"[0-9a-f]{12}", record["id"]) is not None
+                and isinstance(record.get("hash"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", record["hash"]) is not None
                 and is_valid_id(record.get("principal"))
-                and isinstance(record.get("teams"), list) and all(map(is_valid_id, record["teams"]))
+                and isinstance(record.get("teams"), list)
+                and all(map(is_valid_id, record["teams"]))
                 and isinstance(record.get("name", ""), str)
                 and all(record.get(stamp) is None or as_safe_int(record[stamp]) is not None
                         for stamp in ("created", "expires")))
 
     def owner(self):
-        """(uid, gid, mode) the token file must have: the present file's, else the data dir's owner and
-        group with mode 0600; None where files have no owners (Windows). UsageError, naming the user to
-        run as, when this process cannot give a file that owner."""
+        """(uid, gid, mode) the token file must have: the present file's, else the data dir's owner
+        and group with mode 0600; None where files have no owners (Windows). UsageError, naming the
+        user to run as, when this process cannot give a file that owner."""
         if not hasattr(os, "fchown"):
             return None
         try:
@@ -2151,25 +2218,28 @@ class TokenStore:
         if os.geteuid() != 0 and (info.st_uid != os.geteuid()
                                   or info.st_gid not in os.getgroups() + [os.getegid()]):
             name = user_name(info.st_uid)
-            raise UsageError("%s belongs to %s: run token commands as that user, e.g. sudo -u %s python3 "
-                             "oharness_sync.py token ..." % (whose, name, name))
+            raise UsageError("%s belongs to %s: run token commands as that user, e.g. sudo -u %s "
+                             "python3 oharness_sync.py token ..." % (whose, name, name))
         return info.st_uid, info.st_gid, mode
 
     def _update(self, change):
-        """Apply change(records) under the command-line lock and write the file atomically, keeping its owner."""
+        """Apply change(records) under the command-line lock and write the file atomically, keeping
+        its owner."""
         owner = self.owner()  # refused before anything is written
         try:
             fd, created = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
         except FileExistsError:
             fd, created = os.open(self.lock_path, os.O_RDWR), False
         try:
-            if created and owner is not None:  # the token file's owner's too, or they are locked out of it
+            # The token file's owner's too, or they are locked out of it.
+            if created and owner is not None:
                 give_file(fd, owner[:2] + (0o600,))
             while not lock_exclusively(fd):
                 time.sleep(0.05)
             records = self.read()
             result = change(records)
-            write_atomically(self.path, encode_json({"version": 1, "tokens": records}) + b"\n", self.owner())
+            write_atomically(self.path, encode_json({"version": 1, "tokens": records}) + b"\n",
+                             self.owner())
             return result
         finally:
             os.close(fd)
@@ -2188,10 +2258,12 @@ class TokenStore:
         return token, record
 
     def revoke(self, token_id, hashed=None):
-        """Remove a token by id (and hash, when given: a whole token was named); False when there is none."""
+        """Remove a token by id (and hash, when given: a whole token was named); False when there
+        is none."""
         def change(records):
             kept = [record for record in records
-                    if record["id"] != token_id or (hashed is not None and record["hash"] != hashed)]
+                    if (record["id"] != token_id
+                        or (hashed is not None and record["hash"] != hashed))]
             removed = len(kept) != len(records)
             records[:] = kept
             return removed
@@ -2220,7 +2292,8 @@ _TAIL_LENGTH = 17  # ,"c":"XXXXXXXX"}\n
 
 
 def feed_line(number, kind, event, key=None):
-    """One feed line for an event; kind is b"r" (record, with its key) or b"s" (session metadata)."""
+    """One feed line for an event; kind is b"r" (record, with its key) or b"s" (session
+    metadata)."""
     if key is None:
         content = b'{"n":%d,"k":"%s","e":%s' % (number, kind, event)
     else:
@@ -2247,11 +2320,11 @@ def parse_feed_line(line):
 
 def scan_feed(f):
     """Read an open feed file line by line, checking each line as the server takes it. Yields
-    (line number, offset, size, number, kind, key, stamp, problem, last) per line: for a good one its
-    event number, kind and dedupe key (records) or stamp (session metadata: (id, (gen, updatedAt)));
-    for a bad one, problem says what is wrong (the others are None) and last whether it is the file's
-    last line, which a crash may have torn. Numbers follow one another from 1; a line that cannot be
-    read is taken to hold the number it is in the place of."""
+    (line number, offset, size, number, kind, key, stamp, problem, last) per line: for a good one
+    its event number, kind and dedupe key (records) or stamp (session metadata: (id, (gen,
+    updatedAt))); for a bad one, problem says what is wrong (the others are None) and last whether
+    it is the file's last line, which a crash may have torn. Numbers follow one another from 1; a
+    line that cannot be read is taken to hold the number it is in the place of."""
     expected, offset = 1, 0
     for line_number, line in enumerate(f, 1):
         number = None
@@ -2267,7 +2340,8 @@ def scan_feed(f):
             yield line_number, offset, len(line), None, None, None, None, str(exc), not f.peek(1)
         else:
             yield line_number, offset, len(line), number, kind, key, stamp, None, False
-        expected = (expected if number is None else number) + 1  # after a jump, counted on from there
+        # After a jump, counted on from there.
+        expected = (expected if number is None else number) + 1
         offset += len(line)
 
 
@@ -2304,16 +2378,18 @@ class Page:
     def to_json(self):
         if self._json is None:  # built once, however many parked pulls answer with this page
             self._json = b'{"cursor":%d,"records":[%s],"sessions":[%s],"more":%s}' % (
-                self.cursor, b",".join(self.records), b",".join(self.sessions), b"true" if self.more else b"false")
+                self.cursor, b",".join(self.records), b",".join(self.sessions),
+                b"true" if self.more else b"false")
         return self._json
 
 
 class _Batch:
     """One push's new lines, waiting for the group commit that makes them durable, and its outcome:
     (cursor, accepted) once durable, or the StorageError that stopped it. Its push waits on its own
-    Condition (of the feed's lock), so a flush wakes each push once: when its batch is settled, or when
-    it is to flush the next group. A batch also keeps what its push found already there (skipped), which
-    may be in flight in another push's batch: should that one fail, so must this push."""
+    Condition (of the feed's lock), so a flush wakes each push once: when its batch is settled, or
+    when it is to flush the next group. A batch also keeps what its push found already there
+    (skipped), which may be in flight in another push's batch: should that one fail, so must this
+    push."""
     __slots__ = ("lines", "keys", "undo_meta", "skipped_keys", "skipped_meta", "outcome", "woken")
 
     def __init__(self):
@@ -2321,14 +2397,15 @@ class _Batch:
         self.keys = []
         self.undo_meta = []
         self.skipped_keys = []                 # dedupe keys of records found already there
-        self.skipped_meta = []                 # (session id, stamp) of metadata that lost to what was there
+        # (session id, stamp) of metadata that lost to what was there
+        self.skipped_meta = []
         self.outcome = None
         self.woken = None                      # its Condition, made when its push has to wait
 
 
 class ParkedPull:
-    """A long-poll waiting for its feed's next durable event: the Condition it waits on, and what the
-    thread that wakes it calls first (on_event, or None)."""
+    """A long-poll waiting for its feed's next durable event: the Condition it waits on, and what
+    the thread that wakes it calls first (on_event, or None)."""
     __slots__ = ("woken", "on_event")
 
     def __init__(self, on_event=None):
@@ -2339,11 +2416,12 @@ class ParkedPull:
 def wake_pulls(pulls, log):
     """Wake parked pulls: first each one's on_event, in this thread, then a notify each.
 
-    This is where a push hands other connections their responses. The thousand threads of a thousand
-    woken pulls would take turns on the interpreter lock before each could send its own response; so
-    the waking thread (the push's, once its events are durable) calls each pull's on_event, which
-    sends that pull its response without waiting (SyncApp.park, SyncRequestHandler.respond_early),
-    and the pulls' own threads, notified after, only finish what a full socket did not take."""
+    This is where a push hands other connections their responses. The thousand threads of a
+    thousand woken pulls would take turns on the interpreter lock before each could send its own
+    response; so the waking thread (the push's, once its events are durable) calls each pull's
+    on_event, which sends that pull its response without waiting (SyncApp.park,
+    SyncRequestHandler.respond_early), and the pulls' own threads, notified after, only finish what
+    a full socket did not take."""
     for pull in pulls:
         if pull.on_event is not None:
             try:
@@ -2395,14 +2473,16 @@ class Feed:
                 if not self.loaded and self.damage is None:
                     try:
                         self._load()
-                    except OSError as exc:  # e.g. out of file descriptors: try again on the next request
+                    except OSError as exc:
+                        # E.g. out of file descriptors: try again on the next request.
                         raise StorageError("cannot read %s: %s" % (self.path, exc)) from None
         if self.damage is not None:
             raise FeedDamaged(self.damage)
 
     def _load(self):
-        """Rebuild the index from the file. It is built aside and kept only when the whole load succeeds,
-        so a failure half-way (a read error, no file descriptor left) leaves nothing half-built."""
+        """Rebuild the index from the file. It is built aside and kept only when the whole load
+        succeeds, so a failure half-way (a read error, no file descriptor left) leaves nothing
+        half-built."""
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
@@ -2435,8 +2515,9 @@ class Feed:
     # -- appending ---------------------------------------------------------
 
     def append(self, records, sessions):
-        """Add new records and winning metadata; (cursor, accepted) once they are durable, StorageError
-        when they cannot be. Blocks until the group commit that holds them has fsynced."""
+        """Add new records and winning metadata; (cursor, accepted) once they are durable,
+        StorageError when they cannot be. Blocks until the group commit that holds them has
+        fsynced."""
         self.ensure_loaded()
         parked = ()
         with self.lock:
@@ -2456,7 +2537,8 @@ class Feed:
         return batch.outcome
 
     def _queue(self, records, sessions):
-        """Number the new events and queue them as a batch (lock held); None when nothing need wait."""
+        """Number the new events and queue them as a batch (lock held); None when nothing need
+        wait."""
         batch = _Batch()
         number = self.next_number
         for record in records:
@@ -2485,12 +2567,13 @@ class Feed:
         return batch
 
     def _flush(self):
-        """Write and fsync every queued batch, and settle each one's outcome; the parked pulls to wake.
+        """Write and fsync every queued batch, and settle each one's outcome; the parked pulls to
+        wake.
 
         Called with the lock held, which it lets go for the disk work and takes again before it
         returns: pushes that arrive meanwhile queue their batches for the next flush (the push that
-        finds no flush under way does it: append's loop), and reads go on. _flushing tells them one is
-        under way."""
+        finds no flush under way does it: append's loop), and reads go on. _flushing tells them one
+        is under way."""
         group, self.pending = self.pending, []
         lines = [line for queued in group for line in queued.lines]
         self._flushing = True
@@ -2523,18 +2606,21 @@ class Feed:
             self.log("push to %s failed: %s" % (self.path, reason(failure)))
             outcome = StorageError("storage failure: %s" % reason(failure))
             for queued in group:
-                # A push that added nothing fails only when what it found there was in the failed write.
+                # A push that added nothing fails only when what it found there was in the failed
+                # write.
                 held = not queued.lines and self._still_there(queued)
                 queued.outcome = (self.count, 0) if held else outcome
         for queued in group:
             if queued.woken is not None:
                 queued.woken.notify()
         if self.pending:
-            self.pending[0].woken.notify()  # queued meanwhile (so waiting): its push flushes the next group
+            # Queued meanwhile (so waiting): its push flushes the next group.
+            self.pending[0].woken.notify()
         return parked if failure is None and lines else ()
 
     def _still_there(self, batch):
-        """Whether every record and metadata entry batch's push found already there still is (lock held)."""
+        """Whether every record and metadata entry batch's push found already there still is (lock
+        held)."""
         return (all(key in self.keys for key in batch.skipped_keys)
                 and not any(metadata_wins(stamp, self.meta.get(session_id))
                             for session_id, stamp in batch.skipped_meta))
@@ -2570,7 +2656,8 @@ class Feed:
                     self.fd = None
                     os.unlink(self.path)
             except OSError as exc:
-                self.damage = "%s: a failed write could not be undone (%s); restart the server" % (self.path, exc)
+                self.damage = ("%s: a failed write could not be undone (%s); restart the server"
+                               % (self.path, exc))
             raise
 
     # -- reading -----------------------------------------------------------
@@ -2578,7 +2665,8 @@ class Feed:
     def read(self, since, limit):
         """The Page of at most limit events after cursor since."""
         self.ensure_loaded()
-        last = self._last_page  # without the lock: every pull one push woke asks for this page at once
+        # Without the lock: every pull one push woke asks for this page at once.
+        last = self._last_page
         if last is not None and last[0] == (since, limit, self.count):
             return last[1]  # (a page is built for one count, and never changes)
         with self.lock:
@@ -2605,11 +2693,12 @@ class Feed:
         return page
 
     def wait(self, since, timeout, stopping, on_event=None):
-        """Wait up to timeout seconds for an event after since; True once there is one, or stopping is set.
-        on_event: called by the thread that wakes this wait, before it does (see wake)."""
+        """Wait up to timeout seconds for an event after since; True once there is one, or stopping
+        is set. on_event: called by the thread that wakes this wait, before it does (see wake)."""
         self.ensure_loaded()
         pull = ParkedPull(on_event)
-        with pull.woken:  # held until wait() lets it go: a flush that takes this pull cannot notify it before
+        # Held until wait() lets it go: a flush that takes this pull cannot notify it before.
+        with pull.woken:
             with self.lock:
                 if self.count > since or stopping.is_set():
                     return True
@@ -2642,7 +2731,8 @@ class FeedStore:
         self.stopping = threading.Event()
         self._feeds = {}
         self._lock = threading.Lock()
-        self._unborn = {}                      # (owner, project) without a Feed -> ParkedPulls waiting for one
+        # (owner, project) without a Feed -> ParkedPulls waiting for one
+        self._unborn = {}
 
     def feed(self, owner, project, create=False):
         """The Feed of (owner, project); None when it has no file and create is false.
@@ -2657,13 +2747,15 @@ class FeedStore:
         with self._lock:
             feed = self._feeds.get(key)
             if feed is None and (create or os.path.exists(path)):
-                # Pulls waiting for this feed to exist now wait on it, for its first event: not woken now.
+                # Pulls waiting for this feed to exist now wait on it, for its first event: not
+                # woken now.
                 feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()))
             return feed
 
     def push(self, owner, project, records, sessions):
-        """Append a validated push; (cursor, accepted) once durable. A push that adds nothing creates nothing
-        (an empty push to a project without a feed leaves no Feed behind either)."""
+        """Append a validated push; (cursor, accepted) once durable. A push that adds nothing
+        creates nothing (an empty push to a project without a feed leaves no Feed behind
+        either)."""
         feed = self.feed(owner, project, create=bool(records or sessions))
         if feed is None:
             return 0, 0
@@ -2677,9 +2769,9 @@ class FeedStore:
         return feed.read(since, limit)
 
     def wait(self, owner, project, since, timeout, on_event=None):
-        """Wait up to timeout seconds for (owner, project) to have an event after since; True once it
-        has, or once the store is stopping. on_event: called by the thread that wakes this wait, before
-        it does (see wake).
+        """Wait up to timeout seconds for (owner, project) to have an event after since; True once
+        it has, or once the store is stopping. on_event: called by the thread that wakes this wait,
+        before it does (see wake).
 
         A project without a feed gets no Feed object (long-polls on made-up names leave nothing
         behind): its pulls wait aside, and the Feed made for it takes them over, parked.
@@ -2703,7 +2795,8 @@ class FeedStore:
         return self.stopping.is_set() or (feed is not None and feed.count > since)
 
     def _unpark(self, key, pull):
-        """Forget a pull whose wait for key's first event is over: aside, or on the Feed made since."""
+        """Forget a pull whose wait for key's first event is over: aside, or on the Feed made
+        since."""
         with self._lock:
             waiting = self._unborn.get(key)
             if waiting is not None and pull in waiting:
@@ -2716,8 +2809,9 @@ class FeedStore:
             feed.unpark(pull)
 
     def projects(self, owner):
-        """The sorted project ids with a durable event in owner's feed. A feed in use counts its durable
-        events (its file may hold a first push still being fsynced, or being undone); another, its file."""
+        """The sorted project ids with a durable event in owner's feed. A feed in use counts its
+        durable events (its file may hold a first push still being fsynced, or being undone);
+        another, its file."""
         names = []
         for project, entry in self.layout.owner_feeds(owner):
             feed = self._feeds.get((owner, project))
