@@ -2845,7 +2845,8 @@ class FeedStore:
 # Storage: memory manifests and immutable note revisions
 # -------------------------------------------------------------------------------------------------
 
-# An entry's size is its JSON in a full snapshot: {"id":..,"hash":..,"note":..} or {"id":..,"hash":null}.
+# An entry's size is its JSON in a full snapshot: {"id":..,"hash":..,"note":..} or
+# {"id":..,"hash":null}.
 _LIVE_ENTRY_BYTES = len(b'{"id":"","hash":"","note":}') + 64   # + id + the note's JSON
 _TOMBSTONE_BYTES = len(b'{"id":"","hash":null}')                # + id
 _REVISION = re.compile(r"[0-9a-f]{32}")
@@ -2855,13 +2856,13 @@ _OBJECT_NAME = re.compile(r"[0-9a-f]{32}\.json")
 class Manifest:
     """One scope's published state: an etag and its entries by note id.
 
-    An entry is {"hash", "rev", "size"} for a live note (rev names its object file, size is its entry's
-    JSON in a full snapshot) or {"hash": None, "deletedAt": ms} for a tombstone. A Manifest is never
-    changed once built: a commit builds a new one, so readers may keep using the old one.
+    An entry is {"hash", "rev", "size"} for a live note (rev names its object file, size is its
+    entry's JSON in a full snapshot) or {"hash": None, "deletedAt": ms} for a tombstone. A Manifest
+    is never changed once built: a commit builds a new one, so readers may keep using the old one.
     """
 
-    __slots__ = ("etag", "entries", "live_count", "entry_bytes", "_sorted_ids", "_fragments", "_etag_json",
-                 "_live_hashes", "_all_fragments", "unchanged_snapshot")
+    __slots__ = ("etag", "entries", "live_count", "entry_bytes", "_sorted_ids", "_fragments",
+                 "_etag_json", "_live_hashes", "_all_fragments", "unchanged_snapshot")
 
     def __init__(self, etag, entries):
         self.etag = etag
@@ -2896,7 +2897,8 @@ class Manifest:
             for note_id in self.sorted_ids():
                 current = self.entries[note_id]["hash"]
                 if current is None:
-                    fragments.append((note_id, None, b'{"id":"%s","hash":null}' % note_id.encode("ascii")))
+                    fragments.append((note_id, None,
+                                      b'{"id":"%s","hash":null}' % note_id.encode("ascii")))
                 else:
                     fragments.append((note_id, current, b'{"id":"%s","hash":"%s"}' % (
                         note_id.encode("ascii"), current.encode("ascii"))))
@@ -2911,7 +2913,8 @@ class Manifest:
         return self._live_hashes
 
     def all_fragments(self):
-        """Every entry's fragment, joined: the entries of a snapshot for a client that holds every note."""
+        """Every entry's fragment, joined: the entries of a snapshot for a client that holds every
+        note."""
         if self._all_fragments is None:
             self._all_fragments = b",".join(fragment for _, _, fragment in self.fragments())
         return self._all_fragments
@@ -2932,7 +2935,8 @@ class Manifest:
         The check is strict because rev becomes a file name.
         """
         doc = decode_json(data)
-        if not isinstance(doc, dict) or doc.get("version") != 1 or set(doc) != {"version", "etag", "entries"}:
+        if (not isinstance(doc, dict) or doc.get("version") != 1
+                or set(doc) != {"version", "etag", "entries"}):
             raise ValueError("not a version 1 manifest")
         etag, entries = doc["etag"], doc["entries"]
         if not isinstance(etag, str) or not etag or not isinstance(entries, dict):
@@ -2944,8 +2948,10 @@ class Manifest:
                 good = set(entry) == {"hash", "deletedAt"} and _is_count(entry["deletedAt"])
             else:
                 good = (set(entry) == {"hash", "rev", "size"} and isinstance(entry["hash"], str)
-                        and _HASH.fullmatch(entry["hash"]) is not None and isinstance(entry["rev"], str)
-                        and _REVISION.fullmatch(entry["rev"]) is not None and _is_count(entry["size"]))
+                        and _HASH.fullmatch(entry["hash"]) is not None
+                        and isinstance(entry["rev"], str)
+                        and _REVISION.fullmatch(entry["rev"]) is not None
+                        and _is_count(entry["size"]))
             if not good:
                 raise ValueError("bad entry")
         return cls(etag, entries)
@@ -2990,7 +2996,8 @@ class ManifestCache:
 
 
 class ScopeFiles:
-    """The paths of one scope's directory (DataDir.scope_files): manifest.json, objects/<rev>.json."""
+    """The paths of one scope's directory (DataDir.scope_files): manifest.json,
+    objects/<rev>.json."""
 
     __slots__ = ("root", "manifest", "objects")
 
@@ -3004,8 +3011,8 @@ class ScopeFiles:
 
 
 class Snapshot:
-    """What a snapshot or commit returns: principal, etag and quota (as JSON bytes), and the entries as
-    JSON fragments (or `unchanged`)."""
+    """What a snapshot or commit returns: principal, etag and quota (as JSON bytes), and the
+    entries as JSON fragments (or `unchanged`)."""
 
     __slots__ = ("principal", "etag_json", "quota_json", "entries", "unchanged", "_json")
 
@@ -3019,7 +3026,8 @@ class Snapshot:
 
     def to_json(self):
         if self._json is None:  # built once: an `unchanged` snapshot is given again and again
-            middle = b'"unchanged":true' if self.unchanged else b'"entries":[%s]' % b",".join(self.entries)
+            middle = (b'"unchanged":true' if self.unchanged
+                      else b'"entries":[%s]' % b",".join(self.entries))
             self._json = b'{"principal":"%s","etag":%s,%s,"quota":%s}' % (
                 self.principal.encode("ascii"), self.etag_json, middle, self.quota_json)
         return self._json
@@ -3028,15 +3036,16 @@ class Snapshot:
 class MemoryStore:
     """Memory notes under DIR/memory: one manifest plus immutable revision objects per scope.
 
-    A commit is a compare-and-swap on the manifest's etag under a lock for its scope; snapshots take
-    the same lock, so garbage collection at commit time never removes an object a reader is about to open.
+    A commit is a compare-and-swap on the manifest's etag under a lock for its scope; snapshots
+    take the same lock, so garbage collection at commit time never removes an object a reader is
+    about to open.
     """
 
     def __init__(self, data_dir, clock=time.time, log=None):
         self.layout = DataDir(data_dir)
         self.clock = clock
         self.log = log or (lambda message: None)
-        self.quota = dict(MEMORY_QUOTA)              # what is enforced and advertised; tests may lower it
+        self.quota = dict(MEMORY_QUOTA)              # enforced and advertised; tests may lower it
         self._quota_json = (None, b"")               # (the quota it was made from, its JSON)
         self.max_snapshot_bytes = MAX_SNAPSHOT_BYTES
         self.garbage_age = GARBAGE_AGE_SECONDS
@@ -3057,14 +3066,17 @@ class MemoryStore:
         return data
 
     def _files(self, principal, scope):
-        """The ScopeFiles of (principal, scope), remembered: they are asked for on every request."""
+        """The ScopeFiles of (principal, scope), remembered: they are asked for on every
+        request."""
         key = (principal, scope.project)  # a scope is its project (None: the user scope)
         files = self._paths.get(key)
         if files is None:
             if len(self._paths) > 10000:
                 self._paths.clear()
-            # Ids are checked here too: encode_name keeps '/' and '.', so only a valid id is a safe name.
-            if not is_valid_id(principal) or (scope.project is not None and not is_valid_id(scope.project)):
+            # Ids are checked here too: encode_name keeps '/' and '.', so only a valid id is a
+            # safe name.
+            if (not is_valid_id(principal)
+                    or (scope.project is not None and not is_valid_id(scope.project))):
                 raise ValueError("invalid principal or project id")
             files = self._paths[key] = self.layout.scope_files(principal, scope)
         return files
@@ -3076,7 +3088,8 @@ class MemoryStore:
         files = self._files(principal, scope)
         if known_etag is not None:
             # `unchanged` reads no note, so it needs no scope lock: the cached manifest is the
-            # published one (commits replace it under the lock), and the snapshot is true as of this read.
+            # published one (commits replace it under the lock), and the snapshot is true as of
+            # this read.
             snapshot = self._unchanged(principal, known_etag, self._cache.get(files.root))
             if snapshot is not None:
                 return snapshot
@@ -3086,23 +3099,26 @@ class MemoryStore:
                     or self._snapshot(principal, files, manifest, have))
 
     def _unchanged(self, principal, known_etag, manifest):
-        """The `unchanged` Snapshot when known_etag is manifest's etag (there being one), else None."""
+        """The `unchanged` Snapshot when known_etag is manifest's etag (there being one), else
+        None."""
         if manifest is None or known_etag is None or known_etag != manifest.etag:
             return None
         quota_json = self.quota_json()
         snapshot = manifest.unchanged_snapshot  # a scope has one principal: it is the manifest's
         if snapshot is None or snapshot.quota_json is not quota_json:
-            snapshot = manifest.unchanged_snapshot = Snapshot(principal, manifest.etag_json(), quota_json,
-                                                              unchanged=True)
+            snapshot = manifest.unchanged_snapshot = Snapshot(principal, manifest.etag_json(),
+                                                              quota_json, unchanged=True)
         return snapshot
 
     def commit(self, principal, scope, etag, changes, have=None):
-        """Apply a list of MemoryChange if etag is still current; the Snapshot with the new etag."""
+        """Apply a list of MemoryChange if etag is still current; the Snapshot with the new
+        etag."""
         files = self._files(principal, scope)
         with self._scope_lock(files.root):
             old = self._manifest(files)
             if etag != old.etag:
-                raise MemoryApiError(409, "revision_conflict", "the manifest has changed since that etag")
+                raise MemoryApiError(409, "revision_conflict",
+                                     "the manifest has changed since that etag")
             entries, objects, fresh = self._apply(old, changes)
             new = Manifest(secrets.token_hex(16), entries)
             self._check_ids(new, changes)
@@ -3111,14 +3127,15 @@ class MemoryStore:
             self._cache.put(files.root, new)
             self._mark_replaced(files, old, new)
             self._collect_garbage(files, new)
-            return self._snapshot(principal, files, new, have, fresh)
+            return self._snapshot(principal, files, new, have, fresh=fresh)
 
     def _mark_replaced(self, files, old, new):
         """Touch the revisions this commit stopped using, so garbage collection keeps them for
         garbage_age from now: a backup copying the previous manifest still finds its objects."""
         now = self.clock()
         for note_id, entry in old.entries.items():
-            if entry["hash"] is not None and new.entries.get(note_id, {}).get("rev") != entry["rev"]:
+            if (entry["hash"] is not None
+                    and new.entries.get(note_id, {}).get("rev") != entry["rev"]):
                 try:
                     os.utime(files.object_path(entry["rev"]), (now, now))
                 except OSError:
@@ -3132,7 +3149,8 @@ class MemoryStore:
             return lock
 
     def _manifest(self, files):
-        """The published Manifest of a scope (NO_MANIFEST when there is none), from the cache if possible."""
+        """The published Manifest of a scope (NO_MANIFEST when there is none), from the cache if
+        possible."""
         manifest = self._cache.get(files.root)
         if manifest is not None:
             return manifest
@@ -3143,25 +3161,30 @@ class MemoryStore:
             manifest = NO_MANIFEST
         except OSError as exc:
             self.log("memory: cannot read %s: %s" % (files.manifest, exc))
-            raise MemoryApiError(502, "invalid_manifest", "the memory manifest cannot be read") from None
+            raise MemoryApiError(502, "invalid_manifest",
+                                 "the memory manifest cannot be read") from None
         else:
             try:
                 manifest = Manifest.from_bytes(data)
             except ValueError as exc:
                 self.log("memory: damaged manifest %s: %s" % (files.manifest, exc))
-                raise MemoryApiError(502, "invalid_manifest", "the memory manifest is damaged") from None
+                raise MemoryApiError(502, "invalid_manifest",
+                                     "the memory manifest is damaged") from None
         self._cache.put(files.root, manifest)
         return manifest
 
     def _snapshot(self, principal, files, manifest, have, fresh=None):
         """The Snapshot of manifest: every entry by id; a note only where have lacks its hash.
 
-        Entries are written as JSON fragments (a stored note's bytes are used as they are, once they
-        proved to hash right), so a scope of thousands of notes is sent without building objects.
+        Entries are written as JSON fragments (a stored note's bytes are used as they are, once
+        they proved to hash right), so a scope of thousands of notes is sent without building
+        objects.
         """
         have = have or {}
-        if manifest.live_hashes().items() <= have.items():  # the client holds every note: no note to send
-            return Snapshot(principal, manifest.etag_json(), self.quota_json(), [manifest.all_fragments()])
+        # the client holds every note: no note to send
+        if manifest.live_hashes().items() <= have.items():
+            return Snapshot(principal, manifest.etag_json(), self.quota_json(),
+                            [manifest.all_fragments()])
         fresh = fresh or {}
         entries = []
         for note_id, current, fragment in manifest.fragments():
@@ -3169,23 +3192,26 @@ class MemoryStore:
                 entries.append(fragment)
             else:
                 note = fresh.get(note_id)
-                data = encode_json(note) if note is not None else self._read_note(files, note_id,
-                                                                                   manifest.entries[note_id])
+                data = (encode_json(note) if note is not None
+                        else self._read_note(files, note_id, manifest.entries[note_id]))
                 entries.append(b'%s,"note":%s}' % (fragment[:-1], data))
         return Snapshot(principal, manifest.etag_json(), self.quota_json(), entries)
 
     def _read_note(self, files, note_id, entry):
-        """The stored bytes of a live note, after checking that they hash to the manifest's hash."""
+        """The stored bytes of a live note, after checking that they hash to the manifest's
+        hash."""
         path = files.object_path(entry["rev"])
         try:
             with open(path, "rb") as stream:
                 data = stream.read()
         except OSError as exc:
             self.log("memory: cannot read note %s at %s: %s" % (note_id, path, exc))
-            raise MemoryApiError(502, "missing_memory_object", "a memory note object is missing") from None
+            raise MemoryApiError(502, "missing_memory_object",
+                                 "a memory note object is missing") from None
         try:
             note = decode_json(data)
-            intact = (isinstance(note, dict) and NOTE_FIELDS.issuperset(note) and note_hash(note) == entry["hash"]
+            intact = (isinstance(note, dict) and NOTE_FIELDS.issuperset(note)
+                      and note_hash(note) == entry["hash"]
                       and encode_json(note) == data)  # exactly the bytes this server wrote
         except (ValueError, KeyError):
             intact = False
@@ -3223,8 +3249,8 @@ class MemoryStore:
 
     @staticmethod
     def _check_ids(new, changes):
-        """400 id_case_conflict when a note this commit makes live shares its lower-case id with another
-        live note (clients keep notes as files, on disks that may ignore case)."""
+        """400 id_case_conflict when a note this commit makes live shares its lower-case id with
+        another live note (clients keep notes as files, on disks that may ignore case)."""
         counts = {}
         for note_id, entry in new.entries.items():
             if entry["hash"] is not None:
@@ -3232,17 +3258,20 @@ class MemoryStore:
                 counts[folded] = counts.get(folded, 0) + 1
         for change in changes:
             if change.note is not None and counts[change.id.lower()] > 1:
-                raise MemoryApiError(400, "id_case_conflict", "note ids must differ in more than case")
+                raise MemoryApiError(400, "id_case_conflict",
+                                     "note ids must differ in more than case")
 
     def _check_quota(self, old, new):
         """413 when the commit grows a scope beyond maxNotes live notes or its snapshot beyond
-        max_snapshot_bytes; a commit that does not grow it is allowed, so a lowered quota never locks
-        anyone in."""
+        max_snapshot_bytes; a commit that does not grow it is allowed, so a lowered quota never
+        locks anyone in."""
         max_notes = self.quota["maxNotes"]
         if new.live_count > max_notes and new.live_count > old.live_count:
-            raise MemoryApiError(413, "memory_quota_exceeded", "more than %d live notes" % max_notes)
+            raise MemoryApiError(413, "memory_quota_exceeded",
+                                 "more than %d live notes" % max_notes)
         if new.entry_bytes > self.max_snapshot_bytes and new.entry_bytes > old.entry_bytes:
-            raise MemoryApiError(413, "memory_quota_exceeded", "the memory snapshot would be too large")
+            raise MemoryApiError(413, "memory_quota_exceeded",
+                                 "the memory snapshot would be too large")
 
     def _publish(self, files, manifest, objects):
         """Write the new objects durably, then replace the manifest atomically.
@@ -3274,8 +3303,9 @@ class MemoryStore:
         try:
             write_atomically(files.manifest, manifest.to_bytes())
         except OSError as exc:
-            # Had the rename already happened (a failing directory fsync), the new manifest is the one on
-            # disk: forget the cached one so the disk decides, and keep the objects it may refer to.
+            # Had the rename already happened (a failing directory fsync), the new manifest is the
+            # one on disk: forget the cached one so the disk decides, and keep the objects it may
+            # refer to.
             self._cache.drop(files.root)
             raise self._sync_failed(files, exc) from None
 
@@ -3339,10 +3369,11 @@ def json_response(status, value, headers=()):
 
 
 class Request:
-    """What a route's handler sees of one HTTP request: headers by lower-case name, the query parsed,
-    and the SyncRequestHandler serving its connection: for the body, read only when asked for, and
-    for a parked pull's wait."""
-    __slots__ = ("method", "path", "query", "headers", "handler", "client", "tls", "principal", "__weakref__")
+    """What a route's handler sees of one HTTP request: headers by lower-case name, the query
+    parsed, and the SyncRequestHandler serving its connection: for the body, read only when asked
+    for, and for a parked pull's wait."""
+    __slots__ = ("method", "path", "query", "headers", "handler", "client", "tls", "principal",
+                 "__weakref__")
 
     def __init__(self, method, path, query, headers, handler, client=None, tls=False):
         self.method = method
@@ -3351,11 +3382,12 @@ class Request:
         self.headers = headers
         self.handler = handler          # read_body; hold, client_gone, respond_early, release
         self.client = client            # the client's address (host), as the connection shows it
-        self.tls = tls                  # whether it came over HTTPS (to this server: a proxy's is not seen)
+        self.tls = tls                  # whether it came over HTTPS (a proxy's HTTPS is not seen)
         self.principal = None           # for the access log, once a token was verified
 
     def read_body(self, limit, error):
-        """The body, at most limit bytes; error(status, text) makes the exception for a bad or oversized one."""
+        """The body, at most limit bytes; error(status, text) makes the exception for a bad or
+        oversized one."""
         return self.handler.read_body(limit, error)
 
     def param(self, name):
@@ -3378,16 +3410,19 @@ FRONT_PAGE = """<!DOCTYPE html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>oharness-sync</title>
-<style>body{font-family:system-ui,sans-serif;max-width:42em;margin:2em auto;padding:0 1em;line-height:1.5}
+<style>body{font-family:system-ui,sans-serif;max-width:42em;margin:2em auto;padding:0
+1em;line-height:1.5}
 pre,code{background:#f3f3f3}pre{padding:.8em;overflow:auto}</style>
 </head>
 <body>
 <h1>oharness-sync</h1>
-<p>This is an <strong>OHarness sync server</strong>, and it is up: oharness-sync %(version)s, sync protocol v1.
+<p>This is an <strong>OHarness sync server</strong>, and it is up:
+oharness-sync %(version)s, sync protocol v1.
 Its health check is at <a href="/v1/health">/v1/health</a>.</p>
 <h2>Point an OHarness client at it</h2>
-<p>Put this in your <em>user</em> configuration, <code>~/.oharness/config.json</code>, with a token from this
-server's operator (<code>python3 oharness_sync.py token issue --data DIR --principal YOU</code>), then restart
+<p>Put this in your <em>user</em> configuration, <code>~/.oharness/config.json</code>, with a token
+from this server's operator
+(<code>python3 oharness_sync.py token issue --data DIR --principal YOU</code>), then restart
 OHarness:</p>
 <pre>{
   "sync": {
@@ -3395,16 +3430,17 @@ OHarness:</p>
     "token": "ohs_..."
   }
 }</pre>
-<p>OHarness accepts plain <code>http://</code> only for localhost; behind a TLS proxy, use the proxy's
-<code>https://</code> address. Session transcripts and memory notes are shown to nobody here: every other
-route needs a token.</p>
+<p>OHarness accepts plain <code>http://</code> only for localhost; behind a TLS proxy, use the
+proxy's <code>https://</code> address. Session transcripts and memory notes are shown to nobody
+here: every other route needs a token.</p>
 </body>
 </html>
 """
 
 
 def memory_body_error(status, text):
-    return MemoryApiError(status, "memory_quota_exceeded" if status == 413 else "invalid_body", text)
+    return MemoryApiError(status, "memory_quota_exceeded" if status == 413 else "invalid_body",
+                          text)
 
 
 def retry_after(seconds):
@@ -3418,7 +3454,8 @@ def retry_after(seconds):
 AUTH_FAILURES = (  # (exception, session status, session text, memory status, memory code)
     (AuthError, 401, "%s", 401, "sign_in_required"),
     (AuthThrottled, 429, "%s; try again later", 429, "rate_limited"),
-    (AuthUnavailable, 503, "cannot check this token now (%s); try again later", 502, "auth_unavailable"),
+    (AuthUnavailable, 503, "cannot check this token now (%s); try again later",
+     502, "auth_unavailable"),
     (AuthNotConfigured, 503, "%s", 503, "auth_not_configured"),
 )
 
@@ -3435,7 +3472,8 @@ class SyncApp:
         self.max_parked = max_parked
         self.parked = set()               # the requests of long-polls waiting now
         self._parked_lock = threading.Lock()
-        self._checked_snapshots = {}      # (principal, body) -> MemoryRequest, for small snapshot bodies
+        # (principal, body) -> MemoryRequest, for small snapshot bodies
+        self._checked_snapshots = {}
 
     ROUTES = {
         "/": {"GET": "front_page"},
@@ -3453,7 +3491,8 @@ class SyncApp:
         methods = self.ROUTES.get(request.path)
         if methods is None:
             return json_response(404, {"error": "unknown route"})
-        handler = methods.get("GET" if request.method == "HEAD" else request.method)  # HEAD: GET less the body
+        # HEAD: GET less the body
+        handler = methods.get("GET" if request.method == "HEAD" else request.method)
         if handler is None:
             body = {"error": "method not allowed"}
             if request.path.startswith("/v1/memory/"):
@@ -3462,15 +3501,16 @@ class SyncApp:
             return json_response(405, body, [("Allow", ", ".join(allowed))])
         try:
             return getattr(self, handler)(request)
-        except (ApiError, MemoryApiError, FeedDamaged, StorageError, AuthError, AuthThrottled, AuthUnavailable,
-                AuthNotConfigured) as exc:
+        except (ApiError, MemoryApiError, FeedDamaged, StorageError, AuthError, AuthThrottled,
+                AuthUnavailable, AuthNotConfigured) as exc:
             return self.error_response(exc, request.path.startswith("/v1/memory/"))
 
     def error_response(self, exc, memory_route):
         """The response to an expected failure: the one place that turns an exception into one."""
         if isinstance(exc, FeedDamaged):
             self.log("refused a damaged feed: %s" % exc)
-            return json_response(500, {"error": "this feed is damaged; the server log names the file and line"})
+            return json_response(500, {"error": "this feed is damaged; the server log names the "
+                                                "file and line"})
         if isinstance(exc, StorageError):
             self.log("storage failure: %s" % exc)
             return json_response(500, {"error": "storage failure; nothing was stored"})
@@ -3488,14 +3528,16 @@ class SyncApp:
     # -- session sync ------------------------------------------------------
 
     def session_identity(self, request):
-        """The verified Identity of the request's token (a failure is answered by AUTH_FAILURES)."""
+        """The verified Identity of the request's token (a failure is answered by
+        AUTH_FAILURES)."""
         identity = self.auth.identify(request.headers.get("authorization"), request.client)
         request.principal = identity.principal
         return identity
 
     @staticmethod
     def feed_owner(identity, team):
-        """The personal feed without a team; a team's feed only if the token lists it (else 403)."""
+        """The personal feed without a team; a team's feed only if the token lists it (else
+        403)."""
         if team is None:
             return ("u", identity.principal)
         if team not in identity.teams:
@@ -3506,8 +3548,8 @@ class SyncApp:
         return Response(200, b'{"ok":true}')
 
     def front_page(self, request):
-        """A page for a person who types the server's address into a browser: what this is and how to
-        point a client at it. Nothing of any tenant, and nothing to run."""
+        """A page for a person who types the server's address into a browser: what this is and
+        how to point a client at it. Nothing of any tenant, and nothing to run."""
         scheme = "https" if request.tls else "http"
         url = html.escape("%s://%s" % (scheme, request.headers.get("host") or "HOST"), quote=True)
         page = FRONT_PAGE % {"version": __version__, "url": url}
@@ -3539,22 +3581,24 @@ class SyncApp:
             raise BadRequest("project must be an id of 1 to 128 characters [A-Za-z0-9_-]")
         owner = self.feed_owner(identity, request.param("team"))
         since = parse_cursor(request.param("since"))
-        limit = parse_clamped(request.param("limit"), "limit", 1, MAX_PULL_LIMIT, MAX_PULL_LIMIT)
-        wait = parse_clamped(request.param("wait"), "wait", 0, MAX_WAIT_SECONDS, 0)
+        limit = parse_clamped(request.param("limit"), "limit", 1, MAX_PULL_LIMIT,
+                              default=MAX_PULL_LIMIT)
+        wait = parse_clamped(request.param("wait"), "wait", 0, MAX_WAIT_SECONDS, default=0)
         page = self.feeds.pull(owner, project, since, limit)
         if page.records or page.sessions or wait == 0:
             return Response(200, page.to_json())
-        return self.park(request, owner, project, since, wait,
-                         lambda: Response(200, self.feeds.pull(owner, project, since, limit).to_json()))
+        return self.park(request, owner, project, since, seconds=wait,
+                         make_response=lambda: Response(
+                             200, self.feeds.pull(owner, project, since, limit).to_json()))
 
     def park(self, request, owner, project, since, seconds, make_response):
-        """Hold a pull until its feed has an event after since, its wait is over, the server stops, or
-        its client closes its side (looked at every PARKED_CHECK_SECONDS, so an abandoned pull gives its
-        place back soon; one that only half-closed still reads its response); then make_response().
-        Past max_parked: make_response() at once.
+        """Hold a pull until its feed has an event after since, its wait is over, the server stops,
+        or its client closes its side (looked at every PARKED_CHECK_SECONDS, so an abandoned pull
+        gives its place back soon; one that only half-closed still reads its response); then
+        make_response(). Past max_parked: make_response() at once.
 
-        The thread that wakes the pull sends its response (on_event, see wake_pulls); Feed.read builds
-        one Page for all the pulls a push wakes."""
+        The thread that wakes the pull sends its response (on_event, see wake_pulls); Feed.read
+        builds one Page for all the pulls a push wakes."""
         with self._parked_lock:  # (the count and the add, together)
             if len(self.parked) >= self.max_parked:
                 return make_response()
@@ -3569,7 +3613,9 @@ class SyncApp:
 
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or self.feeds.wait(owner, project, since, min(left, PARKED_CHECK_SECONDS), on_event):
+                if (left <= 0
+                        or self.feeds.wait(owner, project, since, min(left, PARKED_CHECK_SECONDS),
+                                           on_event=on_event)):
                     break
                 if handler.client_gone():
                     break
@@ -3586,25 +3632,30 @@ class SyncApp:
 
     def memory_snapshot(self, request):
         principal, req = self.memory_request(request, "snapshot")
-        return Response(200, self.memory.snapshot(principal, req.scope, req.known_etag, req.have).to_json())
+        return Response(200, self.memory.snapshot(principal, req.scope, req.known_etag,
+                                                  req.have).to_json())
 
     def memory_commit(self, request):
         principal, req = self.memory_request(request, "commit")
-        return Response(200, self.memory.commit(principal, req.scope, req.etag, req.changes, req.have).to_json())
+        return Response(200, self.memory.commit(principal, req.scope, req.etag, req.changes,
+                                                have=req.have).to_json())
 
     def memory_request(self, request, kind):
         """The contract's checks, in its order; (verified principal, MemoryRequest)."""
         if request.headers.get("origin") is not None:
-            raise MemoryApiError(403, "native_client_required", "memory sync is for native clients only")
+            raise MemoryApiError(403, "native_client_required",
+                                 "memory sync is for native clients only")
         content_type = request.headers.get("content-type")
         if content_type != "application/json" and (
                 content_type or "").split(";", 1)[0].strip().lower() != "application/json":
             raise MemoryApiError(415, "json_required", "Content-Type must be application/json")
-        identity = self.auth.identify_for_memory(request.headers.get("authorization"), request.client)
+        identity = self.auth.identify_for_memory(request.headers.get("authorization"),
+                                                 request.client)
         request.principal = identity.principal
         body = request.read_body(MAX_MEMORY_BODY, memory_body_error)
-        # A client polling for changes sends the same small snapshot body again and again: its checked
-        # fields are remembered (they depend on nothing but the body and the principal at that size).
+        # A client polling for changes sends the same small snapshot body again and again: its
+        # checked fields are remembered (they depend on nothing but the body and the principal at
+        # that size).
         remembered = kind == "snapshot" and len(body) <= REMEMBERED_BODY_BYTES
         fields = self._checked_snapshots.get((identity.principal, body)) if remembered else None
         if fields is None:
@@ -3615,7 +3666,8 @@ class SyncApp:
             check_memory_envelope(kind, doc, identity.principal)
         wait = self.rate_limiter.retry_after(identity.principal)
         if wait:
-            raise MemoryApiError(429, "rate_limited", "too many memory requests", retry_after(wait))
+            raise MemoryApiError(429, "rate_limited", "too many memory requests",
+                                 retry_after(wait))
         if fields is None:
             fields = memory_fields(kind, doc, self.memory.quota)
             if remembered:
@@ -3627,11 +3679,11 @@ class SyncApp:
 
 # ---- the request head and body, read strictly ----------------------------------
 #
-# The handler reads each head once, line by line, and checks each line as it comes: RFC 9112's rules
-# for an exposed server (a cap on the whole head and on its fields, CRLF line ends, SP between the
-# request line's parts, a token and a colon to begin a field, SP and HTAB as the only whitespace, no
-# control byte), then one framing of a body. http.server's own, lenient reading (through the email
-# package) is never used: it was half the CPU of a small request.
+# The handler reads each head once, line by line, and checks each line as it comes: RFC 9112's
+# rules for an exposed server (a cap on the whole head and on its fields, CRLF line ends, SP
+# between the request line's parts, a token and a colon to begin a field, SP and HTAB as the only
+# whitespace, no control byte), then one framing of a body. http.server's own, lenient reading
+# (through the email package) is never used: it was half the CPU of a small request.
 
 _REASONS = {status: phrase.encode("latin-1")
             for status, (phrase, _) in http.server.BaseHTTPRequestHandler.responses.items()}
@@ -3663,7 +3715,8 @@ def read_fields(rfile, left, fields, known=None):
 
     Returns {line: (name, value)} of the lines read. Given as known for the next head of the same
     connection, a line that comes again (a keep-alive client sends its Host, Authorization and the
-    like with every request) is taken as it was parsed, unchecked: the same bytes pass the same way.
+    like with every request) is taken as it was parsed, unchecked: the same bytes pass the same
+    way.
     """
     lines = {}
     for _ in range(MAX_HEADERS):
@@ -3701,8 +3754,9 @@ def declares_body(headers):
 
 
 def body_length(headers, limit, error):
-    """The Content-Length of a body of at most limit bytes, or None for a chunked body; error(status,
-    text) builds what is raised for a bad or oversized one (before any of it is read)."""
+    """The Content-Length of a body of at most limit bytes, or None for a chunked body;
+    error(status, text) builds what is raised for a bad or oversized one (before any of it is
+    read)."""
     encoding = headers.get("transfer-encoding")
     length = headers.get("content-length")
     if encoding is not None:
@@ -3718,9 +3772,9 @@ def body_length(headers, limit, error):
 
 
 def read_chunked(rfile, limit, error):
-    """A chunked body from rfile, of at most limit bytes; its trailer fields are read as header fields
-    are (read_fields), and dropped. ClientGone for broken framing; error(400 or 413, text) for a bad
-    chunk size or trailer field, or an oversized body."""
+    """A chunked body from rfile, of at most limit bytes; its trailer fields are read as header
+    fields are (read_fields), and dropped. ClientGone for broken framing; error(400 or 413, text)
+    for a bad chunk size or trailer field, or an oversized body."""
     chunks, total = [], 0
     while True:
         line = rfile.readline(1024)
@@ -3743,15 +3797,17 @@ def read_chunked(rfile, limit, error):
         read_fields(rfile, MAX_HEAD_BYTES, {})
     except HeadRefused as exc:  # (a bare LF must not end the body: it would swallow what follows)
         raise error(400, "malformed trailer field" if exc.status == 400 else
-                    "trailer fields over %d bytes or %d fields" % (MAX_HEAD_BYTES, MAX_HEADERS - 1)) from None
+                    "trailer fields over %d bytes or %d fields"
+                    % (MAX_HEAD_BYTES, MAX_HEADERS - 1)) from None
     return b"".join(chunks)
 
 
 def render(response, method, close):
-    """The bytes of a response: status line, headers, body (none for HEAD), in one piece for one send."""
+    """The bytes of a response: status line, headers, body (none for HEAD), in one piece for one
+    send."""
     head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (
-        response.status, _REASONS.get(response.status, b"Unknown"), response.content_type.encode("latin-1"),
-        len(response.body))
+        response.status, _REASONS.get(response.status, b"Unknown"),
+        response.content_type.encode("latin-1"), len(response.body))
     if response.headers:
         head += "".join("%s: %s\r\n" % header for header in response.headers).encode("latin-1")
     head += b"Connection: close\r\n\r\n" if close else b"\r\n"
@@ -3762,24 +3818,27 @@ def printable(text):
     """text with every character outside printable ASCII escaped, for a log line."""
     if text.isascii() and text.isprintable():
         return text
-    return "".join(c if " " <= c <= "~" else "\\x%02x" % ord(c) if ord(c) < 256 else "\\u%04x" % ord(c)
+    return "".join(c if " " <= c <= "~"
+                   else "\\x%02x" % ord(c) if ord(c) < 256
+                   else "\\u%04x" % ord(c)
                    for c in text)
 
 
 # ---- the transport ------------------------------------------------------------
 
 class Watchdog:
-    """Keeps every connection's time limit: a request that has not fully arrived in time (logged), a
-    connection idle or stuck sending for too long (quietly), a refused one's linger (closed).
+    """Keeps every connection's time limit: a request that has not fully arrived in time (logged),
+    a connection idle or stuck sending for too long (quietly), a refused one's linger (closed).
 
     Sockets are blocking with no timeout of their own: a per-receive timeout cannot bound a whole
-    request (one byte a second never trips it). One thread looks at the deadlines four times a second
-    and shuts a late socket down, which ends whatever receive or send waits on it.
+    request (one byte a second never trips it). One thread looks at the deadlines four times a
+    second and shuts a late socket down, which ends whatever receive or send waits on it.
     """
 
     def __init__(self, log):
         self.log = log
-        self._deadlines = {}                   # socket -> (deadline, what to log or None, close it)
+        # socket -> (deadline, what to log or None, close it)
+        self._deadlines = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         threading.Thread(target=self._run, name="watchdog", daemon=True).start()
@@ -3801,7 +3860,8 @@ class Watchdog:
                 self.log("watchdog: %s: %s" % (type(exc).__name__, exc))
 
     def _end_late(self, now, quiet=False):
-        # Ended under the lock (neither waits): a socket armed again or disarmed a moment ago is not late.
+        # Ended under the lock (neither waits): a socket armed again or disarmed a moment ago is
+        # not late.
         with self._lock:
             late = [(sock, entry) for sock, entry in self._deadlines.items() if entry[0] <= now]
             for sock, (_, _, close) in late:
@@ -3821,8 +3881,9 @@ class Watchdog:
 
 
 def shut_down(sock):
-    """Shut a connection down, which ends any receive or send waiting on it. The plain socket's shutdown,
-    also under TLS: the SSL object stays as it is for the thread reading or writing through it."""
+    """Shut a connection down, which ends any receive or send waiting on it. The plain socket's
+    shutdown, also under TLS: the SSL object stays as it is for the thread reading or writing
+    through it."""
     try:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
@@ -3833,8 +3894,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
     """One connection's thread: read a request, hand it to the app, send the response, again.
 
     http.server reads the request line and headers (parse_request); every method then reaches the
-    app (an unknown one is a 405, never http.server's 501), and each response leaves in one send with
-    TCP_NODELAY set.
+    app (an unknown one is a 405, never http.server's 501), and each response leaves in one send
+    with TCP_NODELAY set.
     """
 
     protocol_version = "HTTP/1.1"
@@ -3843,13 +3904,13 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def setup(self):
         super().setup()
-        # Blocking, without a timeout: every time limit is the watchdog's (after a TLS handshake, which
-        # had one of its own). Until the first request, the idle limit holds.
+        # Blocking, without a timeout: every time limit is the watchdog's (after a TLS handshake,
+        # which had one of its own). Until the first request, the idle limit holds.
         self.connection.settimeout(None)
         self.server.opened(self.connection)
         self.body_pending = False   # a declared body not read: answering it closes the connection
-        self.held = None            # the parked pull whose wait is on: another thread may answer it
-        self.early = None           # (response, what of it is still to send) once another thread sent it
+        self.held = None            # the parked pull waiting now: another thread may answer it
+        self.early = None           # (response, what is left to send) once another thread sent it
         self.early_lock = threading.Lock()
         self.known_lines = None     # the last head's field lines, as parsed (read_fields)
         self.server.watchdog.arm(self.connection, self.server.idle_seconds)
@@ -3865,9 +3926,12 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def handle_one_request(self):
         try:
-            arrived = self.rfile.peek(1)  # waits for a request to begin (the idle limit holds meanwhile)
-            if arrived[:1] in (b"\r", b"\n"):  # RFC 9112 2.2: one empty line before a request is ignored
-                for empty in (b"\r\n", b"\n"):  # (e.g. a CRLF sent after a body); its request still waits idle
+            # waits for a request to begin (the idle limit holds meanwhile)
+            arrived = self.rfile.peek(1)
+            # RFC 9112 2.2: one empty line before a request is ignored (e.g. a CRLF sent after a
+            # body); its request still waits idle
+            if arrived[:1] in (b"\r", b"\n"):
+                for empty in (b"\r\n", b"\n"):
                     if arrived.startswith(empty):
                         self.rfile.read(len(empty))
                         arrived = self.rfile.peek(1)
@@ -3889,8 +3953,9 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
 
     def parse_request(self):
         """Read the head of the next request once, strictly: command, path and request_version from
-        its request line, headers (a dict by lower-case name, read_fields) and whether the connection
-        stays open after the response. False when the head was refused, and answered (send_error):
+        its request line, headers (a dict by lower-case name, read_fields) and whether the
+        connection stays open after the response. False when the head was refused, and answered
+        (send_error):
 
             a request line over MAX_HEAD_BYTES                       414
             the whole head over MAX_HEAD_BYTES, or over 99 fields    431
@@ -3912,11 +3977,13 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.command, self.path, self.request_version = match.groups()
         if self.request_version not in ("HTTP/1.1", "HTTP/1.0"):
             return self.refuse(505, "HTTP/1.1 only")
-        if self.path.startswith("//"):  # as http.server does: a base URL that ends in "/" still works
+        # as http.server does: a base URL that ends in "/" still works
+        if self.path.startswith("//"):
             self.path = "/" + self.path.lstrip("/")
         self.headers = headers = {}
         try:
-            self.known_lines = read_fields(self.rfile, MAX_HEAD_BYTES - len(line), headers, self.known_lines)
+            self.known_lines = read_fields(self.rfile, MAX_HEAD_BYTES - len(line), headers,
+                                           self.known_lines)
         except HeadRefused as exc:
             return self.refuse(exc.status, exc.text)
         tokens = connection_tokens(headers) if "connection" in headers else ()
@@ -3932,14 +3999,17 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         return False
 
     def send_error(self, code, message=None, explain=None):
-        """A refused head (or http.server's refusal) as JSON; logged once, escaped, without the query;
-        the connection then closes."""
+        """A refused head (or http.server's refusal) as JSON; logged once, escaped, without the
+        query; the connection then closes."""
         message = message or "bad request"
         line = str(self.raw_requestline[:200], "latin-1").rstrip("\r\n")
+        # a query may hold what is not for a log
         self.server.log("refused a malformed request (%d %s): %s" % (
-            code, message, printable(_QUERY.sub("", line, 1))))  # a query may hold what is not for a log
-        self.body_pending = True  # what follows a refused head is not read: close after the response
-        self.write_response(Response(code, encode_json({"error": message}), close=True), self.command)
+            code, message, printable(_QUERY.sub("", line, 1))))
+        # what follows a refused head is not read: close after the response
+        self.body_pending = True
+        self.write_response(Response(code, encode_json({"error": message}), close=True),
+                            self.command)
 
     def log_message(self, format, *args):
         pass  # the server writes its own access log
@@ -3954,8 +4024,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.body_pending = declares_body(headers)
         if not self.body_pending:
             self.server.watchdog.disarm(self.connection)
-        request = Request(self.command, path, query, headers, self, self.client_address[0],
-                          self.server.tls is not None)
+        request = Request(self.command, path, query, headers, handler=self,
+                          client=self.client_address[0], tls=self.server.tls is not None)
         self.body = None
         self.server.begin_request(self)
         try:
@@ -3967,20 +4037,22 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
                 self.server.log("internal error on %s %s: %s: %s" % (
                     printable(self.command), printable(path), type(exc).__name__, exc))
                 response = json_response(500, {"error": "internal server error"})
-            self.server.log_access(self.command, path, response.status, started, request.principal)
+            self.server.log_access(self.command, path, response.status, started,
+                                   principal=request.principal)
             self.write_response(response, self.command)
         finally:
             self.server.end_request(self)
 
     def read_body(self, limit, error):
-        """The request body, at most limit bytes; error(status, text) builds what is raised for a bad or
-        oversized one. ClientGone when the client leaves or breaks its framing."""
+        """The request body, at most limit bytes; error(status, text) builds what is raised for a
+        bad or oversized one. ClientGone when the client leaves or breaks its framing."""
         if self.body is not None or not self.body_pending:
             return self.body or b""
         headers = self.headers
         length = body_length(headers, limit, error)
         try:
-            if self.request_version == "HTTP/1.1" and headers.get("expect", "").lower() == "100-continue":
+            if (self.request_version == "HTTP/1.1"
+                    and headers.get("expect", "").lower() == "100-continue"):
                 self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits a second otherwise
             if length is None:
                 body = read_chunked(self.rfile, limit, error)
@@ -4003,10 +4075,11 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             self.held = request
 
     def respond_early(self, request, make_response):
-        """From the thread that woke a parked pull: if request is still held, send make_response() now, as
-        much as the socket takes without a wait; this connection's thread sends the rest (write_response).
-        A wake that comes late, after the connection moved on to its next request, sends nothing. Not
-        under TLS: its records are not for two threads to write; there the connection's own thread answers."""
+        """From the thread that woke a parked pull: if request is still held, send make_response()
+        now, as much as the socket takes without a wait; this connection's thread sends the rest
+        (write_response). A wake that comes late, after the connection moved on to its next
+        request, sends nothing. Not under TLS: its records are not for two threads to write; there
+        the connection's own thread answers."""
         with self.early_lock:
             if self.held is not request or self.server.tls is not None or _DONT_WAIT is None:
                 return
@@ -4015,20 +4088,21 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             data = self.response_bytes(response, self.command)
             try:
                 sent = socket.socket.send(self.connection, data, _DONT_WAIT)
-            except OSError:  # the socket buffer is full (or the client left): it is all for write_response
+            except OSError:  # the send buffer is full (or the client left): all for write_response
                 sent = 0
             self.early = (response, data[sent:])
 
     def release(self):
-        """The wait is over: no other thread answers the request now. The response one sent, or None."""
+        """The wait is over: no other thread answers the request now. The response one sent, or
+        None."""
         with self.early_lock:
             self.held = None
             return self.early[0] if self.early is not None else None
 
     def client_gone(self):
         """True when the client has closed its side or reset the connection. Asked while a pull is
-        parked: what it may have pipelined meanwhile stays unread. (Under TLS a closing client's last
-        record is data to this look, so there it waits out the pull.)"""
+        parked: what it may have pipelined meanwhile stays unread. (Under TLS a closing client's
+        last record is data to this look, so there it waits out the pull.)"""
         if _DONT_WAIT is None:
             return False  # (no such look here: the pull waits out its time)
         try:
@@ -4046,7 +4120,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             data, self.early = self.early[1], None
         else:
             data = self.response_bytes(response, method)
-        self.server.watchdog.arm(self.connection, self.server.idle_seconds)  # a client that does not read
+        # a client that does not read
+        self.server.watchdog.arm(self.connection, self.server.idle_seconds)
         if data:
             self.wfile.write(data)
 
@@ -4058,10 +4133,11 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         return render(response, method, close)
 
     def linger(self):
-        """After a last response sent before its request's body was read (an early 401 or 413): send
-        nothing more and drop what still arrives, until the client closes or LINGER_SECONDS pass.
-        Closing on unread bytes would reset the connection, and the response with it."""
-        sock, dropped = self.connection, bytearray(4096)  # (one small buffer: nothing new per receive)
+        """After a last response sent before its request's body was read (an early 401 or 413):
+        send nothing more and drop what still arrives, until the client closes or LINGER_SECONDS
+        pass. Closing on unread bytes would reset the connection, and the response with it."""
+        # (one small buffer: nothing new per receive)
+        sock, dropped = self.connection, bytearray(4096)
         try:
             socket.socket.shutdown(sock, socket.SHUT_WR)
             self.server.watchdog.arm(sock, LINGER_SECONDS)
@@ -4080,7 +4156,8 @@ class TlsFiles:
         self.context = self.load()
 
     def load(self):
-        """A server context for the files: TLS 1.2 or newer. ssl.SSLError or OSError when unusable."""
+        """A server context for the files: TLS 1.2 or newer. ssl.SSLError or OSError when
+        unusable."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(self.cert_path, self.key_path)
@@ -4088,13 +4165,15 @@ class TlsFiles:
 
 
 
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 64\r\n"
+_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 64\r\n"
             b"Retry-After: 1\r\nConnection: close\r\n\r\n"
             b'{"error":"server is at its connection limit; try again shortly"}')
 
 
 class SyncServer(http.server.ThreadingHTTPServer):
-    """http.server's ThreadingHTTPServer, with a connection cap, TLS, a watchdog and a quiet error path.
+    """http.server's ThreadingHTTPServer, with a connection cap, TLS, a watchdog and a quiet error
+    path.
 
     Past max_connections a new connection gets a 503 at once, from the accepting thread: never
     more threads than that. With TLS, the handshake runs in the connection's own thread.
@@ -4105,8 +4184,9 @@ class SyncServer(http.server.ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None, access_log=None,
-                 tls=None, request_seconds=DEFAULT_REQUEST_SECONDS, idle_seconds=IDLE_SECONDS):
+    def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None,
+                 access_log=None, tls=None, request_seconds=DEFAULT_REQUEST_SECONDS,
+                 idle_seconds=IDLE_SECONDS):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.app = app
@@ -4117,8 +4197,9 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self.log = log or (lambda message: None)
         self.access_log = access_log
         self.stopping = threading.Event()      # set: responses close their connections
-        self.connections = 0                   # accepted and not yet closed (past the cap: refused)
-        self._in_flight = set()                # handlers answering a request (set.add and discard need no lock)
+        self.connections = 0                   # accepted, not yet closed (past the cap: refused)
+        # handlers answering a request (set.add and discard need no lock)
+        self._in_flight = set()
         self._open = set()                     # the sockets of connections being served
         self._lock = threading.Lock()
         self.watchdog = Watchdog(self.log)     # before binding: a failed bind calls server_close
@@ -4158,9 +4239,11 @@ class SyncServer(http.server.ThreadingHTTPServer):
 
     def handshake(self, sock):
         """The TLS handshake, in the connection's own thread and within the request time limit: a
-        client that stalls it, or speaks plain HTTP, costs only its own thread. None when it fails."""
+        client that stalls it, or speaks plain HTTP, costs only its own thread. None when it
+        fails."""
         try:
-            tls_sock = self.tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            tls_sock = self.tls.context.wrap_socket(sock, server_side=True,
+                                                    do_handshake_on_connect=False)
         except (OSError, ValueError):
             sock.close()
             return None
@@ -4175,8 +4258,9 @@ class SyncServer(http.server.ThreadingHTTPServer):
             self.watchdog.disarm(tls_sock)
 
     def refuse(self, sock):
-        """Past the connection cap: a 503 JSON response rather than a hang (with TLS: closed at once). The
-        socket is closed LINGER_SECONDS later, so closing does not reset the response away."""
+        """Past the connection cap: a 503 JSON response rather than a hang (with TLS: closed at
+        once). The socket is closed LINGER_SECONDS later, so closing does not reset the response
+        away."""
         try:
             if self.tls is None:
                 sock.setblocking(False)
@@ -4217,18 +4301,20 @@ class SyncServer(http.server.ThreadingHTTPServer):
     def log_access(self, method, path, status, started, principal):
         if self.access_log is not None:
             self.access_log("%s %s %d %.1fms %s" % (
-                printable(method), printable(path), status, (time.monotonic() - started) * 1000, principal or "-"))
+                printable(method), printable(path), status, (time.monotonic() - started) * 1000,
+                principal or "-"))
 
     # -- stopping ------------------------------------------------------------
 
     def stop_accepting(self):
-        """Accept no new connection; the open ones are served on. From another thread than serve_forever's."""
+        """Accept no new connection; the open ones are served on. From another thread than
+        serve_forever's."""
         self.shutdown()
         self.socket.close()
 
     def wait_idle(self, seconds):
-        """Wait until no request is being answered (in-flight pushes finish before exit); True if none is.
-        (It looks every 20 ms rather than being told: it runs once, at shutdown.)"""
+        """Wait until no request is being answered (in-flight pushes finish before exit); True if
+        none is. (It looks every 20 ms rather than being told: it runs once, at shutdown.)"""
         deadline = time.monotonic() + seconds
         while self.busy and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -4277,38 +4363,48 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT, max_connections=DEFAULT_MAX_CONNECTIONS,
-                 log=None, jwt=None, memory_mode="local", supabase=None,
-                 memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None, max_parked=DEFAULT_MAX_PARKED,
-                 request_seconds=DEFAULT_REQUEST_SECONDS, idle_seconds=IDLE_SECONDS):
+def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
+                 max_connections=DEFAULT_MAX_CONNECTIONS, log=None, jwt=None, memory_mode="local",
+                 supabase=None, memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None,
+                 max_parked=DEFAULT_MAX_PARKED, request_seconds=DEFAULT_REQUEST_SECONDS,
+                 idle_seconds=IDLE_SECONDS):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
     log = log or Log(quiet=True)
-    auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode, supabase)
-    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth, RateLimiter(memory_rate_limit), log,
-                  max_parked)
-    access_log = None if getattr(log, "quiet", False) else log.access  # --quiet: no line is even formatted
-    return SyncServer((host, port), app, max_connections, log, access_log, tls, request_seconds, idle_seconds)
+    auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode,
+                         supabase)
+    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth,
+                  RateLimiter(memory_rate_limit), log=log, max_parked=max_parked)
+    # --quiet: no line is even formatted
+    access_log = None if getattr(log, "quiet", False) else log.access
+    return SyncServer((host, port), app, max_connections=max_connections, log=log,
+                      access_log=access_log, tls=tls, request_seconds=request_seconds,
+                      idle_seconds=idle_seconds)
 
 
 def add_auth_flags(parser):
     group = parser.add_argument_group("tokens")
-    group.add_argument("--jwt-secret-file", metavar="FILE", help="accept HS256 JWTs signed with this secret")
+    group.add_argument("--jwt-secret-file", metavar="FILE",
+                       help="accept HS256 JWTs signed with this secret")
     keys = group.add_mutually_exclusive_group()
-    keys.add_argument("--jwks-url", metavar="URL", help="accept RS256/ES256 JWTs signed by these keys")
+    keys.add_argument("--jwks-url", metavar="URL",
+                      help="accept RS256/ES256 JWTs signed by these keys")
     keys.add_argument("--jwks-file", metavar="FILE", help="the same, from a file")
     group.add_argument("--jwt-issuer", metavar="ISS", help="require this iss claim")
     group.add_argument("--jwt-audience", metavar="AUD", help="require this aud claim")
     group.add_argument("--memory-auth", choices=("local", "supabase", "off"), default="local",
                        help="who verifies memory-sync tokens (default: local)")
     group.add_argument("--supabase-url", metavar="URL", help="with --memory-auth supabase")
-    group.add_argument("--supabase-anon-key-file", metavar="FILE", help="with --memory-auth supabase")
-    group.add_argument("--memory-rate-limit", type=int, default=DEFAULT_MEMORY_RATE_LIMIT, metavar="N",
-                       help="memory requests per minute and principal, bursts of N/2 (0: no limit)")
+    group.add_argument("--supabase-anon-key-file", metavar="FILE",
+                       help="with --memory-auth supabase")
+    group.add_argument("--memory-rate-limit", type=int, default=DEFAULT_MEMORY_RATE_LIMIT,
+                       metavar="N",
+                       help="memory requests per minute and principal, bursts of N/2 "
+                            "(0: no limit)")
 
 
 def auth_from_flags(args, log=None):
-    """(JwtVerifier or None, SupabaseVerifier or None) from the command line; UsageError when unusable.
-    log: where a JWKS that cannot be fetched or re-read is reported."""
+    """(JwtVerifier or None, SupabaseVerifier or None) from the command line; UsageError when
+    unusable. log: where a JWKS that cannot be fetched or re-read is reported."""
     path = None  # the file being read, named if it cannot be used
     try:
         path = args.jwt_secret_file
@@ -4324,14 +4420,16 @@ def auth_from_flags(args, log=None):
             raise UsageError("--jwks-url must be an http(s) URL")
         jwks = JwksSource(url=args.jwks_url, log=log)
     if (args.jwt_issuer or args.jwt_audience) and secret is None and jwks is None:
-        raise UsageError("--jwt-issuer and --jwt-audience need --jwt-secret-file, --jwks-url or --jwks-file")
+        raise UsageError("--jwt-issuer and --jwt-audience need --jwt-secret-file, --jwks-url or "
+                         "--jwks-file")
     jwt = None
     if secret is not None or jwks is not None:
         jwt = JwtVerifier(secret, jwks, args.jwt_issuer, args.jwt_audience)
     supabase = None
     if args.memory_auth == "supabase":
         if not args.supabase_url or anon_key is None:
-            raise UsageError("--memory-auth supabase needs --supabase-url and --supabase-anon-key-file")
+            raise UsageError("--memory-auth supabase needs --supabase-url and "
+                             "--supabase-anon-key-file")
         supabase = SupabaseVerifier(args.supabase_url, anon_key)
     return jwt, supabase
 
@@ -4341,13 +4439,15 @@ _PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")
 
 
 def refuse_passphrase():
-    """The password callback of load_cert_chain: a key that asks for one is refused, never prompted for."""
+    """The password callback of load_cert_chain: a key that asks for one is refused, never prompted
+    for."""
     raise EncryptedKey()
 
 
 def check_tls_files(cert_path, key_path):
-    """UsageError naming the file and the cause when the certificate and key cannot serve HTTPS: run
-    before they are loaded at start and on SIGHUP, so an operator reads what is wrong, not an SSL code."""
+    """UsageError naming the file and the cause when the certificate and key cannot serve HTTPS:
+    run before they are loaded at start and on SIGHUP, so an operator reads what is wrong, not an
+    SSL code."""
     for what, path, pem in (("certificate", cert_path, _PEM_CERTIFICATE.search),
                             ("key", key_path, _PEM_PRIVATE_KEY.search)):
         try:
@@ -4362,20 +4462,22 @@ def check_tls_files(cert_path, key_path):
     try:
         context.load_cert_chain(cert_path, key_path, password=refuse_passphrase)
     except EncryptedKey:
-        raise UsageError("the TLS key %s is encrypted: give the server an unencrypted key that only its user "
-                         "can read" % key_path) from None
+        raise UsageError("the TLS key %s is encrypted: give the server an unencrypted key that "
+                         "only its user can read" % key_path) from None
     except ssl.SSLError as exc:
         if exc.reason == "KEY_VALUES_MISMATCH":
-            raise UsageError("the TLS key %s does not match the certificate %s" % (key_path, cert_path)) from None
-        raise UsageError("cannot use the TLS certificate %s with the key %s: %s" % (cert_path, key_path, exc)) \
-            from None
+            raise UsageError("the TLS key %s does not match the certificate %s"
+                             % (key_path, cert_path)) from None
+        raise UsageError("cannot use the TLS certificate %s with the key %s: %s"
+                         % (cert_path, key_path, exc)) from None
     except OSError as exc:  # gone since it was read
-        raise UsageError("cannot read the TLS certificate %s or key %s: %s" % (cert_path, key_path, reason(exc))) \
-            from None
+        raise UsageError("cannot read the TLS certificate %s or key %s: %s"
+                         % (cert_path, key_path, reason(exc))) from None
 
 
 def tls_from_flags(args):
-    """TlsFiles for --tls-cert and --tls-key, or None; UsageError when only one is given or they are unusable."""
+    """TlsFiles for --tls-cert and --tls-key, or None; UsageError when only one is given or they
+    are unusable."""
     if not args.tls_cert and not args.tls_key:
         return None
     if not (args.tls_cert and args.tls_key):
@@ -4406,9 +4508,10 @@ def is_loopback(host):
 
 
 def open_data_dir(path, create=True):
-    """(absolute path, the directories made for it, outermost first) of a usable data dir; UsageError when
-    it cannot be used. A data dir is an existing directory: only the server and `token issue` (create)
-    make a missing one, so a mistyped --data is not made by the other commands."""
+    """(absolute path, the directories made for it, outermost first) of a usable data dir;
+    UsageError when it cannot be used. A data dir is an existing directory: only the server and
+    `token issue` (create) make a missing one, so a mistyped --data is not made by the other
+    commands."""
     data_dir = os.path.abspath(path)
     if not create and not os.path.isdir(data_dir):
         raise UsageError("%s is not a data dir: %s" % (
@@ -4423,15 +4526,17 @@ def open_data_dir(path, create=True):
         raise UsageError("cannot use data dir %s: %s" % (data_dir, reason(exc))) from None
     tokens = TokenStore(data_dir)
     try:
-        tokens.read()  # the server starts with the tokens in force: a damaged file is the admin's to see now
+        # the server starts with the tokens in force: a damaged file is the admin's to see now
+        tokens.read()
     except (OSError, ValueError) as exc:
         raise UsageError("cannot use the token file %s: %s" % (tokens.path, reason(exc))) from None
     return data_dir, created
 
 
 def remove_new_data_dir(created, lock_path):
-    """After a failed start, remove the data dir (and parents) that start made: its lock file (while still
-    locked) and the directories while empty. Anything else in them stays, and so do the directories holding it."""
+    """After a failed start, remove the data dir (and parents) that start made: its lock file
+    (while still locked) and the directories while empty. Anything else in them stays, and so do
+    the directories holding it."""
     try:
         os.unlink(lock_path)
     except OSError:
@@ -4450,7 +4555,8 @@ COMMAND_SUMMARIES = (
     ("bench", "measure how fast this machine serves, against a bare reference server"),
     ("fsck", "check a data dir for damage (--repair cuts torn last lines)"),
     ("note-hash", "print a memory note's hash, from its fields or a JSON file"),
-    ("replicate", "copy a principal's feeds and notes from one server to another (--follow: keep copying)"),
+    ("replicate", "copy a principal's feeds and notes from one server to another "
+                  "(--follow: keep copying)"),
 )
 
 
@@ -4458,23 +4564,33 @@ def serve_command(argv):
     width = max(len(name) for name, _ in COMMAND_SUMMARIES)
     parser = ArgumentParser(
         prog="oharness_sync.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s [--version] --data DIR [serving flags]\n       %(prog)s COMMAND [--help] ...",
-        description="Serve OHarness session and memory sync (no COMMAND), or run a command:\n" + "\n".join(
-            "  %s  %s" % (name.ljust(width), summary) for name, summary in COMMAND_SUMMARIES))
+        usage="%(prog)s [--version] --data DIR [serving flags]\n"
+              "       %(prog)s COMMAND [--help] ...",
+        description="Serve OHarness session and memory sync (no COMMAND), or run a command:\n"
+                    + "\n".join("  %s  %s" % (name.ljust(width), summary)
+                                for name, summary in COMMAND_SUMMARIES))
     parser.add_argument("--version", action="version", version="oharness-sync %s" % __version__)
-    parser.add_argument("--data", required=True, metavar="DIR", help="data directory (created if missing)")
-    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default %s)" % DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="default %d; 0 picks a free port" % DEFAULT_PORT)
+    parser.add_argument("--data", required=True, metavar="DIR",
+                        help="data directory (created if missing)")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="address to listen on (default %s)" % DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="default %d; 0 picks a free port" % DEFAULT_PORT)
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                        help="open connections at once (default %d); past it a new one gets 503" % DEFAULT_MAX_CONNECTIONS)
+                        help="open connections at once (default %d); past it a new one gets 503"
+                        % DEFAULT_MAX_CONNECTIONS)
     parser.add_argument("--max-parked", type=int, default=DEFAULT_MAX_PARKED,
-                        help="long-polls held at once (default %d); past it a pull answers at once" % DEFAULT_MAX_PARKED)
-    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_SECONDS, metavar="SECONDS",
-                        help="a request's headers and body must arrive within this, in total (default %d)"
-                        % DEFAULT_REQUEST_SECONDS)
+                        help="long-polls held at once (default %d); past it a pull answers at once"
+                        % DEFAULT_MAX_PARKED)
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_SECONDS,
+                        metavar="SECONDS",
+                        help="a request's headers and body must arrive within this, in total "
+                             "(default %d)" % DEFAULT_REQUEST_SECONDS)
     parser.add_argument("--quiet", action="store_true", help="no access log")
-    parser.add_argument("--tls-cert", metavar="CERT.pem", help="serve HTTPS with this certificate (chain)")
-    parser.add_argument("--tls-key", metavar="KEY.pem", help="and this private key; both are re-read on SIGHUP")
+    parser.add_argument("--tls-cert", metavar="CERT.pem",
+                        help="serve HTTPS with this certificate (chain)")
+    parser.add_argument("--tls-key", metavar="KEY.pem",
+                        help="and this private key; both are re-read on SIGHUP")
     add_auth_flags(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
@@ -4497,20 +4613,24 @@ def serve_command(argv):
         raise_open_file_limit()
         threading.stack_size(THREAD_STACK_BYTES)
         try:
-            server = build_server(data_dir, args.host, args.port, args.max_connections, log,
-                                  jwt, args.memory_auth, supabase, args.memory_rate_limit, tls, args.max_parked,
-                                  args.request_timeout)
+            server = build_server(data_dir, args.host, args.port,
+                                  max_connections=args.max_connections, log=log, jwt=jwt,
+                                  memory_mode=args.memory_auth, supabase=supabase,
+                                  memory_rate_limit=args.memory_rate_limit, tls=tls,
+                                  max_parked=args.max_parked, request_seconds=args.request_timeout)
         except OSError as exc:
-            raise UsageError("cannot listen on %s:%d: %s" % (args.host, args.port, reason(exc))) from None
+            raise UsageError("cannot listen on %s:%d: %s"
+                             % (args.host, args.port, reason(exc))) from None
     except UsageError:
         if created:  # a start that failed leaves no new directory behind
             remove_new_data_dir(created, lock.path)
         lock.release()
         raise
     if tls is None and not is_loopback(args.host):
-        log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for localhost, "
-            "127.0.0.1 and [::1]: put TLS in front of this server" % args.host)
-    run_until_signalled(server, lambda: print("oharness-sync listening on %s" % server.url, flush=True))
+        log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for "
+            "localhost, 127.0.0.1 and [::1]: put TLS in front of this server" % args.host)
+    run_until_signalled(server, lambda: print("oharness-sync listening on %s" % server.url,
+                                              flush=True))
     lock.release()
     return 0
 
@@ -4521,31 +4641,37 @@ def plural(count, noun):
 
 
 def reload_files(server):
-    """What a SIGHUP does: read the token file, a JWKS file and the TLS files again, each keeping what it
-    had when it cannot; then log one line saying what was reloaded (and what was kept, and why)."""
+    """What a SIGHUP does: read the token file, a JWKS file and the TLS files again, each keeping
+    what it had when it cannot; then log one line saying what was reloaded (and what was kept, and
+    why)."""
     local, jwt = server.app.auth.local, server.app.auth.jwt
     done = []
     try:
-        done.append("reloaded the token file %s (%s)" % (local.tokens.path, plural(local.reload(), "token")))
+        done.append("reloaded the token file %s (%s)"
+                    % (local.tokens.path, plural(local.reload(), "token")))
     except (OSError, ValueError) as exc:
-        done.append("kept the tokens in force: cannot read the token file %s: %s" % (local.tokens.path,
-                                                                                    reason(exc)))
+        done.append("kept the tokens in force: cannot read the token file %s: %s"
+                    % (local.tokens.path, reason(exc)))
     jwks = jwt.jwks if jwt is not None else None
     if jwks is not None and jwks.path is not None:
         try:
-            done.append("reloaded the JWKS file %s (%s)" % (jwks.path, plural(jwks.reload(), "key")))
+            done.append("reloaded the JWKS file %s (%s)"
+                        % (jwks.path, plural(jwks.reload(), "key")))
         except (OSError, ValueError) as exc:
-            done.append("kept the JWKS keys in force: cannot read the JWKS file %s: %s" % (jwks.path, reason(exc)))
+            done.append("kept the JWKS keys in force: cannot read the JWKS file %s: %s"
+                        % (jwks.path, reason(exc)))
     tls = server.tls
     if tls is not None:
         try:
             check_tls_files(tls.cert_path, tls.key_path)
             tls.context = tls.load()
-            done.append("reloaded the TLS certificate %s and key %s" % (tls.cert_path, tls.key_path))
+            done.append("reloaded the TLS certificate %s and key %s"
+                        % (tls.cert_path, tls.key_path))
         except UsageError as exc:
             done.append("kept the TLS certificate in force: %s" % exc)
         except (ssl.SSLError, OSError) as exc:  # changed again since it was checked
-            done.append("kept the TLS certificate in force: cannot use %s: %s" % (tls.cert_path, exc))
+            done.append("kept the TLS certificate in force: cannot use %s: %s"
+                        % (tls.cert_path, exc))
     server.log("SIGHUP: " + "; ".join(done))
 
 
@@ -4553,14 +4679,16 @@ def run_until_signalled(server, ready):
     """Serve until SIGTERM or SIGINT, then stop gracefully: parked long-polls answer at once,
     in-flight pushes finish, and the process exits 0. ready() runs once the signals are handled:
     from then on, a SIGTERM is a graceful stop. A SIGHUP never stops it: it runs reload_files."""
-    signalled = []  # the handlers only append (an Event's set() could deadlock on a lock its wait holds)
+    # the handlers only append (an Event's set() could deadlock on a lock its wait holds)
+    signalled = []
     hangup = getattr(signal, "SIGHUP", None)  # none on Windows
     for signum in (signal.SIGTERM, signal.SIGINT, hangup):
         if signum is not None:
             signal.signal(signum, lambda signum, frame: signalled.append(signum))
     threading.excepthook = lambda hook_args: server.log(
         "thread error: %s: %s" % (hook_args.exc_type.__name__, hook_args.exc_value))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="accept")
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                              name="accept")
     thread.start()
     ready()
     while True:  # the re-reads are done here, not in the handler, which may interrupt anything
@@ -4576,7 +4704,8 @@ def run_until_signalled(server, ready):
     server.shutdown()
     server.server_close()
     pushes, fsyncs = server.app.feeds.commit_counts()
-    server.log("stopped: %s made durable with %s" % (plural(pushes, "push"), plural(fsyncs, "fsync")))
+    server.log("stopped: %s made durable with %s"
+               % (plural(pushes, "push"), plural(fsyncs, "fsync")))
 
 
 # =================================================================================================
