@@ -105,10 +105,10 @@ __version__ = "0.1.0"
 # =================================================================================================
 # Part I. The server
 #
-# What `python3 oharness_sync.py --data DIR` runs, top-down: constants and limits; errors; the pure rules
-# (validation and hashing); authentication; storage (files and tokens, session feeds, memory); HTTP (the
-# protocol's routes and handlers, then the transport on http.server); the wiring that serves.
-# Part I names nothing of Part II.
+# What `python3 oharness_sync.py --data DIR` runs, top-down: constants and limits; errors; the
+# pure rules (validation and hashing); authentication; storage (files and tokens, session feeds,
+# memory); HTTP (the protocol's routes and handlers, then the transport on http.server); the
+# wiring that serves. Part I names nothing of Part II.
 # =================================================================================================
 
 
