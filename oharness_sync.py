@@ -3773,8 +3773,9 @@ def body_length(headers, limit, error):
 
 def read_chunked(rfile, limit, error):
     """A chunked body from rfile, of at most limit bytes; its trailer fields are read as header
-    fields are (read_fields), and dropped. ClientGone for broken framing; error(400 or 413, text)
-    for a bad chunk size or trailer field, or an oversized body."""
+    fields are (read_fields), and dropped. ClientGone when the connection ends first; error(400 or
+    413, text) for a bad chunk size, a chunk not followed by CRLF, a bad trailer field, or an
+    oversized body."""
     chunks, total = [], 0
     while True:
         line = rfile.readline(1024)
@@ -3789,9 +3790,11 @@ def read_chunked(rfile, limit, error):
         total += size
         if total > limit:
             raise error(413, "request body is larger than %d bytes" % limit)
-        chunk = rfile.read(size)
-        if len(chunk) < size or rfile.readline(3) != b"\r\n":
+        chunk, end = rfile.read(size), rfile.read(2)
+        if len(chunk) < size or len(end) < 2:
             raise ClientGone()
+        if end != b"\r\n":
+            raise error(400, "a chunk not followed by CRLF")
         chunks.append(chunk)
     try:
         read_fields(rfile, MAX_HEAD_BYTES, {})
@@ -3967,6 +3970,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.command, self.request_version, self.raw_requestline = None, "HTTP/1.1", b""
         line = self.rfile.readline(MAX_HEAD_BYTES + 1)
         if len(line) > MAX_HEAD_BYTES:
+            self.raw_requestline = line[:200]  # (for the log line)
             return self.refuse(414, "request line too long")
         self.raw_requestline = line
         match = _REQUEST_LINE.fullmatch(line.decode("latin-1"))

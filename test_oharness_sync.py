@@ -4736,6 +4736,8 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
                          "request head larger than 65536 bytes or with more than 99 header fields")
         self.assertEqual(self.refused(b"GET /" + b"a" * 65536 + b" HTTP/1.1\r\n\r\n", 414),
                          "request line too long")
+        self.assertEqual(self.log_lines[-1], "refused a malformed request (414 request line too long): GET /"
+                         + "a" * 195)  # its first 200 bytes
         self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\n" + b"X: a\r\n" * 101 + b"\r\n", 431),
                          "request head larger than 65536 bytes or with more than 99 header fields")
         with open_raw(self.url) as sock:  # 99 header fields: still a request
@@ -5817,7 +5819,11 @@ class HeadCheckTest(unittest.TestCase):
             with self.assertRaises(sync.ApiError) as caught:
                 sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15, sync.session_error)
             self.assertEqual((caught.exception.status, caught.exception.text), (status, text), data)
-        for data in (b"3\r\nabcX\r\n", b"3\r\nabc\n0\r\n\r\n", b"1" * 1100, b"3\r\nab", b"0\r\nT: x\r\n"):
+        for data in (b"3\r\nabcX\r\n", b"3\r\nabc\n0\r\n\r\n"):  # the connection alive: refused
+            with self.assertRaises(sync.ApiError) as caught:
+                sync.read_chunked(io.BufferedReader(io.BytesIO(data + b"more")), 15, sync.session_error)
+            self.assertEqual((caught.exception.status, caught.exception.text), (400, "a chunk not followed by CRLF"))
+        for data in (b"1" * 1100, b"3\r\nab", b"3\r\nabc\r", b"0\r\nT: x\r\n"):
             with self.assertRaises(sync.ClientGone):
                 sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15, sync.session_error)
 
