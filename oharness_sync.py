@@ -4474,6 +4474,10 @@ def run_until_signalled(server, ready):
 CHECK_TIMEOUT = 15  # seconds for one request; a long-poll gets its wait on top
 
 
+class BadResponse(Exception):
+    """A response of a shape the protocol does not allow: the message says what is wrong."""
+
+
 def connect_failure(url, exc):
     """The cause, in words, of a failed connection (or TLS handshake) to url."""
     if isinstance(exc, ssl.SSLCertVerificationError):
@@ -4492,7 +4496,7 @@ def connect_failure(url, exc):
 
 
 def excerpt(value, limit=200):
-    """A short ASCII rendering of an answer, for a FAIL reason."""
+    """A short ASCII rendering of a document, for a message."""
     text = json.dumps(value, ensure_ascii=True)
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -4576,6 +4580,81 @@ class SyncClient:
         if self._kept is not None:
             self._kept.close()
             self._kept = None
+
+
+# The shape of a 200's document, one function for each kind of response: each returns what it
+# holds, checked, or raises BadResponse saying what is wrong with it.
+
+def bad_response(what, wrong, document):
+    """The BadResponse for a document of what (a push, a pull, ...) that is wrong in this way."""
+    return BadResponse("the response to %s %s: %s" % (what, wrong, excerpt(document)))
+
+
+def push_counts(document):
+    """(cursor, accepted) of a push's response: {cursor, accepted}, both safe integers."""
+    if not isinstance(document, dict):
+        raise bad_response("a push", "is not an object", document)
+    cursor, accepted = as_safe_int(document.get("cursor")), as_safe_int(document.get("accepted"))
+    if cursor is None or accepted is None:
+        raise bad_response("a push", "has no cursor and accepted (safe integers)", document)
+    return cursor, accepted
+
+
+def pull_page(document, since):
+    """(cursor, records, sessions, more) of the response to a pull from since: {cursor (a safe
+    integer, not below since), records and sessions (lists of objects), more (true or false)}."""
+    if not isinstance(document, dict):
+        raise bad_response("a pull", "is not an object", document)
+    cursor = as_safe_int(document.get("cursor"))
+    if cursor is None:
+        raise bad_response("a pull", "has no cursor (a safe integer)", document)
+    if cursor < since:
+        raise bad_response("a pull", "has a cursor below since (%d)" % since, document)
+    for name in ("records", "sessions"):
+        events = document.get(name)
+        if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
+            raise bad_response("a pull", "has %s that are not a list of objects" % name, document)
+    if not isinstance(document.get("more"), bool):
+        raise bad_response("a pull", "has no more (true or false)", document)
+    return cursor, document["records"], document["sessions"], document["more"]
+
+
+def project_ids(document):
+    """The project ids of a projects response: {projects: [ids]}."""
+    projects = document.get("projects") if isinstance(document, dict) else None
+    if not isinstance(projects, list) or not all(is_valid_id(project) for project in projects):
+        raise bad_response("a projects request", "is not {projects: [ids]}", document)
+    return projects
+
+
+def check_principal(document, principal):
+    """A memory response (any route) is an object that names principal, the one the request
+    expected."""
+    if not isinstance(document, dict):
+        raise bad_response("a memory request", "is not an object", document)
+    if document.get("principal") != principal:
+        raise bad_response("a memory request", "names principal %s, not %s"
+                           % (excerpt(document.get("principal")), excerpt(principal)), document)
+
+
+def memory_entries(document):
+    """{id: (hash or None, note or None)} of a memory snapshot or commit response's entries."""
+    entries = document.get("entries") if isinstance(document, dict) else None
+    if not isinstance(entries, list):
+        raise bad_response("a memory request", "has no list of entries", document)
+    found = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or not is_valid_id(entry.get("id")):
+            raise bad_response("a memory request", "has an entry without a valid id", document)
+        hash_value, note = entry.get("hash"), entry.get("note")
+        if not (hash_value is None or isinstance(hash_value, str) and _HASH.fullmatch(hash_value)):
+            wrong = "has entry %s with a malformed hash" % entry["id"]
+            raise bad_response("a memory request", wrong, document)
+        if note is not None and not isinstance(note, dict):
+            wrong = "has entry %s with a malformed note" % entry["id"]
+            raise bad_response("a memory request", wrong, document)
+        found[entry["id"]] = (hash_value, note)
+    return found
 
 
 # -------------------------------------------------------------------------------------------------
