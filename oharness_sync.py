@@ -4478,6 +4478,15 @@ class BadResponse(Exception):
     """A response of a shape the protocol does not allow: the message says what is wrong."""
 
 
+class ConnectFailed(Exception):
+    """No connection (or TLS handshake) to url: error is the OSError it failed with; the message
+    says the cause in words (connect_failure)."""
+
+    def __init__(self, url, error):
+        Exception.__init__(self, connect_failure(url, error))
+        self.error = error
+
+
 def connect_failure(url, exc):
     """The cause, in words, of a failed connection (or TLS handshake) to url."""
     if isinstance(exc, ssl.SSLCertVerificationError):
@@ -4517,7 +4526,9 @@ def parse_base_url(url, flag="--url"):
 
 
 class SyncClient:
-    """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token.
+    """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token,
+    and the protocol's requests (push, pull, projects, memory). Each returns (status, headers,
+    document) whatever the status; the functions after this class check a 200's document.
 
     exchange() sends one request on a connection of its own, or with keep_alive on the connection the
     previous keep_alive request left open; when that one turns out closed by the server (an idle
@@ -4534,14 +4545,59 @@ class SyncClient:
         self._kept = None
 
     def connect(self, timeout):
+        """A new connection, made (for https, its TLS handshake done); else ConnectFailed."""
         if self.https:
-            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+            conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
                                                context=self.context or ssl.create_default_context())
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        else:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.connect()
+        except OSError as exc:  # refused, no such host, an untrusted certificate: likely for good
+            conn.close()
+            raise ConnectFailed(self.url, exc) from None
+        return conn
+
+    def call(self, method, path, body=None, token=None, timeout=None, keep_alive=False):
+        """(status, headers with lower-case names, document) of one request. body: a JSON document
+        or its bytes (None: no body); token None sends ours, "" sends none. The document is the
+        body's JSON, else its first bytes as text (None for an empty body). Raises ConnectFailed,
+        else OSError or http.client.HTTPException when the request fails."""
+        data = body if body is None or isinstance(body, bytes) else encode_json(body)
+        status, headers, raw = self.exchange(method, path, data, token=token, timeout=timeout,
+                                             keep_alive=keep_alive)
+        try:
+            document = decode_json(raw, max_depth=None) if raw else None
+        except ValueError:
+            document = raw[:100].decode("utf-8", "replace")
+        return status, headers, document
+
+    def push(self, body, token=None, keep_alive=False):
+        """A push of body (a JSON document or its bytes)."""
+        return self.call("POST", "/v1/push", body, token, keep_alive=keep_alive)
+
+    def pull(self, project, since, team=None, token=None, keep_alive=False, **params):
+        """A pull of project's feed (team None: the personal one) from since; params: limit,
+        wait."""
+        query = dict(project=project, since=since, **params)
+        if team is not None:
+            query["team"] = team
+        return self.call("GET", "/v1/pull?" + urllib.parse.urlencode(query), token=token,
+                         timeout=self.timeout + params.get("wait", 0), keep_alive=keep_alive)
+
+    def projects(self, team=None, token=None, keep_alive=False):
+        """The list of projects with a feed (team None: personal feeds)."""
+        query = "" if team is None else "?" + urllib.parse.urlencode({"team": team})
+        return self.call("GET", "/v1/projects" + query, token=token, keep_alive=keep_alive)
+
+    def memory(self, route, body, token=None, keep_alive=False):
+        """A memory request: route is identity, snapshot or commit."""
+        return self.call("POST", "/v1/memory/" + route, body, token, keep_alive=keep_alive)
 
     def exchange(self, method, path, data=None, token=None, timeout=None, keep_alive=False):
-        """(status, headers with lower-case names, body bytes) of one request; data is a JSON body as bytes.
-        token None sends ours; "" sends none. Raises OSError or http.client.HTTPException."""
+        """(status, headers with lower-case names, body bytes) of one request; data is a JSON body
+        as bytes. token None sends ours; "" sends none. Raises ConnectFailed, OSError or
+        http.client.HTTPException."""
         timeout = self.timeout if timeout is None else timeout
         if not keep_alive:
             conn = self.connect(timeout)
@@ -5078,7 +5134,8 @@ class ConformanceCheck:
 
     run() prints one line per check, `PASS name` or `FAIL name: reason`, or stops at a
     CheckStopped with one line that says why. The checks write to fresh projects named
-    ohs-check-<random>-<purpose>; notice() is printed on err at the first answer, before anything is written.
+    ohs-check-<random>-<purpose>; notice() is printed on err at the first response, before
+    anything is written.
     """
 
     def __init__(self, url, token, other_token=None, team=None, principal=None, out=None, ca_file=None,
@@ -5092,7 +5149,7 @@ class ConformanceCheck:
                 self.client.context = ssl.create_default_context(cafile=ca_file)
             except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
                 raise UsageError("cannot use --ca-file %s: %s" % (ca_file, reason(exc))) from None
-        self.answered = False  # no HTTP answer yet: nothing written, no notice printed
+        self.responded = False  # no HTTP response yet: nothing written, no notice printed
         self.err = err or sys.stderr
         self.token = token
         self.other_token = other_token
@@ -5149,7 +5206,7 @@ class ConformanceCheck:
             except CheckStopped as exc:
                 print("check stopped: %s" % self.redacted(str(exc)), file=self.out, flush=True)
                 return False
-            except CheckFailed as exc:
+            except (CheckFailed, BadResponse) as exc:
                 reason = str(exc)
             except (OSError, http.client.HTTPException) as exc:
                 reason = "network error: %s" % (str(exc) or type(exc).__name__)
@@ -5170,89 +5227,82 @@ class ConformanceCheck:
 
     # -- HTTP ----------------------------------------------------------------
 
-    def request(self, method, path, body=None, token=None, timeout=CHECK_TIMEOUT):
-        """One request on a new connection: (status, headers with lower-case names, JSON or None).
-        token None sends ours; "" sends none."""
-        data = None if body is None else encode_json(body)
-        conn = self.client.connect(timeout)
+    def response(self, send):
+        """(status, headers, document) of send(), a function that sends one request with
+        self.client; CheckStopped when no connection is made, or a first request has no response
+        (every further request would fail the same way)."""
         try:
-            try:
-                conn.connect()
-            except OSError as exc:  # refused, no such host, an untrusted certificate: the same for every request
-                raise CheckStopped(connect_failure(self.url, exc)) from None
-            try:
-                status, answer_headers, raw = self.client.send(conn, method, path, data, token)
-            except (OSError, http.client.HTTPException) as exc:
-                if self.answered:
-                    raise
-                # Not one HTTP answer yet: most likely not an HTTP server (or TLS where http:// was given).
-                raise CheckStopped("no HTTP answer from %s to a first request (%s)%s" % (
-                    self.url, str(exc) or type(exc).__name__,
-                    "" if self.client.https else ": if it serves HTTPS, give an https:// URL")) from None
-        finally:
-            conn.close()
-        if not self.answered:  # the checks write from now on: say where, once
-            self.answered = True
+            status, headers, document = send()
+        except ConnectFailed as exc:  # refused, no such host, an untrusted certificate
+            raise CheckStopped(str(exc)) from None
+        except (OSError, http.client.HTTPException) as exc:
+            if self.responded:
+                raise
+            # No HTTP response yet: likely not an HTTP server (or TLS where http:// was given).
+            hint = "" if self.client.https else ": if it serves HTTPS, give an https:// URL"
+            raise CheckStopped("no HTTP answer from %s to a first request (%s)%s"
+                               % (self.url, str(exc) or type(exc).__name__, hint)) from None
+        if not self.responded:  # the checks write from now on: say where, once
+            self.responded = True
             print(self.notice(), file=self.err, flush=True)
-        try:
-            doc = decode_json(raw) if raw else None
-        except ValueError as exc:
-            raise CheckFailed("%s %s answered %d with a body that is not JSON (%s): %r"
-                              % (method, path, status, exc, raw[:100])) from None
-        return status, answer_headers, doc
+        return status, headers, document
 
-    def call(self, method, path, body=None, status=200, token=None, timeout=CHECK_TIMEOUT):
-        """request(), and CheckFailed unless the answer has this status (and, for 200, is JSON);
-        CheckStopped when a session route refuses --token itself (every other request would too)."""
-        got, headers, doc = self.request(method, path, body, token, timeout)
-        if got == 401 and status != 401 and token is None and not path.startswith("/v1/memory/"):
-            raise CheckStopped("the server refuses --token: %s %s answered 401 %s (is it a token of this server, "
-                               "not revoked or expired?)" % (method, path.split("?", 1)[0], excerpt(doc)))
+    def expect(self, what, send, status=200, token=None):
+        """The document of send()'s response (what: "METHOD /path", for messages); CheckFailed
+        unless it has this status (and, for 200, Content-Type application/json); CheckStopped
+        when a session route refuses --token itself (every other request would too)."""
+        got, headers, document = self.response(send)
+        if got == 401 and status != 401 and token is None and " /v1/memory/" not in what:
+            raise CheckStopped("the server refuses --token: %s answered 401 %s (is it a token of "
+                               "this server, not revoked or expired?)"
+                               % (what.split("?", 1)[0], excerpt(document)))
         if got != status:
-            raise CheckFailed("%s %s answered %d, expected %d: %s" % (method, path, got, status, excerpt(doc)))
+            raise CheckFailed("%s answered %d, expected %d: %s"
+                              % (what, got, status, excerpt(document)))
         content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if status == 200 and content_type != "application/json":
-            raise CheckFailed("%s %s answered with Content-Type %r" % (method, path, content_type))
-        return doc
+            raise CheckFailed("%s answered with Content-Type %r" % (what, content_type))
+        return document
+
+    def call(self, method, path, status=200, token=None):
+        """The document of a request without a body, of a route with no call of its own."""
+        return self.expect("%s %s" % (method, path),
+                           lambda: self.client.call(method, path, token=token), status, token)
 
     def push(self, project, records=(), sessions=(), token=None, team=None, status=200):
         body = {"project": project, "records": list(records), "sessions": list(sessions)}
         if team is not None:
             body["team"] = team
-        doc = self.call("POST", "/v1/push", body, status, token)
-        if status == 200 and not (isinstance(doc, dict) and as_safe_int(doc.get("cursor")) is not None
-                                  and as_safe_int(doc.get("accepted")) is not None):
-            raise CheckFailed("a push answered %s, not {cursor, accepted}" % excerpt(doc))
-        return doc
+        document = self.expect("POST /v1/push", lambda: self.client.push(body, token), status,
+                               token)
+        if status == 200:
+            push_counts(document)
+        return document
 
     def pull(self, project, since, token=None, team=None, status=200, **params):
-        query = dict(project=project, since=since, **params)
-        if team is not None:
-            query["team"] = team
-        timeout = CHECK_TIMEOUT + params.get("wait", 0)
-        doc = self.call("GET", "/v1/pull?" + urllib.parse.urlencode(query), None, status, token, timeout)
-        if status == 200 and not (isinstance(doc, dict) and as_safe_int(doc.get("cursor")) is not None
-                                  and isinstance(doc.get("records"), list)
-                                  and isinstance(doc.get("sessions"), list) and isinstance(doc.get("more"), bool)):
-            raise CheckFailed("a pull answered %s, not {cursor, records, sessions, more}" % excerpt(doc))
-        return doc
+        document = self.expect("GET /v1/pull", lambda: self.client.pull(
+            project, since, team=team, token=token, **params), status, token)
+        if status == 200:
+            pull_page(document, since)
+        return document
 
     def list_projects(self, token=None, team=None):
-        path = "/v1/projects" + ("?" + urllib.parse.urlencode({"team": team}) if team is not None else "")
-        doc = self.call("GET", path, token=token)
-        if not (isinstance(doc, dict) and isinstance(doc.get("projects"), list)):
-            raise CheckFailed("GET %s answered %s, not {projects: [...]}" % (path, excerpt(doc)))
-        return doc["projects"]
+        document = self.expect("GET /v1/projects",
+                               lambda: self.client.projects(team=team, token=token), token=token)
+        return project_ids(document)
 
     def memory(self, route, status=200, **fields):
         body = dict(fields, expectedPrincipal=self.principal)
-        doc = self.call("POST", "/v1/memory/" + route, body, status)
-        if not isinstance(doc, dict):
-            raise CheckFailed("POST /v1/memory/%s answered %s, not an object" % (route, excerpt(doc)))
-        if status == 200 and doc.get("principal") != self.principal:
-            raise CheckFailed("POST /v1/memory/%s answered principal %s, expected %r"
-                              % (route, excerpt(doc.get("principal")), self.principal))
-        return doc
+        document = self.expect("POST /v1/memory/" + route,
+                               lambda: self.client.memory(route, body), status)
+        if not isinstance(document, dict):
+            raise CheckFailed("POST /v1/memory/%s answered %s, not an object"
+                              % (route, excerpt(document)))
+        if status == 200:
+            check_principal(document, self.principal)
+            if route != "identity":
+                memory_entries(document)
+        return document
 
     # -- session sync ----------------------------------------------------------
 
@@ -5269,7 +5319,8 @@ class ConformanceCheck:
         made_up = "ohs-check-" + secrets.token_hex(16)
         for method, path, body in routes:
             for token, what in (("", "without a token"), (made_up, "with a made-up token")):
-                status, headers, doc = self.request(method, path, body, token)
+                status, headers, doc = self.response(
+                    lambda: self.client.call(method, path, body, token))
                 if status != 401:
                     raise CheckFailed("%s %s %s answered %d, expected 401" % (method, path, what, status))
                 if not headers.get("www-authenticate", "").lower().startswith("bearer"):
@@ -5842,12 +5893,14 @@ class Replicator:
         what = "%s %s" % (method, path.split("?", 1)[0])
         try:
             status, _, raw = client.exchange(method, path, body, timeout=timeout, keep_alive=True)
-        except ssl.SSLCertVerificationError as exc:  # trying again changes nothing
-            raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a self-signed one, "
-                                 "give it with --ca-file" % (side.role, side.url, exc.verify_message)) from None
-        except (OSError, http.client.HTTPException) as exc:
+        except (ConnectFailed, OSError, http.client.HTTPException) as exc:
+            error = exc.error if isinstance(exc, ConnectFailed) else exc
+            if isinstance(error, ssl.SSLCertVerificationError):  # trying again changes nothing
+                raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a "
+                                     "self-signed one, give it with --ca-file"
+                                     % (side.role, side.url, error.verify_message)) from None
             raise ReplicateTransient("%s: %s of %s: network error: %s" % (
-                side.role, what, side.url, str(exc) or type(exc).__name__)) from None
+                side.role, what, side.url, str(error) or type(error).__name__)) from None
         try:
             doc = decode_json(raw, max_depth=None) if raw else None
         except ValueError:
