@@ -5680,27 +5680,9 @@ def memory_decision(base, source, target):
     return CONFLICT
 
 
-def snapshot_entries(doc):
-    """{id: (hash or None, note or None)} of a snapshot or commit answer's entries; ValueError when malformed."""
-    entries = doc.get("entries")
-    if not isinstance(entries, list):
-        raise ValueError("entries is not a list")
-    found = {}
-    for entry in entries:
-        if not isinstance(entry, dict) or not is_valid_id(entry.get("id")):
-            raise ValueError("an entry without a valid id")
-        hash_value, note = entry.get("hash"), entry.get("note")
-        if not (hash_value is None or (isinstance(hash_value, str) and _HASH.fullmatch(hash_value))):
-            raise ValueError("entry %s has a malformed hash" % entry["id"])
-        if note is not None and not isinstance(note, dict):
-            raise ValueError("entry %s has a malformed note" % entry["id"])
-        found[entry["id"]] = (hash_value, note)
-    return found
-
-
 def plan_memory(base, source, target):
     """(changes for the target's commit, ids of kept conflicts, {decision: count}) of one scope.
-    base: {id: hash or None}; source, target: snapshot_entries()."""
+    base: {id: hash or None}; source, target: memory_entries()."""
     changes, conflicts, counts = [], [], {CREATE: 0, UPDATE: 0, DELETE: 0}
     for note_id in sorted(set(source) | set(base)):
         decision = memory_decision(base.get(note_id), source[note_id], target.get(note_id))
@@ -5887,12 +5869,13 @@ class Replicator:
 
     # -- requests --------------------------------------------------------------
 
-    def call(self, side, client, method, path, body=None, timeout=None, statuses=(200,)):
-        """(status, JSON document) of one request; ReplicateFatal for 401 and 403, ReplicateTransient for a
-        network error, 429 or 5xx, ReplicateRefused for any other status not in statuses."""
-        what = "%s %s" % (method, path.split("?", 1)[0])
+    def call(self, side, what, send, statuses=(200,)):
+        """(status, document) of send(), a function that sends one request with a client of side
+        (what: "METHOD /path", for messages); ReplicateFatal for 401 and 403, ReplicateTransient
+        for a network error, 429 or 5xx, ReplicateRefused for any other status not in
+        statuses."""
         try:
-            status, _, raw = client.exchange(method, path, body, timeout=timeout, keep_alive=True)
+            status, _, document = send()
         except (ConnectFailed, OSError, http.client.HTTPException) as exc:
             error = exc.error if isinstance(exc, ConnectFailed) else exc
             if isinstance(error, ssl.SSLCertVerificationError):  # trying again changes nothing
@@ -5901,23 +5884,29 @@ class Replicator:
                                      % (side.role, side.url, error.verify_message)) from None
             raise ReplicateTransient("%s: %s of %s: network error: %s" % (
                 side.role, what, side.url, str(error) or type(error).__name__)) from None
-        try:
-            doc = decode_json(raw, max_depth=None) if raw else None
-        except ValueError:
-            doc = raw[:100].decode("utf-8", "replace")
         if status in (401, 403) and status not in statuses:
             raise ReplicateFatal("the %s %s refuses its token: %s answered %d %s" % (
-                side.role, side.url, what, status, excerpt(doc)))
-        if status == 503 and isinstance(doc, dict) and doc.get("code") == "auth_not_configured":
+                side.role, side.url, what, status, excerpt(document)))
+        code = document.get("code") if isinstance(document, dict) else None
+        if status == 503 and code == "auth_not_configured":
             raise ReplicateRefused("the %s has memory sync turned off: %s answered %d %s" % (
-                side.role, what, status, excerpt(doc)))
+                side.role, what, status, excerpt(document)))
         if status == 429 or status >= 500:
-            raise ReplicateTransient("%s: %s answered %d %s" % (side.role, what, status, excerpt(doc)))
+            raise ReplicateTransient("%s: %s answered %d %s"
+                                     % (side.role, what, status, excerpt(document)))
         if status not in statuses:
-            raise ReplicateRefused("the %s answered %s with %d %s" % (side.role, what, status, excerpt(doc)))
-        if status == 200 and not isinstance(doc, dict):
-            raise ReplicateRefused("the %s answered %s with %s, not a JSON object" % (side.role, what, excerpt(doc)))
-        return status, doc
+            raise ReplicateRefused("the %s answered %s with %d %s"
+                                   % (side.role, what, status, excerpt(document)))
+        return status, document
+
+    @staticmethod
+    def checked(side, check, *args):
+        """check(*args), a check of the shape of a response from side; ReplicateRefused for a
+        BadResponse."""
+        try:
+            return check(*args)
+        except BadResponse as exc:
+            raise ReplicateRefused("%s: %s" % (side.role, exc)) from None
 
     def retrying(self, action, what, follow):
         """action(), and again after transient faults, waiting 1 s doubling to 60 s: for ever with follow,
@@ -5969,13 +5958,12 @@ class Replicator:
                 if self.projects:
                     found += [(team, project) for project in self.projects]
                     continue
-                path = "/v1/projects" + ("?" + urllib.parse.urlencode({"team": team}) if team else "")
-                doc = self.retrying(lambda: self.call(self.source, client, "GET", path)[1],
-                                    "listing the projects of %s" % ("team " + team if team else "personal feeds"),
-                                    follow)
-                projects = doc.get("projects")
-                if not isinstance(projects, list) or not all(is_valid_id(p) for p in projects):
-                    raise ReplicateRefused("the source answered GET /v1/projects with %s" % excerpt(doc))
+                document = self.retrying(
+                    lambda: self.call(self.source, "GET /v1/projects",
+                                      lambda: client.projects(team=team, keep_alive=True))[1],
+                    "listing the projects of %s" % ("team " + team if team else "personal feeds"),
+                    follow)
+                projects = self.checked(self.source, project_ids, document)
                 found += [(team, project) for project in projects]
         finally:
             client.close()
@@ -6079,19 +6067,12 @@ class Replicator:
 
     def pull(self, client, team, project, since, wait):
         """(cursor, records, sessions, more) of one pull; ReplicateRefused when malformed."""
-        query = {"project": project, "since": since, "limit": MAX_PULL_LIMIT}
+        params = {"limit": MAX_PULL_LIMIT}
         if wait:
-            query["wait"] = wait
-        if team is not None:
-            query["team"] = team
-        _, doc = self.call(self.source, client, "GET", "/v1/pull?" + urllib.parse.urlencode(query),
-                           timeout=REPLICATE_TIMEOUT + wait)
-        cursor, records, sessions, more = (as_safe_int(doc.get("cursor")), doc.get("records"),
-                                           doc.get("sessions"), doc.get("more"))
-        if (cursor is None or cursor < since or not isinstance(records, list) or not isinstance(sessions, list)
-                or not isinstance(more, bool) or not all(isinstance(e, dict) for e in records + sessions)):
-            raise ReplicateRefused("the source answered a pull with %s" % excerpt(doc))
-        return cursor, records, sessions, more
+            params["wait"] = wait
+        _, document = self.call(self.source, "GET /v1/pull", lambda: client.pull(
+            project, since, team=team, keep_alive=True, **params))
+        return self.checked(self.source, pull_page, document, since)
 
     def push_page(self, client, team, project, records, sessions, data, follow):
         """Push a page's events in pushes within the limits; how many events were sent.
@@ -6119,17 +6100,19 @@ class Replicator:
         self.push_events(client, team, project, events[half:], follow)
 
     def push(self, client, team, project, body, events, follow):
-        """One push of body, which holds this many events: (status, answer); 200, 400 or 413. What a 200
-        says is counted: events copied, and events the target already had."""
-        status, doc = self.retrying(lambda: self.call(self.target, client, "POST", "/v1/push", body,
-                                                      statuses=(200, 400, 413)),
-                                    "%s: push" % feed_name(team, project), follow)
+        """One push of body, which holds this many events: (status, document); 200, 400 or 413.
+        What a 200 says is counted: events copied, and events the target already had."""
+        status, document = self.retrying(
+            lambda: self.call(self.target, "POST /v1/push",
+                              lambda: client.push(body, keep_alive=True),
+                              statuses=(200, 400, 413)),
+            "%s: push" % feed_name(team, project), follow)
         if status == 200:
-            accepted = as_safe_int(doc.get("accepted"))
-            if accepted is None or accepted > events:
-                raise ReplicateRefused("the target answered a push with %s" % excerpt(doc))
+            accepted = self.checked(self.target, push_counts, document)[1]
+            if accepted > events:
+                raise ReplicateRefused("the target answered a push with %s" % excerpt(document))
             self.count(copied=accepted, had=events - accepted)
-        return status, doc
+        return status, document
 
     # -- memory ----------------------------------------------------------------------
 
@@ -6145,16 +6128,16 @@ class Replicator:
         return True
 
     def memory_identity(self, side, follow):
-        client = side.client()
+        client, body = side.client(), {"expectedPrincipal": side.principal}
         try:
-            _, doc = self.retrying(lambda: self.call(side, client, "POST", "/v1/memory/identity",
-                                                     encode_json({"expectedPrincipal": side.principal})),
-                                   "%s memory identity" % side.role, follow)
+            _, document = self.retrying(
+                lambda: self.call(side, "POST /v1/memory/identity",
+                                  lambda: client.memory("identity", body, keep_alive=True)),
+                "%s memory identity" % side.role, follow)
         finally:
             client.close()
-        if doc.get("principal") != side.principal:
-            raise ReplicateRefused("the %s answered its memory identity with %s" % (side.role, excerpt(doc)))
-        quota = doc.get("quota")
+        self.checked(side, check_principal, document, side.principal)
+        quota = document.get("quota")
         if isinstance(quota, dict) and as_safe_int(quota.get("maxChanges")):
             side.quota = quota
 
@@ -6187,15 +6170,14 @@ class Replicator:
         if fields.get("project") is None:
             body.pop("project", None)
             body["scope"] = "user"
-        status, doc = self.retrying(lambda: self.call(side, client, "POST", "/v1/memory/" + route,
-                                                      encode_json(body), statuses=statuses),
-                                    "%s memory %s" % (side.role, route), follow)
-        if status == 200 and "unchanged" not in doc:
-            try:
-                doc["_entries"] = snapshot_entries(doc)
-            except ValueError as exc:
-                raise ReplicateRefused("the %s answered memory %s with %s" % (side.role, route, exc)) from None
-        return status, doc
+        status, document = self.retrying(
+            lambda: self.call(side, "POST /v1/memory/" + route,
+                              lambda: client.memory(route, body, keep_alive=True),
+                              statuses=statuses),
+            "%s memory %s" % (side.role, route), follow)
+        if status == 200 and not (isinstance(document, dict) and "unchanged" in document):
+            document["_entries"] = self.checked(side, memory_entries, document)
+        return status, document
 
     def copy_scope(self, source, target, project, follow):
         name = scope_name(project)

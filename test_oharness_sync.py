@@ -8260,6 +8260,18 @@ class ResponseShapeTest(unittest.TestCase):
                 self.assertRefused(sync.memory_entries, document,
                                    "the response to a memory request " + wrong)
 
+    def test_check_fails_and_replicate_refuses_for_a_bad_response(self):
+        wrong = 'the response to a pull has a cursor below since (2): {"cursor": 1}'
+        out = io.StringIO()
+        check = ConformanceCheck("http://127.0.0.1:1", "t0ken", out=out, err=io.StringIO())
+        check.checks = lambda: [("paging", lambda: sync.pull_page({"cursor": 1}, 2))]
+        self.assertFalse(check.run())
+        self.assertEqual(out.getvalue(), "FAIL paging: %s\n" % wrong)
+        side = sync.ReplicateSide("source", "http://127.0.0.1:1", "t0ken", None)
+        with self.assertRaises(sync.ReplicateRefused) as caught:
+            sync.Replicator.checked(side, sync.pull_page, {"cursor": 1}, 2)
+        self.assertEqual(str(caught.exception), "source: " + wrong)
+
 
 class CheckCommandTest(ServerCase):
     """oharness_sync.py check against this server: every check passes."""
