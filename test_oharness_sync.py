@@ -8179,6 +8179,29 @@ def run_check_command(*argv):
     return code, out.getvalue(), err.getvalue()
 
 
+class SyncClientCallTest(unittest.TestCase):
+    """SyncClient.call without a server: the body it sends, the document it returns."""
+
+    def test_a_body_is_sent_as_json_or_as_the_bytes_given(self):
+        client, sent = sync.SyncClient("http://127.0.0.1:1"), []
+        client.exchange = lambda method, path, data, **named: sent.append(data) or (200, {}, b"")
+        for body in ({"project": "p", "records": []}, b'{"project":"q"}', None):
+            client.call("POST", "/v1/push", body)
+        self.assertEqual(sent, [b'{"project":"p","records":[]}', b'{"project":"q"}', None])
+
+    def test_the_document_is_json_or_else_the_first_bytes_as_text(self):
+        client = sync.SyncClient("http://127.0.0.1:1")
+        deep = b"[" * 300 + b"]" * 300  # past the server's nesting limit: a client takes it
+        for raw, document in ((b'{"ok": true}', {"ok": True}), (b"", None), (b'"text"', "text"),
+                              (b"<html>" + b"x" * 200, "<html>" + "x" * 94),
+                              (b"\xff\xfe not UTF-8", "\ufffd\ufffd not UTF-8")):
+            client.exchange = lambda *args, **named: (502, {"content-type": "text/plain"}, raw)
+            self.assertEqual(client.call("GET", "/"), (502, {"content-type": "text/plain"},
+                                                       document))
+        client.exchange = lambda *args, **named: (200, {}, deep)
+        self.assertIsInstance(client.call("GET", "/")[2], list)
+
+
 class ResponseShapeTest(unittest.TestCase):
     """The protocol client's checks of a 200's document, shared by check and replicate: each takes
     a good one and refuses each kind of malformed one with BadResponse, saying what is wrong."""
