@@ -4727,6 +4727,19 @@ def run_until_signalled(server, ready):
 CHECK_TIMEOUT = 15  # seconds for one request; a long-poll gets its wait on top
 
 
+class BadResponse(Exception):
+    """A response of a shape the protocol does not allow: the message says what is wrong."""
+
+
+class ConnectFailed(Exception):
+    """No connection (or TLS handshake) to url: error is the OSError it failed with; the message
+    says the cause in words (connect_failure)."""
+
+    def __init__(self, url, error):
+        Exception.__init__(self, connect_failure(url, error))
+        self.error = error
+
+
 def connect_failure(url, exc):
     """The cause, in words, of a failed connection (or TLS handshake) to url."""
     if isinstance(exc, ssl.SSLCertVerificationError):
@@ -4745,7 +4758,7 @@ def connect_failure(url, exc):
 
 
 def excerpt(value, limit=200):
-    """A short ASCII rendering of an answer, for a FAIL reason."""
+    """A short ASCII rendering of a document, for a message."""
     text = json.dumps(value, ensure_ascii=True)
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -4766,7 +4779,9 @@ def parse_base_url(url, flag="--url"):
 
 
 class SyncClient:
-    """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token.
+    """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token,
+    and the protocol's requests (push, pull, projects, memory). Each returns (status, headers,
+    document) whatever the status; the functions after this class check a 200's document.
 
     exchange() sends one request on a connection of its own, or with keep_alive on the connection the
     previous keep_alive request left open; when that one turns out closed by the server (an idle
@@ -4783,14 +4798,59 @@ class SyncClient:
         self._kept = None
 
     def connect(self, timeout):
+        """A new connection, made (for https, its TLS handshake done); else ConnectFailed."""
         if self.https:
-            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+            conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
                                                context=self.context or ssl.create_default_context())
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        else:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.connect()
+        except OSError as exc:  # refused, no such host, an untrusted certificate: likely for good
+            conn.close()
+            raise ConnectFailed(self.url, exc) from None
+        return conn
+
+    def call(self, method, path, body=None, token=None, timeout=None, keep_alive=False):
+        """(status, headers with lower-case names, document) of one request. body: a JSON document
+        or its bytes (None: no body); token None sends ours, "" sends none. The document is the
+        body's JSON, else its first bytes as text (None for an empty body). Raises ConnectFailed,
+        else OSError or http.client.HTTPException when the request fails."""
+        data = body if body is None or isinstance(body, bytes) else encode_json(body)
+        status, headers, raw = self.exchange(method, path, data, token=token, timeout=timeout,
+                                             keep_alive=keep_alive)
+        try:
+            document = decode_json(raw, max_depth=None) if raw else None
+        except ValueError:
+            document = raw[:100].decode("utf-8", "replace")
+        return status, headers, document
+
+    def push(self, body, token=None, keep_alive=False):
+        """A push of body (a JSON document or its bytes)."""
+        return self.call("POST", "/v1/push", body, token, keep_alive=keep_alive)
+
+    def pull(self, project, since, team=None, token=None, keep_alive=False, **params):
+        """A pull of project's feed (team None: the personal one) from since; params: limit,
+        wait."""
+        query = dict(project=project, since=since, **params)
+        if team is not None:
+            query["team"] = team
+        return self.call("GET", "/v1/pull?" + urllib.parse.urlencode(query), token=token,
+                         timeout=self.timeout + params.get("wait", 0), keep_alive=keep_alive)
+
+    def projects(self, team=None, token=None, keep_alive=False):
+        """The list of projects with a feed (team None: personal feeds)."""
+        query = "" if team is None else "?" + urllib.parse.urlencode({"team": team})
+        return self.call("GET", "/v1/projects" + query, token=token, keep_alive=keep_alive)
+
+    def memory(self, route, body, token=None, keep_alive=False):
+        """A memory request: route is identity, snapshot or commit."""
+        return self.call("POST", "/v1/memory/" + route, body, token, keep_alive=keep_alive)
 
     def exchange(self, method, path, data=None, token=None, timeout=None, keep_alive=False):
-        """(status, headers with lower-case names, body bytes) of one request; data is a JSON body as bytes.
-        token None sends ours; "" sends none. Raises OSError or http.client.HTTPException."""
+        """(status, headers with lower-case names, body bytes) of one request; data is a JSON body
+        as bytes. token None sends ours; "" sends none. Raises ConnectFailed, OSError or
+        http.client.HTTPException."""
         timeout = self.timeout if timeout is None else timeout
         if not keep_alive:
             conn = self.connect(timeout)
@@ -4829,6 +4889,81 @@ class SyncClient:
         if self._kept is not None:
             self._kept.close()
             self._kept = None
+
+
+# The shape of a 200's document, one function for each kind of response: each returns what it
+# holds, checked, or raises BadResponse saying what is wrong with it.
+
+def bad_response(what, wrong, document):
+    """The BadResponse for a document of what (a push, a pull, ...) that is wrong in this way."""
+    return BadResponse("the response to %s %s: %s" % (what, wrong, excerpt(document)))
+
+
+def push_counts(document):
+    """(cursor, accepted) of a push's response: {cursor, accepted}, both safe integers."""
+    if not isinstance(document, dict):
+        raise bad_response("a push", "is not an object", document)
+    cursor, accepted = as_safe_int(document.get("cursor")), as_safe_int(document.get("accepted"))
+    if cursor is None or accepted is None:
+        raise bad_response("a push", "has no cursor and accepted (safe integers)", document)
+    return cursor, accepted
+
+
+def pull_page(document, since):
+    """(cursor, records, sessions, more) of the response to a pull from since: {cursor (a safe
+    integer, not below since), records and sessions (lists of objects), more (true or false)}."""
+    if not isinstance(document, dict):
+        raise bad_response("a pull", "is not an object", document)
+    cursor = as_safe_int(document.get("cursor"))
+    if cursor is None:
+        raise bad_response("a pull", "has no cursor (a safe integer)", document)
+    if cursor < since:
+        raise bad_response("a pull", "has a cursor below since (%d)" % since, document)
+    for name in ("records", "sessions"):
+        events = document.get(name)
+        if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
+            raise bad_response("a pull", "has %s that are not a list of objects" % name, document)
+    if not isinstance(document.get("more"), bool):
+        raise bad_response("a pull", "has no more (true or false)", document)
+    return cursor, document["records"], document["sessions"], document["more"]
+
+
+def project_ids(document):
+    """The project ids of a projects response: {projects: [ids]}."""
+    projects = document.get("projects") if isinstance(document, dict) else None
+    if not isinstance(projects, list) or not all(is_valid_id(project) for project in projects):
+        raise bad_response("a projects request", "is not {projects: [ids]}", document)
+    return projects
+
+
+def check_principal(document, principal):
+    """A memory response (any route) is an object that names principal, the one the request
+    expected."""
+    if not isinstance(document, dict):
+        raise bad_response("a memory request", "is not an object", document)
+    if document.get("principal") != principal:
+        raise bad_response("a memory request", "names principal %s, not %s"
+                           % (excerpt(document.get("principal")), excerpt(principal)), document)
+
+
+def memory_entries(document):
+    """{id: (hash or None, note or None)} of a memory snapshot or commit response's entries."""
+    entries = document.get("entries") if isinstance(document, dict) else None
+    if not isinstance(entries, list):
+        raise bad_response("a memory request", "has no list of entries", document)
+    found = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or not is_valid_id(entry.get("id")):
+            raise bad_response("a memory request", "has an entry without a valid id", document)
+        hash_value, note = entry.get("hash"), entry.get("note")
+        if not (hash_value is None or isinstance(hash_value, str) and _HASH.fullmatch(hash_value)):
+            wrong = "has entry %s with a malformed hash" % entry["id"]
+            raise bad_response("a memory request", wrong, document)
+        if note is not None and not isinstance(note, dict):
+            wrong = "has entry %s with a malformed note" % entry["id"]
+            raise bad_response("a memory request", wrong, document)
+        found[entry["id"]] = (hash_value, note)
+    return found
 
 
 # -------------------------------------------------------------------------------------------------
@@ -5252,7 +5387,8 @@ class ConformanceCheck:
 
     run() prints one line per check, `PASS name` or `FAIL name: reason`, or stops at a
     CheckStopped with one line that says why. The checks write to fresh projects named
-    ohs-check-<random>-<purpose>; notice() is printed on err at the first answer, before anything is written.
+    ohs-check-<random>-<purpose>; notice() is printed on err at the first response, before
+    anything is written.
     """
 
     def __init__(self, url, token, other_token=None, team=None, principal=None, out=None, ca_file=None,
@@ -5266,7 +5402,7 @@ class ConformanceCheck:
                 self.client.context = ssl.create_default_context(cafile=ca_file)
             except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
                 raise UsageError("cannot use --ca-file %s: %s" % (ca_file, reason(exc))) from None
-        self.answered = False  # no HTTP answer yet: nothing written, no notice printed
+        self.responded = False  # no HTTP response yet: nothing written, no notice printed
         self.err = err or sys.stderr
         self.token = token
         self.other_token = other_token
@@ -5323,7 +5459,7 @@ class ConformanceCheck:
             except CheckStopped as exc:
                 print("check stopped: %s" % self.redacted(str(exc)), file=self.out, flush=True)
                 return False
-            except CheckFailed as exc:
+            except (CheckFailed, BadResponse) as exc:
                 reason = str(exc)
             except (OSError, http.client.HTTPException) as exc:
                 reason = "network error: %s" % (str(exc) or type(exc).__name__)
@@ -5344,89 +5480,82 @@ class ConformanceCheck:
 
     # -- HTTP ----------------------------------------------------------------
 
-    def request(self, method, path, body=None, token=None, timeout=CHECK_TIMEOUT):
-        """One request on a new connection: (status, headers with lower-case names, JSON or None).
-        token None sends ours; "" sends none."""
-        data = None if body is None else encode_json(body)
-        conn = self.client.connect(timeout)
+    def response(self, send):
+        """(status, headers, document) of send(), a function that sends one request with
+        self.client; CheckStopped when no connection is made, or a first request has no response
+        (every further request would fail the same way)."""
         try:
-            try:
-                conn.connect()
-            except OSError as exc:  # refused, no such host, an untrusted certificate: the same for every request
-                raise CheckStopped(connect_failure(self.url, exc)) from None
-            try:
-                status, answer_headers, raw = self.client.send(conn, method, path, data, token)
-            except (OSError, http.client.HTTPException) as exc:
-                if self.answered:
-                    raise
-                # Not one HTTP answer yet: most likely not an HTTP server (or TLS where http:// was given).
-                raise CheckStopped("no HTTP answer from %s to a first request (%s)%s" % (
-                    self.url, str(exc) or type(exc).__name__,
-                    "" if self.client.https else ": if it serves HTTPS, give an https:// URL")) from None
-        finally:
-            conn.close()
-        if not self.answered:  # the checks write from now on: say where, once
-            self.answered = True
+            status, headers, document = send()
+        except ConnectFailed as exc:  # refused, no such host, an untrusted certificate
+            raise CheckStopped(str(exc)) from None
+        except (OSError, http.client.HTTPException) as exc:
+            if self.responded:
+                raise
+            # No HTTP response yet: likely not an HTTP server (or TLS where http:// was given).
+            hint = "" if self.client.https else ": if it serves HTTPS, give an https:// URL"
+            raise CheckStopped("no HTTP answer from %s to a first request (%s)%s"
+                               % (self.url, str(exc) or type(exc).__name__, hint)) from None
+        if not self.responded:  # the checks write from now on: say where, once
+            self.responded = True
             print(self.notice(), file=self.err, flush=True)
-        try:
-            doc = decode_json(raw) if raw else None
-        except ValueError as exc:
-            raise CheckFailed("%s %s answered %d with a body that is not JSON (%s): %r"
-                              % (method, path, status, exc, raw[:100])) from None
-        return status, answer_headers, doc
+        return status, headers, document
 
-    def call(self, method, path, body=None, status=200, token=None, timeout=CHECK_TIMEOUT):
-        """request(), and CheckFailed unless the answer has this status (and, for 200, is JSON);
-        CheckStopped when a session route refuses --token itself (every other request would too)."""
-        got, headers, doc = self.request(method, path, body, token, timeout)
-        if got == 401 and status != 401 and token is None and not path.startswith("/v1/memory/"):
-            raise CheckStopped("the server refuses --token: %s %s answered 401 %s (is it a token of this server, "
-                               "not revoked or expired?)" % (method, path.split("?", 1)[0], excerpt(doc)))
+    def expect(self, what, send, status=200, token=None):
+        """The document of send()'s response (what: "METHOD /path", for messages); CheckFailed
+        unless it has this status (and, for 200, Content-Type application/json); CheckStopped
+        when a session route refuses --token itself (every other request would too)."""
+        got, headers, document = self.response(send)
+        if got == 401 and status != 401 and token is None and " /v1/memory/" not in what:
+            raise CheckStopped("the server refuses --token: %s answered 401 %s (is it a token of "
+                               "this server, not revoked or expired?)"
+                               % (what.split("?", 1)[0], excerpt(document)))
         if got != status:
-            raise CheckFailed("%s %s answered %d, expected %d: %s" % (method, path, got, status, excerpt(doc)))
+            raise CheckFailed("%s answered %d, expected %d: %s"
+                              % (what, got, status, excerpt(document)))
         content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if status == 200 and content_type != "application/json":
-            raise CheckFailed("%s %s answered with Content-Type %r" % (method, path, content_type))
-        return doc
+            raise CheckFailed("%s answered with Content-Type %r" % (what, content_type))
+        return document
+
+    def call(self, method, path, status=200, token=None):
+        """The document of a request without a body, of a route with no call of its own."""
+        return self.expect("%s %s" % (method, path),
+                           lambda: self.client.call(method, path, token=token), status, token)
 
     def push(self, project, records=(), sessions=(), token=None, team=None, status=200):
         body = {"project": project, "records": list(records), "sessions": list(sessions)}
         if team is not None:
             body["team"] = team
-        doc = self.call("POST", "/v1/push", body, status, token)
-        if status == 200 and not (isinstance(doc, dict) and as_safe_int(doc.get("cursor")) is not None
-                                  and as_safe_int(doc.get("accepted")) is not None):
-            raise CheckFailed("a push answered %s, not {cursor, accepted}" % excerpt(doc))
-        return doc
+        document = self.expect("POST /v1/push", lambda: self.client.push(body, token), status,
+                               token)
+        if status == 200:
+            push_counts(document)
+        return document
 
     def pull(self, project, since, token=None, team=None, status=200, **params):
-        query = dict(project=project, since=since, **params)
-        if team is not None:
-            query["team"] = team
-        timeout = CHECK_TIMEOUT + params.get("wait", 0)
-        doc = self.call("GET", "/v1/pull?" + urllib.parse.urlencode(query), None, status, token, timeout)
-        if status == 200 and not (isinstance(doc, dict) and as_safe_int(doc.get("cursor")) is not None
-                                  and isinstance(doc.get("records"), list)
-                                  and isinstance(doc.get("sessions"), list) and isinstance(doc.get("more"), bool)):
-            raise CheckFailed("a pull answered %s, not {cursor, records, sessions, more}" % excerpt(doc))
-        return doc
+        document = self.expect("GET /v1/pull", lambda: self.client.pull(
+            project, since, team=team, token=token, **params), status, token)
+        if status == 200:
+            pull_page(document, since)
+        return document
 
     def list_projects(self, token=None, team=None):
-        path = "/v1/projects" + ("?" + urllib.parse.urlencode({"team": team}) if team is not None else "")
-        doc = self.call("GET", path, token=token)
-        if not (isinstance(doc, dict) and isinstance(doc.get("projects"), list)):
-            raise CheckFailed("GET %s answered %s, not {projects: [...]}" % (path, excerpt(doc)))
-        return doc["projects"]
+        document = self.expect("GET /v1/projects",
+                               lambda: self.client.projects(team=team, token=token), token=token)
+        return project_ids(document)
 
     def memory(self, route, status=200, **fields):
         body = dict(fields, expectedPrincipal=self.principal)
-        doc = self.call("POST", "/v1/memory/" + route, body, status)
-        if not isinstance(doc, dict):
-            raise CheckFailed("POST /v1/memory/%s answered %s, not an object" % (route, excerpt(doc)))
-        if status == 200 and doc.get("principal") != self.principal:
-            raise CheckFailed("POST /v1/memory/%s answered principal %s, expected %r"
-                              % (route, excerpt(doc.get("principal")), self.principal))
-        return doc
+        document = self.expect("POST /v1/memory/" + route,
+                               lambda: self.client.memory(route, body), status)
+        if not isinstance(document, dict):
+            raise CheckFailed("POST /v1/memory/%s answered %s, not an object"
+                              % (route, excerpt(document)))
+        if status == 200:
+            check_principal(document, self.principal)
+            if route != "identity":
+                memory_entries(document)
+        return document
 
     # -- session sync ----------------------------------------------------------
 
@@ -5443,7 +5572,8 @@ class ConformanceCheck:
         made_up = "ohs-check-" + secrets.token_hex(16)
         for method, path, body in routes:
             for token, what in (("", "without a token"), (made_up, "with a made-up token")):
-                status, headers, doc = self.request(method, path, body, token)
+                status, headers, doc = self.response(
+                    lambda: self.client.call(method, path, body, token))
                 if status != 401:
                     raise CheckFailed("%s %s %s answered %d, expected 401" % (method, path, what, status))
                 if not headers.get("www-authenticate", "").lower().startswith("bearer"):
@@ -5803,27 +5933,9 @@ def memory_decision(base, source, target):
     return CONFLICT
 
 
-def snapshot_entries(doc):
-    """{id: (hash or None, note or None)} of a snapshot or commit answer's entries; ValueError when malformed."""
-    entries = doc.get("entries")
-    if not isinstance(entries, list):
-        raise ValueError("entries is not a list")
-    found = {}
-    for entry in entries:
-        if not isinstance(entry, dict) or not is_valid_id(entry.get("id")):
-            raise ValueError("an entry without a valid id")
-        hash_value, note = entry.get("hash"), entry.get("note")
-        if not (hash_value is None or (isinstance(hash_value, str) and _HASH.fullmatch(hash_value))):
-            raise ValueError("entry %s has a malformed hash" % entry["id"])
-        if note is not None and not isinstance(note, dict):
-            raise ValueError("entry %s has a malformed note" % entry["id"])
-        found[entry["id"]] = (hash_value, note)
-    return found
-
-
 def plan_memory(base, source, target):
     """(changes for the target's commit, ids of kept conflicts, {decision: count}) of one scope.
-    base: {id: hash or None}; source, target: snapshot_entries()."""
+    base: {id: hash or None}; source, target: memory_entries()."""
     changes, conflicts, counts = [], [], {CREATE: 0, UPDATE: 0, DELETE: 0}
     for note_id in sorted(set(source) | set(base)):
         decision = memory_decision(base.get(note_id), source[note_id], target.get(note_id))
@@ -6010,35 +6122,44 @@ class Replicator:
 
     # -- requests --------------------------------------------------------------
 
-    def call(self, side, client, method, path, body=None, timeout=None, statuses=(200,)):
-        """(status, JSON document) of one request; ReplicateFatal for 401 and 403, ReplicateTransient for a
-        network error, 429 or 5xx, ReplicateRefused for any other status not in statuses."""
-        what = "%s %s" % (method, path.split("?", 1)[0])
+    def call(self, side, what, send, statuses=(200,)):
+        """(status, document) of send(), a function that sends one request with a client of side
+        (what: "METHOD /path", for messages); ReplicateFatal for 401 and 403, ReplicateTransient
+        for a network error, 429 or 5xx, ReplicateRefused for any other status not in
+        statuses."""
         try:
-            status, _, raw = client.exchange(method, path, body, timeout=timeout, keep_alive=True)
-        except ssl.SSLCertVerificationError as exc:  # trying again changes nothing
-            raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a self-signed one, "
-                                 "give it with --ca-file" % (side.role, side.url, exc.verify_message)) from None
-        except (OSError, http.client.HTTPException) as exc:
+            status, _, document = send()
+        except (ConnectFailed, OSError, http.client.HTTPException) as exc:
+            error = exc.error if isinstance(exc, ConnectFailed) else exc
+            if isinstance(error, ssl.SSLCertVerificationError):  # trying again changes nothing
+                raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a "
+                                     "self-signed one, give it with --ca-file"
+                                     % (side.role, side.url, error.verify_message)) from None
             raise ReplicateTransient("%s: %s of %s: network error: %s" % (
-                side.role, what, side.url, str(exc) or type(exc).__name__)) from None
-        try:
-            doc = decode_json(raw, max_depth=None) if raw else None
-        except ValueError:
-            doc = raw[:100].decode("utf-8", "replace")
+                side.role, what, side.url, str(error) or type(error).__name__)) from None
         if status in (401, 403) and status not in statuses:
             raise ReplicateFatal("the %s %s refuses its token: %s answered %d %s" % (
-                side.role, side.url, what, status, excerpt(doc)))
-        if status == 503 and isinstance(doc, dict) and doc.get("code") == "auth_not_configured":
+                side.role, side.url, what, status, excerpt(document)))
+        code = document.get("code") if isinstance(document, dict) else None
+        if status == 503 and code == "auth_not_configured":
             raise ReplicateRefused("the %s has memory sync turned off: %s answered %d %s" % (
-                side.role, what, status, excerpt(doc)))
+                side.role, what, status, excerpt(document)))
         if status == 429 or status >= 500:
-            raise ReplicateTransient("%s: %s answered %d %s" % (side.role, what, status, excerpt(doc)))
+            raise ReplicateTransient("%s: %s answered %d %s"
+                                     % (side.role, what, status, excerpt(document)))
         if status not in statuses:
-            raise ReplicateRefused("the %s answered %s with %d %s" % (side.role, what, status, excerpt(doc)))
-        if status == 200 and not isinstance(doc, dict):
-            raise ReplicateRefused("the %s answered %s with %s, not a JSON object" % (side.role, what, excerpt(doc)))
-        return status, doc
+            raise ReplicateRefused("the %s answered %s with %d %s"
+                                   % (side.role, what, status, excerpt(document)))
+        return status, document
+
+    @staticmethod
+    def checked(side, check, *args):
+        """check(*args), a check of the shape of a response from side; ReplicateRefused for a
+        BadResponse."""
+        try:
+            return check(*args)
+        except BadResponse as exc:
+            raise ReplicateRefused("%s: %s" % (side.role, exc)) from None
 
     def retrying(self, action, what, follow):
         """action(), and again after transient faults, waiting 1 s doubling to 60 s: for ever with follow,
@@ -6090,13 +6211,12 @@ class Replicator:
                 if self.projects:
                     found += [(team, project) for project in self.projects]
                     continue
-                path = "/v1/projects" + ("?" + urllib.parse.urlencode({"team": team}) if team else "")
-                doc = self.retrying(lambda: self.call(self.source, client, "GET", path)[1],
-                                    "listing the projects of %s" % ("team " + team if team else "personal feeds"),
-                                    follow)
-                projects = doc.get("projects")
-                if not isinstance(projects, list) or not all(is_valid_id(p) for p in projects):
-                    raise ReplicateRefused("the source answered GET /v1/projects with %s" % excerpt(doc))
+                document = self.retrying(
+                    lambda: self.call(self.source, "GET /v1/projects",
+                                      lambda: client.projects(team=team, keep_alive=True))[1],
+                    "listing the projects of %s" % ("team " + team if team else "personal feeds"),
+                    follow)
+                projects = self.checked(self.source, project_ids, document)
                 found += [(team, project) for project in projects]
         finally:
             client.close()
@@ -6200,19 +6320,12 @@ class Replicator:
 
     def pull(self, client, team, project, since, wait):
         """(cursor, records, sessions, more) of one pull; ReplicateRefused when malformed."""
-        query = {"project": project, "since": since, "limit": MAX_PULL_LIMIT}
+        params = {"limit": MAX_PULL_LIMIT}
         if wait:
-            query["wait"] = wait
-        if team is not None:
-            query["team"] = team
-        _, doc = self.call(self.source, client, "GET", "/v1/pull?" + urllib.parse.urlencode(query),
-                           timeout=REPLICATE_TIMEOUT + wait)
-        cursor, records, sessions, more = (as_safe_int(doc.get("cursor")), doc.get("records"),
-                                           doc.get("sessions"), doc.get("more"))
-        if (cursor is None or cursor < since or not isinstance(records, list) or not isinstance(sessions, list)
-                or not isinstance(more, bool) or not all(isinstance(e, dict) for e in records + sessions)):
-            raise ReplicateRefused("the source answered a pull with %s" % excerpt(doc))
-        return cursor, records, sessions, more
+            params["wait"] = wait
+        _, document = self.call(self.source, "GET /v1/pull", lambda: client.pull(
+            project, since, team=team, keep_alive=True, **params))
+        return self.checked(self.source, pull_page, document, since)
 
     def push_page(self, client, team, project, records, sessions, data, follow):
         """Push a page's events in pushes within the limits; how many events were sent.
@@ -6240,17 +6353,19 @@ class Replicator:
         self.push_events(client, team, project, events[half:], follow)
 
     def push(self, client, team, project, body, events, follow):
-        """One push of body, which holds this many events: (status, answer); 200, 400 or 413. What a 200
-        says is counted: events copied, and events the target already had."""
-        status, doc = self.retrying(lambda: self.call(self.target, client, "POST", "/v1/push", body,
-                                                      statuses=(200, 400, 413)),
-                                    "%s: push" % feed_name(team, project), follow)
+        """One push of body, which holds this many events: (status, document); 200, 400 or 413.
+        What a 200 says is counted: events copied, and events the target already had."""
+        status, document = self.retrying(
+            lambda: self.call(self.target, "POST /v1/push",
+                              lambda: client.push(body, keep_alive=True),
+                              statuses=(200, 400, 413)),
+            "%s: push" % feed_name(team, project), follow)
         if status == 200:
-            accepted = as_safe_int(doc.get("accepted"))
-            if accepted is None or accepted > events:
-                raise ReplicateRefused("the target answered a push with %s" % excerpt(doc))
+            accepted = self.checked(self.target, push_counts, document)[1]
+            if accepted > events:
+                raise ReplicateRefused("the target answered a push with %s" % excerpt(document))
             self.count(copied=accepted, had=events - accepted)
-        return status, doc
+        return status, document
 
     # -- memory ----------------------------------------------------------------------
 
@@ -6266,16 +6381,16 @@ class Replicator:
         return True
 
     def memory_identity(self, side, follow):
-        client = side.client()
+        client, body = side.client(), {"expectedPrincipal": side.principal}
         try:
-            _, doc = self.retrying(lambda: self.call(side, client, "POST", "/v1/memory/identity",
-                                                     encode_json({"expectedPrincipal": side.principal})),
-                                   "%s memory identity" % side.role, follow)
+            _, document = self.retrying(
+                lambda: self.call(side, "POST /v1/memory/identity",
+                                  lambda: client.memory("identity", body, keep_alive=True)),
+                "%s memory identity" % side.role, follow)
         finally:
             client.close()
-        if doc.get("principal") != side.principal:
-            raise ReplicateRefused("the %s answered its memory identity with %s" % (side.role, excerpt(doc)))
-        quota = doc.get("quota")
+        self.checked(side, check_principal, document, side.principal)
+        quota = document.get("quota")
         if isinstance(quota, dict) and as_safe_int(quota.get("maxChanges")):
             side.quota = quota
 
@@ -6308,15 +6423,14 @@ class Replicator:
         if fields.get("project") is None:
             body.pop("project", None)
             body["scope"] = "user"
-        status, doc = self.retrying(lambda: self.call(side, client, "POST", "/v1/memory/" + route,
-                                                      encode_json(body), statuses=statuses),
-                                    "%s memory %s" % (side.role, route), follow)
-        if status == 200 and "unchanged" not in doc:
-            try:
-                doc["_entries"] = snapshot_entries(doc)
-            except ValueError as exc:
-                raise ReplicateRefused("the %s answered memory %s with %s" % (side.role, route, exc)) from None
-        return status, doc
+        status, document = self.retrying(
+            lambda: self.call(side, "POST /v1/memory/" + route,
+                              lambda: client.memory(route, body, keep_alive=True),
+                              statuses=statuses),
+            "%s memory %s" % (side.role, route), follow)
+        if status == 200 and not (isinstance(document, dict) and "unchanged" in document):
+            document["_entries"] = self.checked(side, memory_entries, document)
+        return status, document
 
     def copy_scope(self, source, target, project, follow):
         name = scope_name(project)

@@ -8185,6 +8185,123 @@ def run_check_command(*argv):
     return code, out.getvalue(), err.getvalue()
 
 
+class SyncClientCallTest(unittest.TestCase):
+    """SyncClient.call without a server: the body it sends, the document it returns."""
+
+    def test_a_body_is_sent_as_json_or_as_the_bytes_given(self):
+        client, sent = sync.SyncClient("http://127.0.0.1:1"), []
+        client.exchange = lambda method, path, data, **named: sent.append(data) or (200, {}, b"")
+        for body in ({"project": "p", "records": []}, b'{"project":"q"}', None):
+            client.call("POST", "/v1/push", body)
+        self.assertEqual(sent, [b'{"project":"p","records":[]}', b'{"project":"q"}', None])
+
+    def test_the_document_is_json_or_else_the_first_bytes_as_text(self):
+        client = sync.SyncClient("http://127.0.0.1:1")
+        deep = b"[" * 300 + b"]" * 300  # past the server's nesting limit: a client takes it
+        for raw, document in ((b'{"ok": true}', {"ok": True}), (b"", None), (b'"text"', "text"),
+                              (b"<html>" + b"x" * 200, "<html>" + "x" * 94),
+                              (b"\xff\xfe not UTF-8", "\ufffd\ufffd not UTF-8")):
+            client.exchange = lambda *args, **named: (502, {"content-type": "text/plain"}, raw)
+            self.assertEqual(client.call("GET", "/"), (502, {"content-type": "text/plain"},
+                                                       document))
+        client.exchange = lambda *args, **named: (200, {}, deep)
+        self.assertIsInstance(client.call("GET", "/")[2], list)
+
+
+class ResponseShapeTest(unittest.TestCase):
+    """The protocol client's checks of a 200's document, shared by check and replicate: each takes
+    a good one and refuses each kind of malformed one with BadResponse, saying what is wrong."""
+
+    def assertRefused(self, check, document, wrong, *args):
+        with self.assertRaises(sync.BadResponse) as caught:
+            check(document, *args)
+        message = str(caught.exception)
+        self.assertIn(wrong, message)
+        self.assertTrue(message.endswith(": " + sync.excerpt(document)), message)
+
+    def test_a_push(self):
+        self.assertEqual(sync.push_counts({"cursor": 7, "accepted": 2}), (7, 2))
+        self.assertEqual(sync.push_counts({"cursor": 7.0, "accepted": 0}), (7, 0))
+        self.assertRefused(sync.push_counts, [7, 2], "the response to a push is not an object")
+        self.assertRefused(sync.push_counts, None, "the response to a push is not an object")
+        for document in ({"cursor": 7}, {"accepted": 2}, {"cursor": -1, "accepted": 2},
+                         {"cursor": 7, "accepted": True}, {"cursor": "7", "accepted": 2},
+                         {"cursor": 2 ** 53, "accepted": 2}):
+            with self.subTest(document=document):
+                self.assertRefused(sync.push_counts, document,
+                                   "the response to a push has no cursor and accepted")
+
+    def test_a_pull(self):
+        page = {"cursor": 5, "records": [record()], "sessions": [meta()], "more": False}
+        self.assertEqual(sync.pull_page(page, 0), (5, [record()], [meta()], False))
+        empty = dict(page, records=[], sessions=[])
+        self.assertEqual(sync.pull_page(empty, 5), (5, [], [], False))
+        not_objects = "has %s that are not a list of objects"
+        for document, wrong in (
+                ("cursor 5", "is not an object"),
+                (dict(page, cursor=None), "has no cursor (a safe integer)"),
+                (dict(page, cursor=1.5), "has no cursor (a safe integer)"),
+                (dict(page, cursor=4), "has a cursor below since (5)"),
+                (dict(page, records=None), not_objects % "records"),
+                (dict(page, records=[record(), "r2"]), not_objects % "records"),
+                (dict(page, sessions={"id": "s1"}), not_objects % "sessions"),
+                (dict(page, sessions=[None]), not_objects % "sessions"),
+                (dict(page, more=0), "has no more (true or false)"),
+                ({"cursor": 5, "records": [], "sessions": []}, "has no more (true or false)")):
+            with self.subTest(document=document):
+                self.assertRefused(sync.pull_page, document, "the response to a pull " + wrong, 5)
+
+    def test_a_projects_list(self):
+        self.assertEqual(sync.project_ids({"projects": ["a", "b-2"]}), ["a", "b-2"])
+        self.assertEqual(sync.project_ids({"projects": []}), [])
+        for document in (["a"], {}, {"projects": "a"}, {"projects": ["a", "b/c"]},
+                         {"projects": [1]}, {"projects": ["__proto__"]}):
+            with self.subTest(document=document):
+                self.assertRefused(sync.project_ids, document,
+                                   "the response to a projects request is not {projects: [ids]}")
+
+    def test_the_principal_of_a_memory_response(self):
+        check = sync.check_principal
+        self.assertIsNone(check({"principal": "alice", "quota": {}}, "alice"))
+        self.assertRefused(check, "alice", "is not an object", "alice")
+        self.assertRefused(check, {"principal": "bob"}, 'names principal "bob", not "alice"',
+                           "alice")
+        self.assertRefused(check, {"quota": {}}, 'names principal null, not "alice"', "alice")
+
+    def test_the_entries_of_a_memory_snapshot_or_commit(self):
+        note = {"id": "n1", "summary": "s", "body": "b", "tags": [], "createdAt": 1}
+        live = {"id": "n1", "hash": note_hash(note), "note": note}
+        listed = {"id": "n2", "hash": "a" * 64}  # a note the request said it has: no note sent
+        entries = [live, listed, {"id": "n3", "hash": None}]
+        self.assertEqual(sync.memory_entries({"etag": "e", "entries": entries}),
+                         {"n1": (live["hash"], note), "n2": ("a" * 64, None), "n3": (None, None)})
+        self.assertEqual(sync.memory_entries({"entries": []}), {})
+        for document, wrong in (
+                ([live], "has no list of entries"),
+                ({"unchanged": True}, "has no list of entries"),
+                ({"entries": {"n1": live}}, "has no list of entries"),
+                ({"entries": [live, "n2"]}, "has an entry without a valid id"),
+                ({"entries": [{"id": "a/b", "hash": None}]}, "has an entry without a valid id"),
+                ({"entries": [dict(live, hash="A" * 64)]}, "has entry n1 with a malformed hash"),
+                ({"entries": [dict(live, hash=1)]}, "has entry n1 with a malformed hash"),
+                ({"entries": [dict(live, note="text")]}, "has entry n1 with a malformed note")):
+            with self.subTest(document=document):
+                self.assertRefused(sync.memory_entries, document,
+                                   "the response to a memory request " + wrong)
+
+    def test_check_fails_and_replicate_refuses_for_a_bad_response(self):
+        wrong = 'the response to a pull has a cursor below since (2): {"cursor": 1}'
+        out = io.StringIO()
+        check = ConformanceCheck("http://127.0.0.1:1", "t0ken", out=out, err=io.StringIO())
+        check.checks = lambda: [("paging", lambda: sync.pull_page({"cursor": 1}, 2))]
+        self.assertFalse(check.run())
+        self.assertEqual(out.getvalue(), "FAIL paging: %s\n" % wrong)
+        side = sync.ReplicateSide("source", "http://127.0.0.1:1", "t0ken", None)
+        with self.assertRaises(sync.ReplicateRefused) as caught:
+            sync.Replicator.checked(side, sync.pull_page, {"cursor": 1}, 2)
+        self.assertEqual(str(caught.exception), "source: " + wrong)
+
+
 class CheckCommandTest(ServerCase):
     """oharness_sync.py check against this server: every check passes."""
 
