@@ -5820,8 +5820,10 @@ REPLICATE_WAIT = 30              # a --follow long-poll's wait
 REPLICATE_RELIST_SECONDS = 60    # --follow: projects listed again this often
 REPLICATE_MEMORY_SECONDS = 60    # --follow: memory scopes looked at this often
 REPLICATE_BACKOFF = (1.0, 60.0)  # first and longest wait after a network error or a 5xx
-REPLICATE_ATTEMPTS = 5           # without --follow: tries of one request before its feed or scope gives up
-MEMORY_COMMIT_ATTEMPTS = 5       # fresh snapshots after a 409 revision_conflict before a scope gives up
+# Without --follow: tries of one request before its feed or scope gives up.
+REPLICATE_ATTEMPTS = 5
+# Fresh snapshots after a 409 revision_conflict before a scope gives up.
+MEMORY_COMMIT_ATTEMPTS = 5
 STATE_VERSION = 1
 PROGRESS_SECONDS = 1.0
 PUSHES_IN_FLIGHT = 2             # pages of one feed pushed at once (on connections of their own)
@@ -5856,15 +5858,17 @@ def scope_name(project):
     return "user" if project is None else "project/%s" % project
 
 
-def plan_pushes(events, max_records=MAX_PUSH_RECORDS, max_sessions=MAX_PUSH_SESSIONS, max_bytes=MAX_PUSH_BYTES,
-                overhead=0):
-    """Split a page into pushes within the target's limits. events: (kind "r" or "s", encoded bytes) in
-    push order; overhead: the body's bytes around them. A list of (start, end) ranges of events; an event
-    too large even alone gets a push of its own (the target's answer decides)."""
+def plan_pushes(events, max_records=MAX_PUSH_RECORDS, max_sessions=MAX_PUSH_SESSIONS,
+                max_bytes=MAX_PUSH_BYTES, overhead=0):
+    """Split a page into pushes within the target's limits. events: (kind "r" or "s", encoded
+    bytes) in push order; overhead: the body's bytes around them. A list of (start, end) ranges of
+    events; an event too large even alone gets a push of its own (the target's response
+    decides)."""
     ranges, start, records, sessions, size = [], 0, 0, 0, overhead
     for index, (kind, data) in enumerate(events):
         more = len(data) + 1  # and its comma
-        full = (records == max_records if kind == "r" else sessions == max_sessions) or size + more > max_bytes
+        full = ((records == max_records if kind == "r" else sessions == max_sessions)
+                or size + more > max_bytes)
         if full and index > start:
             ranges.append((start, index))
             start, records, sessions, size = index, 0, 0, overhead
@@ -5900,7 +5904,8 @@ def push_page_body(project, team, records, sessions):
 
 
 def event_label(kind, event):
-    """How an event is named in a message: record SESSION/ID or session ID gen N (ASCII, one line)."""
+    """How an event is named in a message: record SESSION/ID or session ID gen N (ASCII, one
+    line)."""
     def shown(value):
         text = json.dumps(value, ensure_ascii=True)
         text = text[1:-1] if isinstance(value, str) else text
@@ -5917,18 +5922,21 @@ def note_time(note):
 
 
 def memory_decision(base, source, target):
-    """The three-way decision for one note id. base: the source's hash at the previous pass (None: no
-    note then, or no previous pass); source, target: (hash, note) with hash None for a tombstone, or None
-    when the id is absent. KEEP and CONFLICT leave the target; CREATE, UPDATE and DELETE apply the source."""
+    """The three-way decision for one note id. base: the source's hash at the previous pass
+    (None: no note then, or no previous pass); source, target: (hash, note) with hash None for a
+    tombstone, or None when the id is absent. KEEP and CONFLICT leave the target; CREATE, UPDATE
+    and DELETE apply the source."""
     source_hash = source[0] if source is not None else None
     target_hash = target[0] if target is not None else None
     if source_hash == base or source_hash == target_hash:
-        return KEEP  # the source did not change (the target's own edits stay), or both already agree
+        # the source did not change (the target's own edits stay), or both already agree
+        return KEEP
     if target is None or target_hash == base:
         if source_hash is None:
             return DELETE
         return CREATE if target_hash is None else UPDATE
-    if source_hash is not None and target_hash is not None and note_time(source[1]) > note_time(target[1]):
+    if (source_hash is not None and target_hash is not None
+            and note_time(source[1]) > note_time(target[1])):
         return UPDATE  # both changed, both live: the later one wins (a tie keeps the target)
     return CONFLICT
 
@@ -5963,29 +5971,35 @@ def check_state(doc, source, target):
     if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
         raise ValueError("not a replicate state file (version %d)" % STATE_VERSION)
     if doc.get("from") != source or doc.get("to") != target:
-        raise ValueError("it is for %s to %s" % (excerpt(doc.get("from"), 100), excerpt(doc.get("to"), 100)))
+        raise ValueError("it is for %s to %s" % (excerpt(doc.get("from"), 100),
+                                                 excerpt(doc.get("to"), 100)))
     feeds, memory = doc.get("feeds"), doc.get("memory")
-    if not isinstance(feeds, dict) or any(as_safe_int(cursor) is None for cursor in feeds.values()):
+    if (not isinstance(feeds, dict)
+            or any(as_safe_int(cursor) is None for cursor in feeds.values())):
         raise ValueError("its feeds are not cursors")
     if not isinstance(memory, dict):
         raise ValueError("its memory is not an object")
     for scope in memory.values():
-        if not (isinstance(scope, dict) and (scope.get("etag") is None or isinstance(scope.get("etag"), str))
+        if not (isinstance(scope, dict)
+                and (scope.get("etag") is None or isinstance(scope.get("etag"), str))
                 and isinstance(scope.get("base"), dict)
-                and all(h is None or (isinstance(h, str) and _HASH.fullmatch(h)) for h in scope["base"].values())):
+                and all(h is None or (isinstance(h, str) and _HASH.fullmatch(h))
+                        for h in scope["base"].values())):
             raise ValueError("its memory scopes are malformed")
     return doc
 
 
 class ReplicationState:
-    """Cursors and memory bases, in memory and (with --state) in a file written atomically at each change.
-    A new file is written at once: one that cannot be is a usage error before anything is copied."""
+    """Cursors and memory bases, in memory and (with --state) in a file written atomically at each
+    change. A new file is written at once: one that cannot be is a usage error before anything is
+    copied."""
 
     def __init__(self, path, source, target):
         self.path = path
         self._lock = threading.Lock()
         self.doc = new_state(source, target)
-        self._memory_json = None  # the memory part encoded, as it changes far less often than a cursor
+        # the memory part encoded, as it changes far less often than a cursor
+        self._memory_json = None
         if path is None:
             return
         try:
@@ -6024,22 +6038,23 @@ class ReplicationState:
         if self._memory_json is None:
             self._memory_json = encode_json(self.doc["memory"])
         head = dict((name, value) for name, value in self.doc.items() if name != "memory")
-        write_atomically(self.path, encode_json(head)[:-1] + b',"memory":' + self._memory_json + b"}")
+        write_atomically(self.path,
+                         encode_json(head)[:-1] + b',"memory":' + self._memory_json + b"}")
 
 
 class Fetch(threading.Thread):
-    """function(*args) in a thread of its own (a daemon: a long-poll never holds up an exit); result()
-    waits for it and returns its value or raises its exception."""
+    """function(*args, **kwargs) in a thread of its own (a daemon: a long-poll never holds up an
+    exit); result() waits for it and returns its value or raises its exception."""
 
-    def __init__(self, function, *args):
+    def __init__(self, function, *args, **kwargs):
         threading.Thread.__init__(self, daemon=True, name="replicate fetch")
-        self.function, self.args = function, args
+        self.function, self.args, self.kwargs = function, args, kwargs
         self.value = self.error = None
         self.start()
 
     def run(self):
         try:
-            self.value = self.function(*self.args)
+            self.value = self.function(*self.args, **self.kwargs)
         except BaseException as exc:  # handed to result(), in the thread that waits for it
             self.error = exc
 
@@ -6066,11 +6081,12 @@ class ReplicateSide:
 
 
 class Replicator:
-    """Copies a principal's feeds (personal and teams) and memory notes from a source to a target server,
-    once (run) or continuously (follow). Messages go to out; counts are summed in self.totals."""
+    """Copies a principal's feeds (personal and teams) and memory notes from a source to a target
+    server, once (run) or continuously (follow). Messages go to out; counts are summed in
+    self.totals."""
 
-    def __init__(self, source, target, state, teams=(), projects=(), memory=True, quiet=False, out=None,
-                 progress=False):
+    def __init__(self, source, target, state, teams=(), projects=(), memory=True, quiet=False,
+                 out=None, progress=False):
         self.source = source
         self.target = target
         self.state = state
@@ -6106,7 +6122,8 @@ class Replicator:
         self.say(message, error=True)
 
     def state_failed(self, exc):
-        """The state file cannot be written: everything stops (what is copied cannot be remembered)."""
+        """The state file cannot be written: everything stops (what is copied cannot be
+        remembered)."""
         self.fail("stopped: cannot write the state file %s: %s" % (self.state.path, reason(exc)))
         self.stopping.set()
 
@@ -6116,9 +6133,10 @@ class Replicator:
 
     def summary(self, seconds):
         t = self.totals
-        return ("%d feeds, %d events copied, %d already on the target; notes: %d created, %d updated, "
-                "%d deleted, %d conflicts kept; %.1f s" % (t["feeds"], t["copied"], t["had"], t["created"],
-                                                          t["updated"], t["deleted"], t["conflicts"], seconds))
+        return ("%d feeds, %d events copied, %d already on the target; notes: %d created, "
+                "%d updated, %d deleted, %d conflicts kept; %.1f s"
+                % (t["feeds"], t["copied"], t["had"], t["created"], t["updated"], t["deleted"],
+                   t["conflicts"], seconds))
 
     # -- requests --------------------------------------------------------------
 
@@ -6162,8 +6180,9 @@ class Replicator:
             raise ReplicateRefused("%s: %s" % (side.role, exc)) from None
 
     def retrying(self, action, what, follow):
-        """action(), and again after transient faults, waiting 1 s doubling to 60 s: for ever with follow,
-        else REPLICATE_ATTEMPTS tries (then ReplicateRefused). A stop ends the waiting (ReplicateStopped)."""
+        """action(), and again after transient faults, waiting 1 s doubling to 60 s: for ever with
+        follow, else REPLICATE_ATTEMPTS tries (then ReplicateRefused). A stop ends the waiting
+        (ReplicateStopped)."""
         delay, attempt = REPLICATE_BACKOFF[0], 0
         while True:
             try:
@@ -6171,7 +6190,8 @@ class Replicator:
             except ReplicateTransient as exc:
                 attempt += 1
                 if not follow and attempt >= REPLICATE_ATTEMPTS:
-                    raise ReplicateRefused("%s (gave up after %d tries)" % (exc, attempt)) from None
+                    raise ReplicateRefused("%s (gave up after %d tries)"
+                                           % (exc, attempt)) from None
                 self.say("%s: %s; trying again in %g s" % (what, exc, delay), error=True)
                 if self.stopping.wait(delay):
                     raise ReplicateStopped() from None
@@ -6192,7 +6212,8 @@ class Replicator:
             self._idle.notify_all()
 
     def stop(self, seconds=120):
-        """Stop: no new push or commit starts; wait for those in flight (their state is written)."""
+        """Stop: no new push or commit starts; wait for those in flight (their state is
+        written)."""
         self.stopping.set()
         self.wait_idle(seconds)
 
@@ -6225,12 +6246,13 @@ class Replicator:
     # -- feeds ---------------------------------------------------------------------
 
     def copy_feed(self, team, project, follow=False):
-        """Copy one feed from its cursor in the state to the end (with follow: and then as events arrive).
-        The next page is pulled while pages are pushed, PUSHES_IN_FLIGHT at once, and the state is written
-        for each page once it and every page before it were acknowledged. False when the feed stopped on
-        something refused."""
+        """Copy one feed from its cursor in the state to the end (with follow: and then as events
+        arrive). The next page is pulled while pages are pushed, PUSHES_IN_FLIGHT at once, and the
+        state is written for each page once it and every page before it were acknowledged. False
+        when the feed stopped on something refused."""
         name = feed_name(team, project)
-        source, targets = self.source.client(), [self.target.client() for _ in range(PUSHES_IN_FLIGHT)]
+        source, targets = (self.source.client(),
+                           [self.target.client() for _ in range(PUSHES_IN_FLIGHT)])
         cursor = self.state.cursor(name)  # after the last page pulled
         started = shown = time.monotonic()
         pushing = collections.deque()  # (a page's push, the cursor after that page), oldest first
@@ -6238,12 +6260,14 @@ class Replicator:
         copied = [0]
 
         def pull(since, wait):  # and the page's push body, made here too: it overlaps the pushes
-            page = self.retrying(lambda: self.pull(source, team, project, since, wait), "%s: pull" % name, follow)
+            page = self.retrying(lambda: self.pull(source, team, project, since, wait=wait),
+                                 "%s: pull" % name, follow)
             return page + (push_page_body(project, team, page[1], page[2]),)
 
         def settle(keep):
-            """Wait for pushes until at most keep are in flight; write each one's cursor, in order (the
-            work begun for a push ends once its cursor is written: a stop waits for that too)."""
+            """Wait for pushes until at most keep are in flight; write each one's cursor, in order
+            (the work begun for a push ends once its cursor is written: a stop waits for that
+            too)."""
             while len(pushing) > keep:
                 push, after = pushing[0]
                 copied[0] += push.result()
@@ -6255,12 +6279,13 @@ class Replicator:
             fetch, turn = Fetch(pull, cursor, 0), 0
             while True:
                 next_cursor, records, sessions, more, body = fetch.result()
-                fetch = Fetch(pull, next_cursor, 0) if more and not self.stopping.is_set() else None
+                fetch = (Fetch(pull, next_cursor, 0) if more and not self.stopping.is_set()
+                         else None)
                 if next_cursor != cursor:
                     if not self.begin_work():
                         break
-                    push = Fetch(self.push_in_flight, targets[turn % len(targets)], team, project, records,
-                                 sessions, body, follow)
+                    push = Fetch(self.push_in_flight, targets[turn % len(targets)], team, project,
+                                 records=records, sessions=sessions, body=body, follow=follow)
                     pushing.append((push, next_cursor))
                     cursor, turn = next_cursor, turn + 1
                 settle(len(targets) - 1 if fetch is not None else 0)
@@ -6283,7 +6308,8 @@ class Replicator:
             self.state_failed(exc)
             return False
         finally:
-            for push, _ in pushing:  # a later page's push, when an earlier one was refused: not recorded
+            # a later page's push, when an earlier one was refused: not recorded
+            for push, _ in pushing:
                 push.join(REPLICATE_TIMEOUT)
                 if push.error is None and not push.is_alive():
                     self.end_work()
@@ -6291,14 +6317,16 @@ class Replicator:
             for target in targets:
                 target.close()
         if self.progress and not follow:
-            self.show_progress(name, copied[0], time.monotonic() - started, "\r", "\n")
+            self.show_progress(name, copied[0], time.monotonic() - started, "\r", end="\n")
         return True
 
     def push_in_flight(self, client, team, project, records, sessions, body, follow):
-        """push_page() of a page in a thread of its own; the work begun for it ends here when it fails,
-        else once its cursor is written (save_cursor)."""
+        """push_page() of a page in a thread of its own; the work begun for it ends here when it
+        fails, else once its cursor is written (save_cursor)."""
         try:
-            return self.push_page(client, team, project, records, sessions, body, follow) if records or sessions else 0
+            return (self.push_page(client, team, project, records, sessions=sessions, data=body,
+                                   follow=follow)
+                    if records or sessions else 0)
         except BaseException:
             self.end_work()
             raise
@@ -6310,7 +6338,8 @@ class Replicator:
             self.end_work()
 
     def show_progress(self, name, events, seconds, start="", end=""):
-        line = "%s: %d events, %d events/s" % (name, events, events / seconds if seconds > 0 else 0)
+        line = "%s: %d events, %d events/s" % (name, events,
+                                               events / seconds if seconds > 0 else 0)
         with self._lock:
             try:
                 self.out.write("%sreplicate: %-60s%s" % (start, line, end))
@@ -6329,19 +6358,25 @@ class Replicator:
 
     def push_page(self, client, team, project, records, sessions, data, follow):
         """Push a page's events in pushes within the limits; how many events were sent.
-        data: push_page_body(); a page that fits is pushed whole, else (or when refused) event by event."""
-        if data is not None and self.push(client, team, project, data, len(records) + len(sessions), follow)[0] == 200:
+        data: push_page_body(); a page that fits is pushed whole, else (or when refused) event by
+        event."""
+        if (data is not None
+                and self.push(client, team, project, data, events=len(records) + len(sessions),
+                              follow=follow)[0] == 200):
             return len(records) + len(sessions)
-        events = [("r", encode_json(e), e) for e in records] + [("s", encode_json(e), e) for e in sessions]
+        events = ([("r", encode_json(e), e) for e in records]
+                  + [("s", encode_json(e), e) for e in sessions])
         overhead = len(push_body(project, team, []))
-        for start, end in plan_pushes([(kind, data) for kind, data, _ in events], overhead=overhead):
-            self.push_events(client, team, project, events[start:end], follow)
+        for start, end in plan_pushes([(kind, data) for kind, data, _ in events],
+                                      overhead=overhead):
+            self.push_events(client, team, project, events[start:end], follow=follow)
         return len(events)
 
     def push_events(self, client, team, project, events, follow):
-        """Push events; a 400 or 413 halves them and tries again, down to one event the target refuses."""
+        """Push events; a 400 or 413 halves them and tries again, down to one event the target
+        refuses."""
         body = push_body(project, team, [(kind, data) for kind, data, _ in events])
-        status, doc = self.push(client, team, project, body, len(events), follow)
+        status, doc = self.push(client, team, project, body, events=len(events), follow=follow)
         if status == 200:
             return
         if len(events) == 1:
@@ -6349,8 +6384,8 @@ class Replicator:
             raise ReplicateRefused("the target refuses %s even alone: %d %s" % (
                 event_label(kind, event), status, excerpt(doc)))
         half = len(events) // 2
-        self.push_events(client, team, project, events[:half], follow)
-        self.push_events(client, team, project, events[half:], follow)
+        self.push_events(client, team, project, events[:half], follow=follow)
+        self.push_events(client, team, project, events[half:], follow=follow)
 
     def push(self, client, team, project, body, events, follow):
         """One push of body, which holds this many events: (status, document); 200, 400 or 413.
@@ -6395,7 +6430,8 @@ class Replicator:
             side.quota = quota
 
     def copy_memory(self, scopes, follow=False):
-        """Reconcile every scope (project None: the user scope); False when one could not be copied."""
+        """Reconcile every scope (project None: the user scope); False when one could not be
+        copied."""
         ok = True
         source, target = self.source.client(), self.target.client()
         try:
@@ -6439,25 +6475,29 @@ class Replicator:
             fields = {"project": project, "have": {i: h for i, h in base.items() if h is not None}}
             if known:
                 fields["knownEtag"] = known_etag
-            _, theirs = self.memory_call(self.source, source, "snapshot", fields, follow)
+            _, theirs = self.memory_call(self.source, source, "snapshot", fields, follow=follow)
             if theirs.get("unchanged") is True:
                 return  # the source did not change since the previous pass: nothing to do
             entries = theirs["_entries"]
             have = {i: h for i, h in base.items() if h is not None}
             have.update((i, h) for i, (h, _) in entries.items() if h is not None)
-            _, ours = self.memory_call(self.target, target, "snapshot", {"project": project, "have": have}, follow)
+            _, ours = self.memory_call(self.target, target, "snapshot",
+                                       {"project": project, "have": have}, follow=follow)
             current = ours["_entries"]
             changes, conflicts, counts = plan_memory(base, entries, current)
-            if not self.commit(target, project, ours.get("etag"), changes, current, follow):
+            if not self.commit(target, project, ours.get("etag"), changes, current=current,
+                               follow=follow):
                 continue  # 409: someone else committed on the target meanwhile; look again
             for note_id in conflicts:
-                self.say("memory %s: note %s changed on both sides; the target's version is kept" % (
-                    name, note_id), error=True)
+                self.say("memory %s: note %s changed on both sides; the target's version is kept"
+                         % (name, note_id), error=True)
             self.count(created=counts[CREATE], updated=counts[UPDATE], deleted=counts[DELETE],
                        conflicts=len(conflicts))
-            self.state.set_memory(name, theirs.get("etag"), {i: h for i, (h, _) in entries.items()})
+            self.state.set_memory(name, theirs.get("etag"),
+                                  {i: h for i, (h, _) in entries.items()})
             return
-        raise ReplicateRefused("the target's memory kept changing (%d tries)" % MEMORY_COMMIT_ATTEMPTS)
+        raise ReplicateRefused("the target's memory kept changing (%d tries)"
+                               % MEMORY_COMMIT_ATTEMPTS)
 
     def commit(self, client, project, etag, changes, current, follow):
         """Commit changes in chunks of the target's maxChanges; False on 409 revision_conflict."""
@@ -6474,21 +6514,24 @@ class Replicator:
                 raise ReplicateStopped()
             try:
                 status, doc = self.memory_call(self.target, client, "commit",
-                                               {"project": project, "etag": etag, "changes": chunk, "have": live},
-                                               follow, statuses=(200, 409, 413, 400))
+                                               {"project": project, "etag": etag,
+                                                "changes": chunk, "have": live},
+                                               follow=follow, statuses=(200, 409, 413, 400))
             finally:
                 self.end_work()
             if status == 409 and doc.get("code") == "revision_conflict":
                 return False
             if status != 200:
-                raise ReplicateRefused("the target refused a commit: %d %s" % (status, excerpt(doc)))
+                raise ReplicateRefused("the target refused a commit: %d %s"
+                                       % (status, excerpt(doc)))
             etag = doc.get("etag")
         return True
 
     # -- the runs --------------------------------------------------------------------
 
     def run(self):
-        """One pass over every feed and scope. Exit code: 0, or 1 when something could not be copied."""
+        """One pass over every feed and scope. Exit code: 0, or 1 when something could not be
+        copied."""
         try:
             memory = self.memory and self.memory_identities()
             feeds = self.feeds()
@@ -6511,8 +6554,8 @@ class Replicator:
         return 1 if self.failed else 0
 
     def follow(self):
-        """Copy, then keep the target current until stop(): a thread per feed long-polls the source; this
-        one lists projects and looks at memory every minute. Exit code as run()."""
+        """Copy, then keep the target current until stop(): a thread per feed long-polls the
+        source; this one lists projects and looks at memory every minute. Exit code as run()."""
         threads, scopes = {}, set([None])
         next_list = next_memory = 0.0
         try:
@@ -6522,14 +6565,16 @@ class Replicator:
                 if now >= next_list:
                     for feed in self.feeds(follow=True):
                         if feed not in threads and not self.stopping.is_set():
-                            threads[feed] = threading.Thread(target=self.follow_feed, args=feed, daemon=True,
-                                                             name="replicate %s" % feed_name(*feed))
+                            threads[feed] = threading.Thread(
+                                target=self.follow_feed, args=feed, daemon=True,
+                                name="replicate %s" % feed_name(*feed))
                             threads[feed].start()
                             self.count(feeds=1)
                             scopes.add(feed[1])
                     next_list = now + REPLICATE_RELIST_SECONDS
                 if memory and now >= next_memory:
-                    self.copy_memory([None] + sorted(s for s in scopes if s is not None), follow=True)
+                    self.copy_memory([None] + sorted(s for s in scopes if s is not None),
+                                     follow=True)
                     next_memory = now + REPLICATE_MEMORY_SECONDS
                 self.stopping.wait(max(0.0, min(next_list, next_memory if memory else next_list)
                                        - time.monotonic()))
@@ -6552,7 +6597,7 @@ class Replicator:
             with self._lock:
                 self.fatal = self.fatal or str(exc)
             self.stopping.set()
-        except Exception as exc:  # a bug: one line, never a traceback, and the run ends with exit 1
+        except Exception as exc:  # a bug: one line, never a traceback; the run ends with exit 1
             self.fail("%s: stopped by an unexpected error: %s: %s" % (feed_name(team, project),
                                                                      type(exc).__name__, exc))
             self.stopping.set()
@@ -6566,7 +6611,8 @@ def read_token_file(path, flag):
     except (OSError, ValueError) as exc:
         raise UsageError("cannot read %s %s: %s" % (flag, path, reason(exc))) from None
     if not _TOKEN_CHARACTERS.fullmatch(line or " "):
-        raise UsageError("%s %s does not hold a token (printable ASCII, no spaces, on its first line)" % (flag, path))
+        raise UsageError("%s %s does not hold a token (printable ASCII, no spaces, "
+                         "on its first line)" % (flag, path))
     return line
 
 
@@ -6581,25 +6627,37 @@ def token_principal(token):
 
 def replicate_command(argv):
     parser = ArgumentParser(prog="oharness_sync.py replicate",
-                            description="Copy a principal's session feeds and memory notes from one sync server "
-                                        "to another, once or (--follow) as a live mirror.")
-    parser.add_argument("--from", dest="source", required=True, metavar="URL", help="the server copied from")
-    parser.add_argument("--from-token-file", required=True, metavar="FILE", help="its token, on the first line")
-    parser.add_argument("--to", dest="target", required=True, metavar="URL", help="the server copied to")
-    parser.add_argument("--to-token-file", required=True, metavar="FILE", help="its token, on the first line")
-    parser.add_argument("--team", action="append", default=[], metavar="ID", help="copy this team's feeds too")
+                            description="Copy a principal's session feeds and memory notes from "
+                                        "one sync server to another, once or (--follow) as a live "
+                                        "mirror.")
+    parser.add_argument("--from", dest="source", required=True, metavar="URL",
+                        help="the server copied from")
+    parser.add_argument("--from-token-file", required=True, metavar="FILE",
+                        help="its token, on the first line")
+    parser.add_argument("--to", dest="target", required=True, metavar="URL",
+                        help="the server copied to")
+    parser.add_argument("--to-token-file", required=True, metavar="FILE",
+                        help="its token, on the first line")
+    parser.add_argument("--team", action="append", default=[], metavar="ID",
+                        help="copy this team's feeds too")
     parser.add_argument("--project", action="append", default=[], metavar="ID",
-                        help="copy only these projects (default: every project the source lists)")
+                        help="copy only these projects "
+                             "(default: every project the source lists)")
     parser.add_argument("--no-memory", action="store_true", help="copy session feeds only")
     parser.add_argument("--from-principal", metavar="ID",
-                        help="the --from token's principal, for memory (default: the sub of a JWT)")
+                        help="the --from token's principal, for memory "
+                             "(default: the sub of a JWT)")
     parser.add_argument("--to-principal", metavar="ID",
-                        help="the --to token's principal, for memory (default: the sub of a JWT)")
-    parser.add_argument("--follow", action="store_true", help="keep running, copying as events arrive")
+                        help="the --to token's principal, for memory "
+                             "(default: the sub of a JWT)")
+    parser.add_argument("--follow", action="store_true",
+                        help="keep running, copying as events arrive")
     parser.add_argument("--state", metavar="FILE", help="remember what was copied here, to resume")
-    parser.add_argument("--ca-file", metavar="FILE", help="trust the certificates in this file for https")
+    parser.add_argument("--ca-file", metavar="FILE",
+                        help="trust the certificates in this file for https")
     parser.add_argument("--allow-plain-http", action="store_true",
-                        help="allow http:// to a host that is not this machine (tokens cross the network in clear)")
+                        help="allow http:// to a host that is not this machine (tokens cross the "
+                             "network in clear)")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
     args = parser.parse_args(argv)
     ends = []
@@ -6612,8 +6670,10 @@ def replicate_command(argv):
     if ends[0] == ends[1]:
         raise UsageError("--from and --to name the same server")
     for flag, ids in (("--team", args.team), ("--project", args.project),
-                      ("--from-principal", [args.from_principal] if args.from_principal is not None else []),
-                      ("--to-principal", [args.to_principal] if args.to_principal is not None else [])):
+                      ("--from-principal",
+                       [args.from_principal] if args.from_principal is not None else []),
+                      ("--to-principal",
+                       [args.to_principal] if args.to_principal is not None else [])):
         for value in ids:
             if not is_valid_id(value):
                 raise UsageError("%s must be an id ([A-Za-z0-9_-], 1 to 128 characters)" % flag)
@@ -6628,18 +6688,23 @@ def replicate_command(argv):
     principals = [args.from_principal or token_principal(source_token),
                   args.to_principal or token_principal(target_token)]
     if not args.no_memory:
-        for flag, principal in (("--from-principal", principals[0]), ("--to-principal", principals[1])):
+        for flag, principal in (("--from-principal", principals[0]),
+                                ("--to-principal", principals[1])):
             if principal is None:
-                raise UsageError("memory needs the principal of the %s token, which is not a JWT: give %s ID, "
-                                 "or --no-memory" % (flag[:-len("-principal")], flag))
+                raise UsageError("memory needs the principal of the %s token, which is not a "
+                                 "JWT: give %s ID, or --no-memory"
+                                 % (flag[:-len("-principal")], flag))
     source_url, target_url = ("%s://%s:%d" % end for end in ends)
     state = ReplicationState(args.state, source_url, target_url)
-    replicator = Replicator(ReplicateSide("source", args.source.rstrip("/"), source_token, context, principals[0]),
-                            ReplicateSide("target", args.target.rstrip("/"), target_token, context, principals[1]),
-                            state, args.team, args.project, not args.no_memory, args.quiet, sys.stderr,
-                            progress=sys.stderr.isatty())
+    replicator = Replicator(ReplicateSide("source", args.source.rstrip("/"), source_token, context,
+                                          principal=principals[0]),
+                            ReplicateSide("target", args.target.rstrip("/"), target_token, context,
+                                          principal=principals[1]),
+                            state, args.team, projects=args.project, memory=not args.no_memory,
+                            quiet=args.quiet, out=sys.stderr, progress=sys.stderr.isatty())
     handlers = {}
-    if threading.current_thread() is threading.main_thread():  # (a test may run this in another thread)
+    # a test may run this in another thread
+    if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             handlers[signum] = signal.signal(signum, lambda *_: replicator.stopping.set())
     started = time.monotonic()
@@ -6655,7 +6720,8 @@ def replicate_command(argv):
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     if not args.quiet:
-        print("replicate: %s" % replicator.summary(time.monotonic() - started), file=sys.stdout, flush=True)
+        print("replicate: %s" % replicator.summary(time.monotonic() - started), file=sys.stdout,
+              flush=True)
     return code
 
 
