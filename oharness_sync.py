@@ -4715,8 +4715,8 @@ def run_until_signalled(server, ready):
 # =================================================================================================
 # Part II. The tools
 #
-# The sub-commands, each a client of Part I: first the protocol client that check, replicate and bench
-# talk to a server with; then token, fsck, note-hash, check, replicate and bench; main last.
+# The sub-commands, each a client of Part I: first the protocol client that check, replicate and
+# bench talk to a server with; then token, fsck, note-hash, check, replicate and bench; main last.
 # =================================================================================================
 
 
@@ -4743,12 +4743,13 @@ class ConnectFailed(Exception):
 def connect_failure(url, exc):
     """The cause, in words, of a failed connection (or TLS handshake) to url."""
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return ("the certificate of %s is not trusted: %s (for a self-signed certificate, give it with "
-                "--ca-file)" % (url, exc.verify_message or reason(exc)))
+        return ("the certificate of %s is not trusted: %s (for a self-signed certificate, "
+                "give it with --ca-file)" % (url, exc.verify_message or reason(exc)))
     if isinstance(exc, ssl.SSLError):
         return "the TLS handshake with %s failed: %s" % (url, exc.reason or reason(exc))
     if isinstance(exc, ConnectionRefusedError):
-        return "cannot connect to %s: connection refused (is the server running, on that port?)" % url
+        return ("cannot connect to %s: connection refused (is the server running, on that port?)"
+                % url)
     if isinstance(exc, socket.gaierror):
         return "cannot connect to %s: the host name does not resolve (%s)" % (url, reason(exc))
     if isinstance(exc, socket.timeout):  # with https, the TCP connection or the TLS handshake
@@ -4764,16 +4765,18 @@ def excerpt(value, limit=200):
 
 
 def parse_base_url(url, flag="--url"):
-    """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else UsageError
-    naming flag."""
+    """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else
+    UsageError naming flag."""
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
     except ValueError:
         parts = None
     if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0
-            or parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc):
-        raise UsageError("%s must be http(s)://host[:port], with no path, query or credentials" % flag)
+            or parts.path not in ("", "/") or parts.query or parts.fragment
+            or "@" in parts.netloc):
+        raise UsageError("%s must be http(s)://host[:port], with no path, query or credentials"
+                         % flag)
     https = parts.scheme == "https"
     return https, parts.hostname, port if port is not None else (443 if https else 80)
 
@@ -4783,25 +4786,27 @@ class SyncClient:
     and the protocol's requests (push, pull, projects, memory). Each returns (status, headers,
     document) whatever the status; the functions after this class check a 200's document.
 
-    exchange() sends one request on a connection of its own, or with keep_alive on the connection the
-    previous keep_alive request left open; when that one turns out closed by the server (an idle
-    keep-alive), the request is sent once more on a new connection. Every request of the protocol may
-    be sent twice (pushes deduplicate, a commit carries its etag), so that is safe.
+    exchange() sends one request on a connection of its own, or with keep_alive on the connection
+    the previous keep_alive request left open; when that one turns out closed by the server (an
+    idle keep-alive), the request is sent once more on a new connection. Every request of the
+    protocol may be sent twice (pushes deduplicate, a commit carries its etag), so that is safe.
     """
 
     def __init__(self, url, token=None, context=None, timeout=CHECK_TIMEOUT, flag="--url"):
         self.url = url
         self.https, self.host, self.port = parse_base_url(url, flag)
         self.token = token
-        self.context = context  # an ssl.SSLContext for https (None: the system's trusted certificates)
+        # an ssl.SSLContext for https (None: the system's trusted certificates)
+        self.context = context
         self.timeout = timeout
         self._kept = None
 
     def connect(self, timeout):
         """A new connection, made (for https, its TLS handshake done); else ConnectFailed."""
         if self.https:
+            context = self.context or ssl.create_default_context()
             conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                               context=self.context or ssl.create_default_context())
+                                               context=context)
         else:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
@@ -4855,7 +4860,7 @@ class SyncClient:
         if not keep_alive:
             conn = self.connect(timeout)
             try:
-                return self.send(conn, method, path, data, token)
+                return self.send(conn, method, path, data, token=token)
             finally:
                 conn.close()
         reused = self._kept is not None
@@ -4865,10 +4870,11 @@ class SyncClient:
             elif self._kept.sock is not None:
                 self._kept.sock.settimeout(timeout)
             try:
-                return self.send(self._kept, method, path, data, token)
+                return self.send(self._kept, method, path, data, token=token)
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
-                if attempt == 2 or not reused or not isinstance(exc, (ConnectionError, http.client.BadStatusLine)):
+                if (attempt == 2 or not reused
+                        or not isinstance(exc, (ConnectionError, http.client.BadStatusLine))):
                     raise
         raise AssertionError("not reached")
 
@@ -4971,7 +4977,8 @@ def memory_entries(document):
 # -------------------------------------------------------------------------------------------------
 
 def token_command(argv):
-    parser = ArgumentParser(prog="oharness_sync.py token", description="Manage local bearer tokens.")
+    parser = ArgumentParser(prog="oharness_sync.py token",
+                            description="Manage local bearer tokens.")
     commands = parser.add_subparsers(dest="action", required=True)
     issue = commands.add_parser("issue", help="issue a token and print it on stdout")
     issue.add_argument("--data", required=True, metavar="DIR")
@@ -4999,7 +5006,8 @@ def token_command(argv):
         if args.action == "list":
             return list_tokens(tokens)
         if not tokens.revoke(token_id, hashed):
-            print("no token with id %s%s" % (token_id, "" if hashed is None else " matches this token"),
+            print("no token with id %s%s"
+                  % (token_id, "" if hashed is None else " matches this token"),
                   file=sys.stderr)
             return 1
         print("revoked token %s" % token_id, file=sys.stderr)
@@ -5007,22 +5015,26 @@ def token_command(argv):
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
-        raise UsageError("cannot change the token file %s: %s" % (tokens.path, reason(exc))) from None
+        raise UsageError("cannot change the token file %s: %s"
+                         % (tokens.path, reason(exc))) from None
 
 
 def revoked_token(given):
-    """(token id, hash or None) of what `token revoke` was given: a token id, or a whole local token (then
-    its hash must match too); UsageError, without echoing it (it may be a token), for anything else."""
+    """(token id, hash or None) of what `token revoke` was given: a token id, or a whole local
+    token (then its hash must match too); UsageError, without echoing it (it may be a token), for
+    anything else."""
     token_id = split_local_token(given)
     if token_id is not None:
         return token_id, token_hash(given)
     if _TOKEN_ID.fullmatch(given) is None:
-        raise UsageError("give the token id, e.g. 3f9c2a17b0de (the ID column of `token list`), or the whole token")
+        raise UsageError("give the token id, e.g. 3f9c2a17b0de (the ID column of `token list`), "
+                         "or the whole token")
     return given, None
 
 
 def check_issue_flags(args):
-    """UsageError for a `token issue` whose flags are unusable: checked before the data dir is made."""
+    """UsageError for a `token issue` whose flags are unusable: checked before the data dir is
+    made."""
     for value in [args.principal] + args.team:
         if not is_valid_id(value):
             raise UsageError("%r is not a valid id ([A-Za-z0-9_-], 1 to 128 characters)" % value)
@@ -5033,7 +5045,8 @@ def check_issue_flags(args):
 def issue_token(tokens, args):
     token, record = tokens.issue(args.principal, args.team, args.name, args.expires_days)
     print(token, flush=True)
-    print("issued token %s for principal %s" % (record["id"], record["principal"]), file=sys.stderr)
+    print("issued token %s for principal %s" % (record["id"], record["principal"]),
+          file=sys.stderr)
     return 0
 
 
@@ -5047,7 +5060,8 @@ def list_tokens(tokens):
     rows = [("ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED (UTC)", "EXPIRES (UTC)")]
     for record in tokens.read():
         rows.append((record["id"], record["principal"], ",".join(record["teams"]) or "-",
-                     record.get("name") or "-", format_ms(record.get("created")), format_ms(record.get("expires"))))
+                     record.get("name") or "-", format_ms(record.get("created")),
+                     format_ms(record.get("expires"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
@@ -5062,13 +5076,13 @@ class DataDirCheck:
     """Reads a whole data dir and lists what is wrong with it; read-only unless asked to repair.
 
     Problems are damage: a bad line, a gap in event numbers, a record stored twice, a manifest or
-    token file that does not parse, a note whose object is missing or does not hash right. Notes are
-    harmless findings (unreferenced revision objects, left by a crash or a replaced note). Repair only
-    cuts a torn last line off a feed and removes unreferenced objects; it never drops data from the
-    middle of a feed.
+    token file that does not parse, a note whose object is missing or does not hash right. Notes
+    are harmless findings (unreferenced revision objects, left by a crash or a replaced note).
+    Repair only cuts a torn last line off a feed and removes unreferenced objects; it never drops
+    data from the middle of a feed.
 
-    progress, if given, is called as progress(feeds done, feeds in all, bytes done, bytes in all) as the
-    feeds are read: at each feed and every few thousand lines.
+    progress, if given, is called as progress(feeds done, feeds in all, bytes done, bytes in all)
+    as the feeds are read: at each feed and every few thousand lines.
     """
 
     PROGRESS_LINES = 8192  # feed lines between two calls of progress
@@ -5081,8 +5095,10 @@ class DataDirCheck:
         self.problems = []
         self.notes = []
         self.repaired = []
-        self.repairable = False  # something --repair would fix was found (and left, without --repair)
-        self.cuts = []  # (path, line number, byte offset, lines from there on) of a feed the server refuses
+        # something --repair would fix was found (and left, without --repair)
+        self.repairable = False
+        # (path, line number, byte offset, lines from there on) of a feed the server refuses
+        self.cuts = []
         self.counts = {"feeds": 0, "events": 0, "scopes": 0, "notes": 0, "tokens": 0}
         self.feeds_total = self.bytes_total = self.bytes_done = 0
 
@@ -5110,7 +5126,8 @@ class DataDirCheck:
 
     def _report_progress(self, feed_bytes):
         if self.progress is not None:
-            self.progress(self.counts["feeds"], self.feeds_total, self.bytes_done + feed_bytes, self.bytes_total)
+            self.progress(self.counts["feeds"], self.feeds_total, self.bytes_done + feed_bytes,
+                          self.bytes_total)
 
     def check_feed(self, path):
         keys, cut, line_number = set(), None, 0
@@ -5127,7 +5144,8 @@ class DataDirCheck:
                     continue
                 if key is not None:
                     if key in keys:
-                        self.problems.append("%s:%d: a record (session, id) stored a second time" % (path, line_number))
+                        self.problems.append("%s:%d: a record (session, id) stored a second time"
+                                             % (path, line_number))
                     keys.add(key)
                 self.counts["events"] += 1
         self.counts["feeds"] += 1
@@ -5137,11 +5155,13 @@ class DataDirCheck:
     def _torn_tail(self, path, line_number, offset, problem):
         if self.repair:
             cut_feed(path, offset)
-            self.repaired.append("%s:%d: cut a torn or damaged last line (%s)" % (path, line_number, problem))
+            self.repaired.append("%s:%d: cut a torn or damaged last line (%s)"
+                                 % (path, line_number, problem))
         else:
             self.repairable = True
-            self.problems.append("%s:%d: torn or damaged last line (%s); --repair cuts it, and a running "
-                                 "server cuts it at its next start" % (path, line_number, problem))
+            self.problems.append("%s:%d: torn or damaged last line (%s); --repair cuts it, and a "
+                                 "running server cuts it at its next start"
+                                 % (path, line_number, problem))
 
     # -- memory ----------------------------------------------------------------
 
@@ -5168,27 +5188,31 @@ class DataDirCheck:
                 continue
             self.counts["notes"] += 1
             referenced.add(entry["rev"] + ".json")
-            self.check_object(manifest_path, note_id, entry, files.object_path(entry["rev"]))
+            self.check_object(manifest_path, note_id, entry,
+                              files.object_path(entry["rev"]))
         try:
             names = sorted(os.listdir(objects))
         except FileNotFoundError:
             names = []
-        unreferenced = [name for name in names if name not in referenced and _OBJECT_NAME.fullmatch(name)]
+        unreferenced = [name for name in names
+                        if name not in referenced and _OBJECT_NAME.fullmatch(name)]
         if unreferenced and self.repair:
             for name in unreferenced:
                 os.unlink(os.path.join(objects, name))
-            self.repaired.append("%s: removed %d unreferenced revision objects" % (objects, len(unreferenced)))
+            self.repaired.append("%s: removed %d unreferenced revision objects"
+                                 % (objects, len(unreferenced)))
         elif unreferenced:
             self.repairable = True
-            self.notes.append("%s: %d unreferenced revision objects (harmless; --repair removes them)" % (
-                objects, len(unreferenced)))
+            self.notes.append("%s: %d unreferenced revision objects (harmless; "
+                              "--repair removes them)" % (objects, len(unreferenced)))
 
     def check_object(self, manifest_path, note_id, entry, path):
         try:
             with open(path, "rb") as f:
                 data = f.read()
         except OSError:
-            self.problems.append("%s: note %s: its object %s is missing" % (manifest_path, note_id, path))
+            self.problems.append("%s: note %s: its object %s is missing"
+                                 % (manifest_path, note_id, path))
             return
         try:
             note = decode_json(data)
@@ -5196,8 +5220,8 @@ class DataDirCheck:
         except (ValueError, KeyError, TypeError):
             intact = False
         if not intact:
-            self.problems.append("%s: note %s: its object %s does not hash to the manifest's hash" % (
-                manifest_path, note_id, path))
+            self.problems.append("%s: note %s: its object %s does not hash to the manifest's hash"
+                                 % (manifest_path, note_id, path))
 
     # -- tokens ----------------------------------------------------------------
 
@@ -5210,16 +5234,20 @@ class DataDirCheck:
 
     def summary(self):
         counts = self.counts
-        return ("fsck %s: %d feeds with %d events, %d memory scopes with %d live notes, %d tokens: %d problems%s"
-                % (self.data_dir, counts["feeds"], counts["events"], counts["scopes"], counts["notes"],
-                   counts["tokens"], len(self.problems), ", %d repaired" % len(self.repaired) if self.repaired else ""))
+        return ("fsck %s: %d feeds with %d events, %d memory scopes with %d live notes, "
+                "%d tokens: %d problems%s"
+                % (self.data_dir, counts["feeds"], counts["events"], counts["scopes"],
+                   counts["notes"], counts["tokens"], len(self.problems),
+                   ", %d repaired" % len(self.repaired) if self.repaired else ""))
 
 
 def fsck_command(argv):
-    parser = ArgumentParser(prog="oharness_sync.py fsck", description="Check a data dir for damage.")
+    parser = ArgumentParser(prog="oharness_sync.py fsck",
+                            description="Check a data dir for damage.")
     parser.add_argument("--data", required=True, metavar="DIR")
     parser.add_argument("--repair", action="store_true",
-                        help="cut torn last lines and remove unreferenced memory objects (server stopped)")
+                        help="cut torn last lines and remove unreferenced memory objects "
+                             "(server stopped)")
     args = parser.parse_args(argv)
     data_dir = os.path.abspath(args.data)
     if not os.path.isdir(data_dir):
@@ -5230,9 +5258,10 @@ def fsck_command(argv):
         try:
             lock.acquire()
         except UsageError:
-            raise UsageError("stop the server using %s before --repair (a check without it is safe while "
-                             "it runs)" % data_dir) from None
-    progress = FsckProgress(sys.stderr) if sys.stderr.isatty() else None  # no progress in a log or a pipe
+            raise UsageError("stop the server using %s before --repair (a check without it is "
+                             "safe while it runs)" % data_dir) from None
+    # no progress in a log or a pipe
+    progress = FsckProgress(sys.stderr) if sys.stderr.isatty() else None
     try:
         check = DataDirCheck(data_dir, repair=args.repair, progress=progress)
         check.run()
@@ -5254,17 +5283,20 @@ def fsck_command(argv):
 
 
 def fsck_remedies(check):
-    """The exact commands that mend what check found, each on a line of its own: fsck --repair, and a cut
-    of each feed the server refuses at its first damaged line (which nothing does by itself)."""
+    """The exact commands that mend what check found, each on a line of its own: fsck --repair,
+    and a cut of each feed the server refuses at its first damaged line (which nothing does by
+    itself)."""
     lines = []
     if check.repairable:
-        command = [sys.executable or "python3", os.path.abspath(__file__), "fsck", "--data", check.data_dir,
-                   "--repair"]
-        lines.append("to repair, with the server stopped: %s" % " ".join(shlex.quote(word) for word in command))
+        command = [sys.executable or "python3", os.path.abspath(__file__), "fsck", "--data",
+                   check.data_dir, "--repair"]
+        lines.append("to repair, with the server stopped: %s"
+                     % " ".join(shlex.quote(word) for word in command))
     for path, line_number, offset, lines_lost in check.cuts:
-        lines.append("to cut %s at line %d, losing %s from there on (the server refuses the feed until then; "
-                     "stop it and keep a copy of the file first): truncate -s %d %s"
-                     % (path, line_number, "its %d lines" % lines_lost if lines_lost > 1 else "that line", offset,
+        lines.append("to cut %s at line %d, losing %s from there on (the server refuses the feed "
+                     "until then; stop it and keep a copy of the file first): truncate -s %d %s"
+                     % (path, line_number,
+                        "its %d lines" % lines_lost if lines_lost > 1 else "that line", offset,
                         shlex.quote(path)))
     return lines
 
@@ -5278,8 +5310,8 @@ def format_bytes(count):
 
 
 class FsckProgress:
-    """fsck's progress on a terminal: one line on stderr, rewritten in place a few times a second, and
-    left standing at the end with the time taken."""
+    """fsck's progress on a terminal: one line on stderr, rewritten in place a few times a second,
+    and left standing at the end with the time taken."""
 
     INTERVAL = 0.25  # seconds between two rewrites
 
@@ -5309,7 +5341,8 @@ class FsckProgress:
         self.width = len(text)
 
     def finish(self):
-        """Leave the last state on its own line, with the time taken (memory and tokens included)."""
+        """Leave the last state on its own line, with the time taken (memory and tokens
+        included)."""
         if self.last is not None:
             self.show("\n")
 
@@ -5320,9 +5353,11 @@ class FsckProgress:
 
 def note_hash_command(argv):
     parser = ArgumentParser(prog="oharness_sync.py note-hash",
-                            description="Print the hash a memory commit needs for a note: the lowercase hex "
-                                        "SHA-256 of JSON.stringify([id, summary, body, tags, createdAt(, type)]).")
-    parser.add_argument("file", metavar="FILE", help="the note as a JSON object; - reads standard input")
+                            description="Print the hash a memory commit needs for a note: the "
+                                        "lowercase hex SHA-256 of JSON.stringify([id, summary, "
+                                        "body, tags, createdAt(, type)]).")
+    parser.add_argument("file", metavar="FILE",
+                        help="the note as a JSON object; - reads standard input")
     args = parser.parse_args(argv)
     name = "standard input" if args.file == "-" else args.file
     try:
@@ -5338,7 +5373,8 @@ def note_hash_command(argv):
     except InvalidNote as exc:
         raise UsageError("%s is not a valid note: %s" % (name, exc)) from None
     except ValueError as exc:  # decode_json's reasons speak of a "body"
-        raise UsageError("%s is not a JSON note: %s" % (name, str(exc).replace("body ", "it ", 1))) from None
+        raise UsageError("%s is not a JSON note: %s"
+                         % (name, str(exc).replace("body ", "it ", 1))) from None
     print(note_hash(note))
     return 0
 
@@ -5347,13 +5383,14 @@ def note_hash_command(argv):
 # check: does a server speak protocol v1?
 # -------------------------------------------------------------------------------------------------
 
-CHECK_PROJECTS = ("smoke", "paging", "poll", "bodies", "listed", "unpushed", "shared", "mine", "team",
-                  "noteam", "memory")
+CHECK_PROJECTS = ("smoke", "paging", "poll", "bodies", "listed", "unpushed", "shared", "mine",
+                  "team", "noteam", "memory")
 
 # Bodies that must come back equal as JSON values. Every number is exact as a
 # double, so a server written in JavaScript passes too.
 CHECK_BODIES = [
-    {"text": "h\u00e9llo w\u00f6rld \u2713 \u65e5\u672c\u8a9e", "emoji": "\U0001f600\U0001f44d\U0001f3fd",
+    {"text": "h\u00e9llo w\u00f6rld \u2713 \u65e5\u672c\u8a9e",
+     "emoji": "\U0001f600\U0001f44d\U0001f3fd",
      "separators": "\u2028\u2029", "controls": "\x00\x1f\x7f \\ \" /"},
     [9007199254740991, -9007199254740991, 1e300, 5e-324, 0.1, -2.5, 0],
     {"deep": [[[[{"a": [None, True, False, {}, []]}]]]]},
@@ -5364,8 +5401,9 @@ CHECK_LONE_SURROGATES = "\ud800 lone high, \udfff lone low"
 
 # The note memory-commit creates: non-ASCII text, a type, and updatedAt (which is not hashed).
 CHECK_NOTE = {"id": "ohs-check-note", "summary": "Written by oharness_sync.py check",
-              "body": "A test note, safe to delete. \u00c9t\u00e9 \u2713 \U0001f600", "tags": ["ohs-check"],
-              "type": "reference", "createdAt": 1789344000000, "updatedAt": 1789345000000}
+              "body": "A test note, safe to delete. \u00c9t\u00e9 \u2713 \U0001f600",
+              "tags": ["ohs-check"], "type": "reference", "createdAt": 1789344000000,
+              "updatedAt": 1789345000000}
 
 
 class CheckFailed(Exception):
@@ -5373,13 +5411,14 @@ class CheckFailed(Exception):
 
 
 class CheckStopped(Exception):
-    """Every further request would fail the same way (no connection, an untrusted certificate, the token
-    refused): the message is the cause, said once, and no further check runs."""
+    """Every further request would fail the same way (no connection, an untrusted certificate,
+    the token refused): the message is the cause, said once, and no further check runs."""
 
 
 def check_record(record_id, body="unchanged"):
     """A well-formed record for the checks' pushes."""
-    return {"session": "s1", "id": record_id, "seq": 1, "device": "ohs-check", "at": 1, "body": body}
+    return {"session": "s1", "id": record_id, "seq": 1, "device": "ohs-check", "at": 1,
+            "body": body}
 
 
 class ConformanceCheck:
@@ -5391,8 +5430,8 @@ class ConformanceCheck:
     anything is written.
     """
 
-    def __init__(self, url, token, other_token=None, team=None, principal=None, out=None, ca_file=None,
-                 err=None):
+    def __init__(self, url, token, other_token=None, team=None, principal=None, out=None,
+                 ca_file=None, err=None):
         self.url = url
         self.client = SyncClient(url, token)
         if ca_file is not None and not self.client.https:
@@ -5419,7 +5458,8 @@ class ConformanceCheck:
                   ("smoke-test", self.check_smoke_test), ("paging", self.check_paging),
                   ("long-poll-wakes", self.check_long_poll_wakes),
                   ("long-poll-timeout", self.check_long_poll_timeout),
-                  ("body-round-trip", self.check_body_round_trip), ("projects", self.check_projects)]
+                  ("body-round-trip", self.check_body_round_trip),
+                  ("projects", self.check_projects)]
         if self.other_token:
             checks.append(("isolation", self.check_isolation))
         if self.team:
@@ -5434,8 +5474,8 @@ class ConformanceCheck:
         return checks
 
     def notice(self):
-        """The one line that says what test data this leaves behind, and where: the projects it pushes to
-        (those it only pulls from, or pushes to and is refused, are never created)."""
+        """The one line that says what test data this leaves behind, and where: the projects it
+        pushes to (those it only pulls from, or pushes to and is refused, are never created)."""
         names = ["smoke", "paging", "poll", "bodies", "listed"]
         if self.other_token:
             names += ["shared", "mine"]
@@ -5447,7 +5487,8 @@ class ConformanceCheck:
         if self.team:
             where += " (%s also in team %s)" % (self.project["team"], self.team)
         if self.principal:
-            where += "; memory project %s of principal %s" % (self.project["memory"], self.principal)
+            where += ("; memory project %s of principal %s"
+                      % (self.project["memory"], self.principal))
         return "check: writing test data to %s: %s" % (self.url, where)
 
     def run(self):
@@ -5457,14 +5498,16 @@ class ConformanceCheck:
             try:
                 check()
             except CheckStopped as exc:
-                print("check stopped: %s" % self.redacted(str(exc)), file=self.out, flush=True)
+                print("check stopped: %s" % self.redacted(str(exc)), file=self.out,
+                      flush=True)
                 return False
             except (CheckFailed, BadResponse) as exc:
                 reason = str(exc)
             except (OSError, http.client.HTTPException) as exc:
                 reason = "network error: %s" % (str(exc) or type(exc).__name__)
-            except Exception as exc:  # an answer of an unexpected shape, from a server we do not know
-                reason = "unexpected answer (%s: %s)" % (type(exc).__name__, exc)
+            except Exception as exc:
+                # a response of an unexpected shape, from a server we do not know
+                reason = "unexpected response (%s: %s)" % (type(exc).__name__, exc)
             else:
                 print("PASS %s" % name, file=self.out, flush=True)
                 continue
@@ -5493,7 +5536,7 @@ class ConformanceCheck:
                 raise
             # No HTTP response yet: likely not an HTTP server (or TLS where http:// was given).
             hint = "" if self.client.https else ": if it serves HTTPS, give an https:// URL"
-            raise CheckStopped("no HTTP answer from %s to a first request (%s)%s"
+            raise CheckStopped("no HTTP response from %s to a first request (%s)%s"
                                % (self.url, str(exc) or type(exc).__name__, hint)) from None
         if not self.responded:  # the checks write from now on: say where, once
             self.responded = True
@@ -5565,9 +5608,12 @@ class ConformanceCheck:
             raise CheckFailed("GET /v1/health answered %s, expected {\"ok\": true}" % excerpt(doc))
 
     def check_auth_required(self):
-        """Every data route is 401 with WWW-Authenticate: Bearer, without a token or with a made-up one."""
-        project = self.project["smoke"]  # the smoke test then shows that these pushes stored nothing
-        routes = [("GET", "/v1/projects", None), ("GET", "/v1/pull?project=%s&since=0" % project, None),
+        """Every data route is 401 with WWW-Authenticate: Bearer, without a token or with a
+        made-up one."""
+        # the smoke test then shows that these pushes stored nothing
+        project = self.project["smoke"]
+        routes = [("GET", "/v1/projects", None),
+                  ("GET", "/v1/pull?project=%s&since=0" % project, None),
                   ("POST", "/v1/push", {"project": project, "records": [check_record("r1")]})]
         made_up = "ohs-check-" + secrets.token_hex(16)
         for method, path, body in routes:
@@ -5575,33 +5621,38 @@ class ConformanceCheck:
                 status, headers, doc = self.response(
                     lambda: self.client.call(method, path, body, token))
                 if status != 401:
-                    raise CheckFailed("%s %s %s answered %d, expected 401" % (method, path, what, status))
+                    raise CheckFailed("%s %s %s answered %d, expected 401"
+                                      % (method, path, what, status))
                 if not headers.get("www-authenticate", "").lower().startswith("bearer"):
-                    raise CheckFailed("the 401 to %s %s has no WWW-Authenticate: Bearer" % (method, path))
+                    raise CheckFailed("the 401 to %s %s has no WWW-Authenticate: Bearer"
+                                      % (method, path))
                 if not (isinstance(doc, dict) and isinstance(doc.get("error"), str)):
-                    raise CheckFailed("the 401 to %s %s is %s, not {\"error\": text}" % (method, path, excerpt(doc)))
+                    raise CheckFailed("the 401 to %s %s is %s, not {\"error\": text}"
+                                      % (method, path, excerpt(doc)))
 
     def check_smoke_test(self):
-        """The seed's smoke test: push, push again (accepted 0), pull, then pull from the cursor (empty)."""
+        """The seed's smoke test: push, push again (accepted 0), pull, then pull from the cursor
+        (empty)."""
         project, pushed = self.project["smoke"], check_record("r1", {"value": "unchanged"})
         first = self.push(project, [pushed])
         if first["accepted"] != 1:
             raise CheckFailed("the first push answered %s, expected accepted 1" % excerpt(first))
         again = self.push(project, [pushed])
         if again != {"cursor": first["cursor"], "accepted": 0}:
-            raise CheckFailed("pushing the same record again answered %s, expected accepted 0 and cursor %d"
-                              % (excerpt(again), first["cursor"]))
+            raise CheckFailed("pushing the same record again answered %s, expected accepted 0 and "
+                              "cursor %d" % (excerpt(again), first["cursor"]))
         page = self.pull(project, 0, limit=500)
         if page != {"cursor": first["cursor"], "records": [pushed], "sessions": [], "more": False}:
             raise CheckFailed("pull from 0 answered %s, expected the one record and cursor %d"
                               % (excerpt(page), first["cursor"]))
         after = self.pull(project, first["cursor"])
         if after != {"cursor": first["cursor"], "records": [], "sessions": [], "more": False}:
-            raise CheckFailed("pull from cursor %d answered %s, expected nothing and the same cursor"
-                              % (first["cursor"], excerpt(after)))
+            raise CheckFailed("pull from cursor %d answered %s, expected nothing and the same "
+                              "cursor" % (first["cursor"], excerpt(after)))
 
     def check_paging(self):
-        """Five records pulled two at a time: the cursor advances, more is true until the last page."""
+        """Five records pulled two at a time: the cursor advances, more is true until the last
+        page."""
         project, ids = self.project["paging"], ["r%d" % i for i in range(5)]
         end = self.push(project, [check_record(record_id) for record_id in ids])["cursor"]
         seen, since = [], 0
@@ -5609,15 +5660,18 @@ class ConformanceCheck:
             page = self.pull(project, since, limit=2)
             events = len(page["records"]) + len(page["sessions"])
             if not 0 < events <= 2 or page["cursor"] <= since:
-                raise CheckFailed("pull with since=%d and limit=2 answered %s" % (since, excerpt(page)))
+                raise CheckFailed("pull with since=%d and limit=2 answered %s"
+                                  % (since, excerpt(page)))
             seen += [record.get("id") for record in page["records"]]
             since = page["cursor"]
             if page["more"] != (len(seen) < len(ids)):
-                raise CheckFailed("more was %s after %d of %d records" % (page["more"], len(seen), len(ids)))
+                raise CheckFailed("more was %s after %d of %d records"
+                                  % (page["more"], len(seen), len(ids)))
             if not page["more"]:
                 break
         if seen != ids or since != end:
-            raise CheckFailed("the pages gave %s up to cursor %d, expected %s up to %d" % (seen, since, ids, end))
+            raise CheckFailed("the pages gave %s up to cursor %d, expected %s up to %d"
+                              % (seen, since, ids, end))
 
     def check_long_poll_wakes(self):
         """A pull parked with wait=10 answers with the record as soon as it is pushed."""
@@ -5636,7 +5690,8 @@ class ConformanceCheck:
         if "error" in result:
             raise result["error"]
         if not thread.is_alive():
-            raise CheckFailed("a pull with wait=10 on an empty feed did not wait: %s" % excerpt(result.get("page")))
+            raise CheckFailed("a pull with wait=10 on an empty feed did not wait: %s"
+                              % excerpt(result.get("page")))
         pushed_at = time.monotonic()
         self.push(project, [check_record("wake")])
         thread.join(CHECK_TIMEOUT + 10)
@@ -5647,8 +5702,8 @@ class ConformanceCheck:
         ids = [record.get("id") for record in result["page"]["records"]]
         delay = result["at"] - pushed_at
         if ids != ["wake"] or delay > 3:
-            raise CheckFailed("the parked pull answered %.1f s after a push with records %s, expected [\"wake\"] "
-                              "at once" % (delay, ids))
+            raise CheckFailed("the parked pull answered %.1f s after a push with records %s, "
+                              "expected [\"wake\"] at once" % (delay, ids))
 
     def check_long_poll_timeout(self):
         """A pull with wait=1 and nothing new answers 200, empty, after about a second."""
@@ -5660,16 +5715,19 @@ class ConformanceCheck:
         if page != {"cursor": end, "records": [], "sessions": [], "more": False}:
             raise CheckFailed("pull with wait=1 from the end answered %s" % excerpt(page))
         if not 0.9 <= elapsed <= 5:
-            raise CheckFailed("pull with wait=1 answered after %.2f s, expected about 1 s" % elapsed)
+            raise CheckFailed("pull with wait=1 answered after %.2f s, expected about 1 s"
+                              % elapsed)
 
     def check_body_round_trip(self):
-        """Bodies come back equal as JSON values; a lone surrogate stays an escape (valid UTF-8)."""
+        """Bodies come back equal as JSON values; a lone surrogate stays an escape (valid
+        UTF-8)."""
         project = self.project["bodies"]
         records = [check_record("r%d" % i, body) for i, body in enumerate(CHECK_BODIES)]
         sessions = [{"id": "s1", "gen": 0, "updatedAt": 1, "body": {"meta": CHECK_BODIES[0]}}]
         self.push(project, records, sessions)
         records.append(check_record("lone", CHECK_LONE_SURROGATES))
-        self.push(project, records[-1:])  # a push of its own: encode_json writes it all as ASCII escapes
+        # a push of its own: encode_json writes it all as ASCII escapes
+        self.push(project, records[-1:])
         page = self.pull(project, 0)
         if page["records"] != records or page["sessions"] != sessions:
             for pushed, pulled in zip(records + sessions, page["records"] + page["sessions"]):
@@ -5691,30 +5749,35 @@ class ConformanceCheck:
     def check_isolation(self):
         """Two principals, one project id: each sees only its own records and project list."""
         shared, mine = self.project["shared"], self.project["mine"]
-        first, second = check_record("r1", "first principal"), check_record("r1", "second principal")
+        first, second = (check_record("r1", "first principal"),
+                         check_record("r1", "second principal"))
         self.push(shared, [first])
         self.push(mine, [first])
         theirs = self.push(shared, [second], token=self.other_token)
         if theirs["accepted"] != 1:
-            raise CheckFailed("the other token's push to the same project id answered %s, expected accepted 1 "
-                              "(are both tokens for one principal?)" % excerpt(theirs))
+            raise CheckFailed("the other token's push to the same project id answered %s, "
+                              "expected accepted 1 (are both tokens for one principal?)"
+                              % excerpt(theirs))
         for token, expected in ((None, first), (self.other_token, second)):
             records = self.pull(shared, 0, token=token)["records"]
             if records != [expected]:
                 raise CheckFailed("%s token pulled %s, expected only %s"
-                                  % ("the" if token is None else "the other", excerpt(records), excerpt([expected])))
+                                  % ("the" if token is None else "the other", excerpt(records),
+                                     excerpt([expected])))
         projects = self.list_projects(token=self.other_token)
         if mine in projects or shared not in projects:
-            raise CheckFailed("the other token's /v1/projects answered %s: expected %s in it and %s not"
-                              % (excerpt(projects), shared, mine))
+            raise CheckFailed("the other token's /v1/projects answered %s: expected %s in it and "
+                              "%s not" % (excerpt(projects), shared, mine))
 
     def check_team_feed(self):
         """The team's feed and the personal feed are separate."""
-        project, personal, team = self.project["team"], check_record("personal"), check_record("team")
+        project, personal, team = (self.project["team"], check_record("personal"),
+                                   check_record("team"))
         self.push(project, [personal])
         self.push(project, [team], team=self.team)
-        for where, records, expected in (("personal", self.pull(project, 0)["records"], personal),
-                                         ("team", self.pull(project, 0, team=self.team)["records"], team)):
+        feeds = (("personal", self.pull(project, 0)["records"], personal),
+                 ("team", self.pull(project, 0, team=self.team)["records"], team))
+        for where, records, expected in feeds:
             if records != [expected]:
                 raise CheckFailed("the %s feed holds %s, expected only %s"
                                   % (where, excerpt(records), excerpt([expected])))
@@ -5722,35 +5785,40 @@ class ConformanceCheck:
             raise CheckFailed("GET /v1/projects?team=%s does not list %s" % (self.team, project))
 
     def check_unknown_team(self):
-        """A team the token does not list is 403 everywhere, never a fallback to the personal feed."""
+        """A team the token does not list is 403 everywhere, never a fallback to the personal
+        feed."""
         project, team = self.project["noteam"], "ohs-check-" + secrets.token_hex(8)
         self.push(project, [check_record("r1")], team=team, status=403)
         self.pull(project, 0, team=team, status=403)
         self.call("GET", "/v1/projects?team=" + team, status=403)
         records = self.pull(project, 0)["records"]
         if records:
-            raise CheckFailed("the push to an unknown team was stored in the personal feed: %s" % excerpt(records))
+            raise CheckFailed("the push to an unknown team was stored in the personal feed: %s"
+                              % excerpt(records))
 
     # -- memory sync -----------------------------------------------------------
 
     def check_memory_identity(self):
         quota = self.memory("identity").get("quota")
-        if not (isinstance(quota, dict) and all(as_safe_int(quota.get(key)) is not None for key in MEMORY_QUOTA)):
+        if not (isinstance(quota, dict)
+                and all(as_safe_int(quota.get(key)) is not None for key in MEMORY_QUOTA)):
             raise CheckFailed("identity answered quota %s, expected the keys %s"
                               % (excerpt(quota), ", ".join(sorted(MEMORY_QUOTA))))
 
     def check_memory_empty_snapshot(self):
         doc = self.memory("snapshot", project=self.project["memory"])
         if doc.get("etag") is not None or doc.get("entries") != []:
-            raise CheckFailed("the snapshot of a new project is %s, expected etag null and no entries" % excerpt(doc))
+            raise CheckFailed("the snapshot of a new project is %s, expected etag null and no "
+                              "entries" % excerpt(doc))
 
     def check_memory_commit(self):
-        """Create one note; the answer and the next snapshot hold it, under a new etag."""
+        """Create one note; the response and the next snapshot hold it, under a new etag."""
         project, note = self.project["memory"], CHECK_NOTE
         entry = {"id": note["id"], "hash": note_hash(note), "note": note}
         doc = self.memory("commit", project=project, etag=None, changes=[entry])
         if not isinstance(doc.get("etag"), str) or doc.get("entries") != [entry]:
-            raise CheckFailed("the commit answered %s, expected an etag and the note" % excerpt(doc))
+            raise CheckFailed("the commit answered %s, expected an etag and the note"
+                              % excerpt(doc))
         snapshot = self.memory("snapshot", project=project)
         if snapshot.get("etag") != doc["etag"] or snapshot.get("entries") != [entry]:
             raise CheckFailed("the snapshot after the commit is %s" % excerpt(snapshot))
@@ -5770,11 +5838,13 @@ class ConformanceCheck:
 
     def check_memory_delete(self):
         """A delete leaves a tombstone {id, hash: null} in the next snapshot."""
-        project, etag, note_id = self.project["memory"], self.needs_memory_commit(), CHECK_NOTE["id"]
+        project, etag, note_id = (self.project["memory"], self.needs_memory_commit(),
+                                  CHECK_NOTE["id"])
         self.memory("commit", project=project, etag=etag, changes=[{"id": note_id, "hash": None}])
         entries = self.memory("snapshot", project=project).get("entries")
         if entries != [{"id": note_id, "hash": None}]:
-            raise CheckFailed("the snapshot after the delete holds %s, expected only the tombstone" % excerpt(entries))
+            raise CheckFailed("the snapshot after the delete holds %s, expected only the tombstone"
+                              % excerpt(entries))
 
     def needs_memory_commit(self):
         if self.memory_etag is None:
@@ -5784,16 +5854,22 @@ class ConformanceCheck:
 
 def check_command(argv):
     parser = ArgumentParser(prog="oharness_sync.py check",
-                            description="Check that a sync server, this one or another, speaks protocol v1. "
-                                        "It writes test data to fresh projects: use a throwaway token.")
-    parser.add_argument("--url", required=True, help="the server's base URL, http(s)://host[:port]")
+                            description="Check that a sync server, this one or another, speaks "
+                                        "protocol v1. It writes test data to fresh projects: use "
+                                        "a throwaway token.")
+    parser.add_argument("--url", required=True,
+                        help="the server's base URL, http(s)://host[:port]")
     parser.add_argument("--token", required=True, help="a bearer token for session sync")
-    parser.add_argument("--other-token", metavar="TOKEN", help="a token of another principal: checks isolation")
-    parser.add_argument("--team", metavar="ID", help="a team the token lists: checks the team feed")
-    parser.add_argument("--memory", action="store_true", help="check memory sync too (with --principal)")
+    parser.add_argument("--other-token", metavar="TOKEN",
+                        help="a token of another principal: checks isolation")
+    parser.add_argument("--team", metavar="ID",
+                        help="a team the token lists: checks the team feed")
+    parser.add_argument("--memory", action="store_true",
+                        help="check memory sync too (with --principal)")
     parser.add_argument("--principal", metavar="ID", help="the principal the token belongs to")
     parser.add_argument("--ca-file", metavar="CERT.pem",
-                        help="trust this certificate (or CA bundle) for an https:// URL: for a self-signed one")
+                        help="trust this certificate (or CA bundle) for an https:// URL: for a "
+                             "self-signed one")
     args = parser.parse_args(argv)
     for flag, token in (("--token", args.token), ("--other-token", args.other_token)):
         if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
@@ -5802,8 +5878,9 @@ def check_command(argv):
         raise UsageError("--memory and --principal go together")
     if args.principal is not None and not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
-    check = ConformanceCheck(args.url, args.token, args.other_token, args.team, args.principal, sys.stdout,
-                             args.ca_file, sys.stderr)
+    check = ConformanceCheck(args.url, args.token, other_token=args.other_token, team=args.team,
+                             principal=args.principal, out=sys.stdout, ca_file=args.ca_file,
+                             err=sys.stderr)
     return 0 if check.run() else 1
 
 

@@ -8541,7 +8541,7 @@ class CheckTlsTest(ServerCase):
         url = self.url.replace("https://", "http://")
         code, out, err = run_check_command("--url", url, "--token", self.alice)
         self.assertEqual((code, err), (1, ""))  # nothing written: no notice
-        self.assertRegex(out, r"^check stopped: no HTTP answer from %s to a first request \(.+\): if it serves "
+        self.assertRegex(out, r"^check stopped: no HTTP response from %s to a first request \(.+\): if it serves "
                               r"HTTPS, give an https:// URL\n$" % re.escape(url))
 
     def test_ca_file_trusts_it(self):
