@@ -6810,8 +6810,9 @@ def replicate_command(argv):
 # measured in the same run: these are ratios, not absolute numbers, because a
 # small machine's speed swings with everything else it does.
 
-# What each figure should reach: `OP NUMBER`, where a NUMBER ending in x is a ratio to the figure's reference
-# (a figure without a reference cannot be judged against it) and any other is the figure itself.
+# What each figure should reach: `OP NUMBER`, where a NUMBER ending in x is a ratio to the figure's
+# reference (a figure without a reference cannot be judged against it) and any other is the figure
+# itself.
 BENCH_TARGETS = {
     "health": ">= 0.9x",
     "push, 1 client": ">= 0.8x",
@@ -6831,8 +6832,8 @@ _BENCH_TARGET = re.compile(r"(>=|<=|==) ([0-9]+(?:\.[0-9]+)?)(x?)")
 
 
 def target_met(target, value, ratio):
-    """True or False: does the figure (value, and ratio to its reference) meet target; None when target
-    is a ratio and the figure has no reference."""
+    """True or False: does the figure (value, and ratio to its reference) meet target; None when
+    target is a ratio and the figure has no reference."""
     match = _BENCH_TARGET.match(target)
     if match is None:
         raise ValueError("a bench target must be OP NUMBER: %r" % target)
@@ -6848,21 +6849,21 @@ def target_met(target, value, ratio):
 
 
 def canned_response(body):
-    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
-        len(body), body)
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body))
 
 
 class ReferenceHandler(http.server.BaseHTTPRequestHandler):
     """The reference's requests: health and a push are answered with fixed bytes (a push's body is
-    appended to the server's file and fsynced first, when it has one); a pull waits on a Condition of
-    its own until a push notifies them all, then gets a fixed one-record page."""
+    appended to the server's file and fsynced first, when it has one); a pull waits on a Condition
+    of its own until a push notifies them all, then gets a fixed one-record page."""
 
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
     HEALTH = canned_response(b'{"ok":true}')
     PUSHED = canned_response(b'{"cursor":1,"accepted":1}')
-    PAGE = canned_response(b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,"device":"bench",'
-                           b'"at":1,"body":null}],"sessions":[],"more":false}')
+    PAGE = canned_response(b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,'
+                           b'"device":"bench","at":1,"body":null}],"sessions":[],"more":false}')
 
     def do_GET(self):
         if not self.path.startswith("/v1/pull"):
@@ -6898,17 +6899,17 @@ class ReferenceHandler(http.server.BaseHTTPRequestHandler):
 
 class ReferenceServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     """What bench measures this server against: a bare http.server (ReferenceHandler) that does
-    nothing of the protocol's work (no parsing, no checks, no group commit), in a process of its own.
-    What it reaches is about the most any Python server with a thread per connection can on the
-    machine."""
+    nothing of the protocol's work (no parsing, no checks, no group commit), in a process of its
+    own. What it reaches is about the most any Python server with a thread per connection can on
+    the machine."""
 
     daemon_threads = True
     request_queue_size = 2048
 
     def __init__(self, push_file=None):
         super().__init__(("127.0.0.1", 0), ReferenceHandler)
-        self.fd = None if push_file is None else os.open(push_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                                                         0o600)
+        self.fd = (None if push_file is None
+                   else os.open(push_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
         self.lock, self.parked, self.pushed = threading.Lock(), set(), False
 
     @classmethod
@@ -6940,21 +6941,23 @@ class BenchRefused(RuntimeError):
             shown = excerpt(json.loads(body))
         except ValueError:
             shown = excerpt(body.decode("utf-8", "replace"))
-        if status == 0:  # no answer at all: body says why, in words
-            RuntimeError.__init__(self, "%s got no answer: %s" % (what, body.decode("utf-8", "replace")))
+        if status == 0:  # no response at all: body says why, in words
+            RuntimeError.__init__(self, "%s got no response: %s"
+                                  % (what, body.decode("utf-8", "replace")))
         else:
             RuntimeError.__init__(self, "%s was answered %d, not 200: %s" % (what, status, shown))
         self.status = status
 
 
-# Memory answers that mean "memory sync cannot be measured on this server with this token" (not signed in,
-# another account, rate-limited, no identity service, memory sync off): the memory figures are skipped.
+# Memory response statuses that mean "memory sync cannot be measured on this server with this
+# token" (not signed in, another account, rate-limited, no identity service, memory sync off): the
+# memory figures are skipped.
 MEMORY_NOT_MEASURABLE = (401, 403, 429, 502, 503)
 
 
 class BenchTarget:
-    """The server being measured: a URL, a token and its principal (None: unknown, no memory figures),
-    and (when bench started it) its process."""
+    """The server being measured: a URL, a token and its principal (None: unknown, no memory
+    figures), and (when bench started it) its process."""
 
     def __init__(self, url, token, principal=None, process=None, data_dir=None):
         self.url = url
@@ -6965,12 +6968,13 @@ class BenchTarget:
 
     @classmethod
     def start(cls, data_dir, *flags, log=subprocess.DEVNULL):
-        """Our own server as a subprocess on data_dir, with a fresh token; its log lines go to log."""
+        """Our own server as a subprocess on data_dir, with a fresh token; its log lines go to
+        log."""
         make_dirs(data_dir)
         token, _ = TokenStore(data_dir).issue("bench", ["bench-team"], name="bench")
-        process, url = start_subprocess([sys.executable, os.path.abspath(__file__), "--data", data_dir,
-                                         "--port", "0", "--quiet"] + list(flags), log)
-        return cls(url, token, "bench", process, data_dir)
+        process, url = start_subprocess([sys.executable, os.path.abspath(__file__), "--data",
+                                         data_dir, "--port", "0", "--quiet"] + list(flags), log)
+        return cls(url, token, "bench", process, data_dir=data_dir)
 
     def rss_mib(self):
         """The server's resident memory in MiB (Linux), or None."""
@@ -7027,8 +7031,10 @@ class BenchClient:
     def send(self, method, path, body=None):
         """Send one request; body is a JSON value, or bytes already encoded."""
         data = b"" if body is None else body if isinstance(body, bytes) else encode_json(body)
-        self.sock.sendall(b"%s %s HTTP/1.1\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
-            method.encode("ascii"), path.encode("ascii"), self.prefix, len(data), data))
+        self.sock.sendall(b"%s %s HTTP/1.1\r\n%sContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s"
+                          % (method.encode("ascii"), path.encode("ascii"), self.prefix, len(data),
+                             data))
 
     def call(self, method, path, body=None):
         """(status, body bytes) of one request; body is a JSON value, or bytes already encoded."""
@@ -7044,7 +7050,7 @@ class BenchClient:
             if line[:15].lower() == b"content-length:":
                 length = int(line[15:])
         if length is None:
-            raise ConnectionError("an answer without Content-Length: bench needs one")
+            raise ConnectionError("a response without Content-Length: bench needs one")
         return int(status_line.split()[1]), self.reader.read(length)
 
     def close(self):
@@ -7058,14 +7064,15 @@ class BenchClient:
         self.close()
 
 
-_BENCH_PUSH = b'{"project":"bench-push","records":[{"session":"w%d","id":"%s-%d","seq":%d,"device":"bench",' \
-              b'"at":1,"body":{"text":"' + b"x" * 150 + b'"}}]}'
+_BENCH_PUSH = (b'{"project":"bench-push","records":[{"session":"w%d","id":"%s-%d","seq":%d,'
+               b'"device":"bench","at":1,"body":{"text":"' + b"x" * 150 + b'"}}]}')
 
 
 def bench_request(kind, worker, number, extra):
-    """(method, path, body bytes) of a benchmark request: 'health', 'push' (a new record each time) or
-    'snapshot' (extra is the whole body, encoded once). Bodies are filled into templates, not
-    encoded from objects: the clients share the cores with the server, and their cost is not its."""
+    """(method, path, body bytes) of a benchmark request: 'health', 'push' (a new record each time)
+    or 'snapshot' (extra is the whole body, encoded once). Bodies are filled into templates, not
+    encoded from objects: the clients share the cores with the server, and their cost is not
+    its."""
     if kind == "health":
         return "GET", "/v1/health", None
     if kind == "push":
@@ -7079,9 +7086,9 @@ BENCH_RUN = secrets.token_hex(4)
 
 
 def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
-    """One client process: connect, say so on ready, and once go is set send kind requests back to back
-    within the window (start, stop) the parent set; on results (count, None), or (count, (status, body))
-    of the first answer that was not 200, which ends its requests."""
+    """One client process: connect, say so on ready, and once go is set send kind requests back to
+    back within the window (start, stop) the parent set; on results (count, None), or (count,
+    (status, body)) of the first response that was not 200, which ends its requests."""
     try:
         client, failure = BenchClient(url, token), None
     except Exception as exc:  # the parent waits for a result from every worker: always one
@@ -7097,9 +7104,9 @@ def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
     try:
         while time.time() < stop_at:
             method, path, body = bench_request(kind, worker, count, extra)
-            status, answer = client.call(method, path, body)
+            status, response_body = client.call(method, path, body)
             if status != 200:
-                refused = (status, answer)
+                refused = (status, response_body)
                 break
             count += 1
     except Exception as exc:  # as above: always a result
@@ -7109,18 +7116,23 @@ def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
     results.put((count, refused))
 
 
-BENCH_RESULT_WAIT = 60  # seconds bench waits for a client process to be ready, or for its result past the window
+# seconds bench waits for a client process to be ready, or for its result past the window
+BENCH_RESULT_WAIT = 60
 
 
 def bench_rate(url, token, kind, clients, seconds, extra=None):
-    """Requests per second of kind from clients processes; BenchRefused if one was not answered 200.
-    The timed window opens once every client is connected."""
+    """Requests per second of kind from clients processes; BenchRefused if one was not answered
+    200. The timed window opens once every client is connected."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    ready, go, window, results = context.Queue(), context.Event(), context.Array("d", 2), context.Queue()
+    ready, go, window, results = (context.Queue(), context.Event(), context.Array("d", 2),
+                                  context.Queue())
     if kind == "push":
         extra = "%s-%d" % (BENCH_RUN, time.time() * 1000)  # new records in every phase
-    processes = [context.Process(target=bench_worker, args=(url, token, kind, extra, i, ready, go, window,
-                                                            results)) for i in range(clients)]
+    processes = [context.Process(target=bench_worker,
+                                 kwargs={"url": url, "token": token, "kind": kind, "extra": extra,
+                                         "worker": i, "ready": ready, "go": go, "window": window,
+                                         "results": results})
+                 for i in range(clients)]
     for process in processes:
         process.start()
     try:
@@ -7131,8 +7143,9 @@ def bench_rate(url, token, kind, clients, seconds, extra=None):
         go.set()
         counts = [results.get(timeout=seconds + BENCH_RESULT_WAIT) for _ in processes]
     except BaseException:
-        # Those still waiting for go, or stuck in a request, would hold bench's exit (multiprocessing
-        # joins its children at exit): a stop after a minute would still be a hang.
+        # Those still waiting for go, or stuck in a request, would hold bench's exit
+        # (multiprocessing joins its children at exit): a stop after a minute would still be a
+        # hang.
         for process in processes:
             process.terminate()
         for process in processes:
@@ -7150,7 +7163,7 @@ def bench_reference(kind, client_counts, seconds, push_file=None):
     """Rates of kind against a ReferenceServer (one per entry of client_counts)."""
     process, url = ReferenceServer.start(push_file)
     try:
-        return [bench_rate(url, None, kind, count, seconds) for count in client_counts]
+        return [bench_rate(url, None, kind, count, seconds=seconds) for count in client_counts]
     finally:
         process.terminate()
         process.join()
@@ -7174,14 +7187,14 @@ def disk_fsync_rate(directory, seconds):
 
 
 def group_commit(data_dir, clients, seconds):
-    """(pushes a second, pushes per fsync) of clients pushing to one feed, on a server of its own: the
-    line it logs when it stops counts the pushes made durable and the fsyncs that did it."""
+    """(pushes a second, pushes per fsync) of clients pushing to one feed, on a server of its own:
+    the line it logs when it stops counts the pushes made durable and the fsyncs that did it."""
     make_dirs(data_dir)
     log_path = os.path.join(data_dir, "server.log")
     with open(log_path, "wb") as log:
         target = BenchTarget.start(data_dir, "--memory-rate-limit", "0", log=log)
         try:
-            rate = bench_rate(target.url, target.token, "push", clients, seconds)
+            rate = bench_rate(target.url, target.token, "push", clients, seconds=seconds)
         finally:
             target.stop()
     with open(log_path, encoding="utf-8", errors="replace") as f:
@@ -7196,11 +7209,12 @@ def fill_feed(target, project, records, body_bytes=200):
     with BenchClient(target.url, target.token) as client:
         text = "y" * (body_bytes - 60)
         for start in range(0, records, MAX_PUSH_RECORDS):
-            batch = [{"session": "s%d" % (i // 1000), "id": "r%d" % i, "seq": i, "device": "bench", "at": i,
-                      "body": {"role": "assistant", "text": text}} for i in range(start, min(records, start + 500))]
-            status, answer = client.call("POST", "/v1/push", {"project": project, "records": batch})
+            batch = [{"session": "s%d" % (i // 1000), "id": "r%d" % i, "seq": i, "device": "bench",
+                      "at": i, "body": {"role": "assistant", "text": text}}
+                     for i in range(start, min(records, start + 500))]
+            status, body = client.call("POST", "/v1/push", {"project": project, "records": batch})
             if status != 200:
-                raise BenchRefused("a push filling the catch-up feed", status, answer)
+                raise BenchRefused("a push filling the catch-up feed", status, body)
 
 
 def catch_up(target, project, limit=MAX_PULL_LIMIT):
@@ -7208,7 +7222,8 @@ def catch_up(target, project, limit=MAX_PULL_LIMIT):
     with BenchClient(target.url, target.token) as client:
         since, records, started = 0, 0, time.monotonic()
         while True:
-            status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d" % (project, since, limit))
+            status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d"
+                                       % (project, since, limit))
             if status != 200:
                 raise BenchRefused("a catch-up pull", status, body)
             page = json.loads(body)
@@ -7220,10 +7235,10 @@ def catch_up(target, project, limit=MAX_PULL_LIMIT):
 
 
 def park_worker(url, token, projects, ready, results, answered):
-    """One client process holding a long-poll per project, a connection each, all read by one thread (a
-    thread per poll would make the clients' own wake-up, a thousand threads taking turns, part of the
-    figure); reports (wall-clock time its answer was whole, or None) each, and counts answers in the
-    shared answered value as they come."""
+    """One client process holding a long-poll per project, a connection each, all read by one
+    thread (a thread per poll would make the clients' own wake-up, a thousand threads taking turns,
+    part of the figure); reports (wall-clock time its response was whole, or None) each, and counts
+    responses in the shared answered value as they come."""
     clients, woke = {}, []
     for project in projects:
         try:
@@ -7245,19 +7260,21 @@ def park_worker(url, token, projects, ready, results, answered):
             except OSError:
                 data = b""
             buf += data
-            answer = whole_answer(buf)
-            if data and answer is None:
+            response = whole_response(buf)
+            if data and response is None:
                 continue
             at = time.time()
             poller.unregister(fd)
             del clients[fd]
             client.close()
-            if answer is None:  # closed before its answer was whole
+            if response is None:  # closed before its response was whole
                 woke.append(None)
                 continue
-            status, body = answer
-            if status == 200:  # an empty answer too: a poll of another feed the push woke for nothing
-                with answered.get_lock():  # (a refusal is no answer; park_and_wake leaves out those before it)
+            status, body = response
+            # a 200 counts, an empty response too: a poll of another feed the push woke for nothing
+            # (a refusal is not counted; park_and_wake leaves out those before it)
+            if status == 200:
+                with answered.get_lock():
                     answered.value += 1
             woke.append(at if status == 200 and b'"records":[]' not in body else None)
     woke += [None] * len(clients)
@@ -7266,8 +7283,9 @@ def park_worker(url, token, projects, ready, results, answered):
     results.put(woke)
 
 
-def whole_answer(buf):
-    """(status, body) of the HTTP answer at the start of buf once all of it is there, else None."""
+def whole_response(buf):
+    """(status, body) of the HTTP response at the start of buf once all of it is there, else
+    None."""
     end = buf.find(b"\r\n\r\n")
     if end < 0:
         return None
@@ -7282,21 +7300,24 @@ def whole_answer(buf):
 
 
 def wake_projects(feeds, polls):
-    """The project of each of polls long-polls, spread over feeds new projects of this call's own (a feed an
-    earlier call pushed to would answer its polls at once, with that record)."""
-    stamp = "bench-wake-%s-%d" % (BENCH_RUN, time.time() * 1000)  # once: one push per feed wakes its polls
+    """The project of each of polls long-polls, spread over feeds new projects of this call's own
+    (a feed an earlier call pushed to would answer its polls at once, with that record)."""
+    # once: one push per feed wakes its polls
+    stamp = "bench-wake-%s-%d" % (BENCH_RUN, time.time() * 1000)
     return ["%s-%d" % (stamp, i % feeds) for i in range(polls)]
 
 
 def park_and_wake(target, feeds, polls, processes=8):
-    """Park polls long-polls over feeds projects (clients in several processes), then push once to each
-    feed; (sorted wake latencies in s, failures, server RSS while parked, how many answered within 0.5 s
-    of the push to the first feed: with more than one feed, only its own should)."""
+    """Park polls long-polls over feeds projects (clients in several processes), then push once to
+    each feed; (sorted wake latencies in s, failures, server RSS while parked, how many answered
+    within 0.5 s of the push to the first feed: with more than one feed, only its own should)."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     ready, results, answered = context.Queue(), context.Queue(), context.Value("i", 0)
     projects = wake_projects(feeds, polls)
-    workers = [context.Process(target=park_worker, args=(target.url, target.token, projects[i::processes],
-                                                         ready, results, answered))
+    workers = [context.Process(target=park_worker,
+                               kwargs={"url": target.url, "token": target.token,
+                                       "projects": projects[i::processes], "ready": ready,
+                                       "results": results, "answered": answered})
                for i in range(min(processes, polls))]
     for worker in workers:
         worker.start()
@@ -7306,14 +7327,17 @@ def park_and_wake(target, feeds, polls, processes=8):
     rss_parked = target.rss_mib()
     try:
         with BenchClient(target.url, target.token) as client:
-            pushed, first_only, before = time.time(), None, answered.value  # answered without a push: not counted
+            # answered without a push: not counted
+            pushed, first_only, before = time.time(), None, answered.value
             for project in sorted(set(projects)):
-                status, answer = client.call("POST", "/v1/push", {"project": project, "records": [
-                    {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1, "body": None}]})
+                status, body = client.call("POST", "/v1/push", {"project": project, "records": [
+                    {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1,
+                     "body": None}]})
                 if status != 200:  # the parked polls would wait out their 30 s and look unanswered
-                    raise BenchRefused("a push waking long-polls", status, answer)
+                    raise BenchRefused("a push waking long-polls", status, body)
                 if first_only is None:
-                    if feeds > 1:  # the polls of other feeds must not wake: give them the time to show it
+                    # the polls of other feeds must not wake: give them the time to show it
+                    if feeds > 1:
                         time.sleep(0.5)
                     first_only = answered.value - before
     except BaseException:
@@ -7330,9 +7354,9 @@ def park_and_wake(target, feeds, polls, processes=8):
 
 
 def oversized_heads(target, connections=40, lines=100, line_bytes=65000):
-    """The server's peak RSS growth in MiB while connections clients each send a request line and lines
-    header lines of line_bytes bytes, with no end to the head (refused at MAX_HEAD_BYTES); None without
-    the server's RSS."""
+    """The server's peak RSS growth in MiB while connections clients each send a request line and
+    lines header lines of line_bytes bytes, with no end to the head (refused at MAX_HEAD_BYTES);
+    None without the server's RSS."""
     before = target.rss_mib()
     if before is None:
         return None
@@ -7376,18 +7400,21 @@ def percentile(values, fraction):
 
 
 def make_memory_scope(target, project, notes):
-    """Commit notes notes into project (a new one); its etag and the note hashes (for a full `have`)."""
+    """Commit notes notes into project (a new one); its etag and the note hashes (for a full
+    `have`)."""
     with BenchClient(target.url, target.token) as client:
         etag, have = None, {}
         for start in range(0, notes, 500):
             changes = []
             for i in range(start, min(notes, start + 500)):
-                note = {"id": "note-%d" % i, "summary": "note %d" % i, "body": "body of note %d " % i + "z" * 200,
-                        "tags": ["bench"], "createdAt": 1}
+                note = {"id": "note-%d" % i, "summary": "note %d" % i,
+                        "body": "body of note %d " % i + "z" * 200, "tags": ["bench"],
+                        "createdAt": 1}
                 have[note["id"]] = note_hash(note)
                 changes.append({"id": note["id"], "hash": have[note["id"]], "note": note})
             status, body = client.call("POST", "/v1/memory/commit", {
-                "expectedPrincipal": target.principal, "project": project, "etag": etag, "changes": changes})
+                "expectedPrincipal": target.principal, "project": project, "etag": etag,
+                "changes": changes})
             if status != 200:
                 raise BenchRefused("a memory commit", status, body)
             etag = json.loads(body)["etag"]
@@ -7398,25 +7425,27 @@ def snapshot_rate(target, project, have, seconds):
     """Full snapshots per second of project with every note in `have` (one client)."""
     with BenchClient(target.url, target.token) as client:
         # Encoded once: the figure is the server's, not the bench client's JSON encoder's.
-        body = encode_json({"expectedPrincipal": target.principal, "project": project, "have": have})
+        body = encode_json({"expectedPrincipal": target.principal, "project": project,
+                            "have": have})
         count, stop_at = 0, time.monotonic() + seconds
         while time.monotonic() < stop_at:
-            status, answer = client.call("POST", "/v1/memory/snapshot", body)
+            status, response_body = client.call("POST", "/v1/memory/snapshot", body)
             if status != 200:
-                raise BenchRefused("a memory snapshot", status, answer)
+                raise BenchRefused("a memory snapshot", status, response_body)
             count += 1
     return count / float(seconds)
 
 
 def bench_memory(report, target, args):
-    """The memory figures, on a new project of this run: snapshots answered `unchanged` against health
-    requests, and full snapshots of args.notes notes. Where the server cannot be measured so (no principal
-    given, an answer in MEMORY_NOT_MEASURABLE), a note line says why and the rest is left out."""
+    """The memory figures, on a new project of this run: snapshots answered `unchanged` against
+    health requests, and full snapshots of args.notes notes. Where the server cannot be measured so
+    (no principal given, a response in MEMORY_NOT_MEASURABLE), a note line says why and the rest is
+    left out."""
     if target.principal is None:
         report.note("no memory figures: give --principal (the token's principal) to measure them")
         return
     try:
-        measure_memory(report, target, args.clients, args.seconds, args.notes)
+        measure_memory(report, target, args.clients, args.seconds, notes=args.notes)
     except BenchRefused as exc:
         if exc.status not in MEMORY_NOT_MEASURABLE:
             raise
@@ -7426,21 +7455,26 @@ def bench_memory(report, target, args):
 def measure_memory(report, target, clients, seconds, notes):
     project = "bench-memory-" + BENCH_RUN
     etag, have = make_memory_scope(target, project, notes)
-    unchanged_body = encode_json({"expectedPrincipal": target.principal, "project": project, "knownEtag": etag})
-    # Health once more, in turns with the snapshots: the machine may have grown busier or calmer since
-    # the start, and taking turns lets any drift weigh on both alike.
+    unchanged_body = encode_json({"expectedPrincipal": target.principal, "project": project,
+                                  "knownEtag": etag})
+    # Health once more, in turns with the snapshots: the machine may have grown busier or calmer
+    # since the start, and taking turns lets any drift weigh on both alike.
     health_now = unchanged = 0.0
     for _ in range(2):
-        health_now += bench_rate(target.url, target.token, "health", clients, seconds / 2) / 2
-        unchanged += bench_rate(target.url, target.token, "snapshot", clients, seconds / 2, unchanged_body) / 2
+        health_now += bench_rate(target.url, target.token, "health", clients,
+                                 seconds=seconds / 2) / 2
+        unchanged += bench_rate(target.url, target.token, "snapshot", clients,
+                                seconds=seconds / 2, extra=unchanged_body) / 2
     report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health_now,
-               "health in turns", BENCH_TARGETS["snapshot unchanged"])
-    report.add("memory snapshot, %d notes, full have" % notes, snapshot_rate(target, project, have, seconds),
-               "/s", target=BENCH_TARGETS["snapshot full"])
+               reference_name="health in turns", target=BENCH_TARGETS["snapshot unchanged"])
+    report.add("memory snapshot, %d notes, full have" % notes,
+               snapshot_rate(target, project, have, seconds), "/s",
+               target=BENCH_TARGETS["snapshot full"])
 
 
 def write_big_data_dir(data_dir, feeds, records_per_feed):
-    """Write feeds feed files of records_per_feed records each, straight to disk (as pushes would)."""
+    """Write feeds feed files of records_per_feed records each, straight to disk (as pushes
+    would)."""
     body = encode_json({"role": "assistant", "text": "w" * 140})
     layout = DataDir(data_dir)
     make_dirs(layout.owner_dir(("u", "bench")))
@@ -7448,9 +7482,10 @@ def write_big_data_dir(data_dir, feeds, records_per_feed):
         with open(layout.feed_path(("u", "bench"), "big-%d" % f), "wb") as out:
             lines = []
             for i in range(records_per_feed):
-                event = b'{"session":"s%d","id":"r%d","seq":%d,"device":"bench","at":%d,"body":%s}' % (
-                    i // 1000, i, i, i, body)
-                lines.append(feed_line(i + 1, b"r", event, record_key("s%d" % (i // 1000), "r%d" % i)))
+                event = (b'{"session":"s%d","id":"r%d","seq":%d,"device":"bench","at":%d,'
+                         b'"body":%s}' % (i // 1000, i, i, i, body))
+                lines.append(feed_line(i + 1, b"r", event,
+                                       record_key("s%d" % (i // 1000), "r%d" % i)))
                 if len(lines) == 10000:
                     out.write(b"".join(lines))
                     lines = []
@@ -7458,7 +7493,8 @@ def write_big_data_dir(data_dir, feeds, records_per_feed):
 
 
 def big_start(data_dir, feeds, records_per_feed):
-    """Start a server on a big data dir; (seconds from process start to the last page of every feed, RSS)."""
+    """Start a server on a big data dir; (seconds from process start to the last page of every
+    feed, RSS)."""
     started = time.monotonic()
     target = BenchTarget.start(data_dir)
     try:
@@ -7475,8 +7511,8 @@ def big_start(data_dir, feeds, records_per_feed):
 
 
 class BenchReport:
-    """Figures with their references, ratios and targets, printed as a table (a missed target marked
-    MISSED) and optionally written as JSON."""
+    """Figures with their references, ratios and targets, printed as a table (a missed target
+    marked MISSED) and optionally written as JSON."""
 
     def __init__(self, out=None):
         self.out = out or sys.stdout
@@ -7485,12 +7521,14 @@ class BenchReport:
     def add(self, name, value, unit, reference=None, reference_name="", target=None):
         ratio = value / reference if reference else None
         met = None if target is None else target_met(target, value, ratio)
-        figure = {"name": name, "value": value if isinstance(value, int) else round(value, 2), "unit": unit,
-                  "reference": None if reference is None else round(reference, 2),
-                  "reference_name": reference_name, "ratio": None if ratio is None else round(ratio, 2),
-                  "target": target, "met": met}
+        figure = {"name": name, "value": value if isinstance(value, int) else round(value, 2),
+                  "unit": unit, "reference": None if reference is None else round(reference, 2),
+                  "reference_name": reference_name,
+                  "ratio": None if ratio is None else round(ratio, 2), "target": target,
+                  "met": met}
         self.figures.append(figure)
-        shown = "%12d" % value if isinstance(value, int) else "%12.1f" % value  # a count is an integer
+        # a count is an integer
+        shown = "%12d" % value if isinstance(value, int) else "%12.1f" % value
         line = "%-44s %s %-10s" % (name, shown, unit)
         if reference is not None:
             line += "  vs %s %.1f: %.2fx" % (reference_name, reference, ratio)
@@ -7507,7 +7545,8 @@ class BenchReport:
         """The closing line: how many of the targets that could be judged were met."""
         judged = [figure for figure in self.figures if figure["met"] is not None]
         line = "%d of %d targets met" % (len(judged) - self.missed(), len(judged))
-        unjudged = sum(1 for figure in self.figures if figure["target"] is not None and figure["met"] is None)
+        unjudged = sum(1 for figure in self.figures
+                       if figure["target"] is not None and figure["met"] is None)
         if unjudged:
             line += " (%d more not judged: no reference)" % unjudged
         return line
@@ -7517,8 +7556,8 @@ class BenchReport:
 
     def write_json(self, path):
         judged = sum(1 for figure in self.figures if figure["met"] is not None)
-        doc = {"version": __version__, "python": sys.version.split()[0], "machine": platform.machine(),
-               "cpus": os.cpu_count(), "figures": self.figures,
+        doc = {"version": __version__, "python": sys.version.split()[0],
+               "machine": platform.machine(), "cpus": os.cpu_count(), "figures": self.figures,
                "targets": {"met": judged - self.missed(), "judged": judged}}
         with open(path, "w") as f:
             json.dump(doc, f, indent=2)
@@ -7526,18 +7565,24 @@ class BenchReport:
 
 def bench_command(argv):
     parser = ArgumentParser(prog="oharness_sync.py bench", description="Measure a server's speed.")
-    parser.add_argument("--url", help="measure this server instead of starting one (needs --token)")
+    parser.add_argument("--url",
+                        help="measure this server instead of starting one (needs --token)")
     parser.add_argument("--token", help="a token for --url")
     parser.add_argument("--principal", metavar="ID",
-                        help="the token's principal, for the memory figures with --url (without it they are skipped)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed phase (default 3)")
-    parser.add_argument("--clients", type=int, default=16, help="concurrent client processes (default 16)")
+                        help="the token's principal, for the memory figures with --url "
+                             "(without it they are skipped)")
+    parser.add_argument("--seconds", type=float, default=3.0,
+                        help="length of each timed phase (default 3)")
+    parser.add_argument("--clients", type=int, default=16,
+                        help="concurrent client processes (default 16)")
     parser.add_argument("--polls", type=int, default=1000, help="parked long-polls (default 1000)")
     parser.add_argument("--catchup-records", type=int, default=100000,
                         help="records in the catch-up pull's feed (default 100,000)")
-    parser.add_argument("--notes", type=int, default=5000, help="notes in the memory scope (default 5,000)")
+    parser.add_argument("--notes", type=int, default=5000,
+                        help="notes in the memory scope (default 5,000)")
     parser.add_argument("--big-records", type=int, default=1000000,
-                        help="records in the start-up test's 10 feeds (default 1,000,000; 0 skips it)")
+                        help="records in the start-up test's 10 feeds "
+                             "(default 1,000,000; 0 skips it)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--no-fail", action="store_true",
                         help="exit 0 even when a target is missed (default: exit code 1)")
@@ -7548,9 +7593,10 @@ def bench_command(argv):
         parse_base_url(args.url)
     if args.principal is not None and (not args.url or not is_valid_id(args.principal)):
         raise UsageError("--principal goes with --url, and must be an id")
-    if (args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1 or args.notes < 1
-            or args.big_records < 0):
-        raise UsageError("--seconds, --clients, --polls, --catchup-records and --notes must be positive")
+    if (args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1
+            or args.notes < 1 or args.big_records < 0):
+        raise UsageError("--seconds, --clients, --polls, --catchup-records and --notes must be "
+                         "positive")
     raise_open_file_limit()
     report = BenchReport()
     scratch = tempfile.mkdtemp(prefix="oharness-bench-")
@@ -7560,7 +7606,8 @@ def bench_command(argv):
         print("oharness-sync bench: stopped: %s" % exc, file=sys.stderr)
         return 1
     except queue.Empty:
-        print("oharness-sync bench: stopped: a client process gave no result within a minute", file=sys.stderr)
+        print("oharness-sync bench: stopped: a client process gave no result within a minute",
+              file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -7577,59 +7624,68 @@ def run_bench(report, args, scratch):
         target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0")
     else:
         target = BenchTarget(args.url, args.token, args.principal)
-    report.note("oharness-sync bench: %s, %s; %d client processes, %g s a phase; Python %s on %s, %d CPUs" % (
-        "a server started on a temporary data dir" if own else target.url,
-        "writes bench data" if own else "WRITES test data to that server",
-        clients, seconds, sys.version.split()[0], os.uname().machine if hasattr(os, "uname") else "?",
-        os.cpu_count() or 0))
+    report.note("oharness-sync bench: %s, %s; %d client processes, %g s a phase; Python %s on %s, "
+                "%d CPUs"
+                % ("a server started on a temporary data dir" if own else target.url,
+                   "writes bench data" if own else "WRITES test data to that server",
+                   clients, seconds, sys.version.split()[0],
+                   os.uname().machine if hasattr(os, "uname") else "?", os.cpu_count() or 0))
     try:
         rss_start = target.rss_mib()
         reference = None
         if own:
             reference = bench_reference("health", [clients], seconds)[0]
-        health = bench_rate(target.url, target.token, "health", clients, seconds)
+        health = bench_rate(target.url, target.token, "health", clients, seconds=seconds)
         report.add("health, %d keep-alive clients" % clients, health, "req/s", reference,
-                   "bare http.server", BENCH_TARGETS["health"])
+                   reference_name="bare http.server", target=BENCH_TARGETS["health"])
         if not own:
-            report.note("  no reference with --url: a bare http.server started here would measure this machine, "
-                        "not the server's")
-        # With --url the disk measured is this machine's, which is the server's only if bench runs there.
-        report.add("disk: serial append+fsync" if own else "this machine's disk: serial append+fsync",
-                   disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds), "/s")
+            report.note("  no reference with --url: a bare http.server started here would measure "
+                        "this machine, not the server's")
+        # With --url the disk measured is this machine's, which is the server's only if bench runs
+        # there.
+        report.add("disk: serial append+fsync" if own
+                   else "this machine's disk: serial append+fsync",
+                   disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds),
+                   "/s")
         bare = [None, None]
         if own:
-            bare = bench_reference("push", [1, clients], seconds, os.path.join(scratch, "bare-pushes"))
+            bare = bench_reference("push", [1, clients], seconds,
+                                   os.path.join(scratch, "bare-pushes"))
             report.add("1-record pushes to a bare http.server, 1 client", bare[0], "push/s")
             report.add("  the same, %d clients" % clients, bare[1], "push/s")
-        push_1 = bench_rate(target.url, target.token, "push", 1, seconds)
-        report.add("1-record pushes, 1 client", push_1, "push/s", bare[0], "bare", BENCH_TARGETS["push, 1 client"])
+        push_1 = bench_rate(target.url, target.token, "push", 1, seconds=seconds)
+        report.add("1-record pushes, 1 client", push_1, "push/s", bare[0], reference_name="bare",
+                   target=BENCH_TARGETS["push, 1 client"])
         if own:
-            push_n, per_fsync = group_commit(os.path.join(scratch, "group-commit"), clients, seconds)
+            push_n, per_fsync = group_commit(os.path.join(scratch, "group-commit"), clients,
+                                             seconds)
         else:
-            push_n, per_fsync = bench_rate(target.url, target.token, "push", clients, seconds), None
-        report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", bare[1], "bare",
-                   BENCH_TARGETS["push, clients"])
+            push_n, per_fsync = (bench_rate(target.url, target.token, "push", clients,
+                                            seconds=seconds), None)
+        report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", bare[1],
+                   reference_name="bare", target=BENCH_TARGETS["push, clients"])
         if per_fsync is not None:
             report.add("  pushes per fsync, %d clients" % clients, per_fsync, "push/fsync",
                        target=BENCH_TARGETS["pushes per fsync"])
         fill_feed(target, "bench-catchup-" + BENCH_RUN, args.catchup_records)
         records, elapsed = catch_up(target, "bench-catchup-" + BENCH_RUN)
-        report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed, "records/s",
-                   target=BENCH_TARGETS["catch-up"])
+        report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed,
+                   "records/s", target=BENCH_TARGETS["catch-up"])
         rss_before = target.rss_mib()
         latencies, failures, rss_parked, _ = park_and_wake(target, 1, args.polls)
-        report.add("long-poll wake p50, %d parked on one feed" % args.polls, percentile(latencies, 0.5) * 1000,
-                   "ms")
+        report.add("long-poll wake p50, %d parked on one feed" % args.polls,
+                   percentile(latencies, 0.5) * 1000, "ms")
         bare_p99 = bare_wake_p99(args.polls) * 1000 if own else None
-        report.add("long-poll wake p99, %d parked on one feed" % args.polls, percentile(latencies, 0.99) * 1000,
-                   "ms", bare_p99, "bare http.server + Condition", BENCH_TARGETS["wake p99"])
+        report.add("long-poll wake p99, %d parked on one feed" % args.polls,
+                   percentile(latencies, 0.99) * 1000, "ms", bare_p99,
+                   reference_name="bare http.server + Condition", target=BENCH_TARGETS["wake p99"])
         report.add("long-polls answered", len(latencies), "of %d" % args.polls)
         if rss_parked is not None and rss_before is not None:
             report.add("server memory growth while parked", rss_parked - rss_before, "MiB",
                        target=BENCH_TARGETS["memory while parked"])
         _, _, _, first_only = park_and_wake(target, args.polls, args.polls)
-        report.add("polls answered by a push to 1 of %d feeds" % args.polls, first_only, "in 0.5 s",
-                   target=BENCH_TARGETS["wake own feed"])
+        report.add("polls answered by a push to 1 of %d feeds" % args.polls, first_only,
+                   "in 0.5 s", target=BENCH_TARGETS["wake own feed"])
         growth = oversized_heads(target)
         if growth is not None:
             report.add("server memory growth, 40 heads of 100 x 65,000-byte lines", growth, "MiB",
@@ -7637,13 +7693,14 @@ def run_bench(report, args, scratch):
         bench_memory(report, target, args)
         rss_end = target.rss_mib()
         if rss_end is not None:
-            report.add("server memory (start / end)", rss_end, "MiB", rss_start, "at start")
+            report.add("server memory (start / end)", rss_end, "MiB", rss_start,
+                       reference_name="at start")
     finally:
         target.stop()
     if not own:
-        report.note("not measured with --url: pushes to a bare http.server (so the push figures have no "
-                    "reference), pushes per fsync, the server's memory and its start-up (bench would have to start "
-                    "the server on its own machine)")
+        report.note("not measured with --url: pushes to a bare http.server (so the push figures "
+                    "have no reference), pushes per fsync, the server's memory and its start-up "
+                    "(bench would have to start the server on its own machine)")
     if own and args.big_records:
         big_dir = os.path.join(scratch, "big")
         write_big_data_dir(big_dir, 10, args.big_records // 10)
@@ -7651,15 +7708,17 @@ def run_bench(report, args, scratch):
         report.add("start-up: last page of 10 feeds, %d records" % args.big_records, elapsed, "s",
                    target=BENCH_TARGETS["start-up"])
         if rss is not None:
-            report.add("server memory after that start-up", rss, "MiB", target=BENCH_TARGETS["memory after start-up"])
+            report.add("server memory after that start-up", rss, "MiB",
+                       target=BENCH_TARGETS["memory after start-up"])
 
 
 # -------------------------------------------------------------------------------------------------
 # main
 # -------------------------------------------------------------------------------------------------
 
-COMMANDS = {"serve": serve_command, "token": token_command, "check": check_command, "bench": bench_command,
-            "fsck": fsck_command, "note-hash": note_hash_command, "replicate": replicate_command}
+COMMANDS = {"serve": serve_command, "token": token_command, "check": check_command,
+            "bench": bench_command, "fsck": fsck_command, "note-hash": note_hash_command,
+            "replicate": replicate_command}
 
 
 def main(argv=None):

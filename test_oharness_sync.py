@@ -5207,12 +5207,12 @@ class LongPollTest(ServerCase):
     @staticmethod
     def read_answer(sock):
         buf = bytearray()
-        while sync.whole_answer(buf) is None:
+        while sync.whole_response(buf) is None:
             data = sock.recv(65536)
             if not data:
                 raise AssertionError("closed before the answer was whole: %r" % bytes(buf[:200]))
             buf += data
-        return sync.whole_answer(buf), bytes(buf)
+        return sync.whole_response(buf), bytes(buf)
 
     def test_the_push_that_wakes_a_parked_pull_sends_its_answer(self):
         # The pull's own thread is held in release() until its client has read the whole answer: only
@@ -8775,7 +8775,7 @@ class BenchCommandTest(unittest.TestCase):
         self.addCleanup(server.stop)  # HTTP/1.0: it closes the connection after each answer
         result = self.run_bench("--url", server.url, "--token", "t", "--seconds", "0.1", "--clients", "1", timeout=60)
         self.assertEqual(result.returncode, 1)
-        self.assertEqual(result.stderr, "oharness-sync bench: stopped: a health request got no answer: "
+        self.assertEqual(result.stderr, "oharness-sync bench: stopped: a health request got no response: "
                                         "the server closed the connection\n")
 
     def test_a_client_process_slow_to_connect_stops_bench_and_leaves_no_process_behind(self):
