@@ -49,6 +49,7 @@ check, replicate and bench; main last. Part I names nothing of Part II.
 import argparse
 import array
 import base64
+import bisect
 import collections
 import errno
 import hashlib
@@ -130,6 +131,10 @@ MAX_PULL_LIMIT = 500
 MAX_WAIT_SECONDS = 30
 # The latest page read of a feed is kept for the next pull up to this size.
 CACHED_PAGE_BYTES = 256 * 1024
+COMPACT_CHECK_SECONDS = 30          # how often the server looks for a feed worth compacting
+COMPACT_MIN_BYTES = 1024 * 1024     # ... and compacts one that drops this much, and half its file
+DEFAULT_RETAIN_DELETED_DAYS = 90    # a deleted session's records are erased this long after
+PAUSE_LINES = 512                   # a background compaction lets pushes in after this many lines
 
 # Headers and body of one request must arrive within this, in total.
 DEFAULT_REQUEST_SECONDS = 30.0
@@ -431,13 +436,15 @@ class PushRecord:
 
 
 class PushSession:
-    """Validated session metadata: its id, (gen, updatedAt) and canonical JSON bytes."""
-    __slots__ = ("session_id", "stamp", "event")
+    """Validated session metadata: its id, (gen, updatedAt), whether it deletes the session, and
+    canonical JSON bytes."""
+    __slots__ = ("session_id", "stamp", "deleted", "event")
 
-    def __init__(self, session_id, stamp, event):
+    def __init__(self, session_id, stamp, event, deleted=False):
         self.session_id = session_id
         self.stamp = stamp
         self.event = event
+        self.deleted = deleted
 
 
 class PushRequest:
@@ -507,7 +514,8 @@ def validate_session_entry(entry, index):
         event["deleted"] = entry["deleted"]
     if "body" in entry:
         event["body"] = entry["body"]
-    return PushSession(session_id, (gen, updated_at), encode_json(event))
+    return PushSession(session_id, (gen, updated_at), encode_json(event),
+                       deleted=event.get("deleted") is True)
 
 
 def validate_push(doc):
@@ -1947,6 +1955,7 @@ class DataDir:
     DIR/tokens.json, DIR/tokens.lock           token hashes (TokenStore), and their writers' lock
     DIR/feeds/u-<principal>/p-<project>.jsonl  a personal feed
     DIR/feeds/t-<team>/p-<project>.jsonl       a team's feed
+    DIR/feeds/purged.json                      where purged feeds ended, by a hash of their names
     DIR/memory/u-<principal>/p-<project>/      a project's notes: manifest.json, objects/<rev>.json
     DIR/memory/u-<principal>/user/             the user scope's notes ("user" is no "p-" name)
 
@@ -1961,6 +1970,7 @@ class DataDir:
         self.tokens = os.path.join(path, "tokens.json")
         self.tokens_lock = os.path.join(path, "tokens.lock")
         self.feeds = os.path.join(path, "feeds")
+        self.purged = os.path.join(path, "feeds", "purged.json")
         self.memory = os.path.join(path, "memory")
 
     def owner_dir(self, owner):
@@ -2273,36 +2283,47 @@ class TokenStore:
 # -------------------------------------------------------------------------------------------------
 # Storage: session feeds
 # -------------------------------------------------------------------------------------------------
-
 #
-# One append-only file per (owner, project). Each line is one event:
+# One append-only file per (owner, project). Each line holds one event number:
 #
 #   {"n":7,"k":"r","h":"<32 hex dedupe key>","e":<record>,"c":"<crc32>"}
-#   {"n":8,"k":"s","e":<session metadata>,"c":"<crc32>"}
+#   {"n":8,"k":"s","t":<ms>,"e":<session metadata>,"c":"<crc32>"}
+#   {"n":9,"k":"x","h":"<32 hex dedupe key>","c":"<crc32>"}    an erased record
+#   {"n":10,"k":"x","c":"<crc32>"}                              a number whose line was lost
 #
-# n is the event number (the cursor), k the kind, e the event exactly as it is
-# sent to a pull, c the CRC-32 of every byte before `,"c":`. A pull copies
-# the bytes of e without parsing them; a start-up reads n, k and h, and parses
-# only the (few) session events.
+# n is the event number (the cursor), k the kind, e the event exactly as it is sent to a pull, t
+# the server's clock when session metadata was stored (older lines have none), c the CRC-32 of
+# every byte before `,"c":`. Numbers only grow, and may skip: a compaction drops superseded
+# metadata and leaves of an erased record only its number and key (k "x"), so that no number is
+# ever handed to another event and a device that still holds the record cannot push it again; a
+# torn or damaged last line leaves its number behind the same way. A pull copies the bytes of e
+# without parsing them; a start-up reads n, k and h, and parses only the (few) session events.
 
-_LINE_HEAD = re.compile(rb'\{"n":([0-9]{1,16}),"k":"([rs])"(?:,"h":"([0-9a-f]{32})")?,"e":')
+_LINE_HEAD = re.compile(rb'\{"n":([0-9]{1,16}),"k":"([rsx])"(?:,"h":"([0-9a-f]{32})")?'
+                        rb'(?:,"t":([0-9]{1,16}))?')
+_EVENT_START = b',"e":'
 _LINE_TAIL = b',"c":"'
 _CHECKSUM = re.compile(rb"[0-9a-f]{8}")
 _TAIL_LENGTH = 17  # ,"c":"XXXXXXXX"}\n
+STUB_BYTES = len(b'{"n":,"k":"x","h":"","c":"00000000"}\n') + 32  # + the number's digits
 
 
-def feed_line(number, kind, event, key=None):
-    """One feed line for an event; kind is b"r" (record, with its key) or b"s" (session
-    metadata)."""
-    if key is None:
-        content = b'{"n":%d,"k":"%s","e":%s' % (number, kind, event)
-    else:
-        content = b'{"n":%d,"k":"%s","h":"%032x","e":%s' % (number, kind, key, event)
+def feed_line(number, kind, event=None, key=None, stored=None):
+    """One feed line: kind b"r" (a record, with its key), b"s" (session metadata, with the time it
+    was stored) or b"x" (no event: an erased record's key, or none)."""
+    content = b'{"n":%d,"k":"%s"' % (number, kind)
+    if key is not None:
+        content += b',"h":"%032x"' % key
+    if stored is not None:
+        content += b',"t":%d' % stored
+    if event is not None:
+        content += _EVENT_START + event
     return b'%s,"c":"%08x"}\n' % (content, zlib.crc32(content))
 
 
 def parse_feed_line(line):
-    """(number, kind, key or None, event bytes) of a feed line; ValueError when it is damaged."""
+    """(number, kind, key or None, stored time or None, event bytes or None) of a feed line;
+    ValueError when it is damaged."""
     if not line.endswith(b'"}\n') or line[-_TAIL_LENGTH:-11] != _LINE_TAIL:
         raise ValueError("incomplete or malformed line")
     content = line[:-_TAIL_LENGTH]
@@ -2312,56 +2333,148 @@ def parse_feed_line(line):
     head = _LINE_HEAD.match(content)
     if head is None:
         raise ValueError("malformed line")
-    number, kind, key = head.groups()
-    if (kind == b"r") != (key is not None):
+    number, kind, key, stored = head.groups()
+    rest = content[head.end():]
+    if kind == b"x":
+        good, event = not rest and stored is None, None
+    else:
+        good = (rest.startswith(_EVENT_START) and (kind == b"r") == (key is not None)
+                and (kind == b"s" or stored is None))
+        event = rest[len(_EVENT_START):]
+    if not good:
         raise ValueError("malformed line")
-    return int(number), kind, None if key is None else int(key, 16), content[head.end():]
+    return (int(number), kind, None if key is None else int(key, 16),
+            None if stored is None else int(stored), event)
 
 
 def scan_feed(f):
     """Read an open feed file line by line, checking each line as the server takes it. Yields
-    (line number, offset, size, number, kind, key, stamp, problem, last) per line: for a good one
-    its event number, kind and dedupe key (records) or stamp (session metadata: (id, (gen,
-    updatedAt))); for a bad one, problem says what is wrong (the others are None) and last whether
-    it is the file's last line, which a crash may have torn. Numbers follow one another from 1; a
-    line that cannot be read is taken to hold the number it is in the place of."""
-    expected, offset = 1, 0
+    (line number, offset, line, number, kind, key, session, problem, last) per line:
+
+        a record         number, b"r", its dedupe key, None
+        session metadata number, b"s", None, (id, (gen, updatedAt), deleted, stored time or None)
+        a kept number    number, b"x", an erased record's key or None, None
+        a bad line       None, None, None, None, and problem says what is wrong; last, whether it
+                         is the file's last line (which a crash may have torn)
+
+    A number must be above the one before it."""
+    before, offset = 0, 0
     for line_number, line in enumerate(f, 1):
-        number = None
         try:
-            number, kind, key, event = parse_feed_line(line)
-            if number != expected:
-                raise ValueError("event number %d where %d was expected" % (number, expected))
-            stamp = None
+            number, kind, key, stored, event = parse_feed_line(line)
+            if number <= before:
+                raise ValueError("event number %d after %d" % (number, before))
+            session = None
             if kind == b"s":
-                session = json.loads(event)
-                stamp = session["id"], (session["gen"], session["updatedAt"])
+                doc = json.loads(event)
+                session = (doc["id"], (doc["gen"], doc["updatedAt"]), doc.get("deleted") is True,
+                           stored)
         except (ValueError, KeyError, TypeError) as exc:
-            yield line_number, offset, len(line), None, None, None, None, str(exc), not f.peek(1)
+            yield line_number, offset, line, None, None, None, None, str(exc), not f.peek(1)
         else:
-            yield line_number, offset, len(line), number, kind, key, stamp, None, False
-        # After a jump, counted on from there.
-        expected = (expected if number is None else number) + 1
+            before = number
+            yield line_number, offset, line, number, kind, key, session, None, False
         offset += len(line)
 
 
-def cut_feed(path, offset):
-    """Cut a feed file back to offset, durably: a torn last line goes."""
+def cut_tail(path, offset, number):
+    """Cut a feed file back to offset, durably, keeping number: a torn or damaged last line goes,
+    and a line that holds no event takes its place, so its number is never handed to another."""
     with open(path, "r+b") as f:
         f.truncate(offset)
+        f.seek(offset)
+        f.write(feed_line(number, b"x"))
+        f.flush()
         sync_file(f.fileno())
 
 
+def lost_number(line, before):
+    """The number a damaged line held, as far as can be told: its own when its head still reads,
+    else the one after the line before it."""
+    head = _LINE_HEAD.match(line)
+    return max(int(head.group(1)), before + 1) if head is not None else before + 1
+
+
 def split_events(data):
-    """The (records, sessions) event bytes of a run of whole feed lines, without parsing JSON."""
+    """The (records, sessions) event bytes of a run of whole feed lines, without parsing JSON;
+    lines without an event are left out."""
     records, sessions = [], []
     for line in data.split(b"\n")[:-1]:
-        event = line[line.find(b',"e":') + 5:1 - _TAIL_LENGTH]
-        if line[line.find(b',"k":"') + 6] == 0x72:  # b"r"
+        kind = line[line.find(b',"k":"') + 6]
+        if kind == 0x78:  # b"x"
+            continue
+        event = line[line.find(_EVENT_START) + 5:1 - _TAIL_LENGTH]
+        if kind == 0x72:  # b"r"
             records.append(event)
         else:
             sessions.append(event)
     return records, sessions
+
+
+def record_session(event):
+    """The session id of a record event, as stored (its first field)."""
+    return json.loads(event)["session"]
+
+
+class FeedIndex:
+    """Where each line of a feed file starts, and which number and whether an event it holds.
+
+    While a feed is dense (line i holds event i + 1, as every feed did before compaction), only
+    the offsets are kept. Once numbers skip or a line holds no event, the numbers of the lines and
+    a running count of their events are kept too, and a pull finds its place by bisection.
+    """
+
+    __slots__ = ("offsets", "numbers", "events_before", "end", "last_event", "events")
+
+    def __init__(self, end=0):
+        self.offsets = array.array("Q", [0])   # offsets[i]: where line i starts; [-1]: the end
+        self.numbers = None                    # numbers[i]: line i's number, once not dense
+        self.events_before = None              # events in lines [0, i), once not dense
+        self.end = end                         # the highest number given to a line
+        self.last_event = 0                    # the number of the last event
+        self.events = 0
+
+    @property
+    def lines(self):
+        return len(self.offsets) - 1
+
+    def add(self, number, size, event=True):
+        """Index the next line: its number (above every one before), size and whether it holds an
+        event."""
+        if self.numbers is None and (number != self.lines + 1 or not event):
+            self.numbers = array.array("Q", range(1, self.lines + 1))
+            self.events_before = array.array("Q", range(self.lines + 1))
+        self.offsets.append(self.offsets[-1] + size)
+        if event:
+            self.events += 1
+            self.last_event = number
+        if self.numbers is not None:
+            self.numbers.append(number)
+            self.events_before.append(self.events)
+        self.end = number
+
+    def line(self, i):
+        """(number, size, event) of line i."""
+        size = self.offsets[i + 1] - self.offsets[i]
+        if self.numbers is None:
+            return i + 1, size, True
+        return self.numbers[i], size, self.events_before[i + 1] > self.events_before[i]
+
+    def page(self, since, limit):
+        """(first line, line after the last, cursor, more) of the page of at most limit events
+        after since: the cursor is the last event's number (since when there is none), and more
+        says whether events follow it."""
+        if self.numbers is None:
+            start = min(since, self.lines)
+            stop = min(self.lines, start + limit)
+            return start, stop, stop if stop > start else since, stop < self.lines
+        start = bisect.bisect_right(self.numbers, since)
+        before = self.events_before
+        wanted = min(limit, self.events - before[start])
+        if wanted <= 0:
+            return start, start, since, False
+        stop = bisect.bisect_left(before, before[start] + wanted, start)
+        return start, stop, self.numbers[stop - 1], before[stop] < self.events
 
 
 class Page:
@@ -2390,12 +2503,14 @@ class _Batch:
     when it is to flush the next group. A batch also keeps what its push found already there
     (skipped), which may be in flight in another push's batch: should that one fail, so must this
     push."""
-    __slots__ = ("lines", "keys", "undo_meta", "skipped_keys", "skipped_meta", "outcome", "woken")
+    __slots__ = ("lines", "keys", "undo_meta", "winners", "skipped_keys", "skipped_meta",
+                 "outcome", "woken")
 
     def __init__(self):
         self.lines = []
         self.keys = []
         self.undo_meta = []
+        self.winners = []                      # (session id, where its new winning line will be)
         self.skipped_keys = []                 # dedupe keys of records found already there
         # (session id, stamp) of metadata that lost to what was there
         self.skipped_meta = []
@@ -2433,35 +2548,161 @@ def wake_pulls(pulls, log):
             pull.woken.notify()
 
 
+# -- compaction: what a feed can do without ------------------------------------------------------
+#
+# A compaction keeps every event number: it drops a session's metadata lines that a later winner
+# replaced, and of the records of a session deleted longer ago than the retention window (by the
+# server's clock when the deletion was stored) it keeps only their numbers and keys. A pull skips
+# the gaps; a client that pulls on from any cursor ends where it would have, less erased records.
+
+COMPACT_SUFFIX = ".compact"  # the new file, written aside until it replaces the feed's
+
+
+class FeedSummary:
+    """One reading of a feed file (summarize_feed): its size, lines, events, records and erased
+    records, the winning metadata line of each session (id -> (number, size, deleted, stored)),
+    and the bytes of metadata lines a later winner replaced."""
+
+    __slots__ = ("size", "lines", "events", "records", "erased", "winners", "superseded_bytes")
+
+    def __init__(self):
+        self.size = self.lines = self.events = self.records = self.erased = 0
+        self.winners = {}
+        self.superseded_bytes = 0
+
+
+def summarize_feed(path, end=None, pause=lambda: None):
+    """Read a feed file, up to end (a line boundary; None: all of it), into a FeedSummary.
+    ValueError names a damaged line (fsck --repair first); pause() is called every few thousand
+    lines (a background compaction lets other threads in)."""
+    summary = FeedSummary()
+    with open(path, "rb") as f:
+        for line_number, offset, line, number, kind, _, session, problem, _ in scan_feed(f):
+            if end is not None and offset >= end:
+                break
+            if problem is not None:
+                raise ValueError("%s:%d: %s" % (path, line_number, problem))
+            summary.lines += 1
+            summary.size = offset + len(line)
+            if kind == b"x":
+                summary.erased += 1
+                continue
+            summary.events += 1
+            if kind == b"r":
+                summary.records += 1
+            else:
+                old = summary.winners.get(session[0])
+                if old is not None:
+                    summary.superseded_bytes += old[1]
+                summary.winners[session[0]] = (number, len(line), session[2], session[3])
+            if line_number % PAUSE_LINES == 0:
+                pause()
+    return summary
+
+
+def compaction_targets(summary, now_ms, retain_ms):
+    """(sessions whose records go, deleted sessions whose winning line gets the time it is first
+    seen): a session goes once its winning metadata is a deletion stored retain_ms or longer ago;
+    a deletion stored before lines had times is timed from now."""
+    erase, stamp = set(), set()
+    for session_id, (_, _, deleted, stored) in summary.winners.items():
+        if deleted and stored is None:
+            stamp.add(session_id)
+        elif deleted and now_ms - stored >= retain_ms:
+            erase.add(session_id)
+    return erase, stamp
+
+
+def compact_lines(path, summary, erase, stamp, now_ms, out=None, pause=lambda: None):
+    """Read a feed file's first summary.size bytes and write what a compaction keeps to out (None:
+    only count it): (bytes kept, records erased now, the FeedIndex of what was written)."""
+    index, kept, erased = FeedIndex(), 0, 0
+    with open(path, "rb") as f:
+        for line_number, offset, line, number, kind, key, session, problem, _ in scan_feed(f):
+            if offset >= summary.size:
+                break
+            if problem is not None:
+                raise ValueError("%s:%d: %s" % (path, line_number, problem))
+            if kind == b"s":
+                if number != summary.winners[session[0]][0]:
+                    continue  # superseded: dropped
+                if session[0] in stamp:
+                    line = feed_line(number, b"s", parse_feed_line(line)[4], stored=now_ms)
+            elif kind == b"r" and erase and record_session(parse_feed_line(line)[4]) in erase:
+                line, kind, erased = feed_line(number, b"x", key=key), b"x", erased + 1
+            if out is not None:
+                out.write(line)
+            index.add(number, len(line), kind != b"x")
+            kept += len(line)
+            if line_number % PAUSE_LINES == 0:
+                pause()
+    return kept, erased, index
+
+
+def compact_file(path, now_ms, retain_ms):
+    """Compact one feed file no server is using: write what is kept aside, fsync it, rename it over
+    the feed, fsync the directory. (bytes before, bytes after, records erased)."""
+    summary = summarize_feed(path)
+    erase, stamp = compaction_targets(summary, now_ms, retain_ms)
+    if not (erase or stamp or summary.superseded_bytes):
+        return summary.size, summary.size, 0
+    aside = path + COMPACT_SUFFIX
+    try:
+        with open(aside, "wb") as out:
+            kept, erased, _ = compact_lines(path, summary, erase, stamp, now_ms, out)
+            out.flush()
+            sync_file(out.fileno())
+        os.replace(aside, path)
+    except BaseException:
+        _remove(aside)
+        raise
+    sync_dir(os.path.dirname(path))
+    return summary.size, kept, erased
+
+
+def _remove(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class Feed:
     """One (owner, project) feed: its file, and the index a start-up rebuilds from it.
 
-    In memory: the durable event count, each event's byte offset, the dedupe keys
-    of its records and the winning (gen, updatedAt) of each session. Pushes to a
-    feed share fsyncs (group commit): a push queues its lines; the push that finds
-    no flush under way writes every queued line with one write and one fsync, and
-    the others wait on a Condition for the flush that holds theirs (the lock hand-off
-    is explained at _flush). A parked long-poll waits on a Condition of its own,
-    which the feed keeps until events become durable and then hands to wake_pulls.
+    In memory: where each line starts and which number it holds (FeedIndex), the dedupe keys of
+    its records (erased ones too), the winning (gen, updatedAt) of each session and where that
+    line is. Pushes to a feed share fsyncs (group commit): a push queues its lines; the push that
+    finds no flush under way writes every queued line with one write and one fsync, and the others
+    wait on a Condition for the flush that holds theirs (the lock hand-off is explained at
+    _flush). A parked long-poll waits on a Condition of its own, which the feed keeps until events
+    become durable and then hands to wake_pulls. A compaction (compact) rewrites the file aside
+    while all this goes on, and swaps it in under the lock.
     """
 
-    def __init__(self, path, log, parked=()):
+    def __init__(self, path, log, parked=(), start=0, clock=time.time):
         self.path = path
         self.log = log
+        self.clock = clock                     # stamps session metadata with the time it is stored
         self.lock = threading.Lock()           # guards everything below
         self.parked = set(parked)              # ParkedPulls waiting for the next durable event
         self._load_lock = threading.Lock()
         self._flushing = False                 # a push is writing and fsyncing queued batches
         self.loaded = False
         self.damage = None                     # "file:line: reason" once a damaged line is found
-        self.count = 0                         # durable events, the last cursor
-        self.offsets = array.array("Q", [0])   # offsets[i]: where event i+1 starts
+        self.index = FeedIndex(start)          # start: a purged feed of the name ended there
         self.keys = set()
-        self.meta = {}
-        self.next_number = 1
+        self.meta = {}                         # session id -> (gen, updatedAt) of its winner
+        self.winners = {}                      # session id -> (number, size, deleted, stored)
+        self.superseded_bytes = 0              # of metadata lines a later winner replaced
+        self.erased = set()                    # sessions a compaction erased the records of
+        self.next_number = start + 1
         self.pending = []
         self.fd = None
-        self._last_page = None                 # ((since, limit, count), Page) of the latest read
+        self.version = 0                       # one more at each compaction: new pages
+        self._last_page = None                 # ((since, limit, end, version), Page), the latest
+        self._readers = 0                      # reads of the file outside the lock, now
+        self._retired = []                     # fds a compaction replaced, closed once unread
         self.fsyncs = 0                        # group commits that wrote events
         self.fsynced_pushes = 0                # pushes made durable by them
 
@@ -2482,33 +2723,43 @@ class Feed:
     def _load(self):
         """Rebuild the index from the file. It is built aside and kept only when the whole load
         succeeds, so a failure half-way (a read error, no file descriptor left) leaves nothing
-        half-built."""
+        half-built. A compaction's file left aside by a crash is removed."""
+        _remove(self.path + COMPACT_SUFFIX)
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
             self.loaded = True
             return
-        count, offsets, keys, meta = 0, array.array("Q", [0]), set(), {}
+        index, keys, meta, winners, superseded = FeedIndex(), set(), {}, {}, 0
         with f:
-            for line_number, offset, size, _, _, key, stamp, problem, last in scan_feed(f):
+            for line_number, offset, line, number, kind, key, session, problem, last in (
+                    scan_feed(f)):
                 if problem is not None:
                     if not last:
                         self.damage = "%s:%d: %s" % (self.path, line_number, problem)
                         self.log("feed refused: %s" % self.damage)
                         return
-                    cut_feed(self.path, offset)
-                    self.log("cut a torn last line off %s (line %d)" % (self.path, line_number))
+                    number = lost_number(line, index.end)
+                    cut_tail(self.path, offset, number)
+                    index.add(number, len(feed_line(number, b"x")), event=False)
+                    self.log("cut a torn last line off %s (line %d; its number %d stays used)"
+                             % (self.path, line_number, number))
                     break
-                if stamp is None:
+                index.add(number, len(line), event=kind != b"x")
+                if key is not None:
                     keys.add(key)
-                else:
-                    meta[stamp[0]] = stamp[1]
-                count += 1
-                offsets.append(offset + size)
+                if session is not None:
+                    session_id, stamp, deleted, stored = session
+                    old = winners.get(session_id)
+                    if old is not None:
+                        superseded += old[1]
+                    meta[session_id] = stamp
+                    winners[session_id] = (number, len(line), deleted, stored)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
         with self.lock:
-            self.count, self.offsets, self.keys, self.meta = count, offsets, keys, meta
-            self.next_number = count + 1
+            self.index, self.keys, self.meta, self.winners = index, keys, meta, winners
+            self.superseded_bytes = superseded
+            self.next_number = index.end + 1
             self.fd = fd
         self.loaded = True
 
@@ -2523,7 +2774,7 @@ class Feed:
         with self.lock:
             batch = self._queue(records, sessions)
             if batch is None:
-                return self.count, 0
+                return self.index.end, 0
             while batch.outcome is None:
                 if self._flushing:
                     if batch.woken is None:
@@ -2547,8 +2798,9 @@ class Feed:
                 continue
             self.keys.add(record.key)
             batch.keys.append(record.key)
-            batch.lines.append(feed_line(number, b"r", record.event, record.key))
+            batch.lines.append(feed_line(number, b"r", record.event, key=record.key))
             number += 1
+        stored = None
         for entry in sessions:
             old = self.meta.get(entry.session_id)
             if not metadata_wins(entry.stamp, old):
@@ -2556,10 +2808,13 @@ class Feed:
                 continue
             self.meta[entry.session_id] = entry.stamp
             batch.undo_meta.append((entry.session_id, old))
-            batch.lines.append(feed_line(number, b"s", entry.event))
+            stored = stored or int(self.clock() * 1000)
+            line = feed_line(number, b"s", entry.event, stored=stored)
+            batch.lines.append(line)
+            batch.winners.append((entry.session_id, (number, len(line), entry.deleted, stored)))
             number += 1
         self.next_number = number
-        if not batch.lines and number == self.count + 1:
+        if not batch.lines and number == self.index.end + 1:
             return None
         # Even an empty batch waits when events are in flight: what it found
         # duplicate may be among them, and may yet fail.
@@ -2573,7 +2828,7 @@ class Feed:
         Called with the lock held, which it lets go for the disk work and takes again before it
         returns: pushes that arrive meanwhile queue their batches for the next flush (the push that
         finds no flush under way does it: append's loop), and reads go on. _flushing tells them one
-        is under way."""
+        is under way (and a compaction waits for it to end before it swaps files)."""
         group, self.pending = self.pending, []
         lines = [line for queued in group for line in queued.lines]
         self._flushing = True
@@ -2588,13 +2843,16 @@ class Feed:
             self.lock.acquire()
             self._flushing = False
         if failure is None:
-            offset = self.offsets[-1]
-            for line in lines:
-                offset += len(line)
-                self.offsets.append(offset)
-            self.count += len(lines)
+            index = self.index
+            for line in lines:  # numbered from the end on, in this order (_queue)
+                index.add(index.end + 1, len(line))
             for queued in group:
-                queued.outcome = (self.count, len(queued.lines))
+                queued.outcome = (index.end, len(queued.lines))
+                for session_id, winner in queued.winners:
+                    old = self.winners.get(session_id)
+                    if old is not None:
+                        self.superseded_bytes += old[1]
+                    self.winners[session_id] = winner
             if lines:
                 self.fsyncs += 1
                 self.fsynced_pushes += sum(1 for queued in group if queued.lines)
@@ -2609,7 +2867,7 @@ class Feed:
                 # A push that added nothing fails only when what it found there was in the failed
                 # write.
                 held = not queued.lines and self._still_there(queued)
-                queued.outcome = (self.count, 0) if held else outcome
+                queued.outcome = (self.index.end, 0) if held else outcome
         for queued in group:
             if queued.woken is not None:
                 queued.woken.notify()
@@ -2634,7 +2892,7 @@ class Feed:
                 else:
                     self.meta[session_id] = old
             self.keys.difference_update(queued.keys)
-        self.next_number = self.count + 1
+        self.next_number = self.index.end + 1
 
     def _write(self, data):
         """Append data and fsync it; on failure, cut the file back to its durable end."""
@@ -2642,7 +2900,7 @@ class Feed:
         if created:
             make_dirs(os.path.dirname(self.path))
             self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
-        durable_end = self.offsets[-1]
+        durable_end = self.index.offsets[-1]
         try:
             write_all(self.fd, data)
             sync_file(self.fd)
@@ -2667,45 +2925,47 @@ class Feed:
         self.ensure_loaded()
         # Without the lock: every pull one push woke asks for this page at once.
         last = self._last_page
-        if last is not None and last[0] == (since, limit, self.count):
-            return last[1]  # (a page is built for one count, and never changes)
+        if last is not None and last[0] == (since, limit, self.index.end, self.version):
+            return last[1]  # (a page is built for one end, and never changes)
         with self.lock:
-            count = self.count
-            if since >= count:
-                return Page(since)
+            key = (since, limit, self.index.end, self.version)
             last = self._last_page
-            if last is not None and last[0] == (since, limit, count):
+            if last is not None and last[0] == key:
                 return last[1]
-            end = min(count, since + limit)
-            start, stop = self.offsets[since], self.offsets[end]
+            start, stop, cursor, more = self.index.page(since, limit)
+            if start == stop:
+                return Page(since)
+            first, end = self.index.offsets[start], self.index.offsets[stop]
             fd = self.fd
-        chunks, position = [], start
-        while position < stop:
-            chunk = os.pread(fd, stop - position, position)
-            if not chunk:
-                raise StorageError("%s is shorter than its index" % self.path)
-            chunks.append(chunk)
-            position += len(chunk)
-        records, sessions = split_events(b"".join(chunks))
-        page = Page(end, records, sessions, end < count)
-        if stop - start <= CACHED_PAGE_BYTES:  # a catch-up's big pages are read once: not kept
-            self._last_page = ((since, limit, count), page)
+            self._readers += 1
+        try:
+            data = read_exactly(fd, first, end - first, self.path)
+        finally:
+            with self.lock:
+                self._readers -= 1
+                if not self._readers:
+                    self._close_retired()
+        records, sessions = split_events(data)
+        page = Page(cursor, records, sessions, more)
+        if end - first <= CACHED_PAGE_BYTES:  # a catch-up's big pages are read once: not kept
+            self._last_page = (key, page)
         return page
 
     def wait(self, since, timeout, stopping, on_event=None):
-        """Wait up to timeout seconds for an event after since; True once there is one, or stopping
-        is set. on_event: called by the thread that wakes this wait, before it does (see wake)."""
+        """Wait up to timeout seconds for an event after since; True once there is one, or
+        stopping is set. on_event: called by the thread that wakes this wait, before it does (see
+        wake_pulls)."""
         self.ensure_loaded()
         pull = ParkedPull(on_event)
         # Held until wait() lets it go: a flush that takes this pull cannot notify it before.
         with pull.woken:
             with self.lock:
-                if self.count > since or stopping.is_set():
+                if self.index.last_event > since or stopping.is_set():
                     return True
                 self.parked.add(pull)
             if not pull.woken.wait(timeout):
                 self.unpark(pull)
-        return self.count > since or stopping.is_set()
+        return self.index.last_event > since or stopping.is_set()
 
     def unpark(self, pull):
         with self.lock:
@@ -2717,6 +2977,111 @@ class Feed:
             parked, self.parked = self.parked, set()
         wake_pulls(parked, self.log)
 
+    # -- compacting --------------------------------------------------------
+
+    def compact(self, now_ms, retain_ms, pause=lambda: None):
+        """Compact the file while pushes and pulls go on: what is durable now is read and what a
+        compaction keeps written aside, then, under the lock and with no flush under way, the lines
+        made durable meanwhile are copied over, the new file fsynced and renamed over the feed's,
+        and the directory fsynced. A crash at any moment leaves the old file or the new one whole.
+        (bytes before, bytes after, records erased); OSError or ValueError when it could not be."""
+        self.ensure_loaded()
+        with self.lock:
+            durable_end, lines = self.index.offsets[-1], self.index.lines
+        summary = summarize_feed(self.path, durable_end, pause)
+        erase, stamp = compaction_targets(summary, now_ms, retain_ms)
+        aside = self.path + COMPACT_SUFFIX
+        try:
+            with open(aside, "wb") as out:
+                kept, erased, index = compact_lines(self.path, summary, erase, stamp, now_ms, out,
+                                                    pause)
+                out.flush()
+                sync_file(out.fileno())
+            while True:
+                with self.lock:
+                    if not self._flushing:
+                        size = self.index.offsets[-1]
+                        self._swap(aside, index, lines, durable_end)
+                        break
+                time.sleep(0.001)  # a flush is writing to the old file: after it
+        except BaseException:
+            _remove(aside)
+            raise
+        with self.lock:
+            self.superseded_bytes -= summary.superseded_bytes
+            for session_id in stamp:
+                number, size_then, deleted, _ = self.winners[session_id]
+                if number == summary.winners[session_id][0]:  # (no later winner meanwhile)
+                    self.winners[session_id] = (number, size_then + len(b',"t":%d' % now_ms),
+                                                deleted, now_ms)
+            self.erased |= erase
+        return size, index.offsets[-1], erased
+
+    def _swap(self, aside, index, lines, durable_end):
+        """Make the file written aside the feed's (lock held, no flush under way): copy the lines
+        made durable since durable_end to it, fsync, rename, fsync the directory, index them."""
+        tail = read_exactly(self.fd, durable_end, self.index.offsets[-1] - durable_end, self.path)
+        with open(aside, "ab") as out:
+            out.write(tail)
+            out.flush()
+            sync_file(out.fileno())
+        os.replace(aside, self.path)
+        sync_dir(os.path.dirname(self.path))
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        for i in range(lines, self.index.lines):
+            index.add(*self.index.line(i))
+        self._retired.append(self.fd)  # a read outside the lock may still use it
+        if not self._readers:
+            self._close_retired()
+        self.fd, self.index = fd, index
+        self.version += 1
+        self._last_page = None
+
+    def _close_retired(self):
+        for fd in self._retired:
+            os.close(fd)
+        self._retired = []
+
+
+def read_exactly(fd, offset, size, path):
+    """size bytes of fd from offset; StorageError when the file is shorter."""
+    chunks, position, stop = [], offset, offset + size
+    while position < stop:
+        chunk = os.pread(fd, stop - position, position)
+        if not chunk:
+            raise StorageError("%s is shorter than its index" % path)
+        chunks.append(chunk)
+        position += len(chunk)
+    return b"".join(chunks)
+
+
+def purged_key(owner, project):
+    """How the purged-feeds file names a feed: a hash, so that it lists no one's ids."""
+    kind, owner_id = owner
+    return hashlib.sha256(("%s\n%s\n%s" % (kind, owner_id, project)).encode("utf-8")).hexdigest()
+
+
+def read_purged(layout):
+    """{purged_key: the last number the feed had} of the feeds purge removed; {} when none was."""
+    try:
+        with open(layout.purged, "rb") as f:
+            doc = decode_json(f.read())
+    except FileNotFoundError:
+        return {}
+    if not isinstance(doc, dict) or not all(as_safe_int(end) is not None for end in doc.values()):
+        raise ValueError("%s is not a purged-feeds file" % layout.purged)
+    return doc
+
+
+def has_event(path):
+    """Whether a feed file's first line is an event (the usual case; else it takes a load to
+    tell)."""
+    try:
+        with open(path, "rb") as f:
+            return parse_feed_line(f.readline(MAX_PUSH_BYTES * 2))[1] != b"x"
+    except (OSError, ValueError):
+        return False
+
 
 class FeedStore:
     """All feeds under DIR/feeds, loaded lazily on first use.
@@ -2725,19 +3090,22 @@ class FeedStore:
     feed: two namespaces, so a principal and a team with one id never meet.
     """
 
-    def __init__(self, data_dir, log=None):
+    def __init__(self, data_dir, log=None, clock=time.time):
         self.layout = DataDir(data_dir)
         self.log = log or (lambda message: None)
+        self.clock = clock
         self.stopping = threading.Event()
         self._feeds = {}
         self._lock = threading.Lock()
         # (owner, project) without a Feed -> ParkedPulls waiting for one
         self._unborn = {}
+        self._purged = None                    # read_purged, when a new feed is first made
 
     def feed(self, owner, project, create=False):
         """The Feed of (owner, project); None when it has no file and create is false.
 
-        create=True makes an in-memory feed only: its file appears with its first event.
+        create=True makes an in-memory feed only: its file appears with its first event. A feed
+        that purge removed numbers on from where it ended.
         """
         key = (owner, project)
         feed = self._feeds.get(key)
@@ -2747,10 +3115,23 @@ class FeedStore:
         with self._lock:
             feed = self._feeds.get(key)
             if feed is None and (create or os.path.exists(path)):
+                if self._purged is None:
+                    try:
+                        self._purged = read_purged(self.layout)
+                    except (OSError, ValueError) as exc:
+                        raise StorageError("cannot read %s: %s" % (self.layout.purged,
+                                                                    reason(exc))) from None
                 # Pulls waiting for this feed to exist now wait on it, for its first event: not
                 # woken now.
-                feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()))
+                start = self._purged.get(purged_key(owner, project), 0)
+                feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()),
+                                               start=start, clock=self.clock)
             return feed
+
+    def feeds(self):
+        """The Feeds made so far."""
+        with self._lock:
+            return list(self._feeds.values())
 
     def push(self, owner, project, records, sessions):
         """Append a validated push; (cursor, accepted) once durable. A push that adds nothing
@@ -2792,7 +3173,7 @@ class FeedStore:
             if not pull.woken.wait(timeout):
                 self._unpark(key, pull)
         feed = self._feeds.get(key)
-        return self.stopping.is_set() or (feed is not None and feed.count > since)
+        return self.stopping.is_set() or (feed is not None and feed.index.last_event > since)
 
     def _unpark(self, key, pull):
         """Forget a pull whose wait for key's first event is over: aside, or on the Feed made
@@ -2809,24 +3190,29 @@ class FeedStore:
             feed.unpark(pull)
 
     def projects(self, owner):
-        """The sorted project ids with a durable event in owner's feed. A feed in use counts its
-        durable events (its file may hold a first push still being fsynced, or being undone);
-        another, its file."""
+        """The sorted project ids with a durable event in owner's feed, after a crash too: a feed
+        in use counts its events (its file may hold a first push still being fsynced, or being
+        undone); another is listed when its first line is an event, else once it is loaded."""
         names = []
         for project, entry in self.layout.owner_feeds(owner):
             feed = self._feeds.get((owner, project))
-            if feed is not None and feed.loaded:
-                durable = feed.count > 0
-            else:
-                durable = entry.stat().st_size > 0
-            if durable:
+            if feed is None or not feed.loaded:
+                if has_event(entry.path):
+                    names.append(project)
+                    continue
+                feed = self.feed(owner, project)
+                try:
+                    feed.ensure_loaded()
+                except (FeedDamaged, StorageError):
+                    names.append(project)  # it holds something: its pulls say what is wrong
+                    continue
+            if feed.index.events:
                 names.append(project)
         return sorted(names)
 
     def commit_counts(self):
         """(pushes made durable, fsyncs that did it) since start: group commit at work."""
-        with self._lock:
-            feeds = list(self._feeds.values())
+        feeds = self.feeds()
         return sum(feed.fsynced_pushes for feed in feeds), sum(feed.fsyncs for feed in feeds)
 
     def stop(self):
@@ -2839,6 +3225,89 @@ class FeedStore:
         wake_pulls(unborn, self.log)
         for feed in feeds:
             feed.wake()
+
+
+class Compactor:
+    """Compacts feeds in use in the background: every COMPACT_CHECK_SECONDS it looks at the
+    feeds loaded since start, and compacts, one at a time, each whose droppable bytes are at least
+    half its file and at least COMPACT_MIN_BYTES, when the disk has room for the new file.
+
+    What a feed can drop is known without reading it while it is only superseded metadata; a
+    deletion past the retention window takes a reading to count its records, done again only
+    once the file has grown by COMPACT_MIN_BYTES.
+    """
+
+    def __init__(self, store, retain_days, log, clock=time.time):
+        self.store = store
+        self.retain_ms = retain_days * DAY_MS
+        self.log = log
+        self.clock = clock
+        self._looked = {}                      # Feed -> its size when last counted by a reading
+        self._stopped = threading.Event()
+        self._thread = None
+
+    def start(self):
+        self._thread = threading.Thread(target=self._run, name="compactor", daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def _run(self):
+        while not self._stopped.wait(COMPACT_CHECK_SECONDS):
+            try:
+                self.run_once()
+            except Exception as exc:  # it must live on, as the server does
+                self.log("compactor: %s: %s" % (type(exc).__name__, exc))
+
+    def run_once(self):
+        """Look at every feed in use once; compact those worth it."""
+        for feed in self.store.feeds():
+            if self._stopped.is_set():
+                return
+            if feed.loaded and feed.damage is None and feed.fd is not None:
+                self._consider(feed)
+
+    def _consider(self, feed):
+        size, now_ms = feed.index.offsets[-1], int(self.clock() * 1000)
+        floor = max(COMPACT_MIN_BYTES, size // 2)
+        if size < COMPACT_MIN_BYTES:
+            return
+        droppable = feed.superseded_bytes
+        aged = [session_id for session_id, (_, _, deleted, stored) in list(feed.winners.items())
+                if deleted and stored is not None and now_ms - stored >= self.retain_ms
+                and session_id not in feed.erased]
+        if droppable < floor and aged and size - self._looked.get(feed, 0) >= COMPACT_MIN_BYTES:
+            self._looked[feed] = size
+            summary = summarize_feed(feed.path, size, pause=yield_now)
+            erase, stamp = compaction_targets(summary, now_ms, self.retain_ms)
+            kept, _, _ = compact_lines(feed.path, summary, erase, stamp, now_ms, pause=yield_now)
+            droppable = summary.size - kept
+        if droppable < floor:
+            return
+        room = shutil.disk_usage(os.path.dirname(feed.path)).free
+        if room < size - droppable + COMPACT_MIN_BYTES:
+            self.log("compaction of %s waits: the disk has no room for its new file" % feed.path)
+            return
+        started = time.monotonic()
+        try:
+            before, after, erased = feed.compact(now_ms, self.retain_ms, pause=yield_now)
+        except (OSError, ValueError) as exc:
+            self.log("compaction of %s failed, the feed is as it was: %s"
+                     % (feed.path, reason(exc)))
+            return
+        self._looked.pop(feed, None)
+        self.log("compacted %s: %s -> %s (%s erased) in %.1f s" % (
+            feed.path, format_bytes(before), format_bytes(after), plural(erased, "record"),
+            time.monotonic() - started))
+
+
+def yield_now():
+    """Let other threads have the interpreter: a background compaction runs in pieces, and a push
+    waits no longer than one of them."""
+    time.sleep(0)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -5075,11 +5544,12 @@ def list_tokens(tokens):
 class DataDirCheck:
     """Reads a whole data dir and lists what is wrong with it; read-only unless asked to repair.
 
-    Problems are damage: a bad line, a gap in event numbers, a record stored twice, a manifest or
-    token file that does not parse, a note whose object is missing or does not hash right. Notes
-    are harmless findings (unreferenced revision objects, left by a crash or a replaced note).
-    Repair only cuts a torn last line off a feed and removes unreferenced objects; it never drops
-    data from the middle of a feed.
+    Problems are damage: a bad line, a number not above the one before, a record stored twice, a
+    manifest, token or purged-feeds file that does not parse, a note whose object is missing or
+    does not hash right. Notes are harmless findings (unreferenced revision objects, left by a
+    crash or a replaced note; a compaction's file left aside by a crash). Repair drops a damaged
+    line from the middle of a feed and keeps every other line (event numbers may skip), cuts a
+    torn or damaged last line while its number stays used, and removes what the notes name.
 
     progress, if given, is called as progress(feeds done, feeds in all, bytes done, bytes in all)
     as the feeds are read: at each feed and every few thousand lines.
@@ -5097,8 +5567,6 @@ class DataDirCheck:
         self.repaired = []
         # something --repair would fix was found (and left, without --repair)
         self.repairable = False
-        # (path, line number, byte offset, lines from there on) of a feed the server refuses
-        self.cuts = []
         self.counts = {"feeds": 0, "events": 0, "scopes": 0, "notes": 0, "tokens": 0}
         self.feeds_total = self.bytes_total = self.bytes_done = 0
 
@@ -5115,6 +5583,8 @@ class DataDirCheck:
         for owner, _, entry in self.layout.all_feeds():
             if owner is not None:
                 feeds.append((entry.path, entry.stat().st_size))
+            elif entry.name.endswith(".jsonl" + COMPACT_SUFFIX):
+                self.leftover(entry.path, "a compaction's file left aside by a crash")
             else:
                 self.notes.append("%s: not a feed file (left alone)" % entry.path)
         self.feeds_total, self.bytes_total = len(feeds), sum(size for _, size in feeds)
@@ -5123,6 +5593,19 @@ class DataDirCheck:
             self.check_feed(path)
             self.bytes_done += size
         self._report_progress(0)
+        try:
+            read_purged(self.layout)
+        except (OSError, ValueError) as exc:
+            self.problems.append("%s does not parse: %s" % (self.layout.purged, reason(exc)))
+
+    def leftover(self, path, what):
+        """A harmless file that --repair removes."""
+        if self.repair:
+            _remove(path)
+            self.repaired.append("%s: removed %s" % (path, what))
+        else:
+            self.repairable = True
+            self.notes.append("%s: %s (harmless; --repair removes it)" % (path, what))
 
     def _report_progress(self, feed_bytes):
         if self.progress is not None:
@@ -5130,38 +5613,65 @@ class DataDirCheck:
                           self.bytes_total)
 
     def check_feed(self, path):
-        keys, cut, line_number = set(), None, 0
+        keys, damaged, torn, before = set(), [], None, 0
         with open(path, "rb") as f:
-            for line_number, offset, _, _, _, key, _, problem, last in scan_feed(f):
+            for line_number, offset, line, number, kind, key, _, problem, last in scan_feed(f):
                 if line_number % self.PROGRESS_LINES == 0:
                     self._report_progress(offset)
                 if problem is not None and last:
-                    self._torn_tail(path, line_number, offset, problem)
-                    break
-                if problem is not None:
-                    self.problems.append("%s:%d: %s" % (path, line_number, problem))
-                    cut = cut or (line_number, offset)  # the server refuses the feed from here
-                    continue
-                if key is not None:
-                    if key in keys:
-                        self.problems.append("%s:%d: a record (session, id) stored a second time"
-                                             % (path, line_number))
-                    keys.add(key)
-                self.counts["events"] += 1
+                    torn = (line_number, offset, lost_number(line, before), problem)
+                elif problem is not None:
+                    damaged.append((line_number, problem))
+                else:
+                    before = number
+                    if key is not None:
+                        if key in keys:
+                            self.problems.append("%s:%d: a record (session, id) stored a second "
+                                                 "time" % (path, line_number))
+                        keys.add(key)
+                    self.counts["events"] += kind != b"x"
         self.counts["feeds"] += 1
-        if cut is not None:
-            self.cuts.append((path, cut[0], cut[1], line_number - cut[0] + 1))
+        if damaged or torn:
+            self._mend_feed(path, damaged, torn)
 
-    def _torn_tail(self, path, line_number, offset, problem):
-        if self.repair:
-            cut_feed(path, offset)
-            self.repaired.append("%s:%d: cut a torn or damaged last line (%s)"
-                                 % (path, line_number, problem))
-        else:
+    def _mend_feed(self, path, damaged, torn):
+        """Say what is damaged in a feed, and with --repair mend it: drop each damaged line from
+        the middle (the file is rewritten aside and renamed over), cut a torn last one keeping
+        its number."""
+        if not self.repair:
             self.repairable = True
-            self.problems.append("%s:%d: torn or damaged last line (%s); --repair cuts it, and a "
-                                 "running server cuts it at its next start"
-                                 % (path, line_number, problem))
+            for line_number, problem in damaged:
+                self.problems.append("%s:%d: %s; --repair drops this line and keeps the others "
+                                     "(the server refuses the feed until then)"
+                                     % (path, line_number, problem))
+            if torn:
+                self.problems.append("%s:%d: torn or damaged last line (%s); --repair cuts it, "
+                                     "and a running server cuts it at its next start"
+                                     % (path, torn[0], torn[3]))
+            return
+        if damaged:
+            drop = {line_number for line_number, _ in damaged}
+            if torn:
+                drop.add(torn[0])
+            aside = path + COMPACT_SUFFIX
+            with open(path, "rb") as f, open(aside, "wb") as out:
+                for line_number, line in enumerate(f, 1):
+                    if line_number not in drop:
+                        out.write(line)
+                if torn:
+                    out.write(feed_line(torn[2], b"x"))
+                out.flush()
+                sync_file(out.fileno())
+            os.replace(aside, path)
+            sync_dir(os.path.dirname(path))
+            for line_number, problem in damaged:
+                self.repaired.append("%s:%d: dropped a damaged line (%s)"
+                                     % (path, line_number, problem))
+        elif torn:
+            cut_tail(path, torn[1], torn[2])
+        if torn:
+            self.repaired.append("%s:%d: cut a torn or damaged last line (%s); its number %d "
+                                 "stays used" % (path, torn[0], torn[3], torn[2]))
 
     # -- memory ----------------------------------------------------------------
 
@@ -5283,22 +5793,14 @@ def fsck_command(argv):
 
 
 def fsck_remedies(check):
-    """The exact commands that mend what check found, each on a line of its own: fsck --repair,
-    and a cut of each feed the server refuses at its first damaged line (which nothing does by
-    itself)."""
-    lines = []
-    if check.repairable:
-        command = [sys.executable or "python3", os.path.abspath(__file__), "fsck", "--data",
-                   check.data_dir, "--repair"]
-        lines.append("to repair, with the server stopped: %s"
-                     % " ".join(shlex.quote(word) for word in command))
-    for path, line_number, offset, lines_lost in check.cuts:
-        lines.append("to cut %s at line %d, losing %s from there on (the server refuses the feed "
-                     "until then; stop it and keep a copy of the file first): truncate -s %d %s"
-                     % (path, line_number,
-                        "its %d lines" % lines_lost if lines_lost > 1 else "that line", offset,
-                        shlex.quote(path)))
-    return lines
+    """The exact command that mends what check found, on a line of its own (none when it found
+    nothing --repair mends)."""
+    if not check.repairable:
+        return []
+    command = [sys.executable or "python3", os.path.abspath(__file__), "fsck", "--data",
+               check.data_dir, "--repair"]
+    return ["to repair, with the server stopped: %s"
+            % " ".join(shlex.quote(word) for word in command)]
 
 
 def format_bytes(count):

@@ -37,6 +37,7 @@ import time
 import unittest
 import urllib.parse
 import weakref
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from unittest import mock
 
@@ -329,24 +330,67 @@ class PushValidationUnitTest(unittest.TestCase):
 class FeedLineTest(unittest.TestCase):
     def test_round_trip(self):
         line = sync.feed_line(7, b"r", b'{"a":1}', key=0xABC)
-        self.assertEqual(sync.parse_feed_line(line), (7, b"r", 0xABC, b'{"a":1}'))
-        line = sync.feed_line(8, b"s", b'{"id":"s"}')
-        self.assertEqual(sync.parse_feed_line(line), (8, b"s", None, b'{"id":"s"}'))
+        self.assertEqual(sync.parse_feed_line(line), (7, b"r", 0xABC, None, b'{"a":1}'))
+        line = sync.feed_line(8, b"s", b'{"id":"s"}', stored=1789344000123)
+        self.assertEqual(line[:34], b'{"n":8,"k":"s","t":1789344000123,"')
+        self.assertEqual(sync.parse_feed_line(line), (8, b"s", None, 1789344000123, b'{"id":"s"}'))
         self.assertEqual(json.loads(line)["n"], 8)  # still one JSON object per line
+        self.assertEqual(sync.parse_feed_line(sync.feed_line(9, b"s", b'{"id":"s"}')),  # before times
+                         (9, b"s", None, None, b'{"id":"s"}'))
+        erased = sync.feed_line(10, b"x", key=0xABC)
+        self.assertEqual(erased, b'{"n":10,"k":"x","h":"%032x","c":"%08x"}\n'
+                         % (0xABC, zlib.crc32(b'{"n":10,"k":"x","h":"%032x"' % 0xABC)))
+        self.assertEqual(sync.parse_feed_line(erased), (10, b"x", 0xABC, None, None))
+        self.assertEqual(sync.parse_feed_line(sync.feed_line(11, b"x")), (11, b"x", None, None, None))
+        self.assertEqual(len(erased), sync.STUB_BYTES + 2)  # STUB_BYTES counts no digits of the number
+
+    def test_lines_of_no_known_shape_are_damaged(self):
+        for content in (b'{"n":1,"k":"r","e":{}', b'{"n":1,"k":"s","h":"%032x","e":{}' % 1,
+                        b'{"n":1,"k":"r","h":"%032x","t":5,"e":{}' % 1, b'{"n":1,"k":"x","e":{}',
+                        b'{"n":1,"k":"x","t":5', b'{"n":1,"k":"q","e":{}', b'{"n":1,"k":"s"'):
+            line = b'%s,"c":"%08x"}\n' % (content, zlib.crc32(content))
+            with self.subTest(content=content), self.assertRaisesRegex(ValueError, "^malformed line$"):
+                sync.parse_feed_line(line)
 
     def test_any_flipped_byte_is_detected(self):
-        line = sync.feed_line(3, b"r", b'{"session":"s","id":"r","body":"hello"}', key=5)
-        for i in range(len(line) - 1):
-            damaged = line[:i] + bytes([line[i] ^ 0x01]) + line[i + 1:]
-            try:
-                parsed = sync.parse_feed_line(damaged)
-            except ValueError:
-                continue
-            self.fail("flipped byte %d went unnoticed: %r" % (i, parsed))
+        for line in (sync.feed_line(3, b"r", b'{"session":"s","id":"r","body":"hello"}', key=5),
+                     sync.feed_line(4, b"s", b'{"id":"s"}', stored=12), sync.feed_line(5, b"x", key=5)):
+            for i in range(len(line) - 1):
+                damaged = line[:i] + bytes([line[i] ^ 0x01]) + line[i + 1:]
+                try:
+                    parsed = sync.parse_feed_line(damaged)
+                except ValueError:
+                    continue
+                self.fail("flipped byte %d went unnoticed: %r" % (i, parsed))
 
     def test_split_events_without_parsing(self):
-        data = sync.feed_line(1, b"r", b'{"x":",\\"e\\":"}', key=1) + sync.feed_line(2, b"s", b'{"id":"a"}')
+        data = (sync.feed_line(1, b"r", b'{"x":",\\"e\\":"}', key=1) + sync.feed_line(2, b"x", key=2)
+                + sync.feed_line(3, b"s", b'{"id":"a"}', stored=9) + sync.feed_line(4, b"x"))
         self.assertEqual(sync.split_events(data), ([b'{"x":",\\"e\\":"}'], [b'{"id":"a"}']))
+
+    def test_the_index_of_a_dense_feed_and_of_one_whose_numbers_skip(self):
+        dense = sync.FeedIndex()
+        for number in range(1, 6):
+            dense.add(number, 10)
+        self.assertIsNone(dense.numbers)  # line i holds i + 1: only offsets are kept
+        self.assertEqual([dense.page(since, 2) for since in (0, 3, 4, 5, 9)],
+                         [(0, 2, 2, True), (3, 5, 5, False), (4, 5, 5, False), (5, 5, 5, False),
+                          (5, 5, 9, False)])
+        sparse = sync.FeedIndex()
+        for number, event in ((1, True), (2, False), (3, False), (5, True), (9, True), (10, False)):
+            sparse.add(number, 10, event)
+        self.assertEqual((sparse.end, sparse.last_event, sparse.events, list(sparse.numbers)),
+                         (10, 9, 3, [1, 2, 3, 5, 9, 10]))
+        # (first line, line after the last, cursor, more): a page skips lines without events
+        self.assertEqual([sparse.page(since, 1) for since in (0, 1, 2, 4, 5, 9, 10)],
+                         [(0, 1, 1, True), (1, 4, 5, True), (2, 4, 5, True), (3, 4, 5, True),
+                          (4, 5, 9, False), (5, 5, 9, False), (6, 6, 10, False)])
+        self.assertEqual(sparse.page(0, 500), (0, 5, 9, False))
+        self.assertEqual([sparse.line(i) for i in (0, 1, 4)], [(1, 10, True), (2, 10, False), (9, 10, True)])
+        purged = sync.FeedIndex(end=40)  # a feed purge removed ended at 40: its numbers go on from there
+        purged.add(41, 10)
+        self.assertEqual((purged.page(0, 500), purged.page(40, 500), purged.page(41, 500)),
+                         ((0, 1, 41, False), (0, 1, 41, False), (1, 1, 41, False)))
 
 
 # -- JavaScript strings, notes and the note hash ------------------------------
@@ -2397,12 +2441,14 @@ class FeedStoreTest(unittest.TestCase):
         with open(self.path(), "ab") as f:
             f.write(good.splitlines(True)[0][:30])  # half a line, as a power cut leaves it
         store = self.reopen()
-        self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="c")])), (3, 1))
+        # The torn line's number stays used (a line without an event keeps it): c is 4, not 3.
+        self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="c")])), (4, 1))
         with open(self.path(), "rb") as f:
             lines = f.read().splitlines(True)
-        self.assertEqual(b"".join(lines[:2]), good)
-        self.assertEqual(len(lines), 3)
-        self.assertTrue(any("cut a torn last line" in line for line in self.log_lines))
+        self.assertEqual((b"".join(lines[:2]), lines[2], len(lines)), (good, sync.feed_line(3, b"x"), 4))
+        self.assertIn("cut a torn last line off %s (line 3; its number 3 stays used)" % self.path(), self.log_lines)
+        page = store.pull(self.owner, "p", 2, 500)
+        self.assertEqual(([json.loads(r)["id"] for r in page.records], page.cursor, page.more), (["c"], 4, False))
 
     def test_a_damaged_complete_last_line_is_cut_off_too(self):
         self.store.push(self.owner, "p", *validated([record(record_id="a"), record(record_id="b")]))
@@ -2414,8 +2460,10 @@ class FeedStoreTest(unittest.TestCase):
         page = store.pull(self.owner, "p", 0, 500)
         self.assertEqual(([json.loads(r)["id"] for r in page.records], page.cursor), (["a"], 1))
         with open(self.path(), "rb") as f:
-            self.assertEqual(f.read(), lines[0])
-        self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="b")])), (2, 1))
+            self.assertEqual(f.read(), lines[0] + sync.feed_line(2, b"x"))  # number 2 is never given again
+        # A client that had pulled the old 2 keeps its cursor there, and still gets what comes next.
+        self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="b")])), (3, 1))
+        self.assertEqual([json.loads(r)["id"] for r in store.pull(self.owner, "p", 2, 500).records], ["b"])
 
     def test_damaged_middle_line_refuses_that_feed_only(self):
         self.store.push(self.owner, "p", *validated([record(record_id=str(i)) for i in range(3)]))
@@ -3346,32 +3394,42 @@ class FsckTest(unittest.TestCase):
         self.assertEqual(lines, ["fsck %s: 2 feeds with 7 events, 2 memory scopes with 3 live notes, 1 tokens: "
                                  "0 problems" % self.data_dir])
 
-    def test_a_flipped_byte_is_named_with_its_line(self):
+    def test_a_flipped_byte_is_named_with_its_line_and_repair_drops_only_that_line(self):
+        with open(self.feed, "rb") as f:
+            good = f.read().splitlines(True)
         self.edit_lines(self.feed, lambda lines: lines.__setitem__(2, lines[2].replace(b'"laptop"', b'"laptoq"')))
         code, lines = self.fsck()
         self.assertEqual(code, 1)
-        self.assertEqual(self.problems(lines), ["problem: %s:3: checksum mismatch" % self.feed])
+        self.assertEqual(self.problems(lines), ["problem: %s:3: checksum mismatch; --repair drops this line and keeps "
+                                                "the others (the server refuses the feed until then)" % self.feed])
+        code, lines = self.fsck("--repair")
+        self.assertEqual(code, 0, lines)
+        self.assertIn("repaired: %s:3: dropped a damaged line (checksum mismatch)" % self.feed, lines)
+        with open(self.feed, "rb") as f:  # one line lost, not the four after it; its number is a gap
+            self.assertEqual(f.read(), b"".join(good[:2] + good[3:]))
+        store = sync.FeedStore(self.data_dir)
+        page = store.pull(("u", "alice"), "p", 0, 500)
+        self.assertEqual(([json.loads(r)["id"] for r in page.records], page.cursor), (["0", "1", "3", "4"], 6))
+        self.assertEqual(store.push(("u", "alice"), "p", *validated([record(record_id="2")])), (7, 1))
 
-    def test_a_gap_in_event_numbers(self):
+    def test_event_numbers_may_skip_but_never_go_back(self):
         self.edit_lines(self.feed, lambda lines: lines.__delitem__(1))
+        self.assertEqual(self.fsck()[0], 0)  # a gap: what a compaction or a repair leaves
+        self.edit_lines(self.feed, lambda lines: lines.insert(2, lines[0]))
         code, lines = self.fsck()
-        self.assertEqual(self.problems(lines), ["problem: %s:2: event number 3 where 2 was expected" % self.feed])
-        with open(self.feed, "rb") as f:  # a server refuses a feed whose numbers jump: the cut is where they do
-            offset = len(f.readline())
-        self.assertEqual(lines[-1], "to cut %s at line 2, losing its 4 lines from there on (the server refuses the "
-                                    "feed until then; stop it and keep a copy of the file first): truncate -s %d %s"
-                         % (self.feed, offset, self.feed))
+        self.assertEqual(self.problems(lines), ["problem: %s:3: event number 1 after 3; --repair drops this line and "
+                                                "keeps the others (the server refuses the feed until then)" % self.feed])
 
     def test_a_record_stored_twice(self):
         def duplicate(lines):
-            number, kind, key, event = sync.parse_feed_line(lines[0])
+            number, kind, key, _, event = sync.parse_feed_line(lines[0])
             lines.append(sync.feed_line(len(lines) + 1, kind, event, key))
         self.edit_lines(self.feed, duplicate)
         code, lines = self.fsck()
         self.assertEqual(self.problems(lines),
                          ["problem: %s:7: a record (session, id) stored a second time" % self.feed])
 
-    def test_a_torn_tail_is_reported_and_repaired_but_the_middle_never_cut(self):
+    def test_a_torn_tail_is_reported_and_repaired_keeping_its_number(self):
         with open(self.feed, "rb") as f:
             good = f.read()
         with open(self.feed, "ab") as f:
@@ -3382,17 +3440,19 @@ class FsckTest(unittest.TestCase):
         self.assertIn("%s:7: torn or damaged last line" % self.feed, lines[0])
         code, lines = self.fsck("--repair")
         self.assertEqual(code, 0, lines)
-        self.assertIn("repaired: %s:7: cut a torn or damaged last line" % self.feed, "\n".join(lines))
+        self.assertIn("repaired: %s:7: cut a torn or damaged last line (incomplete or malformed line); its number 7 "
+                      "stays used" % self.feed, lines)
         with open(self.feed, "rb") as f:
-            self.assertEqual(f.read(), good)
-        # A damaged middle line is reported, and --repair leaves it (and everything after it) alone.
+            self.assertEqual(f.read(), good + sync.feed_line(7, b"x"))
+        # A torn line after a damaged middle one: both mended in one rewrite.
         self.edit_lines(self.feed, lambda lines: lines.__setitem__(1, lines[1][:20] + b"X" + lines[1][21:]))
-        with open(self.feed, "rb") as f:
-            damaged = f.read()
+        with open(self.feed, "ab") as f:
+            f.write(b"{")
         code, lines = self.fsck("--repair")
-        self.assertEqual(code, 1)
+        self.assertEqual(code, 0, lines)
         with open(self.feed, "rb") as f:
-            self.assertEqual(f.read(), damaged)
+            self.assertEqual(f.read().splitlines(True), good.splitlines(True)[:1] + good.splitlines(True)[2:]
+                             + [sync.feed_line(7, b"x"), sync.feed_line(8, b"x")])
 
     def test_memory_faults_are_named_by_note(self):
         manifest = os.path.join(self.scope, "manifest.json")
@@ -3465,21 +3525,17 @@ class FsckTest(unittest.TestCase):
             f.write(b'{"n":2,"k"')  # torn
         code, lines = self.fsck()
         self.assertEqual(code, 1)
-        self.assertTrue(lines[-3].startswith("fsck %s: " % moved), lines)
-        repair, cut = lines[-2:]
+        self.assertTrue(lines[-2].startswith("fsck %s: " % moved), lines)
+        repair = lines[-1]
         prefix = "to repair, with the server stopped: "
         self.assertTrue(repair.startswith(prefix), repair)
         self.assertEqual(shlex.split(repair[len(prefix):]), [sys.executable, MODULE, "fsck", "--data", moved,
                                                              "--repair"])
-        prefix = ("to cut %s at line 3, losing its 4 lines from there on (the server refuses the feed until then; "
-                  "stop it and keep a copy of the file first): " % self.feed)
-        self.assertTrue(cut.startswith(prefix), cut)
-        self.assertEqual(shlex.split(cut[len(prefix):]), ["truncate", "-s", str(offset), self.feed])
-        os.truncate(self.feed, offset)  # what `truncate -s` does
-        self.assertEqual(self.fsck("--repair")[0], 0)
+        self.assertEqual(subprocess.run(shlex.split(repair[len(prefix):]), stdout=subprocess.PIPE).returncode, 0)
         code, lines = self.fsck()
-        self.assertEqual(lines, ["fsck %s: 2 feeds with 3 events, 2 memory scopes with 3 live notes, 1 tokens: "
+        self.assertEqual(lines, ["fsck %s: 2 feeds with 6 events, 2 memory scopes with 3 live notes, 1 tokens: "
                                  "0 problems" % moved])
+        self.assertLess(offset, os.path.getsize(self.feed))
 
     def test_unreferenced_objects_alone_name_the_repair_command(self):
         with open(os.path.join(self.scope, "objects", "0" * 32 + ".json"), "wb") as f:
@@ -3494,7 +3550,7 @@ class FsckTest(unittest.TestCase):
         self.assertEqual(self.fsck()[1][-1][:5], "fsck ")
 
         def duplicate(lines):
-            number, kind, key, event = sync.parse_feed_line(lines[0])
+            number, kind, key, _, event = sync.parse_feed_line(lines[0])
             lines.append(sync.feed_line(len(lines) + 1, kind, event, key))
         self.edit_lines(self.feed, duplicate)
         code, lines = self.fsck()
