@@ -263,6 +263,10 @@ class StorageError(Exception):
     """The disk refused a write; nothing of the request was kept."""
 
 
+class CompactionStopped(Exception):
+    """The server is stopping: a compaction under way ends, and leaves its feed as it was."""
+
+
 class FeedDamaged(Exception):
     """A feed file has a damaged line in the middle; the feed is refused until repaired."""
 
@@ -302,6 +306,19 @@ def reason(exc):
     """The short reason of an error for a one-line message: an OSError's text without its errno and
     path, else the error's own text."""
     return getattr(exc, "strerror", None) or exc
+
+
+def plural(count, noun):
+    """The count and the noun, plural unless the count is 1 ("1 token", "2 tokens")."""
+    return "%d %s%s" % (count, noun, "" if count == 1 else "es" if noun.endswith("sh") else "s")
+
+
+def format_bytes(count):
+    """A byte count for a person: in bytes, KiB, MiB or GiB."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return "%d %s" % (count, unit) if unit == "bytes" else "%.1f %s" % (count, unit)
+        count /= 1024.0
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2559,30 +2576,37 @@ COMPACT_SUFFIX = ".compact"  # the new file, written aside until it replaces the
 
 
 class FeedSummary:
-    """One reading of a feed file (summarize_feed): its size, lines, events, records and erased
-    records, the winning metadata line of each session (id -> (number, size, deleted, stored)),
-    and the bytes of metadata lines a later winner replaced."""
+    """One reading of a feed file (summarize_feed): the size of its good lines, their count, its
+    events, records and erased records, the highest number it holds (a torn last line's too), the
+    winning metadata line of each session (id -> (number, size, deleted, stored)), and the bytes of
+    metadata lines a later winner replaced."""
 
-    __slots__ = ("size", "lines", "events", "records", "erased", "winners", "superseded_bytes")
+    __slots__ = ("size", "lines", "events", "records", "erased", "end", "winners",
+                 "superseded_bytes")
 
     def __init__(self):
-        self.size = self.lines = self.events = self.records = self.erased = 0
+        self.size = self.lines = self.events = self.records = self.erased = self.end = 0
         self.winners = {}
         self.superseded_bytes = 0
 
 
-def summarize_feed(path, end=None, pause=lambda: None):
+def summarize_feed(path, end=None, pause=lambda: None, torn_tail=False):
     """Read a feed file, up to end (a line boundary; None: all of it), into a FeedSummary.
-    ValueError names a damaged line (fsck --repair first); pause() is called every few thousand
-    lines (a background compaction lets other threads in)."""
+    ValueError names a damaged line (fsck --repair first), and a torn last line unless torn_tail
+    (a server may be writing it: it is left out, but for its number); pause() is called every few
+    hundred lines (a background compaction lets other threads in, or stops)."""
     summary = FeedSummary()
     with open(path, "rb") as f:
-        for line_number, offset, line, number, kind, _, session, problem, _ in scan_feed(f):
+        for line_number, offset, line, number, kind, _, session, problem, last in scan_feed(f):
             if end is not None and offset >= end:
+                break
+            if problem is not None and last and torn_tail:
+                summary.end = lost_number(line, summary.end)
                 break
             if problem is not None:
                 raise ValueError("%s:%d: %s" % (path, line_number, problem))
             summary.lines += 1
+            summary.end = number
             summary.size = offset + len(line)
             if kind == b"x":
                 summary.erased += 1
@@ -2600,22 +2624,40 @@ def summarize_feed(path, end=None, pause=lambda: None):
     return summary
 
 
-def compaction_targets(summary, now_ms, retain_ms):
-    """(sessions whose records go, deleted sessions whose winning line gets the time it is first
-    seen): a session goes once its winning metadata is a deletion stored retain_ms or longer ago;
-    a deletion stored before lines had times is timed from now."""
+class CompactionPlan:
+    """What a compaction does to a feed (plan_compaction): from its FeedSummary, the sessions whose
+    records go (erase) and the deleted sessions whose winning line gets the time it is first seen
+    (stamp), at now_ms."""
+
+    __slots__ = ("summary", "erase", "stamp", "now_ms")
+
+    def __init__(self, summary, erase, stamp, now_ms):
+        self.summary = summary
+        self.erase = erase
+        self.stamp = stamp
+        self.now_ms = now_ms
+
+    def drops(self):
+        """Whether it drops or changes a line at all."""
+        return bool(self.erase or self.stamp or self.summary.superseded_bytes)
+
+
+def plan_compaction(summary, now_ms, retain_ms):
+    """The CompactionPlan of a feed: a session goes once its winning metadata is a deletion stored
+    retain_ms or longer ago; a deletion stored before lines had times is timed from now."""
     erase, stamp = set(), set()
     for session_id, (_, _, deleted, stored) in summary.winners.items():
         if deleted and stored is None:
             stamp.add(session_id)
         elif deleted and now_ms - stored >= retain_ms:
             erase.add(session_id)
-    return erase, stamp
+    return CompactionPlan(summary, erase, stamp, now_ms)
 
 
-def compact_lines(path, summary, erase, stamp, now_ms, out=None, pause=lambda: None):
-    """Read a feed file's first summary.size bytes and write what a compaction keeps to out (None:
-    only count it): (bytes kept, records erased now, the FeedIndex of what was written)."""
+def compact_lines(path, plan, out=None, pause=lambda: None):
+    """Read a feed file's first plan.summary.size bytes and write what the plan keeps to out
+    (None: only count it): (bytes kept, records erased now, the FeedIndex of what was written)."""
+    summary, erase, stamp, now_ms = plan.summary, plan.erase, plan.stamp, plan.now_ms
     index, kept, erased = FeedIndex(), 0, 0
     with open(path, "rb") as f:
         for line_number, offset, line, number, kind, key, session, problem, _ in scan_feed(f):
@@ -2642,14 +2684,13 @@ def compact_lines(path, summary, erase, stamp, now_ms, out=None, pause=lambda: N
 def compact_file(path, now_ms, retain_ms):
     """Compact one feed file no server is using: write what is kept aside, fsync it, rename it over
     the feed, fsync the directory. (bytes before, bytes after, records erased)."""
-    summary = summarize_feed(path)
-    erase, stamp = compaction_targets(summary, now_ms, retain_ms)
-    if not (erase or stamp or summary.superseded_bytes):
-        return summary.size, summary.size, 0
+    plan = plan_compaction(summarize_feed(path), now_ms, retain_ms)
+    if not plan.drops():
+        return plan.summary.size, plan.summary.size, 0
     aside = path + COMPACT_SUFFIX
     try:
         with open(aside, "wb") as out:
-            kept, erased, _ = compact_lines(path, summary, erase, stamp, now_ms, out)
+            kept, erased, _ = compact_lines(path, plan, out)
             out.flush()
             sync_file(out.fileno())
         os.replace(aside, path)
@@ -2657,7 +2698,7 @@ def compact_file(path, now_ms, retain_ms):
         _remove(aside)
         raise
     sync_dir(os.path.dirname(path))
-    return summary.size, kept, erased
+    return plan.summary.size, kept, erased
 
 
 def _remove(path):
@@ -2988,13 +3029,11 @@ class Feed:
         self.ensure_loaded()
         with self.lock:
             durable_end, lines = self.index.offsets[-1], self.index.lines
-        summary = summarize_feed(self.path, durable_end, pause)
-        erase, stamp = compaction_targets(summary, now_ms, retain_ms)
+        plan = plan_compaction(summarize_feed(self.path, durable_end, pause), now_ms, retain_ms)
         aside = self.path + COMPACT_SUFFIX
         try:
             with open(aside, "wb") as out:
-                kept, erased, index = compact_lines(self.path, summary, erase, stamp, now_ms, out,
-                                                    pause)
+                _, erased, index = compact_lines(self.path, plan, out, pause)
                 out.flush()
                 sync_file(out.fileno())
             while True:
@@ -3008,13 +3047,13 @@ class Feed:
             _remove(aside)
             raise
         with self.lock:
-            self.superseded_bytes -= summary.superseded_bytes
-            for session_id in stamp:
+            self.superseded_bytes -= plan.summary.superseded_bytes
+            for session_id in plan.stamp:
                 number, size_then, deleted, _ = self.winners[session_id]
-                if number == summary.winners[session_id][0]:  # (no later winner meanwhile)
+                if number == plan.summary.winners[session_id][0]:  # (no later winner meanwhile)
                     self.winners[session_id] = (number, size_then + len(b',"t":%d' % now_ms),
                                                 deleted, now_ms)
-            self.erased |= erase
+            self.erased |= plan.erase
         return size, index.offsets[-1], erased
 
     def _swap(self, aside, index, lines, durable_end):
@@ -3246,6 +3285,14 @@ class Compactor:
         self._stopped = threading.Event()
         self._thread = None
 
+    def pause(self):
+        """Called every PAUSE_LINES lines of a compaction: other threads have the interpreter for a
+        moment (a push waits no longer than one piece), and a stop ends the compaction, which
+        leaves the feed as it was."""
+        time.sleep(0)
+        if self._stopped.is_set():
+            raise CompactionStopped()
+
     def start(self):
         self._thread = threading.Thread(target=self._run, name="compactor", daemon=True)
         self._thread.start()
@@ -3253,12 +3300,14 @@ class Compactor:
     def stop(self):
         self._stopped.set()
         if self._thread is not None:
-            self._thread.join(60)
+            self._thread.join()
 
     def _run(self):
         while not self._stopped.wait(COMPACT_CHECK_SECONDS):
             try:
                 self.run_once()
+            except CompactionStopped:
+                return
             except Exception as exc:  # it must live on, as the server does
                 self.log("compactor: %s: %s" % (type(exc).__name__, exc))
 
@@ -3281,10 +3330,10 @@ class Compactor:
                 and session_id not in feed.erased]
         if droppable < floor and aged and size - self._looked.get(feed, 0) >= COMPACT_MIN_BYTES:
             self._looked[feed] = size
-            summary = summarize_feed(feed.path, size, pause=yield_now)
-            erase, stamp = compaction_targets(summary, now_ms, self.retain_ms)
-            kept, _, _ = compact_lines(feed.path, summary, erase, stamp, now_ms, pause=yield_now)
-            droppable = summary.size - kept
+            plan = plan_compaction(summarize_feed(feed.path, size, pause=self.pause), now_ms,
+                                   self.retain_ms)
+            kept, _, _ = compact_lines(feed.path, plan, pause=self.pause)
+            droppable = plan.summary.size - kept
         if droppable < floor:
             return
         room = shutil.disk_usage(os.path.dirname(feed.path)).free
@@ -3293,8 +3342,10 @@ class Compactor:
             return
         started = time.monotonic()
         try:
-            before, after, erased = feed.compact(now_ms, self.retain_ms, pause=yield_now)
-        except (OSError, ValueError) as exc:
+            before, after, erased = feed.compact(now_ms, self.retain_ms, pause=self.pause)
+        except CompactionStopped:
+            raise
+        except (OSError, ValueError, StorageError) as exc:
             self.log("compaction of %s failed, the feed is as it was: %s"
                      % (feed.path, reason(exc)))
             return
@@ -3303,11 +3354,6 @@ class Compactor:
             feed.path, format_bytes(before), format_bytes(after), plural(erased, "record"),
             time.monotonic() - started))
 
-
-def yield_now():
-    """Let other threads have the interpreter: a background compaction runs in pieces, and a push
-    waits no longer than one of them."""
-    time.sleep(0)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -5024,12 +5070,15 @@ def remove_new_data_dir(created, lock_path):
 # The sub-commands, one line each, for --help (main's COMMANDS runs them).
 COMMAND_SUMMARIES = (
     ("token", "issue, list and revoke local bearer tokens"),
-    ("check", "check that a server speaks protocol v1 (it writes test data)"),
-    ("bench", "measure how fast this machine serves, against a bare reference server"),
-    ("fsck", "check a data dir for damage (--repair cuts torn last lines)"),
+    ("fsck", "check a data dir for damage (--repair mends it)"),
     ("note-hash", "print a memory note's hash, from its fields or a JSON file"),
+    ("check", "check that a server speaks protocol v1 (it writes test data)"),
     ("replicate", "copy a principal's feeds and notes from one server to another "
                   "(--follow: keep copying)"),
+    ("usage", "show what each owner stores (safe while a server runs)"),
+    ("compact", "compact every feed now, keeping every event number (server stopped)"),
+    ("purge", "erase a principal: tokens, own feeds, memory (server stopped)"),
+    ("bench", "measure how fast this machine serves, against a bare reference server"),
 )
 
 
@@ -5059,6 +5108,10 @@ def serve_command(argv):
                         metavar="SECONDS",
                         help="a request's headers and body must arrive within this, in total "
                              "(default %d)" % DEFAULT_REQUEST_SECONDS)
+    parser.add_argument("--retain-deleted-days", type=int, default=DEFAULT_RETAIN_DELETED_DAYS,
+                        metavar="N",
+                        help="a deleted session's records are erased by a compaction N days after "
+                             "the deletion was stored (default %d)" % DEFAULT_RETAIN_DELETED_DAYS)
     parser.add_argument("--quiet", action="store_true", help="no access log")
     parser.add_argument("--tls-cert", metavar="CERT.pem",
                         help="serve HTTPS with this certificate (chain)")
@@ -5076,6 +5129,8 @@ def serve_command(argv):
         raise UsageError("--max-parked must be 0 or more")
     if args.memory_rate_limit < 0:
         raise UsageError("--memory-rate-limit must be 0 or more")
+    if args.retain_deleted_days < 0:
+        raise UsageError("--retain-deleted-days must be 0 or more")
     log = Log(quiet=args.quiet)
     jwt, supabase = auth_from_flags(args, log)
     tls = tls_from_flags(args)
@@ -5102,15 +5157,13 @@ def serve_command(argv):
     if tls is None and not is_loopback(args.host):
         log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for "
             "localhost, 127.0.0.1 and [::1]: put TLS in front of this server" % args.host)
+    compactor = Compactor(server.app.feeds, args.retain_deleted_days, log)
+    compactor.start()
     run_until_signalled(server, lambda: print("oharness-sync listening on %s" % server.url,
                                               flush=True))
+    compactor.stop()
     lock.release()
     return 0
-
-
-def plural(count, noun):
-    """The count and the noun, plural unless the count is 1 ("1 token", "2 tokens")."""
-    return "%d %s%s" % (count, noun, "" if count == 1 else "es" if noun.endswith("sh") else "s")
 
 
 def reload_files(server):
@@ -5801,14 +5854,6 @@ def fsck_remedies(check):
                check.data_dir, "--repair"]
     return ["to repair, with the server stopped: %s"
             % " ".join(shlex.quote(word) for word in command)]
-
-
-def format_bytes(count):
-    """A byte count for a person: in bytes, KiB, MiB or GiB."""
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return "%d %s" % (count, unit) if unit == "bytes" else "%.1f %s" % (count, unit)
-        count /= 1024.0
 
 
 class FsckProgress:
@@ -7305,6 +7350,296 @@ def replicate_command(argv):
 
 
 # -------------------------------------------------------------------------------------------------
+# usage: what each owner stores
+# -------------------------------------------------------------------------------------------------
+
+def data_dir_flag(parser):
+    parser.add_argument("--data", required=True, metavar="DIR", help="the server's data directory")
+
+
+def retain_flag(parser):
+    parser.add_argument("--retain-deleted-days", type=int, default=DEFAULT_RETAIN_DELETED_DAYS,
+                        metavar="N",
+                        help="a deleted session's records go N days after the deletion was stored "
+                             "(default %d, as the server's)" % DEFAULT_RETAIN_DELETED_DAYS)
+
+
+def existing_data_dir(path):
+    """The absolute path of an existing data dir; UsageError otherwise (nothing is created)."""
+    data_dir = os.path.abspath(path)
+    if not os.path.isdir(data_dir):
+        raise UsageError("%s is not a directory" % data_dir)
+    return data_dir
+
+
+def check_retain(days):
+    if days < 0:
+        raise UsageError("--retain-deleted-days must be 0 or more")
+    return days * DAY_MS
+
+
+def lock_stopped(data_dir, what):
+    """The data dir's lock, for a command that needs its server stopped; UsageError (exit 2) while
+    a server holds it."""
+    lock = DataDirLock(data_dir)
+    try:
+        lock.acquire()
+    except UsageError:
+        raise UsageError("a server is using %s: stop it first (%s needs the data dir to itself)"
+                         % (data_dir, what)) from None
+    except OSError as exc:
+        raise UsageError("cannot lock %s: %s" % (data_dir, reason(exc))) from None
+    return lock
+
+
+def feed_usage(owner, project, entry, now_ms, retain_ms):
+    """What one feed file holds, as usage reports it (a damaged feed: with its problem)."""
+    kind, owner_id = owner
+    stat = entry.stat()
+    row = {"owner": owner_id, "team": kind == "t", "project": project, "bytes": stat.st_size,
+           "lastEvent": int(stat.st_mtime * 1000)}
+    try:
+        summary = summarize_feed(entry.path, torn_tail=True)
+        kept, erased, _ = compact_lines(entry.path, plan_compaction(summary, now_ms, retain_ms))
+    except (OSError, ValueError) as exc:
+        row["problem"] = reason(exc)
+        return row
+    deleted = sum(1 for winner in summary.winners.values() if winner[2])
+    row.update(events=summary.events, records=summary.records, recordsToErase=erased,
+               sessions=len(summary.winners) - deleted, deletedSessions=deleted,
+               keptBytes=kept + row["bytes"] - summary.size)
+    return row
+
+
+def scope_usage(principal, scope, files):
+    """What one memory scope holds, as usage reports it."""
+    row = {"principal": principal, "scope": scope_name(scope.project), "notes": 0, "tombstones": 0,
+           "bytes": 0}
+    try:
+        with open(files.manifest, "rb") as f:
+            data = f.read()
+        manifest = Manifest.from_bytes(data)
+        row["bytes"] += len(data)
+    except FileNotFoundError:
+        manifest = NO_MANIFEST
+    except (OSError, ValueError) as exc:
+        row["problem"] = reason(exc)
+        return row
+    row["notes"] = manifest.live_count
+    row["tombstones"] = len(manifest.entries) - manifest.live_count
+    try:
+        row["bytes"] += sum(entry.stat().st_size for entry in os.scandir(files.objects))
+    except FileNotFoundError:
+        pass
+    return row
+
+
+def usage_report(data_dir, now_ms, retain_ms):
+    """Everything usage says of a data dir, as one JSON-ready document."""
+    layout = DataDir(data_dir)
+    feeds = [feed_usage(owner, project, entry, now_ms=now_ms, retain_ms=retain_ms)
+             for owner, project, entry in layout.all_feeds() if owner is not None]
+    scopes = [scope_usage(principal, scope, files)
+              for principal, scope, files in layout.all_scopes()]
+    totals = {name: sum(row.get(name, 0) for row in feeds)
+              for name in ("events", "records", "recordsToErase", "sessions", "deletedSessions",
+                           "bytes", "keptBytes")}
+    totals.update(feeds=len(feeds), scopes=len(scopes),
+                  notes=sum(row["notes"] for row in scopes),
+                  tombstones=sum(row["tombstones"] for row in scopes),
+                  memoryBytes=sum(row["bytes"] for row in scopes))
+    return {"dataDir": data_dir, "retainDeletedDays": retain_ms // DAY_MS, "feeds": feeds,
+            "memory": scopes, "totals": totals, "diskFreeBytes": shutil.disk_usage(data_dir).free}
+
+
+def format_time(ms):
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ms / 1000.0))
+
+
+def usage_table(report):
+    """The report as text a person reads."""
+    lines = ["feeds of %s (a compaction keeps what a deletion of %d days or more leaves):"
+             % (report["dataDir"], report["retainDeletedDays"]),
+             "  %-24s %-24s %9s %9s %13s %10s %10s  %s"
+             % ("owner", "project", "events", "records", "sessions", "on disk", "kept",
+                "last event")]
+    for row in report["feeds"]:
+        owner = ("team " if row["team"] else "") + row["owner"]
+        if "problem" in row:
+            lines.append("  %-24s %-24s %s" % (owner, row["project"], row["problem"]))
+            continue
+        lines.append("  %-24s %-24s %9d %9d %6d+%-6d %10s %10s  %s" % (
+            owner, row["project"], row["events"], row["records"], row["sessions"],
+            row["deletedSessions"], format_bytes(row["bytes"]), format_bytes(row["keptBytes"]),
+            format_time(row["lastEvent"])))
+    lines.append("  (sessions: live+deleted)")
+    lines.append("memory:")
+    lines.append("  %-24s %-24s %9s %11s %10s" % ("principal", "scope", "notes", "tombstones",
+                                                 "on disk"))
+    for row in report["memory"]:
+        if "problem" in row:
+            lines.append("  %-24s %-24s %s" % (row["principal"], row["scope"], row["problem"]))
+            continue
+        lines.append("  %-24s %-24s %9d %11d %10s"
+                     % (row["principal"], row["scope"], row["notes"], row["tombstones"],
+                        format_bytes(row["bytes"])))
+    totals = report["totals"]
+    lines.append("in all: %s with %d events, %s on disk, %s after a compaction; %s with %d "
+                 "notes, %s; the disk has %s free" % (
+                     plural(totals["feeds"], "feed"), totals["events"],
+                     format_bytes(totals["bytes"]), format_bytes(totals["keptBytes"]),
+                     plural(totals["scopes"], "memory scope"), totals["notes"],
+                     format_bytes(totals["memoryBytes"]), format_bytes(report["diskFreeBytes"])))
+    return lines
+
+
+def usage_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py usage",
+                            description="Show what each owner stores in a data dir (read-only: "
+                                        "safe while a server runs on it).")
+    data_dir_flag(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON, for scripts")
+    retain_flag(parser)
+    args = parser.parse_args(argv)
+    retain_ms = check_retain(args.retain_deleted_days)
+    report = usage_report(existing_data_dir(args.data), int(time.time() * 1000), retain_ms)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        print("\n".join(usage_table(report)))
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------
+# compact: every feed, now
+# -------------------------------------------------------------------------------------------------
+
+def compact_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py compact",
+                            description="Compact every feed of a data dir now, keeping every "
+                                        "event number (the server stopped).")
+    data_dir_flag(parser)
+    retain_flag(parser)
+    args = parser.parse_args(argv)
+    retain_ms = check_retain(args.retain_deleted_days)
+    data_dir = existing_data_dir(args.data)
+    lock = lock_stopped(data_dir, "compact")
+    failed, freed = 0, 0
+    try:
+        now_ms = int(time.time() * 1000)
+        for owner, project, entry in DataDir(data_dir).all_feeds():
+            if owner is None:
+                continue
+            size = entry.stat().st_size
+            if shutil.disk_usage(data_dir).free < size + COMPACT_MIN_BYTES:
+                print("compact: %s: left as it is: the disk has no room for its new file"
+                      % entry.path, flush=True)
+                failed += 1
+                continue
+            try:
+                before, after, erased = compact_file(entry.path, now_ms, retain_ms)
+            except (OSError, ValueError) as exc:
+                print("compact: %s: left as it is: %s (fsck --repair mends a damaged line)"
+                      % (entry.path, reason(exc)), flush=True)
+                failed += 1
+                continue
+            freed += before - after
+            print("compact: %s: %s -> %s, %s freed, %s erased" % (
+                entry.path, format_bytes(before), format_bytes(after),
+                format_bytes(before - after), plural(erased, "record")), flush=True)
+    finally:
+        lock.release()
+    print("compact: %s freed%s" % (format_bytes(freed), "; %s left as %s" % (
+        plural(failed, "feed"), "it was" if failed == 1 else "they were") if failed else ""))
+    return 1 if failed else 0
+
+
+# -------------------------------------------------------------------------------------------------
+# purge: erase a principal
+# -------------------------------------------------------------------------------------------------
+
+def purge_command(argv):
+    parser = ArgumentParser(prog="oharness_sync.py purge",
+                            description="Erase a principal: revoke their tokens, remove their own "
+                                        "feeds and memory (team feeds stay). The server stopped.")
+    data_dir_flag(parser)
+    parser.add_argument("--principal", required=True, metavar="ID")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what would go, and change nothing")
+    args = parser.parse_args(argv)
+    if not is_valid_id(args.principal):
+        raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
+    data_dir = existing_data_dir(args.data)
+    lock = lock_stopped(data_dir, "purge")
+    try:
+        return purge(DataDir(data_dir), args.principal, args.dry_run)
+    finally:
+        lock.release()
+
+
+def purge(layout, principal, dry_run):
+    tokens = TokenStore(layout.path)
+    try:
+        records = [record for record in tokens.read() if record["principal"] == principal]
+        purged = read_purged(layout)
+    except (OSError, ValueError) as exc:
+        raise UsageError("cannot read %s: %s" % (layout.path, reason(exc))) from None
+    owner = ("u", principal)
+    feeds = sorted(layout.owner_feeds(owner), key=lambda item: item[0])
+    scopes = [(scope, files) for who, scope, files in layout.all_scopes() if who == principal]
+    if not (records or feeds or scopes):
+        raise UsageError("no principal %s in %s: no token, feed or memory scope of theirs"
+                         % (principal, layout.path))
+    ends, lines = {}, []
+    for record in records:
+        lines.append("token %s%s" % (record["id"],
+                                     " (%s)" % record["name"] if record["name"] else ""))
+    for project, entry in feeds:
+        try:
+            summary = summarize_feed(entry.path, torn_tail=True)
+        except (OSError, ValueError) as exc:
+            raise UsageError("cannot read %s: %s (fsck --repair first)"
+                             % (entry.path, reason(exc))) from None
+        ends[purged_key(owner, project)] = summary.end
+        lines.append("feed %s: %d events, %s (its numbers go on from %d if it is pushed to again)"
+                     % (project, summary.events, format_bytes(entry.stat().st_size), summary.end))
+    for scope, files in scopes:
+        lines.append("memory %s" % scope_name(scope.project))
+    teams = sorted({team for record in records for team in record["teams"]})
+    verb = "would remove" if dry_run else "removed"
+    for line in lines:
+        print("purge: %s %s's %s" % (verb, principal, line))
+    if teams:
+        print("purge: team feeds stay (they belong to the team): %s" % ", ".join(teams))
+    if dry_run:
+        print("purge: --dry-run: nothing was changed")
+        return 0
+    if ends:  # first: should anything fail after, the numbering is kept
+        purged.update(ends)
+        write_atomically(layout.purged, encode_json(purged))
+    for record in records:
+        tokens.revoke(record["id"])
+    for _, entry in feeds:
+        os.unlink(entry.path)
+    if feeds:
+        sync_dir(layout.owner_dir(owner))
+        try:
+            os.rmdir(layout.owner_dir(owner))
+        except OSError:
+            pass  # something else is in it: left alone
+    for scope, files in scopes:
+        shutil.rmtree(files.root)
+    try:
+        os.rmdir(os.path.dirname(layout.scope_files(principal, USER_SCOPE).root))
+    except OSError:
+        pass
+    print("purge: %s is erased (%s, %s, %s)" % (principal, plural(len(records), "token"),
+                                               plural(len(feeds), "feed"),
+                                               plural(len(scopes), "memory scope")))
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------
 # bench: how fast is this box?
 # -------------------------------------------------------------------------------------------------
 
@@ -8218,9 +8553,10 @@ def run_bench(report, args, scratch):
 # main
 # -------------------------------------------------------------------------------------------------
 
-COMMANDS = {"serve": serve_command, "token": token_command, "check": check_command,
-            "bench": bench_command, "fsck": fsck_command, "note-hash": note_hash_command,
-            "replicate": replicate_command}
+COMMANDS = {"serve": serve_command, "token": token_command, "fsck": fsck_command,
+            "note-hash": note_hash_command, "check": check_command, "replicate": replicate_command,
+            "usage": usage_command, "compact": compact_command, "purge": purge_command,
+            "bench": bench_command}
 
 
 def main(argv=None):
