@@ -19,6 +19,9 @@ Usage:
                                    [--memory --principal ID] [--ca-file CERT.pem]
     python3 oharness_sync.py replicate --from URL --from-token-file FILE --to URL
                                        --to-token-file FILE [--follow] [--state FILE] ...
+    python3 oharness_sync.py usage   --data DIR [--json]
+    python3 oharness_sync.py compact --data DIR [--retain-deleted-days N]
+    python3 oharness_sync.py purge   --data DIR --principal ID [--dry-run]
     python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N]
 
 How to read it. The file is two parts, each read top-down.
@@ -34,7 +37,8 @@ Part I, the server, is what `--data DIR` runs:
                         forged ones; the Authenticator that picks
     Storage             files, the data dir's layout (DataDir), the lock and
                         the tokens; session feeds (one scanner of a feed file,
-                        group commit, long-poll waits); memory manifests
+                        group commit, long-poll waits, compaction); memory
+                        manifests
     HTTP                the protocol's routes and thin handlers (SyncApp), the
                         strict reading of a request, the transport on
                         http.server (SyncRequestHandler, SyncServer)
@@ -43,7 +47,8 @@ Storage knows nothing of HTTP, and the HTTP layer does no storage work.
 
 Part II, the tools, holds the clients of Part I: the protocol client first (check,
 replicate and bench talk to a server through it), then token, fsck, note-hash,
-check, replicate and bench; main last. Part I names nothing of Part II.
+check, replicate, usage, compact, purge and bench; main last. Part I names
+nothing of Part II.
 """
 
 import argparse
@@ -100,7 +105,7 @@ try:
 except ImportError:  # Windows: owners are named by number
     pwd = None
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 # =================================================================================================
@@ -5238,7 +5243,8 @@ def run_until_signalled(server, ready):
 # Part II. The tools
 #
 # The sub-commands, each a client of Part I: first the protocol client that check, replicate and
-# bench talk to a server with; then token, fsck, note-hash, check, replicate and bench; main last.
+# bench talk to a server with; then token, fsck, note-hash, check, replicate, usage, compact, purge
+# and bench; main last.
 # =================================================================================================
 
 

@@ -7893,8 +7893,8 @@ class CommandLineTest(unittest.TestCase):
 
     def test_version_prints_the_version_without_a_data_dir(self):
         result = self.run_cli("--version")
-        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "oharness-sync 0.1.0\n", ""))
-        self.assertEqual(sync.__version__, "0.1.0")
+        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "oharness-sync 0.2.0\n", ""))
+        self.assertEqual(sync.__version__, "0.2.0")
 
     def test_help_lists_every_command_with_one_line_and_the_serving_flags(self):
         result = self.run_cli("--help")
