@@ -139,7 +139,8 @@ CACHED_PAGE_BYTES = 256 * 1024
 COMPACT_CHECK_SECONDS = 30          # how often the server looks for a feed worth compacting
 COMPACT_MIN_BYTES = 1024 * 1024     # ... and compacts one that drops this much, and half its file
 DEFAULT_RETAIN_DELETED_DAYS = 90    # a deleted session's records are erased this long after
-PAUSE_LINES = 512                   # a background compaction lets pushes in after this many lines
+PAUSE_LINES = 128                   # a background compaction lets pushes in after this many lines
+COMPACT_SYNC_BYTES = 1024 * 1024    # ... and fsyncs what it wrote after this many bytes
 
 # Headers and body of one request must arrive within this, in total.
 DEFAULT_REQUEST_SECONDS = 30.0
@@ -2603,6 +2604,8 @@ def summarize_feed(path, end=None, pause=lambda: None, torn_tail=False):
     summary = FeedSummary()
     with open(path, "rb") as f:
         for line_number, offset, line, number, kind, _, session, problem, last in scan_feed(f):
+            if line_number % PAUSE_LINES == 0:
+                pause()
             if end is not None and offset >= end:
                 break
             if problem is not None and last and torn_tail:
@@ -2624,8 +2627,6 @@ def summarize_feed(path, end=None, pause=lambda: None, torn_tail=False):
                 if old is not None:
                     summary.superseded_bytes += old[1]
                 summary.winners[session[0]] = (number, len(line), session[2], session[3])
-            if line_number % PAUSE_LINES == 0:
-                pause()
     return summary
 
 
@@ -2645,6 +2646,15 @@ class CompactionPlan:
     def drops(self):
         """Whether it drops or changes a line at all."""
         return bool(self.erase or self.stamp or self.summary.superseded_bytes)
+
+    def outcome(self, path, pause=lambda: None):
+        """(bytes kept, records erased): known from the summary unless records are erased, which
+        takes reading them (compact_lines) to count."""
+        if self.erase:
+            return compact_lines(path, self, pause=pause)[:2]
+        summary = self.summary
+        return (summary.size - summary.superseded_bytes
+                + len(self.stamp) * len(b',"t":%d' % self.now_ms)), 0
 
 
 def plan_compaction(summary, now_ms, retain_ms):
@@ -2666,6 +2676,8 @@ def compact_lines(path, plan, out=None, pause=lambda: None):
     index, kept, erased = FeedIndex(), 0, 0
     with open(path, "rb") as f:
         for line_number, offset, line, number, kind, key, session, problem, _ in scan_feed(f):
+            if line_number % PAUSE_LINES == 0:
+                pause()
             if offset >= summary.size:
                 break
             if problem is not None:
@@ -2681,8 +2693,6 @@ def compact_lines(path, plan, out=None, pause=lambda: None):
                 out.write(line)
             index.add(number, len(line), kind != b"x")
             kept += len(line)
-            if line_number % PAUSE_LINES == 0:
-                pause()
     return kept, erased, index
 
 
@@ -2989,8 +2999,8 @@ class Feed:
         finally:
             with self.lock:
                 self._readers -= 1
-                if not self._readers:
-                    self._close_retired()
+            if self._retired:
+                self._close_retired()
         records, sessions = split_events(data)
         page = Page(cursor, records, sessions, more)
         if end - first <= CACHED_PAGE_BYTES:  # a catch-up's big pages are read once: not kept
@@ -3038,7 +3048,7 @@ class Feed:
         aside = self.path + COMPACT_SUFFIX
         try:
             with open(aside, "wb") as out:
-                _, erased, index = compact_lines(self.path, plan, out, pause)
+                _, erased, index = compact_lines(self.path, plan, PacedWriter(out), pause)
                 out.flush()
                 sync_file(out.fileno())
             while True:
@@ -3051,6 +3061,7 @@ class Feed:
         except BaseException:
             _remove(aside)
             raise
+        self._close_retired()  # (the old file goes as its last fd closes: not under the lock)
         with self.lock:
             self.superseded_bytes -= plan.summary.superseded_bytes
             for session_id in plan.stamp:
@@ -3075,16 +3086,37 @@ class Feed:
         for i in range(lines, self.index.lines):
             index.add(*self.index.line(i))
         self._retired.append(self.fd)  # a read outside the lock may still use it
-        if not self._readers:
-            self._close_retired()
         self.fd, self.index = fd, index
         self.version += 1
         self._last_page = None
 
     def _close_retired(self):
-        for fd in self._retired:
+        """Close the fds a compaction replaced once no read uses them (not under the lock: closing
+        the last fd of a replaced file frees it, which may take the disk a while)."""
+        with self.lock:
+            if self._readers:
+                return
+            retired, self._retired = self._retired, []
+        for fd in retired:
             os.close(fd)
-        self._retired = []
+
+
+class PacedWriter:
+    """A compaction's new file, fsynced every COMPACT_SYNC_BYTES as it is written: its last fsync,
+    just before the swap, is then short, and pushes to the feed are not held back for long at once
+    by the disk writing back a whole file."""
+
+    def __init__(self, f):
+        self.f = f
+        self.unsynced = 0
+
+    def write(self, data):
+        self.f.write(data)
+        self.unsynced += len(data)
+        if self.unsynced >= COMPACT_SYNC_BYTES:
+            self.f.flush()
+            sync_file(self.f.fileno())
+            self.unsynced = 0
 
 
 def read_exactly(fd, offset, size, path):
@@ -3294,7 +3326,7 @@ class Compactor:
         """Called every PAUSE_LINES lines of a compaction: other threads have the interpreter for a
         moment (a push waits no longer than one piece), and a stop ends the compaction, which
         leaves the feed as it was."""
-        time.sleep(0)
+        time.sleep(0.0001)  # (sleep(0) lets go of the interpreter, but takes it again at once)
         if self._stopped.is_set():
             raise CompactionStopped()
 
@@ -3337,8 +3369,7 @@ class Compactor:
             self._looked[feed] = size
             plan = plan_compaction(summarize_feed(feed.path, size, pause=self.pause), now_ms,
                                    self.retain_ms)
-            kept, _, _ = compact_lines(feed.path, plan, pause=self.pause)
-            droppable = plan.summary.size - kept
+            droppable = plan.summary.size - plan.outcome(feed.path, self.pause)[0]
         if droppable < floor:
             return
         room = shutil.disk_usage(os.path.dirname(feed.path)).free
@@ -7406,7 +7437,7 @@ def feed_usage(owner, project, entry, now_ms, retain_ms):
            "lastEvent": int(stat.st_mtime * 1000)}
     try:
         summary = summarize_feed(entry.path, torn_tail=True)
-        kept, erased, _ = compact_lines(entry.path, plan_compaction(summary, now_ms, retain_ms))
+        kept, erased = plan_compaction(summary, now_ms, retain_ms).outcome(entry.path)
     except (OSError, ValueError) as exc:
         row["problem"] = reason(exc)
         return row
