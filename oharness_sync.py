@@ -990,6 +990,261 @@ def decode_name(name):
 
 
 # -------------------------------------------------------------------------------------------------
+# Metrics: what the server counts, for Prometheus
+# -------------------------------------------------------------------------------------------------
+#
+# GET /metrics (with --metrics-token-file) answers in Prometheus' text format, version 0.0.4. A
+# series is labelled by route template, method, status class, event kind, token kind or result,
+# never by principal, project or token. A connection's thread counts its own requests in a Tally
+# without a lock; the Metrics take a lock only for what happens once per group commit, token
+# failure or memory commit, and when a connection's Tally is folded in as it closes.
+
+REQUEST_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+FSYNC_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1)
+PUSHES_PER_COMMIT = (1, 2, 4, 8, 16, 32, 64, 128)
+METRIC_ROUTES = frozenset(["/", "/v1/health", "/v1/projects", "/v1/push", "/v1/pull",
+                           "/v1/memory/identity", "/v1/memory/snapshot", "/v1/memory/commit",
+                           "/metrics"])
+METRIC_METHODS = frozenset(["GET", "HEAD", "POST"])
+
+
+class Histogram:
+    """Observations counted by bucket (an upper bound each, then +Inf), with their sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value):
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def add(self, other):
+        for i, count in enumerate(other.counts):
+            self.counts[i] += count
+        self.sum += other.sum
+
+    def copy(self):
+        twin = Histogram(self.bounds)
+        twin.add(self)
+        return twin
+
+
+class Tally:
+    """One connection's requests, counted by its own thread without a lock: by (route, method,
+    status class), and their durations by route."""
+
+    __slots__ = ("requests", "durations")
+
+    def __init__(self):
+        self.requests = {}
+        self.durations = {}
+
+    def count(self, path, method, status, seconds):
+        route = path if path in METRIC_ROUTES else "other"
+        key = (route, method if method in METRIC_METHODS else "other", status // 100)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        durations = self.durations.get(route)
+        if durations is None:
+            durations = self.durations[route] = Histogram(REQUEST_SECONDS)
+        durations.observe(seconds)
+
+
+class Metrics:
+    """What the server counts since it started (see the section's comment)."""
+
+    def __init__(self, clock=time.time):
+        self.lock = threading.Lock()
+        self.started = clock()
+        self.closed = Tally()                  # the requests of connections that have closed
+        self.tallies = set()                   # the Tallies of open connections
+        self.counters = collections.Counter()  # (name, label value) -> count
+        self.fsyncs = Histogram(FSYNC_SECONDS)
+        self.commits = Histogram(PUSHES_PER_COMMIT)
+        self.gauges = []                       # (name, help, read), read at each scrape
+
+    def gauge(self, name, text, read):
+        """A gauge whose value read() gives at each scrape."""
+        self.gauges.append((name, text, read))
+
+    def add(self, name, label=None, amount=1):
+        with self.lock:
+            self.counters[name, label] += amount
+
+    def group_commit(self, pushes, records, sessions, seconds):
+        """One group commit: the pushes it made durable, its events by kind, its fsync's time."""
+        with self.lock:
+            self.commits.observe(pushes)
+            self.fsyncs.observe(seconds)
+            self.counters["events", "record"] += records
+            self.counters["events", "session"] += sessions
+
+    def open_tally(self):
+        tally = Tally()
+        with self.lock:
+            self.tallies.add(tally)
+        return tally
+
+    def close_tally(self, tally):
+        with self.lock:
+            self.tallies.discard(tally)
+            for key, count in tally.requests.items():
+                self.closed.requests[key] = self.closed.requests.get(key, 0) + count
+            for route, durations in tally.durations.items():
+                mine = self.closed.durations.get(route)
+                if mine is None:
+                    self.closed.durations[route] = durations.copy()
+                else:
+                    mine.add(durations)
+
+    def requests(self):
+        """The requests counted so far, open connections' too: (counts, durations)."""
+        with self.lock:
+            counts, durations = dict(self.closed.requests), {
+                route: histogram.copy() for route, histogram in self.closed.durations.items()}
+            tallies = list(self.tallies)
+        for tally in tallies:  # (their threads count on meanwhile: copies, taken at once)
+            for key, count in dict(tally.requests).items():
+                counts[key] = counts.get(key, 0) + count
+            for route, histogram in dict(tally.durations).items():
+                if route in durations:
+                    durations[route].add(histogram)
+                else:
+                    durations[route] = histogram.copy()
+        return counts, durations
+
+
+class Exposition:
+    """Prometheus' text format, version 0.0.4, written metric by metric."""
+
+    def __init__(self):
+        self.lines = []
+
+    def metric(self, name, kind, text, samples):
+        """samples: [(labels, value)], labels a tuple of (name, value) pairs."""
+        self.lines.append("# HELP %s %s" % (name, text))
+        self.lines.append("# TYPE %s %s" % (name, kind))
+        for labels, value in samples:
+            self.lines.append("%s%s %s" % (name, _labels(labels), _number(value)))
+
+    def histogram(self, name, text, histograms):
+        """histograms: [(labels, Histogram)]."""
+        self.lines.append("# HELP %s %s" % (name, text))
+        self.lines.append("# TYPE %s histogram" % name)
+        for labels, histogram in histograms:
+            cumulative = 0
+            for bound, count in zip(histogram.bounds + (float("inf"),), histogram.counts):
+                cumulative += count
+                self.lines.append("%s_bucket%s %d" % (
+                    name, _labels(labels + (("le", _number(bound)),)), cumulative))
+            self.lines.append("%s_sum%s %s" % (name, _labels(labels), _number(histogram.sum)))
+            self.lines.append("%s_count%s %d" % (name, _labels(labels), cumulative))
+
+    def text(self):
+        return ("\n".join(self.lines) + "\n").encode("utf-8")
+
+
+def _labels(labels):
+    if not labels:
+        return ""
+    return "{%s}" % ",".join('%s="%s"' % (name, str(value).replace("\\", "\\\\").replace(
+        '"', '\\"').replace("\n", "\\n")) for name, value in labels)
+
+
+def _number(value):
+    if value == float("inf"):
+        return "+Inf"
+    if isinstance(value, int):
+        return "%d" % value
+    return repr(float(value))
+
+
+def process_samples(started):
+    """The usual process_ metrics: (name, kind, help, value) of those this machine can tell
+    (from /proc where there is one; else the CPU time, threads, and started, the time the
+    Metrics were made)."""
+    samples = []
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        samples.append(("process_cpu_seconds_total", "counter", "User and system CPU time spent.",
+                        (int(fields[11]) + int(fields[12])) / float(ticks)))
+        samples.append(("process_threads", "gauge", "Threads of the process.", int(fields[17])))
+        samples.append(("process_resident_memory_bytes", "gauge", "Resident memory size.",
+                        int(fields[21]) * os.sysconf("SC_PAGE_SIZE")))
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        samples.append(("process_start_time_seconds", "gauge",
+                        "Start time of the process since the Unix epoch.",
+                        boot + int(fields[19]) / float(ticks)))
+        samples.append(("process_open_fds", "gauge", "Open file descriptors.",
+                        len(os.listdir("/proc/self/fd"))))
+    except (OSError, ValueError, IndexError, StopIteration, AttributeError):
+        if resource is not None:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            samples = [("process_cpu_seconds_total", "counter", "User and system CPU time spent.",
+                        usage.ru_utime + usage.ru_stime)]
+        samples.append(("process_threads", "gauge", "Threads of the process.",
+                        threading.active_count()))
+        samples.append(("process_start_time_seconds", "gauge",
+                        "Start time of the process since the Unix epoch.", started))
+    return samples
+
+
+def exposition(metrics):
+    """The whole scrape, as bytes."""
+    out = Exposition()
+    out.metric("oharness_sync_info", "gauge", "The server's version and sync protocol.",
+               [((("version", __version__), ("protocol", "1")), 1)])
+    counts, durations = metrics.requests()
+    out.metric("oharness_sync_http_requests_total", "counter",
+               "Requests answered, by route template, method and status class.",
+               [((("route", route), ("method", method), ("status", "%dxx" % status)), count)
+                for (route, method, status), count in sorted(counts.items())])
+    out.histogram("oharness_sync_http_request_duration_seconds",
+                  "Time from a request's head to its response, by route template (a long-poll's "
+                  "wait included).", [((("route", route),), histogram)
+                                      for route, histogram in sorted(durations.items())])
+    with metrics.lock:
+        counters = dict(metrics.counters)
+        fsyncs, commits = metrics.fsyncs.copy(), metrics.commits.copy()
+    labelled = [("events", "oharness_sync_events_appended_total",
+                 "Events appended to feeds, by kind.", "kind", ("record", "session")),
+                ("token_failures", "oharness_sync_token_checks_failed_total",
+                 "Bearer tokens that failed their check, by token kind.", "kind",
+                 ("local", "jwt", "supabase", "other")),
+                ("token_throttled", "oharness_sync_token_checks_throttled_total",
+                 "Tokens refused unchecked (429) as their client failed too many lately, by kind.",
+                 "kind", ("jwt", "supabase")),
+                ("memory_commits", "oharness_sync_memory_commits_total",
+                 "Memory commits, by result.", "result", ("ok", "conflict", "quota"))]
+    for key, name, text, label, values in labelled:
+        out.metric(name, "counter", text, [(((label, value),), counters.get((key, value), 0))
+                                           for value in values])
+    out.histogram("oharness_sync_fsync_duration_seconds",
+                  "Time a group commit's write and fsync took.", [((), fsyncs)])
+    out.histogram("oharness_sync_group_commit_pushes", "Pushes made durable by one group commit.",
+                  [((), commits)])
+    for key, name, text in (("woken", "oharness_sync_long_polls_woken_total",
+                             "Parked long-polls woken by an event."),
+                            ("refused", "oharness_sync_connections_refused_total",
+                             "Connections refused with 503 at the connection cap."),
+                            ("compactions", "oharness_sync_compactions_total",
+                             "Feeds compacted in the background.")):
+        out.metric(name, "counter", text, [((), counters.get((key, None), 0))])
+    for name, text, read in metrics.gauges:
+        out.metric(name, "gauge", text, [((), read())])
+    for name, kind, text, value in process_samples(metrics.started):
+        out.metric(name, kind, text, [((), value)])
+    return out.text()
+
+
+# -------------------------------------------------------------------------------------------------
 # Authentication: one small verifier per token kind
 # -------------------------------------------------------------------------------------------------
 
@@ -1927,11 +2182,13 @@ class Authenticator:
     their failed checks per client (default: FAILED_CHECKS_PER_MINUTE, FAILED_CHECKS_BURST).
     """
 
-    def __init__(self, local, jwt=None, memory_mode="local", supabase=None, failures=None):
+    def __init__(self, local, jwt=None, memory_mode="local", supabase=None, failures=None,
+                 metrics=None):
         self.local = local
         self.jwt = jwt
         self.memory_mode = memory_mode
         self.supabase = supabase
+        self.metrics = metrics or Metrics()
         self.failures = failures or RateLimiter(FAILED_CHECKS_PER_MINUTE, FAILED_CHECKS_BURST)
         self._guarded_jwt = GuardedVerifier(jwt, self.failures) if jwt is not None else None
         self._guarded_supabase = (GuardedVerifier(supabase, self.failures)
@@ -1945,10 +2202,22 @@ class Authenticator:
 
     def _session_identity(self, token, client):
         if token.startswith(LOCAL_TOKEN_PREFIX):
-            return self.local.verify(token)
+            return self._counted("local", self.local.verify, token)
         if self._guarded_jwt is not None and token.count(".") == 2:
-            return self._guarded_jwt.verify(token, client)
+            return self._counted("jwt", self._guarded_jwt.verify, token, client)
+        self.metrics.add("token_failures", "other")
         raise AuthError("unknown token")
+
+    def _counted(self, kind, verify, *args):
+        """verify(*args), with its failures and throttles counted by token kind."""
+        try:
+            return verify(*args)
+        except AuthError:
+            self.metrics.add("token_failures", kind)
+            raise
+        except AuthThrottled:
+            self.metrics.add("token_throttled", kind)
+            raise
 
     def identify_for_memory(self, header, client=None):
         """The Identity for memory sync; AuthError, AuthUnavailable, AuthThrottled or
@@ -1959,8 +2228,9 @@ class Authenticator:
         if self.memory_mode == "supabase":
             # Never hand one of our tokens to another service.
             if token.startswith(LOCAL_TOKEN_PREFIX):
+                self.metrics.add("token_failures", "local")
                 raise AuthError("memory sync here needs an account token, not a local token")
-            return self._guarded_supabase.verify(token, client)
+            return self._counted("supabase", self._guarded_supabase.verify, token, client)
         identity = self._session_identity(token, client)
         if identity.anonymous:
             raise AuthError("anonymous accounts cannot use memory sync")
@@ -2736,10 +3006,12 @@ class Feed:
     while all this goes on, and swaps it in under the lock.
     """
 
-    def __init__(self, path, log, parked=(), start=0, clock=time.time):
+    def __init__(self, path, log, parked=(), start=0, clock=time.time, metrics=None):
         self.path = path
         self.log = log
         self.clock = clock                     # stamps session metadata with the time it is stored
+        self.metrics = metrics or Metrics()
+        self.bytes_at_load = 0                 # the file's size before it was loaded
         self.lock = threading.Lock()           # guards everything below
         self.parked = set(parked)              # ParkedPulls waiting for the next durable event
         self._load_lock = threading.Lock()
@@ -2788,6 +3060,7 @@ class Feed:
             return
         index, keys, meta, winners, superseded = FeedIndex(), set(), {}, {}, 0
         with f:
+            self.bytes_at_load = os.fstat(f.fileno()).st_size
             for line_number, offset, line, number, kind, key, session, problem, last in (
                     scan_feed(f)):
                 if problem is not None:
@@ -2838,7 +3111,9 @@ class Feed:
                     batch.woken.wait()
                 else:
                     parked = self._flush()
-        wake_pulls(parked, self.log)
+        if parked:
+            wake_pulls(parked, self.log)
+            self.metrics.add("woken", amount=len(parked))
         if isinstance(batch.outcome, Exception):
             raise batch.outcome
         return batch.outcome
@@ -2889,10 +3164,10 @@ class Feed:
         lines = [line for queued in group for line in queued.lines]
         self._flushing = True
         self.lock.release()
-        failure = None
+        failure, seconds = None, 0.0
         try:
             if lines:
-                self._write(b"".join(lines))
+                seconds = self._write(b"".join(lines))
         except Exception as exc:  # whatever it is, every push of the group must get its outcome
             failure = exc
         finally:
@@ -2910,8 +3185,11 @@ class Feed:
                         self.superseded_bytes += old[1]
                     self.winners[session_id] = winner
             if lines:
+                pushes = sum(1 for queued in group if queued.lines)
+                sessions = sum(len(queued.winners) for queued in group)
                 self.fsyncs += 1
-                self.fsynced_pushes += sum(1 for queued in group if queued.lines)
+                self.fsynced_pushes += pushes
+                self.metrics.group_commit(pushes, len(lines) - sessions, sessions, seconds)
                 parked, self.parked = self.parked, set()
         else:
             group += self.pending  # numbered after the failed events: they fail with them
@@ -2951,17 +3229,19 @@ class Feed:
         self.next_number = self.index.end + 1
 
     def _write(self, data):
-        """Append data and fsync it; on failure, cut the file back to its durable end."""
+        """Append data and fsync it; the seconds that took. On failure, cut the file back to its
+        durable end."""
         created = self.fd is None
         if created:
             make_dirs(os.path.dirname(self.path))
             self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
-        durable_end = self.index.offsets[-1]
+        durable_end, started = self.index.offsets[-1], time.monotonic()
         try:
             write_all(self.fd, data)
             sync_file(self.fd)
             if created:
                 sync_dir(os.path.dirname(self.path))
+            return time.monotonic() - started
         except OSError:
             try:
                 os.ftruncate(self.fd, durable_end)
@@ -3166,10 +3446,12 @@ class FeedStore:
     feed: two namespaces, so a principal and a team with one id never meet.
     """
 
-    def __init__(self, data_dir, log=None, clock=time.time):
+    def __init__(self, data_dir, log=None, clock=time.time, metrics=None):
         self.layout = DataDir(data_dir)
         self.log = log or (lambda message: None)
         self.clock = clock
+        self.metrics = metrics or Metrics()
+        self._bytes_at_start = None
         self.stopping = threading.Event()
         self._feeds = {}
         self._lock = threading.Lock()
@@ -3201,7 +3483,8 @@ class FeedStore:
                 # woken now.
                 start = self._purged.get(purged_key(owner, project), 0)
                 feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()),
-                                               start=start, clock=self.clock)
+                                               start=start, clock=self.clock,
+                                               metrics=self.metrics)
             return feed
 
     def feeds(self):
@@ -3285,6 +3568,20 @@ class FeedStore:
             if feed.index.events:
                 names.append(project)
         return sorted(names)
+
+    def bytes_on_disk(self):
+        """What the feeds hold on disk: their sizes at the first call (one walk of DIR/feeds,
+        which the server makes as it starts), and since then what loaded feeds grew or shrank
+        by."""
+        if self._bytes_at_start is None:
+            self._bytes_at_start = sum(entry.stat().st_size
+                                       for owner, _, entry in self.layout.all_feeds() if owner)
+        return self._bytes_at_start + sum(feed.index.offsets[-1] - feed.bytes_at_load
+                                          for feed in self.feeds() if feed.loaded)
+
+    def damaged(self):
+        """Feeds refused for a damaged line."""
+        return sum(1 for feed in self.feeds() if feed.damage is not None)
 
     def commit_counts(self):
         """(pushes made durable, fsyncs that did it) since start: group commit at work."""
@@ -3386,6 +3683,7 @@ class Compactor:
                      % (feed.path, reason(exc)))
             return
         self._looked.pop(feed, None)
+        self.store.metrics.add("compactions")
         self.log("compacted %s: %s -> %s (%s erased) in %.1f s" % (
             feed.path, format_bytes(before), format_bytes(after), plural(erased, "record"),
             time.monotonic() - started))
@@ -3592,10 +3890,12 @@ class MemoryStore:
     about to open.
     """
 
-    def __init__(self, data_dir, clock=time.time, log=None):
+    def __init__(self, data_dir, clock=time.time, log=None, metrics=None):
         self.layout = DataDir(data_dir)
         self.clock = clock
         self.log = log or (lambda message: None)
+        self.metrics = metrics or Metrics()
+        self._bytes_at_start = None
         self.quota = dict(MEMORY_QUOTA)              # enforced and advertised; tests may lower it
         self._quota_json = (None, b"")               # (the quota it was made from, its JSON)
         self.max_snapshot_bytes = MAX_SNAPSHOT_BYTES
@@ -3607,6 +3907,16 @@ class MemoryStore:
 
     def quota_doc(self):
         return dict(self.quota)
+
+    def bytes_on_disk(self):
+        """What memory holds on disk: its files' sizes at the first call (one walk of DIR/memory,
+        which the server makes as it starts), and since then what commits wrote and removed."""
+        if self._bytes_at_start is None:
+            self._bytes_at_start = sum(os.path.getsize(os.path.join(root, name))
+                                       for root, _, names in os.walk(self.layout.memory)
+                                       for name in names)
+        with self.metrics.lock:
+            return self._bytes_at_start + self.metrics.counters["memory_bytes", None]
 
     def quota_json(self):
         """The quota as answered, encoded once (and again only if it was changed)."""
@@ -3668,13 +3978,19 @@ class MemoryStore:
         with self._scope_lock(files.root):
             old = self._manifest(files)
             if etag != old.etag:
+                self.metrics.add("memory_commits", "conflict")
                 raise MemoryApiError(409, "revision_conflict",
                                      "the manifest has changed since that etag")
             entries, objects, fresh = self._apply(old, changes)
             new = Manifest(secrets.token_hex(16), entries)
             self._check_ids(new, changes)
-            self._check_quota(old, new)
+            try:
+                self._check_quota(old, new)
+            except MemoryApiError:
+                self.metrics.add("memory_commits", "quota")
+                raise
             self._publish(files, new, objects)
+            self.metrics.add("memory_commits", "ok")
             self._cache.put(files.root, new)
             self._mark_replaced(files, old, new)
             self._collect_garbage(files, new)
@@ -3851,8 +4167,15 @@ class MemoryStore:
                 except OSError:
                     pass
             raise self._sync_failed(files, exc) from None
+        data = manifest.to_bytes()
         try:
-            write_atomically(files.manifest, manifest.to_bytes())
+            old_size = os.path.getsize(files.manifest)
+        except OSError:
+            old_size = 0
+        try:
+            write_atomically(files.manifest, data)
+            self.metrics.add("memory_bytes", amount=sum(len(obj) for _, obj in objects)
+                             + len(data) - old_size)
         except OSError as exc:
             # Had the rename already happened (a failing directory fsync), the new manifest is the
             # one on disk: forget the cached one so the disk decides, and keep the objects it may
@@ -3883,9 +4206,11 @@ class MemoryStore:
                 continue
             path = os.path.join(files.objects, name)
             try:
-                if os.stat(path).st_mtime < oldest:
+                stat = os.stat(path)
+                if stat.st_mtime < oldest:
                     os.unlink(path)
                     removed += 1
+                    self.metrics.add("memory_bytes", amount=-stat.st_size)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -4014,15 +4339,23 @@ AUTH_FAILURES = (  # (exception, session status, session text, memory status, me
 class SyncApp:
     """The protocol: routes to thin handlers that parse, call storage and respond."""
 
-    def __init__(self, feeds, memory, auth, rate_limiter, log=None, max_parked=DEFAULT_MAX_PARKED):
+    def __init__(self, feeds, memory, auth, rate_limiter, log=None, max_parked=DEFAULT_MAX_PARKED,
+                 metrics=None, metrics_token=None):
         self.feeds = feeds
         self.memory = memory
         self.auth = auth
         self.rate_limiter = rate_limiter
         self.log = log or (lambda message: None)
         self.max_parked = max_parked
+        self.metrics = metrics or Metrics()
+        self.metrics_token = metrics_token     # None: no /metrics route
+        self.routes = dict(self.ROUTES)
+        if metrics_token is not None:
+            self.routes["/metrics"] = {"GET": "metrics_page"}
         self.parked = set()               # the requests of long-polls waiting now
         self._parked_lock = threading.Lock()
+        self.metrics.gauge("oharness_sync_long_polls_parked", "Long-polls parked now.",
+                           lambda: len(self.parked))
         # (principal, body) -> MemoryRequest, for small snapshot bodies
         self._checked_snapshots = {}
 
@@ -4039,7 +4372,7 @@ class SyncApp:
 
     def handle(self, request):
         """Route a request and turn every expected failure into its response."""
-        methods = self.ROUTES.get(request.path)
+        methods = self.routes.get(request.path)
         if methods is None:
             return json_response(404, {"error": "unknown route"})
         # HEAD: GET less the body
@@ -4107,6 +4440,15 @@ class SyncApp:
         return Response(200, page.encode("utf-8"), [
             ("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'"),
             ("X-Content-Type-Options", "nosniff")], content_type="text/html; charset=utf-8")
+
+    def metrics_page(self, request):
+        """The server's metrics, in Prometheus' text format, for a scraper with the metrics
+        token."""
+        token = bearer_token(request.headers.get("authorization"))
+        if not hmac.compare_digest(token.encode("utf-8"), self.metrics_token.encode("utf-8")):
+            raise AuthError("this is not the metrics token")
+        return Response(200, exposition(self.metrics),
+                        content_type="text/plain; version=0.0.4; charset=utf-8")
 
     def projects(self, request):
         identity = self.session_identity(request)
@@ -4467,9 +4809,12 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.early = None           # (response, what is left to send) once another thread sent it
         self.early_lock = threading.Lock()
         self.known_lines = None     # the last head's field lines, as parsed (read_fields)
+        self.tally = self.server.metrics.open_tally() if self.server.counting else None
         self.server.watchdog.arm(self.connection, self.server.idle_seconds)
 
     def finish(self):
+        if self.tally is not None:
+            self.server.metrics.close_tally(self.tally)
         try:
             super().finish()
             if self.body_pending:
@@ -4563,6 +4908,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             code, message, printable(_QUERY.sub("", line, 1))))
         # what follows a refused head is not read: close after the response
         self.body_pending = True
+        if self.tally is not None:
+            self.tally.count("other", self.command, code, 0.0)
         self.write_response(Response(code, encode_json({"error": message}), close=True),
                             self.command)
 
@@ -4594,6 +4941,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
                 response = json_response(500, {"error": "internal server error"})
             self.server.log_access(self.command, path, response.status, started,
                                    principal=request.principal)
+            if self.tally is not None:
+                self.tally.count(path, self.command, response.status, time.monotonic() - started)
             self.write_response(response, self.command)
         finally:
             self.server.end_request(self)
@@ -4757,6 +5106,10 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self._in_flight = set()
         self._open = set()                     # the sockets of connections being served
         self._lock = threading.Lock()
+        self.metrics = app.metrics
+        self.counting = app.metrics_token is not None  # each connection counts its requests
+        self.metrics.gauge("oharness_sync_connections_open", "Connections open now.",
+                           lambda: self.connections)
         self.watchdog = Watchdog(self.log)     # before binding: a failed bind calls server_close
         super().__init__(address, SyncRequestHandler)
 
@@ -4816,6 +5169,7 @@ class SyncServer(http.server.ThreadingHTTPServer):
         """Past the connection cap: a 503 JSON response rather than a hang (with TLS: closed at
         once). The socket is closed LINGER_SECONDS later, so closing does not reset the response
         away."""
+        self.metrics.add("refused")
         try:
             if self.tls is None:
                 sock.setblocking(False)
@@ -4922,13 +5276,28 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
                  max_connections=DEFAULT_MAX_CONNECTIONS, log=None, jwt=None, memory_mode="local",
                  supabase=None, memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None,
                  max_parked=DEFAULT_MAX_PARKED, request_seconds=DEFAULT_REQUEST_SECONDS,
-                 idle_seconds=IDLE_SECONDS):
-    """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business)."""
-    log = log or Log(quiet=True)
+                 idle_seconds=IDLE_SECONDS, metrics_token=None):
+    """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business). With
+    a metrics_token, GET /metrics answers whoever has it."""
+    log, metrics = log or Log(quiet=True), Metrics()
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode,
-                         supabase)
-    app = SyncApp(FeedStore(data_dir, log), MemoryStore(data_dir, log=log), auth,
-                  RateLimiter(memory_rate_limit), log=log, max_parked=max_parked)
+                         supabase, metrics=metrics)
+    feeds = FeedStore(data_dir, log, metrics=metrics)
+    memory = MemoryStore(data_dir, log=log, metrics=metrics)
+    if metrics_token is not None:
+        for name, text, read in (
+                ("oharness_sync_feed_bytes", "Bytes of the feeds on disk.", feeds.bytes_on_disk),
+                ("oharness_sync_memory_bytes", "Bytes of memory sync on disk.",
+                 memory.bytes_on_disk),
+                ("oharness_sync_disk_free_bytes", "Free bytes on the data dir's disk.",
+                 lambda: shutil.disk_usage(data_dir).free),
+                ("oharness_sync_feeds_damaged", "Feeds refused for a damaged line.",
+                 feeds.damaged)):
+            metrics.gauge(name, text, read)
+        feeds.bytes_on_disk()  # the one walk of the disk, now: never at a scrape
+        memory.bytes_on_disk()
+    app = SyncApp(feeds, memory, auth, RateLimiter(memory_rate_limit), log=log,
+                  max_parked=max_parked, metrics=metrics, metrics_token=metrics_token)
     # --quiet: no line is even formatted
     access_log = None if getattr(log, "quiet", False) else log.access
     return SyncServer((host, port), app, max_connections=max_connections, log=log,
@@ -4955,6 +5324,19 @@ def add_auth_flags(parser):
                        metavar="N",
                        help="memory requests per minute and principal, bursts of N/2 "
                             "(0: no limit)")
+
+
+def read_token_file(path, flag):
+    """The first line of a token file, whitespace stripped; UsageError when unusable."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(MAX_TOKEN_LENGTH + 2).decode("utf-8").strip()
+    except (OSError, ValueError) as exc:
+        raise UsageError("cannot read %s %s: %s" % (flag, path, reason(exc))) from None
+    if not _TOKEN_CHARACTERS.fullmatch(line or " "):
+        raise UsageError("%s %s does not hold a token (printable ASCII, no spaces, "
+                         "on its first line)" % (flag, path))
+    return line
 
 
 def auth_from_flags(args, log=None):
@@ -5148,6 +5530,9 @@ def serve_command(argv):
                         metavar="N",
                         help="a deleted session's records are erased by a compaction N days after "
                              "the deletion was stored (default %d)" % DEFAULT_RETAIN_DELETED_DAYS)
+    parser.add_argument("--metrics-token-file", metavar="FILE",
+                        help="serve GET /metrics to whoever sends the token on this file's first "
+                             "line (re-read on SIGHUP)")
     parser.add_argument("--quiet", action="store_true", help="no access log")
     parser.add_argument("--tls-cert", metavar="CERT.pem",
                         help="serve HTTPS with this certificate (chain)")
@@ -5167,6 +5552,8 @@ def serve_command(argv):
         raise UsageError("--memory-rate-limit must be 0 or more")
     if args.retain_deleted_days < 0:
         raise UsageError("--retain-deleted-days must be 0 or more")
+    metrics_token = (read_token_file(args.metrics_token_file, "--metrics-token-file")
+                     if args.metrics_token_file else None)
     log = Log(quiet=args.quiet)
     jwt, supabase = auth_from_flags(args, log)
     tls = tls_from_flags(args)
@@ -5181,7 +5568,8 @@ def serve_command(argv):
                                   max_connections=args.max_connections, log=log, jwt=jwt,
                                   memory_mode=args.memory_auth, supabase=supabase,
                                   memory_rate_limit=args.memory_rate_limit, tls=tls,
-                                  max_parked=args.max_parked, request_seconds=args.request_timeout)
+                                  max_parked=args.max_parked, request_seconds=args.request_timeout,
+                                  metrics_token=metrics_token)
         except OSError as exc:
             raise UsageError("cannot listen on %s:%d: %s"
                              % (args.host, args.port, reason(exc))) from None
@@ -5196,16 +5584,17 @@ def serve_command(argv):
     compactor = Compactor(server.app.feeds, args.retain_deleted_days, log)
     compactor.start()
     run_until_signalled(server, lambda: print("oharness-sync listening on %s" % server.url,
-                                              flush=True))
+                                              flush=True),
+                        metrics_token_file=args.metrics_token_file)
     compactor.stop()
     lock.release()
     return 0
 
 
-def reload_files(server):
-    """What a SIGHUP does: read the token file, a JWKS file and the TLS files again, each keeping
-    what it had when it cannot; then log one line saying what was reloaded (and what was kept, and
-    why)."""
+def reload_files(server, metrics_token_file=None):
+    """What a SIGHUP does: read the token file, a JWKS file, the TLS files and the metrics token
+    file again, each keeping what it had when it cannot; then log one line saying what was reloaded
+    (and what was kept, and why)."""
     local, jwt = server.app.auth.local, server.app.auth.jwt
     done = []
     try:
@@ -5234,10 +5623,16 @@ def reload_files(server):
         except (ssl.SSLError, OSError) as exc:  # changed again since it was checked
             done.append("kept the TLS certificate in force: cannot use %s: %s"
                         % (tls.cert_path, exc))
+    if metrics_token_file is not None:
+        try:
+            server.app.metrics_token = read_token_file(metrics_token_file, "--metrics-token-file")
+            done.append("reloaded the metrics token file %s" % metrics_token_file)
+        except UsageError as exc:
+            done.append("kept the metrics token in force: %s" % exc)
     server.log("SIGHUP: " + "; ".join(done))
 
 
-def run_until_signalled(server, ready):
+def run_until_signalled(server, ready, metrics_token_file=None):
     """Serve until SIGTERM or SIGINT, then stop gracefully: parked long-polls answer at once,
     in-flight pushes finish, and the process exits 0. ready() runs once the signals are handled:
     from then on, a SIGTERM is a graceful stop. A SIGHUP never stops it: it runs reload_files."""
@@ -5258,7 +5653,7 @@ def run_until_signalled(server, ready):
             time.sleep(SIGNAL_POLL_SECONDS)
         if signalled.pop(0) != hangup:
             break
-        reload_files(server)
+        reload_files(server, metrics_token_file)
     server.stopping.set()
     server.stop_accepting()
     server.app.feeds.stop()
@@ -7262,19 +7657,6 @@ class Replicator:
             self.fail("%s: stopped by an unexpected error: %s: %s" % (feed_name(team, project),
                                                                      type(exc).__name__, exc))
             self.stopping.set()
-
-
-def read_token_file(path, flag):
-    """The first line of a token file, whitespace stripped; UsageError when unusable."""
-    try:
-        with open(path, "rb") as f:
-            line = f.readline(MAX_TOKEN_LENGTH + 2).decode("utf-8").strip()
-    except (OSError, ValueError) as exc:
-        raise UsageError("cannot read %s %s: %s" % (flag, path, reason(exc))) from None
-    if not _TOKEN_CHARACTERS.fullmatch(line or " "):
-        raise UsageError("%s %s does not hold a token (printable ASCII, no spaces, "
-                         "on its first line)" % (flag, path))
-    return line
 
 
 def token_principal(token):

@@ -7903,7 +7903,8 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(lines[:2], ["usage: oharness_sync.py [--version] --data DIR [serving flags]",
                                      "       oharness_sync.py COMMAND [--help] ..."])
         commands = [line.split()[0] for line in lines if re.match(r"  [a-z][a-z-]*  +[a-z]", line)]
-        self.assertEqual(commands, ["token", "check", "bench", "fsck", "note-hash", "replicate"])
+        self.assertEqual(commands, ["token", "fsck", "note-hash", "check", "replicate", "usage", "compact", "purge",
+                                    "bench"])
         for flag in ("--version", "--data DIR", "--host HOST", "--port PORT", "--tls-cert CERT.pem", "--tls-key KEY.pem",
                      "--jwt-secret-file FILE", "--jwks-file FILE", "--memory-auth", "--quiet"):
             self.assertEqual(len([line for line in lines if line.startswith("  " + flag)]), 1, flag)
