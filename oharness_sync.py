@@ -2878,6 +2878,8 @@ def summarize_feed(path, end=None, pause=lambda: None, torn_tail=False):
                 pause()
             if end is not None and offset >= end:
                 break
+            if line_number % PAUSE_LINES == 0:  # (before any `continue`: every line counts)
+                pause()
             if problem is not None and last and torn_tail:
                 summary.end = lost_number(line, summary.end)
                 break
@@ -2950,6 +2952,8 @@ def compact_lines(path, plan, out=None, pause=lambda: None):
                 pause()
             if offset >= summary.size:
                 break
+            if line_number % PAUSE_LINES == 0:  # (before the `continue` of a dropped line)
+                pause()
             if problem is not None:
                 raise ValueError("%s:%d: %s" % (path, line_number, problem))
             if kind == b"s":
@@ -3336,33 +3340,40 @@ class Feed:
                     if not self._flushing:
                         size = self.index.offsets[-1]
                         self._swap(aside, index, lines, durable_end)
+                        self.superseded_bytes -= plan.summary.superseded_bytes
+                        for session_id in plan.stamp:
+                            number, size_then, deleted, _ = self.winners[session_id]
+                            if number == plan.summary.winners[session_id][0]:  # (no later winner)
+                                self.winners[session_id] = (
+                                    number, size_then + len(b',"t":%d' % now_ms), deleted, now_ms)
+                        self.erased |= plan.erase
+                        # Still under the lock: no push is answered from the new file before its
+                        # name is durable. Should this fail, the feed is on the new file already.
+                        sync_dir(os.path.dirname(self.path))
                         break
                 time.sleep(0.001)  # a flush is writing to the old file: after it
         except BaseException:
             _remove(aside)
             raise
         self._close_retired()  # (the old file goes as its last fd closes: not under the lock)
-        with self.lock:
-            self.superseded_bytes -= plan.summary.superseded_bytes
-            for session_id in plan.stamp:
-                number, size_then, deleted, _ = self.winners[session_id]
-                if number == plan.summary.winners[session_id][0]:  # (no later winner meanwhile)
-                    self.winners[session_id] = (number, size_then + len(b',"t":%d' % now_ms),
-                                                deleted, now_ms)
-            self.erased |= plan.erase
         return size, index.offsets[-1], erased
 
     def _swap(self, aside, index, lines, durable_end):
         """Make the file written aside the feed's (lock held, no flush under way): copy the lines
-        made durable since durable_end to it, fsync, rename, fsync the directory, index them."""
+        made durable since durable_end to it, fsync, rename, index them (the caller fsyncs the
+        directory). Once renamed, the feed is on the new file whatever fails next: appending to the
+        old one would lose what a push is answered for."""
         tail = read_exactly(self.fd, durable_end, self.index.offsets[-1] - durable_end, self.path)
         with open(aside, "ab") as out:
             out.write(tail)
             out.flush()
             sync_file(out.fileno())
-        os.replace(aside, self.path)
-        sync_dir(os.path.dirname(self.path))
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        fd = os.open(aside, os.O_RDWR | os.O_APPEND)  # before the rename: the same file after it
+        try:
+            os.replace(aside, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
         for i in range(lines, self.index.lines):
             index.add(*self.index.line(i))
         self._retired.append(self.fd)  # a read outside the lock may still use it

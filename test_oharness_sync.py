@@ -2659,6 +2659,716 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(self.store.projects(("t", "alice")), [])
 
 
+# -- compaction: every cursor keeps working --------------------------------------------------------
+
+def feed_file_lines(path):
+    """{number: (kind, key, event bytes, line)} of a feed file."""
+    lines = {}
+    with open(path, "rb") as f:
+        for line in f:
+            number, kind, key, _, event = sync.parse_feed_line(line)
+            lines[number] = (kind, key, event, line)
+    return lines
+
+
+def apply_events(state, records, sessions):
+    """What a client keeps of pulled events: records by (session, id), metadata by last-writer-wins."""
+    kept_records, kept_meta = state
+    for event in records:
+        doc = json.loads(event)
+        kept_records[(doc["session"], doc["id"])] = event
+    for event in sessions:
+        doc = json.loads(event)
+        stamp = (doc["gen"], doc["updatedAt"])
+        old = kept_meta.get(doc["id"])
+        if old is None or stamp > old[0]:
+            kept_meta[doc["id"]] = (stamp, event)
+
+
+def close_store(store):
+    """Close the files a FeedStore keeps open (one left behind for another on the same dir)."""
+    for feed in store.feeds():
+        if feed.fd is not None:
+            os.close(feed.fd)
+            feed.fd = None
+        feed._close_retired()
+
+
+class FeedCompactionTest(unittest.TestCase):
+    owner = ("u", "alice")
+    sessions = ("s0", "s1", "s2", "s3")
+    retain_ms = 60 * 1000
+
+    def make_dir(self):
+        path = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, path, True)
+        return path
+
+    # -- the property: from every cursor handed out, a client pulling on ends where it would have ---------
+
+    def random_push(self, rng, model):
+        """Random records (some already pushed) and metadata (gens and updatedAt going up, sometimes stale,
+        sometimes deletions); with what the feed should make of them: the new record keys, every session's
+        winner after it, and the (session, deleted) of each entry that wins."""
+        records, new_keys = [], set()
+        for _ in range(rng.randint(0, 3)):
+            session, number = rng.choice(self.sessions), rng.randrange(10)
+            records.append(record(session=session, record_id="r%d" % number, seq=number))
+            if (session, "r%d" % number) not in model["pushed"]:
+                new_keys.add((session, "r%d" % number))
+        entries, winners = [], []
+        stamps = dict(model["stamps"])
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            session = rng.choice(self.sessions)
+            gen, updated = stamps.get(session, (0, 0))
+            roll = rng.random()
+            if roll < 0.2:
+                stamp = (gen, max(updated - rng.randint(0, 3), 0))  # stale, or equal: loses
+            elif roll < 0.5:
+                stamp = (gen + 1, rng.randint(0, 1000))  # a new generation wins whatever its updatedAt
+            else:
+                stamp = (gen, updated + rng.randint(1, 50))
+            deleted = rng.random() < 0.35
+            extra = {"deleted": True} if deleted else {"body": {"title": "t%d" % rng.randrange(99)}}
+            entries.append(meta(session, gen=stamp[0], updated_at=stamp[1], **extra))
+            if session not in stamps or stamp > stamps[session]:
+                stamps[session] = stamp
+                winners.append((session, deleted))
+        return records, entries, new_keys, stamps, winners
+
+    def check_kept_lines(self, ours, theirs, erased_keys, exact):
+        """Every line of the compacted feed is the reference's line of that number, or an erased record's
+        stub with its key; exact (right after a compaction): and it holds nothing else."""
+        winners = {}
+        for number, (kind, _, event, _) in sorted(theirs.items()):
+            if kind == b"s":
+                winners[json.loads(event)["id"]] = number
+        for number, (kind, key, event, line) in ours.items():
+            their_kind, their_key, their_event, their_line = theirs[number]
+            if kind == b"x":
+                doc = json.loads(their_event)
+                self.assertEqual((their_kind, their_key), (b"r", key))
+                self.assertIn((doc["session"], doc["id"]), erased_keys)
+                self.assertEqual(line, sync.feed_line(number, b"x", key=key))
+            else:
+                self.assertEqual(line, their_line)
+        if exact:
+            expected = {}
+            for number, (kind, key, event, line) in theirs.items():
+                if kind == b"s" and winners[json.loads(event)["id"]] != number:
+                    continue  # superseded metadata goes
+                if kind == b"r" and tuple(json.loads(event)[name] for name in ("session", "id")) in erased_keys:
+                    line = sync.feed_line(number, b"x", key=key)
+                expected[number] = line
+            self.assertEqual({number: entry[3] for number, entry in ours.items()}, expected)
+
+    def run_history(self, seed, steps=220):
+        from bisect import bisect_right
+        rng = random.Random(seed)
+        now = [1800000000]  # the servers' clock, in whole seconds
+        clock = lambda: float(now[0])
+        ours_dir, reference_dir = self.make_dir(), self.make_dir()
+        store = sync.FeedStore(ours_dir, clock=clock)
+        reference = sync.FeedStore(reference_dir, clock=clock)
+        self.addCleanup(lambda: close_store(store))
+        self.addCleanup(close_store, reference)
+        path = sync.DataDir(ours_dir).feed_path(self.owner, "p")
+        reference_path = sync.DataDir(reference_dir).feed_path(self.owner, "p")
+        # pushed: record keys in the feed; stamps: each session's winner; tombstones: the server's time a
+        # session's winning deletion was stored (its clients' updatedAt is small and says nothing of it).
+        model = {"pushed": set(), "stamps": {}, "tombstones": {}}
+        erased_keys, erased_sessions, cursors = set(), set(), {0}
+        done = {"offline": 0, "online": 0, "cursors before one": 0}
+        for _ in range(steps):
+            roll = rng.random()
+            if roll < 0.5:
+                records, entries, new_keys, stamps, winners = self.random_push(rng, model)
+                request = validated(records, entries)
+                answer = store.push(self.owner, "p", *request)
+                self.assertEqual(answer, reference.push(self.owner, "p", *request))
+                self.assertEqual(answer[1], len(new_keys) + len(winners))
+                cursors.add(answer[0])
+                model["pushed"] |= new_keys
+                model["stamps"] = stamps
+                for session, deleted in winners:
+                    if deleted:
+                        model["tombstones"][session] = now[0] * 1000
+                    else:
+                        model["tombstones"].pop(session, None)
+            elif roll < 0.72:
+                page = store.pull(self.owner, "p", rng.choice(sorted(cursors)), rng.randint(1, 8))
+                cursors.add(page.cursor)
+                for event in page.records:
+                    doc = json.loads(event)
+                    self.assertNotIn((doc["session"], doc["id"]), erased_keys)  # never pulled once erased
+            elif roll < 0.9:
+                now[0] += rng.choice((1, 5, 10, 20, 30, 60))
+            elif os.path.exists(path):
+                now_ms = now[0] * 1000
+                due = {session for session, stored in model["tombstones"].items()
+                       if now_ms - stored >= self.retain_ms}
+                newly = {key for key in model["pushed"] if key[0] in due} - erased_keys
+                size = os.path.getsize(path)
+                if rng.random() < 0.5:
+                    done["offline"] += 1
+                    answer = sync.compact_file(path, now_ms, self.retain_ms)
+                    self.assertFalse(os.path.exists(path + sync.COMPACT_SUFFIX))
+                    close_store(store)
+                    store = sync.FeedStore(ours_dir, clock=clock)
+                else:
+                    done["online"] += 1
+                    answer = store.feed(self.owner, "p").compact(now_ms, self.retain_ms)
+                self.assertEqual(answer, (size, os.path.getsize(path), len(newly)))
+                erased_keys |= newly
+                erased_sessions |= due
+                done["cursors before one"] = len(cursors)
+                self.check_kept_lines(feed_file_lines(path), feed_file_lines(reference_path), erased_keys, True)
+        self.assertTrue(done["offline"] and done["online"] and erased_keys, (seed, done, erased_keys))
+
+        ours, theirs = feed_file_lines(path), feed_file_lines(reference_path)
+        self.check_kept_lines(ours, theirs, erased_keys, False)
+        our_events = [(number, kind, event) for number, (kind, _, event, _) in sorted(ours.items())
+                      if kind != b"x"]
+        our_numbers = [number for number, _, _ in our_events]
+
+        def without_erased(state):
+            return ({key: event for key, event in state[0].items() if key[0] not in erased_sessions}, state[1])
+
+        final = ({}, {})
+        for number, (kind, _, event, _) in sorted(theirs.items()):
+            apply_events(final, [event] if kind == b"r" else [], [event] if kind == b"s" else [])
+        for cursor in sorted(cursors):
+            state = ({}, {})
+            for number, (kind, _, event, _) in sorted(theirs.items()):
+                if number <= cursor:
+                    apply_events(state, [event] if kind == b"r" else [], [event] if kind == b"s" else [])
+            since = cursor
+            while True:
+                limit = rng.randint(1, 10)
+                page = store.pull(self.owner, "p", since, limit)
+                remaining = our_events[bisect_right(our_numbers, since):]
+                wanted = remaining[:limit]
+                self.assertLessEqual(len(page.records) + len(page.sessions), limit)
+                self.assertGreaterEqual(page.cursor, since)  # never backwards
+                self.assertEqual(
+                    (page.cursor, list(page.records), list(page.sessions), page.more),
+                    (wanted[-1][0] if wanted else since, [event for _, kind, event in wanted if kind == b"r"],
+                     [event for _, kind, event in wanted if kind == b"s"], len(remaining) > limit),
+                    (seed, cursor, since, limit))
+                for event in page.records:
+                    doc = json.loads(event)
+                    self.assertNotIn((doc["session"], doc["id"]), erased_keys)
+                apply_events(state, page.records, page.sessions)
+                since = page.cursor
+                if not page.more:
+                    break
+            self.assertEqual(without_erased(state), without_erased(final), (seed, cursor))
+        self.assertGreater(done["cursors before one"], 1)
+        # A device that still holds an erased record cannot bring it back.
+        end = store.feed(self.owner, "p").index.end
+        for session, record_id in sorted(erased_keys):
+            answer = store.push(self.owner, "p", *validated([record(session=session, record_id=record_id)]))
+            self.assertEqual(answer, (end, 0))
+
+    def test_from_every_cursor_handed_out_a_client_pulling_on_ends_as_on_the_uncompacted_feed(self):
+        for seed in (1, 2, 3, 4, 5):
+            with self.subTest(seed=seed):
+                self.run_history(seed)
+
+    # -- an online compaction: the feed keeps being served ------------------------------------------------
+
+    def filled_feed(self, store):
+        """A feed of 1,500 records and 600 metadata lines of one session (599 of them superseded)."""
+        for batch in range(3):
+            store.push(self.owner, "p", *validated(
+                [record(record_id="old-%d-%d" % (batch, i)) for i in range(500)],
+                [meta("m", gen=batch * 200 + i) for i in range(200)]))
+        return store.feed(self.owner, "p")
+
+    def test_pushes_and_pulls_are_answered_while_a_compaction_runs_and_what_they_add_is_kept(self):
+        store = sync.FeedStore(self.make_dir())
+        self.addCleanup(close_store, store)
+        feed = self.filled_feed(store)
+        end = feed.index.end
+        parked, go = threading.Event(), threading.Event()
+        self.addCleanup(go.set)
+
+        def pause():  # halfway through writing the new file aside, the compaction waits
+            if os.path.exists(feed.path + sync.COMPACT_SUFFIX) and not parked.is_set():
+                parked.set()
+                go.wait(10)
+
+        results = []
+        compaction = threading.Thread(target=lambda: results.append(feed.compact(0, 1, pause)))
+        compaction.start()
+        self.addCleanup(compaction.join, 15)
+        self.assertTrue(parked.wait(10))
+        answers = [store.push(self.owner, "p", *validated([record(record_id="during-%d" % i)],
+                                                          [meta("m", gen=1000 + i)])) for i in range(5)]
+        self.assertEqual(answers, [(end + 2 * i, 2) for i in range(1, 6)])
+        page = store.pull(self.owner, "p", end - 1, 500)
+        self.assertEqual(([json.loads(event)["id"] for event in page.records], len(page.sessions), page.cursor,
+                          page.more), (["during-%d" % i for i in range(5)], 6, end + 10, False))
+        self.assertEqual(len(store.pull(self.owner, "p", 0, 500).records), 500)
+        self.assertTrue(compaction.is_alive())  # every push and pull above was answered while it ran
+        size_at_swap = os.path.getsize(feed.path)  # (nothing is pushed from here on)
+        go.set()
+        compaction.join(10)
+        lines = feed_file_lines(feed.path)
+        self.assertEqual(results, [(size_at_swap, os.path.getsize(feed.path), 0)])
+        kinds = [(kind, json.loads(event)["id"]) for _, (kind, _, event, _) in sorted(lines.items())]
+        self.assertEqual(kinds[-10:], [(b"r", "during-%d" % (i // 2)) if i % 2 == 0 else (b"s", "m")
+                                       for i in range(10)])  # carried over from the old file's tail
+        self.assertEqual(kinds.count((b"s", "m")), 1 + 5)  # the winner when the compaction read, and the tail
+        records, sessions, since = [], [], 0
+        while True:
+            page = store.pull(self.owner, "p", since, 400)
+            records += [json.loads(event)["id"] for event in page.records]
+            sessions += [json.loads(event)["gen"] for event in page.sessions]
+            since = page.cursor
+            if not page.more:
+                break
+        self.assertEqual(records, ["old-%d-%d" % (batch, i) for batch in range(3) for i in range(500)]
+                         + ["during-%d" % i for i in range(5)])
+        self.assertEqual((sessions, since), ([599] + [1000 + i for i in range(5)], end + 10))
+        self.assertFalse(os.path.exists(feed.path + sync.COMPACT_SUFFIX))
+
+    def test_a_pull_reading_the_old_file_while_the_swap_happens_gets_its_page_whole(self):
+        store = sync.FeedStore(self.make_dir())
+        self.addCleanup(close_store, store)
+        feed = self.filled_feed(store)
+        # Records and metadata the compaction drops: read from the old file, at offsets the new one has not.
+        expected = store.pull(self.owner, "p", 1100, 300)
+        feed._last_page = None  # (so that the pull below reads the file)
+        old_fd = feed.fd
+        reading, swapped = threading.Event(), threading.Event()
+        self.addCleanup(swapped.set)
+        real_read = sync.read_exactly
+        puller = None
+
+        def read_exactly(fd, offset, size, path):
+            if threading.current_thread() is puller:
+                reading.set()
+                swapped.wait(10)
+            return real_read(fd, offset, size, path)
+
+        pages = []
+        with mock.patch.object(sync, "read_exactly", read_exactly):
+            puller = threading.Thread(target=lambda: pages.append(store.pull(self.owner, "p", 1100, 300)))
+            puller.start()
+            self.assertTrue(reading.wait(10))
+            feed.compact(0, 1)
+            self.assertNotEqual(feed.fd, old_fd)
+            self.assertEqual(feed._retired, [old_fd])  # still being read: not closed
+            os.fstat(old_fd)
+            swapped.set()
+            puller.join(10)
+        page = pages[0]
+        self.assertEqual((page.cursor, page.records, page.sessions, page.more),
+                         (expected.cursor, expected.records, expected.sessions, expected.more))
+        self.assertEqual((len(page.records), len(page.sessions), page.cursor), (100, 200, 1400))
+        self.assertEqual(feed._retired, [])  # closed once the read was over
+        with self.assertRaises(OSError):
+            os.fstat(old_fd)
+
+
+    def test_a_failure_after_the_rename_leaves_the_feed_on_the_new_file_and_loses_no_acknowledged_push(self):
+        # Before, the feed went on appending to the old, renamed-over file when the directory fsync or the
+        # open of the new file failed: a push answered 200 was gone at the next start, its number given again.
+        real_open = os.open
+        for failing in ("sync_dir", "open"):
+            with self.subTest(failing=failing):
+                data_dir = self.make_dir()
+                store = sync.FeedStore(data_dir)
+                self.addCleanup(close_store, store)
+                feed = self.filled_feed(store)
+                renamed = []
+
+                def replace(source, target, real=os.replace):
+                    real(source, target)
+                    renamed.append(target)
+
+                def open_(path, flags, *mode):
+                    if renamed and not flags & os.O_DIRECTORY:
+                        raise OSError(errno.EMFILE, "Too many open files")
+                    return real_open(path, flags, *mode)
+
+                def sync_dir(path):
+                    if renamed:
+                        raise OSError(errno.EIO, "I/O error")
+
+                with mock.patch.object(sync.os, "replace", replace), \
+                        mock.patch.object(sync.os, "open", open_ if failing == "open" else real_open), \
+                        mock.patch.object(sync, "sync_dir", sync_dir if failing == "sync_dir" else sync.sync_dir):
+                    try:
+                        feed.compact(0, 1)
+                    except OSError:
+                        pass  # (the compaction may say it failed: the feed must be whole either way)
+                self.assertEqual(renamed, [feed.path])
+                self.assertFalse(os.path.exists(feed.path + sync.COMPACT_SUFFIX))
+                self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="after")])), (2101, 1))
+                reopened = sync.FeedStore(data_dir)
+                self.addCleanup(close_store, reopened)
+                page = reopened.pull(self.owner, "p", 2100, 500)
+                self.assertEqual(([json.loads(event)["id"] for event in page.records], page.cursor),
+                                 (["after"], 2101))
+                self.assertEqual(reopened.push(self.owner, "p", *validated([record(record_id="next")])), (2102, 1))
+
+# The child of FeedCompactionCrashTest: makes a feed, pushes one record at a time from a thread and prints
+# each acknowledged id, and compacts the feed with one step of the compaction ending the process.
+COMPACTION_CRASH_CHILD = r'''
+import os, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import oharness_sync as sync
+
+data_dir, step = sys.argv[2], sys.argv[3]
+owner = ("u", "alice")
+store = sync.FeedStore(data_dir)
+said = threading.Lock()
+
+
+def say(text):
+    with said:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+
+def die(what):
+    say("exit " + what)
+    os._exit(9)
+
+
+def push(records=(), sessions=()):
+    request = sync.validate_push({"project": "p", "records": list(records), "sessions": list(sessions)})
+    return store.push(owner, "p", request.records, request.sessions)
+
+
+def record(record_id):
+    return {"session": "s", "id": record_id, "seq": 1, "device": "d", "at": 1, "body": {"text": "x" * 40}}
+
+
+for batch in range(6):
+    push([record("base-%d-%d" % (batch, i)) for i in range(500)],
+         [{"id": "m", "gen": batch * 100 + i, "updatedAt": 1} for i in range(100)])
+feed = store.feed(owner, "p")
+aside = feed.path + sync.COMPACT_SUFFIX
+acked = [0]
+acked_changed = threading.Condition()
+
+
+def pusher():
+    i = 0
+    while True:
+        push([record("live-%d" % i)], [{"id": "live", "gen": i, "updatedAt": 1}])
+        say("ack live-%d" % i)
+        with acked_changed:
+            acked[0] += 1
+            acked_changed.notify_all()
+        i += 1
+        time.sleep(0.0005)
+
+
+def more_pushes(count):
+    with acked_changed:
+        seen = acked[0]
+        acked_changed.wait_for(lambda: acked[0] >= seen + count, 10)
+
+
+def pause():
+    more_pushes(2)  # pushes land in the old file while the compaction reads it
+    if step == "writing-aside" and os.path.exists(aside) and os.path.getsize(aside) > 0:
+        die("%s %d" % (step, os.path.getsize(aside)))
+
+
+real_sync_file, real_sync_dir, real_replace, real_read = sync.sync_file, sync.sync_dir, os.replace, sync.read_exactly
+compacting, aside_syncs = [False], [0]
+
+
+def sync_file(fd):
+    real_sync_file(fd)
+    if compacting[0] and fd != feed.fd:  # the file written aside (a flush syncs feed.fd)
+        aside_syncs[0] += 1
+        if (step, aside_syncs[0]) in (("aside-synced", 1), ("tail-synced", 2)):
+            die(step)
+
+
+def read_exactly(fd, offset, size, path):  # (no pulls here: only the compaction's read of the tail)
+    data = real_read(fd, offset, size, path)
+    if step == "tail-read":
+        die("%s %d" % (step, len(data)))
+    return data
+
+
+def replace(source, target):
+    real_replace(source, target)
+    if step == "renamed" and target == feed.path:
+        die(step)
+
+
+def sync_dir(path):
+    real_sync_dir(path)
+    if compacting[0] and step == "dir-synced":
+        die(step)
+
+
+sync.sync_file, sync.sync_dir, sync.os.replace, sync.read_exactly = sync_file, sync_dir, replace, read_exactly
+say("ready")
+threading.Thread(target=pusher, daemon=True).start()
+more_pushes(3)
+compacting[0] = True
+feed.compact(0, 1, pause)
+more_pushes(5)  # into the new file
+die("compacted")
+'''
+
+
+class FeedCompactionCrashTest(unittest.TestCase):
+    owner = ("u", "alice")
+    steps = ("writing-aside", "aside-synced", "tail-read", "tail-synced", "renamed", "dir-synced", "compacted")
+
+    def test_a_process_killed_at_any_step_of_an_online_compaction_keeps_every_acknowledged_push(self):
+        for step in self.steps:
+            with self.subTest(step=step):
+                data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+                self.addCleanup(shutil.rmtree, data_dir, True)
+                child = subprocess.run([sys.executable, "-c", COMPACTION_CRASH_CHILD, HERE, data_dir, step],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+                said = child.stdout.decode().splitlines()
+                self.assertEqual(child.returncode, 9, child.stderr.decode())
+                self.assertEqual((said[0], said[-1].split()[:2]), ("ready", ["exit", step]))
+                if step == "tail-read":
+                    self.assertGreater(int(said[-1].split()[2]), 0)  # pushes made during it were carried over
+                acked = [line.split()[1] for line in said if line.startswith("ack ")]
+                self.assertGreaterEqual(len(acked), 3)
+                path = sync.DataDir(data_dir).feed_path(self.owner, "p")
+                swapped = step in ("renamed", "dir-synced", "compacted")
+                # Before the rename the old file is whole and the new one lies aside; after it, the new one.
+                self.assertEqual(os.path.exists(path + sync.COMPACT_SUFFIX), not swapped)
+                lines = feed_file_lines(path)
+                superseded = [number for number, (kind, _, event, _) in lines.items()
+                              if kind == b"s" and json.loads(event)["id"] == "m"]
+                self.assertEqual(len(superseded), 1 if swapped else 600)
+
+                store = sync.FeedStore(data_dir)
+                self.addCleanup(close_store, store)
+                ids, live_gens, since, cursors = [], [], 0, []
+                while True:
+                    page = store.pull(self.owner, "p", since, 500)
+                    ids += [json.loads(event)["id"] for event in page.records]
+                    live_gens += [json.loads(event)["gen"] for event in page.sessions
+                                  if json.loads(event)["id"] == "live"]
+                    cursors.append(page.cursor)
+                    since = page.cursor
+                    if not page.more:
+                        break
+                self.assertFalse(os.path.exists(path + sync.COMPACT_SUFFIX))  # removed by the load
+                self.assertEqual(store.feed(self.owner, "p").damage, None)
+                self.assertEqual(cursors, sorted(set(cursors)))
+                numbers = list(feed_file_lines(path))
+                self.assertEqual(numbers, sorted(set(numbers)))  # numbering still increasing
+                self.assertEqual(len(ids), len(set(ids)))
+                missing = set(acked) - set(ids)
+                self.assertEqual(missing, set())
+                base = {"base-%d-%d" % (batch, i) for batch in range(6) for i in range(500)}
+                self.assertEqual(base - set(ids), set())
+                self.assertGreaterEqual(max(live_gens), int(acked[-1].split("-")[1]))
+                end = store.feed(self.owner, "p").index.end
+                self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="after")])), (end + 1, 1))
+                self.assertEqual([json.loads(event)["id"] for event in store.pull(self.owner, "p", end, 10).records],
+                                 ["after"])
+
+
+class CompactorTest(unittest.TestCase):
+    owner = ("u", "alice")
+
+    def setUp(self):
+        self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.data_dir, True)
+        self.log_lines = []
+        self.now = [1800000000.0]
+        self.store = sync.FeedStore(self.data_dir, self.log_lines.append, clock=lambda: self.now[0])
+        self.addCleanup(close_store, self.store)
+        self.compactor = sync.Compactor(self.store, 90, self.log_lines.append, clock=lambda: self.now[0])
+        self.gens, self.ids = {}, 0
+
+    def push_metadata(self, project, count, session="m", **extra):
+        """count winning metadata lines of about 1 KiB for one session: all but the last superseded."""
+        for start in range(0, count, 500):
+            entries = []
+            for _ in range(min(500, count - start)):
+                self.gens[(project, session)] = gen = self.gens.get((project, session), -1) + 1
+                entries.append(meta(session, gen=gen, body={"text": "x" * 900}, **extra))
+            self.store.push(self.owner, project, *validated([], entries))
+        return self.store.feed(self.owner, project)
+
+    def push_records(self, project, count, session="r"):
+        """count records of about 1 KiB."""
+        for start in range(0, count, 500):
+            batch = []
+            for _ in range(min(500, count - start)):
+                self.ids += 1
+                batch.append(record(session=session, record_id="r%d" % self.ids, body={"text": "x" * 900}))
+            self.store.push(self.owner, project, *validated(batch))
+        return self.store.feed(self.owner, project)
+
+    def contents(self, feed):
+        with open(feed.path, "rb") as f:
+            return f.read()
+
+    def test_a_feed_of_over_1_mib_of_superseded_metadata_is_compacted_and_a_smaller_one_is_not(self):
+        big = self.push_metadata("big", 1300)
+        small = self.push_metadata("small", 900)
+        size = big.index.offsets[-1]
+        self.assertGreaterEqual(big.superseded_bytes, sync.COMPACT_MIN_BYTES)
+        self.assertLess(small.index.offsets[-1], sync.COMPACT_MIN_BYTES)  # (all but one line droppable)
+        small_before = self.contents(small)
+        self.compactor.run_once()
+        self.assertEqual(len(self.log_lines), 1)
+        self.assertRegex(self.log_lines[0], r"^compacted %s: %s -> [0-9]+ bytes \(0 records erased\) in [0-9.]+ s$"
+                         % (re.escape(big.path), re.escape(sync.format_bytes(size))))
+        self.assertEqual(list(feed_file_lines(big.path)), [1300])  # the winner alone, with its number
+        self.assertEqual(big.superseded_bytes, 0)
+        page = self.store.pull(self.owner, "big", 0, 500)
+        self.assertEqual(([json.loads(event)["gen"] for event in page.sessions], page.cursor, page.more),
+                         ([1299], 1300, False))
+        self.assertEqual(list(self.store.pull(self.owner, "big", 1300, 500).sessions), [])
+        self.assertEqual(self.contents(small), small_before)
+        self.assertEqual(self.store.push(self.owner, "big", *validated([record()])), (1301, 1))
+        self.assertLessEqual(sync.COMPACT_CHECK_SECONDS, 60)  # a feed worth it is compacted within a minute
+
+    def test_a_feed_whose_droppable_bytes_are_under_half_or_under_1_mib_is_left_alone(self):
+        half = self.push_metadata("half", 720)
+        self.push_records("half", 600)
+        size = half.index.offsets[-1]
+        self.assertGreaterEqual(size, sync.COMPACT_MIN_BYTES)
+        self.assertGreaterEqual(half.superseded_bytes * 2, size)  # half its file, but under 1 MiB
+        self.assertLess(half.superseded_bytes, sync.COMPACT_MIN_BYTES)
+        under = self.push_metadata("under", 1100)
+        self.push_records("under", 1300)
+        self.assertGreaterEqual(under.superseded_bytes, sync.COMPACT_MIN_BYTES)  # 1 MiB, but under half
+        self.assertLess(under.superseded_bytes * 2, under.index.offsets[-1])
+        before = (self.contents(half), self.contents(under))
+        self.compactor.run_once()
+        self.assertEqual((self.contents(half), self.contents(under), self.log_lines), before + ([],))
+        self.push_metadata("under", 400)  # now half of it
+        self.assertGreaterEqual(under.superseded_bytes * 2, under.index.offsets[-1])
+        self.compactor.run_once()
+        self.assertEqual(len(self.log_lines), 1)
+        self.assertTrue(self.log_lines[0].startswith("compacted %s: " % under.path), self.log_lines)
+        self.assertEqual(self.contents(half), before[0])
+
+    def test_the_records_of_a_deletion_older_than_the_retention_are_counted_by_reading_and_erased(self):
+        feed = self.push_records("p", 1200, session="gone")
+        self.push_records("p", 3, session="kept")
+        self.store.push(self.owner, "p", *validated([], [meta("gone", gen=1, updated_at=1, deleted=True)]))
+        deleted_at = self.now[0]
+        real_summarize = sync.summarize_feed
+        with mock.patch.object(sync, "summarize_feed", side_effect=real_summarize) as summarize:
+            self.now[0] = deleted_at + 90 * 86400 - 1  # a second short of the 90 days
+            self.compactor.run_once()
+            self.assertEqual((summarize.call_count, self.log_lines), (0, []))
+            self.now[0] = deleted_at + 90 * 86400
+            self.compactor.run_once()
+            self.assertEqual(summarize.call_count, 2)  # its reading, and the compaction's
+        self.assertEqual(len(self.log_lines), 1)
+        self.assertTrue(self.log_lines[0].startswith("compacted %s: " % feed.path), self.log_lines)
+        self.assertIn("(1200 records erased)", self.log_lines[0])
+        lines = feed_file_lines(feed.path)
+        self.assertEqual(([kind for kind, _, _, _ in lines.values()], list(lines)),
+                         ([b"x"] * 1200 + [b"r"] * 3 + [b"s"], list(range(1, 1205))))
+        page = self.store.pull(self.owner, "p", 0, 500)
+        self.assertEqual(([json.loads(event)["session"] for event in page.records], len(page.sessions),
+                          page.cursor), (["kept"] * 3, 1, 1204))
+        self.assertEqual(feed.erased, {"gone"})
+        gone = validated([record(session="gone", record_id="r1", body={"text": "x" * 900})])
+        self.assertEqual(self.store.push(self.owner, "p", *gone), (1204, 0))
+
+    def test_an_aged_deletion_worth_too_little_is_read_again_only_once_the_file_grew_by_1_mib(self):
+        feed = self.push_records("p", 1100)
+        self.push_records("p", 5, session="gone")
+        self.store.push(self.owner, "p", *validated([], [meta("gone", deleted=True)]))
+        self.now[0] += 91 * 86400
+        before = self.contents(feed)
+        real_summarize = sync.summarize_feed
+        with mock.patch.object(sync, "summarize_feed", side_effect=real_summarize) as summarize:
+            self.compactor.run_once()
+            self.compactor.run_once()
+            self.assertEqual(summarize.call_count, 1)
+            self.assertEqual((self.contents(feed), self.log_lines), (before, []))
+            self.push_records("p", 1100)
+            self.compactor.run_once()
+            self.assertEqual(summarize.call_count, 2)
+        self.assertEqual(self.log_lines, [])
+
+    def test_a_disk_without_room_for_the_new_file_leaves_the_feed_alone_and_says_why(self):
+        feed = self.push_metadata("p", 1300)
+        needed = feed.index.offsets[-1] - feed.superseded_bytes + sync.COMPACT_MIN_BYTES
+        before = self.contents(feed)
+        with mock.patch.object(sync.shutil, "disk_usage", return_value=mock.Mock(free=needed - 1)) as usage:
+            self.compactor.run_once()
+        usage.assert_called_once_with(os.path.dirname(feed.path))
+        self.assertEqual(self.log_lines, ["compaction of %s waits: the disk has no room for its new file" % feed.path])
+        self.assertEqual(self.contents(feed), before)
+        with mock.patch.object(sync.shutil, "disk_usage", return_value=mock.Mock(free=needed)):
+            self.compactor.run_once()
+        self.assertTrue(self.log_lines[1].startswith("compacted %s: " % feed.path), self.log_lines)
+        self.assertEqual(list(feed_file_lines(feed.path)), [1300])
+
+    def test_a_stop_during_a_compaction_leaves_the_feed_as_it_was(self):
+        feed = self.push_metadata("p", 1300)
+        before = self.contents(feed)
+        entered = threading.Event()
+        compactor = self.compactor
+        real_pause = compactor.pause
+
+        def pause():  # once the new file is being written aside, wait for the stop, then pause as usual
+            if os.path.exists(feed.path + sync.COMPACT_SUFFIX):
+                entered.set()
+                deadline = time.monotonic() + 10
+                while not compactor._stopped.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            real_pause()
+
+        compactor.pause = pause
+        with mock.patch.object(sync, "COMPACT_CHECK_SECONDS", 0.01):
+            compactor.start()
+            self.addCleanup(compactor.stop)
+            self.assertTrue(entered.wait(10))
+            compactor.stop()
+        self.assertFalse(compactor._thread.is_alive())
+        self.assertEqual(self.contents(feed), before)
+        self.assertFalse(os.path.exists(feed.path + sync.COMPACT_SUFFIX))
+        self.assertEqual(self.log_lines, [])
+        self.assertEqual(self.store.pull(self.owner, "p", 1298, 500).cursor, 1300)
+        self.assertEqual(self.store.push(self.owner, "p", *validated([record()])), (1301, 1))
+
+
+class PurgedFeedNumberingTest(unittest.TestCase):
+    def test_a_feed_made_again_after_a_purge_numbers_on_from_where_the_old_one_ended(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        layout = sync.DataDir(data_dir)
+        os.makedirs(layout.feeds)
+        owner = ("u", "alice")
+        with open(layout.purged, "w") as f:
+            json.dump({sync.purged_key(owner, "p"): 40}, f)
+        store = sync.FeedStore(data_dir)
+        self.addCleanup(close_store, store)
+        self.assertEqual(store.pull(owner, "p", 0, 500).cursor, 0)  # (no feed yet)
+        self.assertEqual(store.push(owner, "p", *validated([record(record_id="a")])), (41, 1))
+        for since in (0, 40):
+            page = store.pull(owner, "p", since, 500)
+            self.assertEqual(([json.loads(event)["id"] for event in page.records], page.cursor, page.more),
+                             (["a"], 41, False))
+        self.assertEqual(list(store.pull(owner, "p", 41, 500).records), [])
+        self.assertEqual(store.push(owner, "q", *validated([record()])), (1, 1))  # another name starts at 1
+        self.assertEqual(store.push(("t", "alice"), "p", *validated([record()])), (1, 1))
+        reopened = sync.FeedStore(data_dir)
+        self.addCleanup(close_store, reopened)
+        self.assertEqual(reopened.push(owner, "p", *validated([record(record_id="b")])), (42, 1))
+        self.assertEqual(reopened.pull(owner, "p", 40, 500).cursor, 42)
+
+
 # ---------------------------------------------------------------------------
 # Storage: memory
 # ---------------------------------------------------------------------------
