@@ -7402,7 +7402,7 @@ def feed_usage(owner, project, entry, now_ms, retain_ms):
         summary = summarize_feed(entry.path, torn_tail=True)
         kept, erased, _ = compact_lines(entry.path, plan_compaction(summary, now_ms, retain_ms))
     except (OSError, ValueError) as exc:
-        row["problem"] = reason(exc)
+        row["problem"] = str(reason(exc))  # (a ValueError is no JSON)
         return row
     deleted = sum(1 for winner in summary.winners.values() if winner[2])
     row.update(events=summary.events, records=summary.records, recordsToErase=erased,
@@ -7423,7 +7423,7 @@ def scope_usage(principal, scope, files):
     except FileNotFoundError:
         manifest = NO_MANIFEST
     except (OSError, ValueError) as exc:
-        row["problem"] = reason(exc)
+        row["problem"] = str(reason(exc))
         return row
     row["notes"] = manifest.live_count
     row["tombstones"] = len(manifest.entries) - manifest.live_count
