@@ -7378,18 +7378,48 @@ def check_retain(days):
     return days * DAY_MS
 
 
-def lock_stopped(data_dir, what):
-    """The data dir's lock, for a command that needs its server stopped; UsageError (exit 2) while
-    a server holds it."""
-    lock = DataDirLock(data_dir)
-    try:
-        lock.acquire()
-    except UsageError:
-        raise UsageError("a server is using %s: stop it first (%s needs the data dir to itself)"
-                         % (data_dir, what)) from None
-    except OSError as exc:
-        raise UsageError("cannot lock %s: %s" % (data_dir, reason(exc))) from None
-    return lock
+class StoppedServerLock:
+    """The data dir's lock, for a command that needs its server stopped (what: its name), taken
+    without a change to the data dir, so that a dry run or a refusal leaves it as it was: the lock
+    file is locked as it is (no process id is written to it), and none is made where there is none
+    (no server has run on the dir) until change() is called, before the first change. UsageError
+    (exit 2) while a server holds the dir."""
+
+    def __init__(self, data_dir, what):
+        self.data_dir, self.what = data_dir, what
+        self.path = DataDir(data_dir).lock
+        self.fd = None
+        self._take(os.O_RDWR)
+
+    def _take(self, flags):
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            if flags & os.O_CREAT:
+                raise UsageError("cannot lock %s: no such directory" % self.data_dir) from None
+            return
+        except FileExistsError:  # made since it was looked for: a server is starting
+            raise self._busy() from None
+        except OSError as exc:
+            raise UsageError("cannot lock %s: %s" % (self.data_dir, reason(exc))) from None
+        if not lock_exclusively(fd):
+            os.close(fd)
+            raise self._busy()
+        self.fd = fd
+
+    def _busy(self):
+        return UsageError("a server is using %s: stop it first (%s needs the data dir to itself)"
+                          % (self.data_dir, self.what))
+
+    def change(self):
+        """Hold the lock before the first change: the lock file is made when there is none."""
+        if self.fd is None:
+            self._take(os.O_RDWR | os.O_CREAT | os.O_EXCL)
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def feed_usage(owner, project, entry, now_ms, retain_ms):
@@ -7523,9 +7553,10 @@ def compact_command(argv):
     args = parser.parse_args(argv)
     retain_ms = check_retain(args.retain_deleted_days)
     data_dir = existing_data_dir(args.data)
-    lock = lock_stopped(data_dir, "compact")
+    lock = StoppedServerLock(data_dir, "compact")
     failed, freed = 0, 0
     try:
+        lock.change()
         now_ms = int(time.time() * 1000)
         for owner, project, entry in DataDir(data_dir).all_feeds():
             if owner is None:
@@ -7570,14 +7601,14 @@ def purge_command(argv):
     if not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
     data_dir = existing_data_dir(args.data)
-    lock = lock_stopped(data_dir, "purge")
+    lock = StoppedServerLock(data_dir, "purge")
     try:
-        return purge(DataDir(data_dir), args.principal, args.dry_run)
+        return purge(DataDir(data_dir), args.principal, args.dry_run, lock)
     finally:
         lock.release()
 
 
-def purge(layout, principal, dry_run):
+def purge(layout, principal, dry_run, lock):
     tokens = TokenStore(layout.path)
     try:
         records = [record for record in tokens.read() if record["principal"] == principal]
@@ -7605,6 +7636,8 @@ def purge(layout, principal, dry_run):
                      % (project, summary.events, format_bytes(entry.stat().st_size), summary.end))
     for scope, files in scopes:
         lines.append("memory %s" % scope_name(scope.project))
+    if not dry_run:
+        lock.change()  # (only now: a dry run or a refusal leaves the dir as it was)
     teams = sorted({team for record in records for team in record["teams"]})
     verb = "would remove" if dry_run else "removed"
     for line in lines:
