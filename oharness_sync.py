@@ -2689,7 +2689,7 @@ def compact_file(path, now_ms, retain_ms):
         return plan.summary.size, plan.summary.size, 0
     aside = path + COMPACT_SUFFIX
     try:
-        with open(aside, "wb") as out:
+        with open_aside(path) as out:
             kept, erased, _ = compact_lines(path, plan, out)
             out.flush()
             sync_file(out.fileno())
@@ -2699,6 +2699,22 @@ def compact_file(path, now_ms, retain_ms):
         raise
     sync_dir(os.path.dirname(path))
     return plan.summary.size, kept, erased
+
+
+def open_aside(path):
+    """The file a rewrite of the feed file path is written to (path + COMPACT_SUFFIX) until it
+    replaces it, made afresh with path's owner, group and mode, not this process's umask's: a feed
+    stays unreadable to other users (0600, as the server makes it), and its server's when the
+    rewrite runs as root."""
+    info = os.stat(path)
+    fd = os.open(path + COMPACT_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if hasattr(os, "fchown"):
+            give_file(fd, (info.st_uid, info.st_gid, info.st_mode & 0o7777))
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _remove(path):
@@ -3032,7 +3048,7 @@ class Feed:
         plan = plan_compaction(summarize_feed(self.path, durable_end, pause), now_ms, retain_ms)
         aside = self.path + COMPACT_SUFFIX
         try:
-            with open(aside, "wb") as out:
+            with open_aside(self.path) as out:
                 _, erased, index = compact_lines(self.path, plan, out, pause)
                 out.flush()
                 sync_file(out.fileno())
@@ -5707,7 +5723,7 @@ class DataDirCheck:
             if torn:
                 drop.add(torn[0])
             aside = path + COMPACT_SUFFIX
-            with open(path, "rb") as f, open(aside, "wb") as out:
+            with open(path, "rb") as f, open_aside(path) as out:
                 for line_number, line in enumerate(f, 1):
                     if line_number not in drop:
                         out.write(line)
