@@ -2978,7 +2978,7 @@ def compact_file(path, now_ms, retain_ms):
         return plan.summary.size, plan.summary.size, 0
     aside = path + COMPACT_SUFFIX
     try:
-        with open(aside, "wb") as out:
+        with open_aside(path) as out:
             kept, erased, _ = compact_lines(path, plan, out)
             out.flush()
             sync_file(out.fileno())
@@ -2988,6 +2988,22 @@ def compact_file(path, now_ms, retain_ms):
         raise
     sync_dir(os.path.dirname(path))
     return plan.summary.size, kept, erased
+
+
+def open_aside(path):
+    """The file a rewrite of the feed file path is written to (path + COMPACT_SUFFIX) until it
+    replaces it, made afresh with path's owner, group and mode, not this process's umask's: a feed
+    stays unreadable to other users (0600, as the server makes it), and its server's when the
+    rewrite runs as root."""
+    info = os.stat(path)
+    fd = os.open(path + COMPACT_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if hasattr(os, "fchown"):
+            give_file(fd, (info.st_uid, info.st_gid, info.st_mode & 0o7777))
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _remove(path):
@@ -3331,7 +3347,7 @@ class Feed:
         plan = plan_compaction(summarize_feed(self.path, durable_end, pause), now_ms, retain_ms)
         aside = self.path + COMPACT_SUFFIX
         try:
-            with open(aside, "wb") as out:
+            with open_aside(self.path) as out:
                 _, erased, index = compact_lines(self.path, plan, PacedWriter(out), pause)
                 out.flush()
                 sync_file(out.fileno())
@@ -6150,7 +6166,7 @@ class DataDirCheck:
             if torn:
                 drop.add(torn[0])
             aside = path + COMPACT_SUFFIX
-            with open(path, "rb") as f, open(aside, "wb") as out:
+            with open(path, "rb") as f, open_aside(path) as out:
                 for line_number, line in enumerate(f, 1):
                     if line_number not in drop:
                         out.write(line)
@@ -7808,18 +7824,48 @@ def check_retain(days):
     return days * DAY_MS
 
 
-def lock_stopped(data_dir, what):
-    """The data dir's lock, for a command that needs its server stopped; UsageError (exit 2) while
-    a server holds it."""
-    lock = DataDirLock(data_dir)
-    try:
-        lock.acquire()
-    except UsageError:
-        raise UsageError("a server is using %s: stop it first (%s needs the data dir to itself)"
-                         % (data_dir, what)) from None
-    except OSError as exc:
-        raise UsageError("cannot lock %s: %s" % (data_dir, reason(exc))) from None
-    return lock
+class StoppedServerLock:
+    """The data dir's lock, for a command that needs its server stopped (what: its name), taken
+    without a change to the data dir, so that a dry run or a refusal leaves it as it was: the lock
+    file is locked as it is (no process id is written to it), and none is made where there is none
+    (no server has run on the dir) until change() is called, before the first change. UsageError
+    (exit 2) while a server holds the dir."""
+
+    def __init__(self, data_dir, what):
+        self.data_dir, self.what = data_dir, what
+        self.path = DataDir(data_dir).lock
+        self.fd = None
+        self._take(os.O_RDWR)
+
+    def _take(self, flags):
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            if flags & os.O_CREAT:
+                raise UsageError("cannot lock %s: no such directory" % self.data_dir) from None
+            return
+        except FileExistsError:  # made since it was looked for: a server is starting
+            raise self._busy() from None
+        except OSError as exc:
+            raise UsageError("cannot lock %s: %s" % (self.data_dir, reason(exc))) from None
+        if not lock_exclusively(fd):
+            os.close(fd)
+            raise self._busy()
+        self.fd = fd
+
+    def _busy(self):
+        return UsageError("a server is using %s: stop it first (%s needs the data dir to itself)"
+                          % (self.data_dir, self.what))
+
+    def change(self):
+        """Hold the lock before the first change: the lock file is made when there is none."""
+        if self.fd is None:
+            self._take(os.O_RDWR | os.O_CREAT | os.O_EXCL)
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def feed_usage(owner, project, entry, now_ms, retain_ms):
@@ -7832,7 +7878,7 @@ def feed_usage(owner, project, entry, now_ms, retain_ms):
         summary = summarize_feed(entry.path, torn_tail=True)
         kept, erased = plan_compaction(summary, now_ms, retain_ms).outcome(entry.path)
     except (OSError, ValueError) as exc:
-        row["problem"] = reason(exc)
+        row["problem"] = str(reason(exc))  # (a ValueError is no JSON)
         return row
     deleted = sum(1 for winner in summary.winners.values() if winner[2])
     row.update(events=summary.events, records=summary.records, recordsToErase=erased,
@@ -7853,7 +7899,7 @@ def scope_usage(principal, scope, files):
     except FileNotFoundError:
         manifest = NO_MANIFEST
     except (OSError, ValueError) as exc:
-        row["problem"] = reason(exc)
+        row["problem"] = str(reason(exc))
         return row
     row["notes"] = manifest.live_count
     row["tombstones"] = len(manifest.entries) - manifest.live_count
@@ -7953,9 +7999,10 @@ def compact_command(argv):
     args = parser.parse_args(argv)
     retain_ms = check_retain(args.retain_deleted_days)
     data_dir = existing_data_dir(args.data)
-    lock = lock_stopped(data_dir, "compact")
+    lock = StoppedServerLock(data_dir, "compact")
     failed, freed = 0, 0
     try:
+        lock.change()
         now_ms = int(time.time() * 1000)
         for owner, project, entry in DataDir(data_dir).all_feeds():
             if owner is None:
@@ -8000,14 +8047,14 @@ def purge_command(argv):
     if not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
     data_dir = existing_data_dir(args.data)
-    lock = lock_stopped(data_dir, "purge")
+    lock = StoppedServerLock(data_dir, "purge")
     try:
-        return purge(DataDir(data_dir), args.principal, args.dry_run)
+        return purge(DataDir(data_dir), args.principal, args.dry_run, lock)
     finally:
         lock.release()
 
 
-def purge(layout, principal, dry_run):
+def purge(layout, principal, dry_run, lock):
     tokens = TokenStore(layout.path)
     try:
         records = [record for record in tokens.read() if record["principal"] == principal]
@@ -8035,6 +8082,8 @@ def purge(layout, principal, dry_run):
                      % (project, summary.events, format_bytes(entry.stat().st_size), summary.end))
     for scope, files in scopes:
         lines.append("memory %s" % scope_name(scope.project))
+    if not dry_run:
+        lock.change()  # (only now: a dry run or a refusal leaves the dir as it was)
     teams = sorted({team for record in records for team in record["teams"]})
     verb = "would remove" if dry_run else "removed"
     for line in lines:

@@ -4312,6 +4312,530 @@ class FsckTest(unittest.TestCase):
                                             "\rfsck: feeds 3/3, 3.0 GiB of 3.0 GiB in 2.5 s\n")
 
 
+class DataDirToolCase(unittest.TestCase):
+    """usage, compact and purge on a copy of one data dir, built directly:
+
+    alice's feed proj-x   1-2 records of session "gone", 3 its metadata, 4 "gone" deleted, stored 100 days ago (past
+                          the 90-day window); 5-6 records of s1, 7 its metadata; 8 a record of "recent", 9 "recent"
+                          deleted now (kept); 10 s1's metadata again (gen 1: 3 and 7 are superseded)
+    team platform's proj-x  1 a record, 2 its metadata
+    bob's feed proj-b     1-3 records, 4 metadata
+    memory                alice's project/proj-x (a live, b deleted: a tombstone), alice's user scope (u), bob's (v)
+    tokens                alice's "laptop" (team platform), alice's unnamed one, bob's
+    """
+
+    ALICE, TEAM, BOB = ("u", "alice"), ("t", "platform"), ("u", "bob")
+
+    @classmethod
+    def setUpClass(cls):
+        cls.built = tempfile.mkdtemp(prefix="ohs-test-")
+        past = time.time() - 100 * 86400
+        old = sync.FeedStore(cls.built, clock=lambda: past)
+        old.push(cls.ALICE, "proj-x", *validated([record("gone", "g1"), record("gone", "g2", seq=2)], [meta("gone")]))
+        old.push(cls.ALICE, "proj-x", *validated([], [meta("gone", gen=1, deleted=True)]))
+        feeds = sync.FeedStore(cls.built)
+        feeds.push(cls.ALICE, "proj-x", *validated([record("s1", "r1"), record("s1", "r2", seq=2)], [meta("s1")]))
+        feeds.push(cls.ALICE, "proj-x", *validated([record("recent", "k1")], [meta("recent", deleted=True)]))
+        feeds.push(cls.ALICE, "proj-x", *validated([], [meta("s1", gen=1)]))
+        feeds.push(cls.TEAM, "proj-x", *validated([record("t1", "a")], [meta("t1")]))
+        feeds.push(cls.BOB, "proj-b", *validated([record("b1", str(i), seq=i) for i in (1, 2, 3)], [meta("b1")]))
+        memory = sync.MemoryStore(cls.built)
+        first = memory.commit("alice", sync.MemoryScope("proj-x"), None,
+                              memory_changes_of(memory_put("a"), memory_put("b")))
+        memory.commit("alice", sync.MemoryScope("proj-x"), as_doc(first)["etag"],
+                      memory_changes_of(memory_delete("b")))
+        memory.commit("alice", sync.USER_SCOPE, None, memory_changes_of(memory_put("u")))
+        memory.commit("bob", sync.USER_SCOPE, None, memory_changes_of(memory_put("v")))
+        tokens = sync.TokenStore(cls.built)
+        cls.alice_tokens = [tokens.issue("alice", ["platform"], name="laptop")[1]["id"],
+                            tokens.issue("alice")[1]["id"]]
+        cls.bob_token = tokens.issue("bob")[1]["id"]
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.built, True)
+
+    def setUp(self):
+        self.data_dir = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "data")
+        self.addCleanup(shutil.rmtree, os.path.dirname(self.data_dir), True)
+        shutil.copytree(self.built, self.data_dir)  # (copy2: mtimes kept)
+        self.layout = sync.DataDir(self.data_dir)
+        self.alice_feed = self.layout.feed_path(self.ALICE, "proj-x")
+        self.team_feed = self.layout.feed_path(self.TEAM, "proj-x")
+        self.bob_feed = self.layout.feed_path(self.BOB, "proj-b")
+
+    def run_tool(self, *argv):
+        """(exit code, stdout, stderr) of the command line, run in this process."""
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sync.main(list(argv))
+        return code, out.getvalue(), err.getvalue()
+
+    def tree(self, path=None):
+        """Every directory and file under path (the data dir): {relative path: (bytes or None, mtime in ns,
+        mode)}."""
+        path = path or self.data_dir
+        found = {}
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                full = os.path.join(root, name)
+                content = None
+                if name in files:
+                    with open(full, "rb") as f:
+                        content = f.read()
+                info = os.stat(full)
+                found[os.path.relpath(full, path)] = (content, info.st_mtime_ns, info.st_mode)
+        return found
+
+    def lines_of(self, path):
+        with open(path, "rb") as f:
+            return f.read().splitlines(True)
+
+    def compacted_alice_feed(self):
+        """alice's feed as a compaction must leave it, worked out here: the superseded metadata lines (3 and 7)
+        gone, the records of the session deleted 100 days ago (1 and 2) left as their numbers and keys."""
+        kept = []
+        for line in self.lines_of(self.alice_feed):
+            number, kind, key, _, _ = sync.parse_feed_line(line)
+            if number in (3, 7):
+                continue
+            if number in (1, 2):
+                content = b'{"n":%d,"k":"x","h":"%032x"' % (number, key)
+                line = content + b',"c":"%08x"}\n' % zlib.crc32(content)
+            kept.append(line)
+        return b"".join(kept)
+
+    def scope_bytes(self, principal, scope):
+        files = self.layout.scope_files(principal, scope)
+        return os.path.getsize(files.manifest) + sum(entry.stat().st_size for entry in os.scandir(files.objects))
+
+    def feed_row(self, path, owner, team, project, **counts):
+        row = {"owner": owner, "team": team, "project": project, "bytes": os.path.getsize(path),
+               "lastEvent": int(os.stat(path).st_mtime * 1000), "keptBytes": os.path.getsize(path),
+               "recordsToErase": 0, "deletedSessions": 0}
+        row.update(counts)
+        return row
+
+    def expected_report(self, free):
+        feeds = [self.feed_row(self.team_feed, "platform", True, "proj-x", events=2, records=1, sessions=1),
+                 self.feed_row(self.alice_feed, "alice", False, "proj-x", events=10, records=5, recordsToErase=2,
+                               sessions=1, deletedSessions=2, keptBytes=len(self.compacted_alice_feed())),
+                 self.feed_row(self.bob_feed, "bob", False, "proj-b", events=4, records=3, sessions=1)]
+        memory = [{"principal": "alice", "scope": "project/proj-x", "notes": 1, "tombstones": 1,
+                   "bytes": self.scope_bytes("alice", sync.MemoryScope("proj-x"))},
+                  {"principal": "alice", "scope": "user", "notes": 1, "tombstones": 0,
+                   "bytes": self.scope_bytes("alice", sync.USER_SCOPE)},
+                  {"principal": "bob", "scope": "user", "notes": 1, "tombstones": 0,
+                   "bytes": self.scope_bytes("bob", sync.USER_SCOPE)}]
+        totals = {name: sum(row[name] for row in feeds)
+                  for name in ("events", "records", "recordsToErase", "sessions", "deletedSessions", "bytes",
+                               "keptBytes")}
+        totals.update(feeds=3, scopes=3, notes=3, tombstones=1, memoryBytes=sum(row["bytes"] for row in memory))
+        return {"dataDir": self.data_dir, "retainDeletedDays": 90, "feeds": feeds, "memory": memory,
+                "totals": totals, "diskFreeBytes": free}
+
+    def usage(self, *flags, free=123 << 30):
+        """(exit code, stdout, stderr) of usage, the disk's free space made free bytes."""
+        with mock.patch.object(sync.shutil, "disk_usage", return_value=mock.Mock(free=free)):
+            return self.run_tool("usage", "--data", self.data_dir, *flags)
+
+    def pull_all(self, owner, project, since, limit=500):
+        page = sync.FeedStore(self.data_dir).pull(owner, project, since, limit)
+        return page.cursor, list(page.records), list(page.sessions), page.more
+
+
+class UsageCommandTest(DataDirToolCase):
+    """usage: what each owner stores, as JSON and as a table; read-only."""
+
+    def test_json_has_every_field_of_each_feed_and_scope_with_exact_values(self):
+        code, out, err = self.usage("--json")
+        self.assertEqual((code, err), (0, ""))
+        report = json.loads(out)
+        self.assertEqual(report, self.expected_report(123 << 30))
+        self.assertLess(report["feeds"][1]["keptBytes"], report["feeds"][1]["bytes"])
+
+    def test_the_retention_window_decides_which_deleted_sessions_count_to_erase(self):
+        for days, erase in (("0", 3), ("99", 2), ("101", 0)):  # "recent": deleted now; "gone": 100 days ago
+            code, out, err = self.usage("--json", "--retain-deleted-days", days)
+            self.assertEqual((code, err), (0, ""), days)
+            report = json.loads(out)
+            self.assertEqual((report["retainDeletedDays"], report["feeds"][1]["recordsToErase"],
+                              report["totals"]["recordsToErase"]), (int(days), erase, erase))
+
+    def test_kept_bytes_is_what_compact_then_leaves(self):
+        kept = json.loads(self.usage("--json")[1])["feeds"][1]["keptBytes"]
+        self.assertEqual(self.run_tool("compact", "--data", self.data_dir)[0], 0)
+        self.assertEqual(os.path.getsize(self.alice_feed), kept)
+        row = json.loads(self.usage("--json")[1])["feeds"][1]
+        self.assertEqual((row["events"], row["records"], row["recordsToErase"], row["sessions"],
+                          row["deletedSessions"], row["bytes"], row["keptBytes"]), (6, 3, 0, 1, 2, kept, kept))
+
+    def test_the_table_has_a_row_per_feed_and_scope_and_the_totals(self):
+        code, out, err = self.usage()
+        self.assertEqual((code, err), (0, ""))
+        fb = sync.format_bytes
+        report = self.expected_report(123 << 30)
+
+        def in_bytes(row):  # (bytes and local times vary: the rest of each row is spelled out)
+            return " %10s %10s  %s" % (fb(row["bytes"]), fb(row["keptBytes"]),
+                                       time.strftime("%Y-%m-%d %H:%M", time.localtime(row["lastEvent"] / 1000)))
+
+        team, alice, bob = report["feeds"]
+        scopes = report["memory"]
+        self.assertEqual(out.splitlines(), [
+            "feeds of %s (a compaction keeps what a deletion of 90 days or more leaves):" % self.data_dir,
+            "  owner                    project                     events   records      sessions    on disk"
+            "       kept  last event",
+            "  team platform            proj-x                           2         1      1+0     " + in_bytes(team),
+            "  alice                    proj-x                          10         5      1+2     " + in_bytes(alice),
+            "  bob                      proj-b                           4         3      1+0     " + in_bytes(bob),
+            "  (sessions: live+deleted)",
+            "memory:",
+            "  principal                scope                        notes  tombstones    on disk",
+            "  alice                    project/proj-x                   1           1 %10s" % fb(scopes[0]["bytes"]),
+            "  alice                    user                             1           0 %10s" % fb(scopes[1]["bytes"]),
+            "  bob                      user                             1           0 %10s" % fb(scopes[2]["bytes"]),
+            "in all: 3 feeds with 16 events, %s on disk, %s after a compaction; 3 memory scopes with 3 notes, %s; "
+            "the disk has 123.0 GiB free" % (fb(report["totals"]["bytes"]), fb(report["totals"]["keptBytes"]),
+                                             fb(report["totals"]["memoryBytes"]))])
+
+    def test_usage_is_read_only(self):
+        before = self.tree()
+        for flags in ((), ("--json",)):
+            self.assertEqual(self.run_tool("usage", "--data", self.data_dir, *flags)[0], 0)
+        self.assertEqual(self.tree(), before)
+        self.assertFalse(os.path.exists(self.layout.lock))
+
+    def test_a_torn_last_line_is_reported_not_an_error(self):
+        with open(self.bob_feed, "ab") as f:
+            f.write(b'{"n":5,"k":"r","h":"00')  # a crash in the middle of a write
+        before = self.tree()
+        code, out, err = self.usage("--json")
+        self.assertEqual((code, err), (0, ""))
+        row = json.loads(out)["feeds"][2]
+        self.assertEqual(row, self.feed_row(self.bob_feed, "bob", False, "proj-b", events=4, records=3, sessions=1))
+        self.assertEqual(self.tree(), before)  # not cut: a server may be writing it
+
+    def test_a_damaged_middle_line_is_that_feeds_problem_and_the_others_are_counted(self):
+        lines = self.lines_of(self.bob_feed)
+        lines[1] = lines[1].replace(b'"laptop"', b'"laptoq"')
+        with open(self.bob_feed, "wb") as f:
+            f.write(b"".join(lines))
+        code, out, err = self.usage("--json")
+        self.assertEqual((code, err), (0, ""))
+        report = json.loads(out)
+        self.assertEqual(report["feeds"][2], {
+            "owner": "bob", "team": False, "project": "proj-b", "bytes": os.path.getsize(self.bob_feed),
+            "lastEvent": int(os.stat(self.bob_feed).st_mtime * 1000),
+            "problem": "%s:2: checksum mismatch" % self.bob_feed})
+        self.assertEqual(report["totals"]["events"], 12)
+        table = self.usage()[1].splitlines()
+        self.assertEqual(table[4], "  %-24s %-24s %s:2: checksum mismatch" % ("bob", "proj-b", self.bob_feed))
+
+    def test_a_manifest_that_does_not_parse_is_that_scopes_problem(self):
+        with open(self.layout.scope_files("alice", sync.USER_SCOPE).manifest, "w") as f:
+            f.write('{"version": 1, "etag"')
+        code, out, err = self.usage("--json")
+        self.assertEqual((code, err), (0, ""))
+        report = json.loads(out)
+        self.assertEqual(report["memory"][1], {"principal": "alice", "scope": "user", "notes": 0, "tombstones": 0,
+                                               "bytes": 0, "problem": "body is not valid JSON"})
+        self.assertEqual((report["totals"]["scopes"], report["totals"]["notes"]), (3, 2))
+        table = self.usage()[1].splitlines()
+        self.assertEqual(table[9], "  %-24s %-24s %s" % ("alice", "user", "body is not valid JSON"))
+
+
+class CompactCommandTest(DataDirToolCase):
+    """compact: every feed now, keeping every number; a damaged feed is left as it is."""
+
+    def test_a_line_per_feed_then_the_total_and_pulls_from_every_cursor_stay_right(self):
+        expected = self.compacted_alice_feed()
+        before_size = os.path.getsize(self.alice_feed)
+        before = self.tree()
+        code, out, err = self.run_tool("compact", "--data", self.data_dir)
+        self.assertEqual((code, err), (0, ""))
+        fb, team, bob = sync.format_bytes, os.path.getsize(self.team_feed), os.path.getsize(self.bob_feed)
+        freed = before_size - len(expected)
+        self.assertEqual(out.splitlines(), [
+            "compact: %s: %s -> %s, 0 bytes freed, 0 records erased" % (self.team_feed, fb(team), fb(team)),
+            "compact: %s: %s -> %s, %s freed, 2 records erased" % (
+                self.alice_feed, fb(before_size), fb(len(expected)), fb(freed)),
+            "compact: %s: %s -> %s, 0 bytes freed, 0 records erased" % (self.bob_feed, fb(bob), fb(bob)),
+            "compact: %s freed" % fb(freed)])
+        with open(self.alice_feed, "rb") as f:
+            self.assertEqual(f.read(), expected)
+        after = self.tree()
+        alice = os.path.relpath(self.alice_feed, self.data_dir)
+        changed = (alice, os.path.dirname(alice), "server.lock")  # (the directory: a rename in it)
+        self.assertEqual({path: value for path, value in after.items() if path not in changed},
+                         {path: value for path, value in before.items() if path not in changed})  # the others
+        self.assertEqual(sorted(after), sorted(set(before) | {"server.lock"}))  # no file left aside
+        # Pulls: from every cursor, the events after it, less the erased records and superseded metadata.
+        kept = [(number, kind, event) for number, kind, _, _, event in map(sync.parse_feed_line,
+                                                                           self.lines_of(self.alice_feed))
+                if kind != b"x"]
+        self.assertEqual([number for number, _, _ in kept], [4, 5, 6, 8, 9, 10])
+        for since in range(0, 12):
+            after_since = [(number, kind, event) for number, kind, event in kept if number > since]
+            self.assertEqual(self.pull_all(self.ALICE, "proj-x", since), (
+                after_since[-1][0] if after_since else since,
+                [event for _, kind, event in after_since if kind == b"r"],
+                [event for _, kind, event in after_since if kind == b"s"], False), since)
+        cursors, since = [], 0
+        while True:  # one event a page: the gaps are skipped
+            cursor, records, sessions, more = self.pull_all(self.ALICE, "proj-x", since, limit=1)
+            self.assertEqual(len(records) + len(sessions), 1)
+            cursors.append(cursor)
+            since = cursor
+            if not more:
+                break
+        self.assertEqual(cursors, [4, 5, 6, 8, 9, 10])
+        # The erased records are gone for good: pushed again, they are known (their keys stay); numbers go on.
+        store = sync.FeedStore(self.data_dir)
+        self.assertEqual(store.push(self.ALICE, "proj-x", *validated([record("gone", "g1")])), (10, 0))
+        self.assertEqual(store.push(self.ALICE, "proj-x", *validated([record("s1", "r3", seq=3)])), (11, 1))
+
+    def test_a_second_compaction_frees_nothing(self):
+        self.assertEqual(self.run_tool("compact", "--data", self.data_dir)[0], 0)
+        before = self.tree()
+        code, out, err = self.run_tool("compact", "--data", self.data_dir, "--retain-deleted-days", "90")
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(out.splitlines()[1:], [
+            "compact: %s: %s -> %s, 0 bytes freed, 0 records erased" % ((self.alice_feed,) + (sync.format_bytes(
+                os.path.getsize(self.alice_feed)),) * 2),
+            "compact: %s: %s -> %s, 0 bytes freed, 0 records erased" % ((self.bob_feed,) + (sync.format_bytes(
+                os.path.getsize(self.bob_feed)),) * 2),
+            "compact: 0 bytes freed"])
+        # Every file as it was (alice's is written again, as it has a deletion past the window: the same bytes).
+        self.assertEqual({path: value[::2] for path, value in self.tree().items() if path != "server.lock"},
+                         {path: value[::2] for path, value in before.items() if path != "server.lock"})
+
+    def test_a_compaction_or_repair_keeps_the_feeds_mode_and_owner(self):
+        # A feed is 0600 (its sessions are no other user's to read) and its server's: a rewrite keeps both, whatever
+        # the umask, and when it runs as root.
+        self.addCleanup(os.umask, os.umask(0o022))
+        owner = (os.getuid(), os.getgid())
+        if os.geteuid() == 0:
+            owner = (65534, 65534)  # nobody: a service user's data dir, compacted with sudo
+            for path in (self.alice_feed, self.bob_feed):
+                os.chown(path, *owner)
+        for path in (self.alice_feed, self.bob_feed):
+            self.assertEqual(os.stat(path).st_mode & 0o7777, 0o600)
+
+        def assertKept(path, what):
+            info = os.stat(path)
+            self.assertEqual((info.st_mode & 0o7777, info.st_uid, info.st_gid), (0o600,) + owner, what)
+
+        code, out, _ = self.run_tool("compact", "--data", self.data_dir)
+        self.assertIn(" freed, 2 records erased", out.splitlines()[1])
+        assertKept(self.alice_feed, "compact")
+        # The server's own compaction, in the background: "recent" deleted now, erased with a window of 0.
+        feed = sync.FeedStore(self.data_dir).feed(self.ALICE, "proj-x")
+        self.assertEqual(feed.compact(int(time.time() * 1000), 0)[2], 1)
+        assertKept(self.alice_feed, "Feed.compact")
+        lines = self.lines_of(self.bob_feed)
+        lines[1] = lines[1].replace(b'"laptop"', b'"laptoq"')
+        with open(self.bob_feed, "wb") as f:
+            f.write(b"".join(lines))
+        self.assertEqual(self.run_tool("fsck", "--data", self.data_dir, "--repair")[0], 0)
+        self.assertEqual(len(self.lines_of(self.bob_feed)), 3)
+        assertKept(self.bob_feed, "fsck --repair")
+
+    def test_the_retention_window_is_the_flags(self):
+        code, out, err = self.run_tool("compact", "--data", self.data_dir, "--retain-deleted-days", "0")
+        self.assertEqual((code, err), (0, ""))
+        self.assertTrue(out.splitlines()[1].endswith(" freed, 3 records erased"), out)
+        records = self.pull_all(self.ALICE, "proj-x", 0)[1]
+        self.assertEqual([json.loads(r)["id"] for r in records], ["r1", "r2"])  # "recent"'s k1 erased too
+
+    def test_a_feed_with_a_damaged_middle_line_is_left_as_it_is_and_exit_1(self):
+        lines = self.lines_of(self.alice_feed)
+        lines[4] = lines[4].replace(b'"laptop"', b'"laptoq"')
+        with open(self.alice_feed, "wb") as f:
+            f.write(b"".join(lines))
+        before = self.tree()
+        code, out, err = self.run_tool("compact", "--data", self.data_dir)
+        self.assertEqual((code, err), (1, ""))
+        fb, team, bob = sync.format_bytes, os.path.getsize(self.team_feed), os.path.getsize(self.bob_feed)
+        self.assertEqual(out.splitlines(), [
+            "compact: %s: %s -> %s, 0 bytes freed, 0 records erased" % (self.team_feed, fb(team), fb(team)),
+            "compact: %s: left as it is: %s:5: checksum mismatch (fsck --repair mends a damaged line)" % (
+                self.alice_feed, self.alice_feed),
+            "compact: %s: %s -> %s, 0 bytes freed, 0 records erased" % (self.bob_feed, fb(bob), fb(bob)),
+            "compact: 0 bytes freed; 1 feed left as it was"])
+        self.assertEqual({path: value for path, value in self.tree().items() if path != "server.lock"}, before)
+
+
+class PurgeCommandTest(DataDirToolCase):
+    """purge: a principal's tokens, own feeds and memory go; team feeds and others stay; numbering goes on."""
+
+    def report(self, verb):
+        return ["purge: %s alice's token %s (laptop)" % (verb, self.alice_tokens[0]),
+                "purge: %s alice's token %s" % (verb, self.alice_tokens[1]),
+                "purge: %s alice's feed proj-x: 10 events, %s (its numbers go on from 10 if it is pushed to again)"
+                % (verb, sync.format_bytes(os.path.getsize(self.alice_feed))),
+                "purge: %s alice's memory project/proj-x" % verb,
+                "purge: %s alice's memory user" % verb,
+                "purge: team feeds stay (they belong to the team): platform"]
+
+    def test_a_dry_run_prints_the_report_and_changes_nothing(self):
+        before = self.tree()
+        code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "alice", "--dry-run")
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(out.splitlines(), self.report("would remove") + ["purge: --dry-run: nothing was changed"])
+        self.assertEqual(self.tree(), before)  # not even a lock file made
+
+    def test_a_dry_run_on_a_dir_a_server_ran_on_leaves_its_lock_file_as_it_was(self):
+        with open(self.layout.lock, "wb") as f:
+            f.write(b"12345\n")  # the last server's process id
+        os.utime(self.layout.lock, ns=(1, 1))
+        before = self.tree()
+        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "alice", "--dry-run")[0], 0)
+        self.assertEqual(self.tree(), before)
+
+    def test_purge_erases_the_principal_and_leaves_team_feeds_and_others(self):
+        report = self.report("would remove")
+        before = self.tree()
+        code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(out.splitlines(), [line.replace("would remove", "removed") for line in report]
+                         + ["purge: alice is erased (2 tokens, 1 feed, 2 memory scopes)"])
+        after = self.tree()
+        gone = sorted(path for path in before if path not in after)
+        self.assertEqual(gone, sorted(path for path in before if path.startswith(
+            (os.path.join("feeds", "u-alice"), os.path.join("memory", "u-alice")))))
+        self.assertEqual(sorted(path for path in after if path not in before),
+                         [os.path.join("feeds", "purged.json"), "server.lock"])
+        changed = sorted(path for path in after if path in before and after[path] != before[path])
+        self.assertEqual(changed, ["feeds", "memory", "tokens.json"])  # (directories: an entry less)
+        # Tokens: alice's revoked, bob's kept.
+        code, out, err = self.run_tool("token", "list", "--data", self.data_dir)
+        self.assertEqual(code, 0)
+        listed = [line.split()[:2] for line in out.splitlines()[1:]]
+        self.assertEqual(listed, [[self.bob_token, "bob"]])
+        # purged.json: where the feed ended, under a hash of its owner and project; no id in clear.
+        with open(self.layout.purged, "rb") as f:
+            raw = f.read()
+        self.assertEqual(json.loads(raw), {hashlib.sha256(b"u\nalice\nproj-x").hexdigest(): 10})
+        for name in (b"alice", b"proj-x", b"platform"):
+            self.assertNotIn(name, raw)
+        # The team's feed is as it was, and so are bob's feed and memory.
+        self.assertEqual(self.pull_all(self.TEAM, "proj-x", 0)[0], 2)
+        memory = sync.MemoryStore(self.data_dir)
+        self.assertEqual([json.loads(e)["id"] for e in memory.snapshot("bob", sync.USER_SCOPE).entries], ["v"])
+        self.assertEqual(as_doc(memory.snapshot("alice", sync.USER_SCOPE))["entries"], [])
+
+    def test_a_purged_feed_pushed_to_again_numbers_on_after_its_old_end(self):
+        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")[0], 0)
+        store = sync.FeedStore(self.data_dir)
+        self.assertEqual(store.projects(self.ALICE), [])
+        self.assertEqual(self.pull_all(self.ALICE, "proj-x", 10), (10, [], [], False))
+        new = record("s9", "n1")
+        self.assertEqual(store.push(self.ALICE, "proj-x", *validated([new])), (11, 1))
+        # A client that had pulled the old feed to its end (10) gets the new event, and so does a new one.
+        for since in (0, 10):
+            cursor, records, sessions, more = self.pull_all(self.ALICE, "proj-x", since)
+            self.assertEqual((cursor, [json.loads(r) for r in records], sessions, more), (11, [new], [], False))
+        self.assertEqual(sync.parse_feed_line(self.lines_of(self.alice_feed)[0])[0], 11)
+        self.assertEqual(sync.FeedStore(self.data_dir).projects(self.ALICE), ["proj-x"])
+        # Another project of the same owner starts at 1.
+        self.assertEqual(store.push(self.ALICE, "proj-y", *validated([new])), (1, 1))
+
+    def test_a_principal_with_only_a_token_or_only_memory_is_purged_too(self):
+        _, carol = sync.TokenStore(self.data_dir).issue("carol")
+        memory = sync.MemoryStore(self.data_dir)
+        memory.commit("dave", sync.MemoryScope("proj-d"), None, memory_changes_of(memory_put("d")))
+        code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "carol")
+        self.assertEqual((code, out.splitlines(), err), (0, [
+            "purge: removed carol's token %s" % carol["id"],
+            "purge: carol is erased (1 token, 0 feeds, 0 memory scopes)"], ""))
+        code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "dave")
+        self.assertEqual((code, out.splitlines(), err), (0, [
+            "purge: removed dave's memory project/proj-d",
+            "purge: dave is erased (0 tokens, 0 feeds, 1 memory scope)"], ""))
+        self.assertFalse(os.path.exists(os.path.join(self.layout.memory, "u-dave")))
+        self.assertFalse(os.path.exists(self.layout.purged))  # no feed went: no numbering to keep
+        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["alice", "alice", "bob"])
+
+
+class ToolsWithAServerUpTest(DataDirToolCase):
+    """usage reads a data dir a server runs on; compact and purge refuse it, and leave it as it was."""
+
+    def test_usage_reads_while_a_server_runs_and_compact_and_purge_refuse(self):
+        server = SubprocessServer(self.data_dir)
+        try:
+            before = self.tree()
+            result = subprocess.run([sys.executable, MODULE, "usage", "--data", self.data_dir, "--json"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+            self.assertEqual((result.returncode, result.stderr), (0, b""))
+            report = json.loads(result.stdout)
+            self.assertEqual(report, self.expected_report(report["diskFreeBytes"]))
+            for command in (["compact"], ["purge", "--principal", "alice"],
+                            ["purge", "--principal", "alice", "--dry-run"]):
+                result = subprocess.run([sys.executable, MODULE, command[0], "--data", self.data_dir] + command[1:],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30,
+                                        universal_newlines=True)
+                self.assertEqual((result.returncode, result.stdout, result.stderr), (2, "", (
+                    "oharness-sync: error: a server is using %s: stop it first (%s needs the data dir to itself)\n"
+                    % (self.data_dir, command[0]))), command)
+            self.assertEqual(self.tree(), before)
+        finally:
+            server.stop()
+
+
+class ToolsBadInputTest(DataDirToolCase):
+    """usage, compact and purge answer bad input with one line and exit 2, and leave the data dir as it was."""
+
+    def assertRefused(self, argv, message):
+        parent = os.path.dirname(self.data_dir)
+        before = self.tree(parent)
+        code, out, err = self.run_tool(*argv)
+        self.assertEqual((code, out, err), (2, "", "oharness-sync: error: %s\n" % message), argv)
+        self.assertEqual(self.tree(parent), before, argv)
+
+    def test_a_missing_data_dir_is_named_and_not_made(self):
+        missing = os.path.join(os.path.dirname(self.data_dir), "missing")
+        for argv in (["usage", "--data", missing], ["usage", "--data", missing, "--json"],
+                     ["compact", "--data", missing], ["purge", "--data", missing, "--principal", "alice"],
+                     ["purge", "--data", missing, "--principal", "alice", "--dry-run"]):
+            self.assertRefused(argv, "%s is not a directory" % missing)
+            self.assertFalse(os.path.exists(missing))
+        a_file = self.layout.tokens
+        for argv in (["usage", "--data", a_file], ["compact", "--data", a_file],
+                     ["purge", "--data", a_file, "--principal", "alice"]):
+            self.assertRefused(argv, "%s is not a directory" % a_file)
+
+    def test_negative_or_unreadable_retention_days(self):
+        for command in ("usage", "compact"):
+            self.assertRefused([command, "--data", self.data_dir, "--retain-deleted-days", "-1"],
+                               "--retain-deleted-days must be 0 or more")
+            self.assertRefused([command, "--data", self.data_dir, "--retain-deleted-days", "x"],
+                               "argument --retain-deleted-days: invalid int value: 'x'")
+
+    def test_an_unknown_principal_or_a_team_is_no_principal_to_purge(self):
+        for principal in ("carol", "platform"):  # platform: a team, whose feed is not a principal's
+            for flags in ((), ("--dry-run",)):
+                self.assertRefused(["purge", "--data", self.data_dir, "--principal", principal] + list(flags),
+                                   "no principal %s in %s: no token, feed or memory scope of theirs"
+                                   % (principal, self.data_dir))
+
+    def test_an_invalid_or_missing_principal_id(self):
+        for principal in ("a/b", "", "x" * 129, "../alice"):
+            self.assertRefused(["purge", "--data", self.data_dir, "--principal", principal],
+                               "--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
+        self.assertRefused(["purge", "--data", self.data_dir], "the following arguments are required: --principal")
+
+    def test_a_damaged_feed_of_the_principal_stops_a_purge_before_anything_goes(self):
+        lines = self.lines_of(self.alice_feed)
+        lines[4] = lines[4].replace(b'"laptop"', b'"laptoq"')
+        with open(self.alice_feed, "wb") as f:
+            f.write(b"".join(lines))
+        for flags in ((), ("--dry-run",)):
+            self.assertRefused(["purge", "--data", self.data_dir, "--principal", "alice"] + list(flags),
+                               "cannot read %s: %s:5: checksum mismatch (fsck --repair first)"
+                               % (self.alice_feed, self.alice_feed))
+
+
 # ---------------------------------------------------------------------------
 # The HTTP layer: session sync on the wire
 # ---------------------------------------------------------------------------
