@@ -2981,6 +2981,9 @@ def compact_file(path, now_ms, retain_ms):
         with open_aside(path) as out:
             kept, erased, _ = compact_lines(path, plan, out)
             out.flush()
+            if kept == plan.summary.size and not erased:  # (records erased before, say)
+                _remove(aside)
+                return kept, kept, 0
             sync_file(out.fileno())
         os.replace(aside, path)
     except BaseException:
@@ -7851,6 +7854,9 @@ class StoppedServerLock:
         if not lock_exclusively(fd):
             os.close(fd)
             raise self._busy()
+        if flags & os.O_CREAT and hasattr(os, "fchown"):
+            info = os.stat(self.data_dir)  # (a server run as the dir's owner must open it too)
+            give_file(fd, (info.st_uid, info.st_gid, 0o600))
         self.fd = fd
 
     def _busy(self):
@@ -8078,21 +8084,19 @@ def purge(layout, principal, dry_run, lock):
             raise UsageError("cannot read %s: %s (fsck --repair first)"
                              % (entry.path, reason(exc))) from None
         ends[purged_key(owner, project)] = summary.end
-        lines.append("feed %s: %d events, %s (its numbers go on from %d if it is pushed to again)"
+        lines.append("feed %s: %d events, %s (pushed to again, it numbers on after %d)"
                      % (project, summary.events, format_bytes(entry.stat().st_size), summary.end))
     for scope, files in scopes:
         lines.append("memory %s" % scope_name(scope.project))
-    if not dry_run:
-        lock.change()  # (only now: a dry run or a refusal leaves the dir as it was)
     teams = sorted({team for record in records for team in record["teams"]})
-    verb = "would remove" if dry_run else "removed"
-    for line in lines:
-        print("purge: %s %s's %s" % (verb, principal, line))
-    if teams:
-        print("purge: team feeds stay (they belong to the team): %s" % ", ".join(teams))
     if dry_run:
+        for line in lines:
+            print("purge: would remove %s's %s" % (principal, line))
+        if teams:
+            print("purge: team feeds stay (they belong to the team): %s" % ", ".join(teams))
         print("purge: --dry-run: nothing was changed")
         return 0
+    lock.change()  # (only now: a dry run or a refusal leaves the dir as it was)
     if ends:  # first: should anything fail after, the numbering is kept
         purged.update(ends)
         write_atomically(layout.purged, encode_json(purged))
@@ -8112,6 +8116,10 @@ def purge(layout, principal, dry_run, lock):
         os.rmdir(os.path.dirname(layout.scope_files(principal, USER_SCOPE).root))
     except OSError:
         pass
+    for line in lines:  # (said once it is done)
+        print("purge: removed %s's %s" % (principal, line))
+    if teams:
+        print("purge: team feeds stay (they belong to the team): %s" % ", ".join(teams))
     print("purge: %s is erased (%s, %s, %s)" % (principal, plural(len(records), "token"),
                                                plural(len(feeds), "feed"),
                                                plural(len(scopes), "memory scope")))

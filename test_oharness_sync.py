@@ -4672,7 +4672,7 @@ class PurgeCommandTest(DataDirToolCase):
     def report(self, verb):
         return ["purge: %s alice's token %s (laptop)" % (verb, self.alice_tokens[0]),
                 "purge: %s alice's token %s" % (verb, self.alice_tokens[1]),
-                "purge: %s alice's feed proj-x: 10 events, %s (its numbers go on from 10 if it is pushed to again)"
+                "purge: %s alice's feed proj-x: 10 events, %s (pushed to again, it numbers on after 10)"
                 % (verb, sync.format_bytes(os.path.getsize(self.alice_feed))),
                 "purge: %s alice's memory project/proj-x" % verb,
                 "purge: %s alice's memory user" % verb,
