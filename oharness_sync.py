@@ -4326,9 +4326,7 @@ pre,code{background:#f3f3f3}pre{padding:.8em;overflow:auto}</style>
 oharness-sync %(version)s, sync protocol v1.
 Its health check is at <a href="/v1/health">/v1/health</a>.</p>
 <h2>Point an OHarness client at it</h2>
-<p>Put this in your <em>user</em> configuration, <code>~/.oharness/config.json</code>, with a token
-from this server's operator
-(<code>python3 oharness_sync.py token issue --data DIR --principal YOU</code>), then restart
+<p>Put this in your <em>user</em> configuration, <code>~/.oharness/config.json</code>, then restart
 OHarness:</p>
 <pre>{
   "sync": {
@@ -4336,9 +4334,17 @@ OHarness:</p>
     "token": "ohs_..."
   }
 }</pre>
-<p>OHarness accepts plain <code>http://</code> only for localhost; behind a TLS proxy, use the
-proxy's <code>https://</code> address. Session transcripts and memory notes are shown to nobody
-here: every other route needs a token.</p>
+<ul>
+<li><code>url</code>: this server's address, as your browser reached it.%(plain)s</li>
+<li><code>token</code>: a token from this server's operator
+(<code>python3 oharness_sync.py token issue --data DIR --principal YOU</code>).</li>
+<li>Only if you share a team's feeds: <code>"team": "ID"</code>, a team the token lists (else
+every request is refused). Leave it out for your own sessions.</li>
+<li><code>"enabled": false</code> turns sync off without losing the rest; leave it out to
+sync.</li>
+</ul>
+<p>Memory sync (notes) needs more than this token: see this server's README. Session transcripts
+and memory notes are shown to nobody here: every other route needs a token.</p>
 </body>
 </html>
 """
@@ -4347,6 +4353,29 @@ here: every other route needs a token.</p>
 def memory_body_error(status, text):
     return MemoryApiError(status, "memory_quota_exceeded" if status == 413 else "invalid_body",
                           text)
+
+
+_FORWARDED_PAIR = re.compile(r'\s*(proto|host)\s*=\s*("[^"]*"|[^;,\s]*)', re.IGNORECASE)
+
+
+def public_url(headers, tls):
+    """The address a client should use, as the request shows it: its Host, and https when the
+    connection is TLS or a proxy in front says so (Forwarded, X-Forwarded-Proto and -Host). Those
+    headers anyone can send: they shape what the front page shows, and decide nothing else.
+
+        Host: sync.example.com:8787                         http://sync.example.com:8787
+        ... and X-Forwarded-Proto: https                    https://sync.example.com:8787
+        Forwarded: proto=https;host=pi.home.arpa            https://pi.home.arpa
+    """
+    scheme, host = ("https" if tls else "http"), headers.get("host")
+    forwarded = dict((name.lower(), value.strip('"')) for name, value in _FORWARDED_PAIR.findall(
+        headers.get("forwarded", "").split(",")[0]))
+    proto = (forwarded.get("proto") or headers.get("x-forwarded-proto", "").split(",")[0]).strip()
+    if proto.lower() in ("http", "https"):
+        scheme = proto.lower()
+    host = (forwarded.get("host") or headers.get("x-forwarded-host", "").split(",")[0].strip()
+            or host)
+    return "%s://%s" % (scheme, host or "HOST")
 
 
 def retry_after(seconds):
@@ -4464,9 +4493,12 @@ class SyncApp:
     def front_page(self, request):
         """A page for a person who types the server's address into a browser: what this is and
         how to point a client at it. Nothing of any tenant, and nothing to run."""
-        scheme = "https" if request.tls else "http"
-        url = html.escape("%s://%s" % (scheme, request.headers.get("host") or "HOST"), quote=True)
-        page = FRONT_PAGE % {"version": __version__, "url": url}
+        url = public_url(request.headers, request.tls)
+        plain = ("" if url.startswith("https:") else
+                 " OHarness takes plain <code>http://</code> only for localhost: on a network, "
+                 "put HTTPS in front of this server and use that address.")
+        page = FRONT_PAGE % {"version": __version__, "url": html.escape(url, quote=True),
+                             "plain": plain}
         return Response(200, page.encode("utf-8"), [
             ("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'"),
             ("X-Content-Type-Options", "nosniff")], content_type="text/html; charset=utf-8")

@@ -6108,6 +6108,36 @@ class FrontPageTest(ServerCase):
         for private in ("alice", "bob", "platform", "secret-project", self.alice, self.bob, "s1"):
             self.assertNotIn(private, page)
 
+    def test_the_page_shows_the_address_a_client_should_use_behind_a_proxy_too(self):
+        cases = [({"Host": "sync.example.com:8787"}, "http://sync.example.com:8787"),
+                 ({"Host": "pi.home.arpa", "X-Forwarded-Proto": "https"}, "https://pi.home.arpa"),  # Caddy
+                 ({"Host": "127.0.0.1:8787", "X-Forwarded-Proto": "https", "X-Forwarded-Host": "pi.home.arpa"},
+                  "https://pi.home.arpa"),
+                 ({"Host": "127.0.0.1:8787", "Forwarded": 'for=192.0.2.7;proto=https;host="pi.home.arpa:8443", '
+                                                          "for=10.0.0.1;proto=http"}, "https://pi.home.arpa:8443"),
+                 ({"Host": "h", "X-Forwarded-Proto": "gopher"}, "http://h")]  # not a scheme: the connection's
+        for headers, url in cases:
+            with self.subTest(headers=headers):
+                page = self.request("GET", "/", headers=headers).raw.decode("utf-8")
+                self.assertIn('"url": "%s"' % url, page)
+                self.assertEqual("plain <code>http://</code> only for localhost" in page, url.startswith("http:"))
+
+    def test_the_config_snippet_holds_only_what_a_reader_fills_in_and_says_what_each_is(self):
+        page = self.request("GET", "/", headers={"Host": "h"}).raw.decode("utf-8")
+        snippet = json.loads(page[page.index("<pre>") + 5:page.index("</pre>")].replace("&quot;", '"'))
+        self.assertEqual(snippet, {"sync": {"url": "http://h", "token": "ohs_..."}})
+        for field in ("<code>url</code>", "<code>token</code>", '<code>"team": "ID"</code>',
+                      '<code>"enabled": false</code>'):
+            self.assertIn(field, page)
+
+    def test_proxy_headers_shape_only_the_page(self):
+        """A made-up X-Forwarded-Proto or Forwarded header changes nothing the server decides."""
+        headers = {"X-Forwarded-Proto": "https", "Forwarded": "for=127.0.0.1;proto=https",
+                   "X-Forwarded-For": "127.0.0.1"}
+        self.assertAnswer(self.request("GET", "/v1/projects", headers=headers), 401)
+        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice, headers=headers), 200,
+                          {"projects": []})
+
     def test_a_host_header_is_escaped_in_the_page(self):
         answer = self.request("GET", "/", headers={"Host": '"><script>alert(1)</script>'})
         page = answer.raw.decode("utf-8")
