@@ -5756,11 +5756,46 @@ class ConnectFailed(Exception):
         self.error = error
 
 
+# What an untrusted certificate's verify code says, in words (OpenSSL's X509_V_ERR_ numbers).
+_CERTIFICATE_FAULTS = {
+    62: "it is for another name: use in the URL a name (or address) the certificate holds",
+    18: "it is self-signed: give it with --ca-file",
+    19: "it is signed by a CA this machine does not trust: give the CA's certificate with "
+        "--ca-file",
+    20: "it is signed by a CA this machine does not trust: give the CA's certificate (not the "
+        "server's) with --ca-file",
+    10: "it has expired: the server needs a new one",
+}
+
+
+def token_from_flags(token, path, flag, command, required=False):
+    """A bearer token given as flag (seen by other users in ps: a warning says so) or on the first
+    line of the file at path (flag + "-file"); None when neither was given and it is not
+    required."""
+    if token is not None and path is not None:
+        raise UsageError("give %s or %s-file, not both" % (flag, flag))
+    if path is not None:
+        return read_token_file(path, flag + "-file")
+    if token is None:
+        if required:
+            raise UsageError("%s-file FILE (or %s) is required" % (flag, flag))
+        return None
+    if not _TOKEN_CHARACTERS.fullmatch(token):
+        raise UsageError("%s must be printable ASCII without spaces" % flag)
+    print("%s: warning: %s on the command line is visible to other users in ps; prefer %s-file"
+          % (command, flag, flag), file=sys.stderr, flush=True)
+    return token
+
+
 def connect_failure(url, exc):
     """The cause, in words, of a failed connection (or TLS handshake) to url."""
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return ("the certificate of %s is not trusted: %s (for a self-signed certificate, "
-                "give it with --ca-file)" % (url, exc.verify_message or reason(exc)))
+        return "the certificate of %s is not trusted (%s): %s" % (
+            url, exc.verify_message or reason(exc), _CERTIFICATE_FAULTS.get(
+                exc.verify_code, "give the certificate of the CA that signed it with --ca-file"))
+    if isinstance(exc, ssl.SSLError) and exc.reason == "WRONG_VERSION_NUMBER":
+        return ("the TLS handshake with %s failed: what answers there is not TLS (plain HTTP?): "
+                "try http://" % url)
     if isinstance(exc, ssl.SSLError):
         return "the TLS handshake with %s failed: %s" % (url, exc.reason or reason(exc))
     if isinstance(exc, ConnectionRefusedError):
@@ -6480,7 +6515,10 @@ class ConformanceCheck:
         if self.client.https:
             try:
                 self.client.context = ssl.create_default_context(cafile=ca_file)
-            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            except ssl.SSLError:
+                raise UsageError("cannot use --ca-file %s: it holds no certificate (a PEM file "
+                                 "with BEGIN CERTIFICATE; is it a key?)" % ca_file) from None
+            except (OSError, ValueError) as exc:
                 raise UsageError("cannot use --ca-file %s: %s" % (ca_file, reason(exc))) from None
         self.responded = False  # no HTTP response yet: nothing written, no notice printed
         self.err = err or sys.stderr
@@ -6534,7 +6572,7 @@ class ConformanceCheck:
 
     def run(self):
         """Run the checks; True when every one passed. Never raises for what the server does."""
-        passed = True
+        count = [0, 0]  # passed, failed
         for name, check in self.checks():
             try:
                 check()
@@ -6551,10 +6589,12 @@ class ConformanceCheck:
                 reason = "unexpected response (%s: %s)" % (type(exc).__name__, exc)
             else:
                 print("PASS %s" % name, file=self.out, flush=True)
+                count[0] += 1
                 continue
-            passed = False
+            count[1] += 1
             print("FAIL %s: %s" % (name, self.redacted(reason)), file=self.out, flush=True)
-        return passed
+        print("check: %d passed, %d failed" % tuple(count), file=self.out, flush=True)
+        return not count[1]
 
     def redacted(self, text):
         for secret in (self.token, self.other_token):
@@ -6579,6 +6619,10 @@ class ConformanceCheck:
             hint = "" if self.client.https else ": if it serves HTTPS, give an https:// URL"
             raise CheckStopped("no HTTP response from %s to a first request (%s)%s"
                                % (self.url, str(exc) or type(exc).__name__, hint)) from None
+        if not self.responded and status in (301, 302, 307, 308):
+            raise CheckStopped("%s redirects to %s: give that as --url (with --ca-file for a "
+                               "private CA)"
+                               % (self.url, headers.get("location", "another place")))
         if not self.responded:  # the checks write from now on: say where, once
             self.responded = True
             print(self.notice(), file=self.err, flush=True)
@@ -6900,9 +6944,15 @@ def check_command(argv):
                                         "a throwaway token.")
     parser.add_argument("--url", required=True,
                         help="the server's base URL, http(s)://host[:port]")
-    parser.add_argument("--token", required=True, help="a bearer token for session sync")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="a file whose first line is a bearer token for session sync")
+    parser.add_argument("--token", help="the token itself (other users see it in ps: prefer "
+                                        "--token-file)")
+    parser.add_argument("--other-token-file", metavar="FILE",
+                        help="a token of another principal, on a file's first line: checks "
+                             "isolation")
     parser.add_argument("--other-token", metavar="TOKEN",
-                        help="a token of another principal: checks isolation")
+                        help="that token itself (seen in ps)")
     parser.add_argument("--team", metavar="ID",
                         help="a team the token lists: checks the team feed")
     parser.add_argument("--memory", action="store_true",
@@ -6912,16 +6962,18 @@ def check_command(argv):
                         help="trust this certificate (or CA bundle) for an https:// URL: for a "
                              "self-signed one")
     args = parser.parse_args(argv)
-    for flag, token in (("--token", args.token), ("--other-token", args.other_token)):
-        if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
-            raise UsageError("%s must be printable ASCII without spaces" % flag)
+    token = token_from_flags(args.token, args.token_file, "--token", "check", required=True)
+    other = token_from_flags(args.other_token, args.other_token_file, "--other-token", "check")
     if args.memory != (args.principal is not None):
         raise UsageError("--memory and --principal go together")
     if args.principal is not None and not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
-    check = ConformanceCheck(args.url, args.token, other_token=args.other_token, team=args.team,
+    check = ConformanceCheck(args.url, token, other_token=other, team=args.team,
                              principal=args.principal, out=sys.stdout, ca_file=args.ca_file,
                              err=sys.stderr)
+    if not check.client.https and not is_loopback(check.client.host):
+        print("check: warning: the token goes to %s in plain http, readable on the way" % args.url,
+              file=sys.stderr, flush=True)
     return 0 if check.run() else 1
 
 

@@ -9498,11 +9498,44 @@ MEMORY_CHECKS = ["memory-identity", "memory-empty-snapshot", "memory-commit", "m
                  "memory-delete"]
 
 
+def token_file(token):
+    """A file whose first line is token, removed at the end of the test run."""
+    fd, path = tempfile.mkstemp(prefix="ohs-test-token-")
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    TOKEN_FILES.append(path)
+    return path
+
+
+TOKEN_FILES = []
+
+
+def tearDownModule():
+    for path in TOKEN_FILES:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def with_token_files(argv):
+    """argv with each --token TOKEN given as --token-file FILE, as a careful user gives it."""
+    argv, out = list(argv), []
+    while argv:
+        arg = argv.pop(0)
+        if arg in ("--token", "--other-token") and argv:
+            out += [arg + "-file", token_file(argv.pop(0))]
+        else:
+            out.append(arg)
+    return out
+
+
 def run_check_command(*argv):
-    """sync.main(["check", ...]) in this process: (exit code, stdout, stderr)."""
+    """sync.main(["check", ...]) in this process, tokens given in files: (exit code, stdout,
+    stderr)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = sync.main(["check"] + list(argv))
+        code = sync.main(["check"] + with_token_files(argv))
     return code, out.getvalue(), err.getvalue()
 
 
@@ -9616,7 +9649,7 @@ class ResponseShapeTest(unittest.TestCase):
         check = ConformanceCheck("http://127.0.0.1:1", "t0ken", out=out, err=io.StringIO())
         check.checks = lambda: [("paging", lambda: sync.pull_page({"cursor": 1}, 2))]
         self.assertFalse(check.run())
-        self.assertEqual(out.getvalue(), "FAIL paging: %s\n" % wrong)
+        self.assertEqual(out.getvalue(), "FAIL paging: %s\ncheck: 0 passed, 1 failed\n" % wrong)
         side = sync.ReplicateSide("source", "http://127.0.0.1:1", "t0ken", None)
         with self.assertRaises(sync.ReplicateRefused) as caught:
             sync.Replicator.checked(side, sync.pull_page, {"cursor": 1}, 2)
@@ -9634,8 +9667,9 @@ class CheckCommandTest(ServerCase):
                                  out=out, err=err)
         self.assertTrue(check.run(), out.getvalue())
         lines = out.getvalue().splitlines()
-        self.assertEqual([line for line in lines if not line.startswith("PASS ")], [])
-        self.assertEqual([line.split()[1] for line in lines],
+        self.assertEqual([line for line in lines if not line.startswith("PASS ")],
+                         ["check: %d passed, 0 failed" % (len(lines) - 1)])
+        self.assertEqual([line.split()[1] for line in lines[:-1]],
                          SESSION_CHECKS + ["isolation", "team-feed", "unknown-team"] + MEMORY_CHECKS)
         self.assertEqual(err.getvalue(), check.notice() + "\n")
 
@@ -9663,13 +9697,14 @@ class CheckCommandTest(ServerCase):
         token, _ = sync.TokenStore(data_dir).issue("alice")
         server = SubprocessServer(data_dir)
         try:
-            result = subprocess.run(self.cli + ["check", "--url", server.url, "--token", token],
+            result = subprocess.run(self.cli + ["check", "--url", server.url, "--token-file", token_file(token)],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
                                     universal_newlines=True)
         finally:
             server.stop()
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
-        self.assertEqual(result.stdout, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"]))
+        self.assertEqual(result.stdout, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"])
+                         + "check: %d passed, 0 failed\n" % (len(SESSION_CHECKS) + 1))
         self.assertEqual(len(result.stderr.splitlines()), 1, result.stderr)
         self.assertIn("writing test data to %s: projects ohs-check-" % server.url, result.stderr)
         self.assertNotIn(token, result.stdout + result.stderr)
@@ -9792,7 +9827,7 @@ class CheckCatchesFaultsTest(unittest.TestCase):
     def test_a_stopped_server_is_one_line_with_the_cause(self):
         # Before, every check failed with the same "network error: ... refused": sixteen lines for one cause.
         url = "http://127.0.0.1:%d" % closed_port()
-        result = subprocess.run([sys.executable, MODULE, "check", "--url", url, "--token", "t0ken", "--memory",
+        result = subprocess.run([sys.executable, MODULE, "check", "--url", url, "--token-file", token_file("t0ken"), "--memory",
                                  "--principal", "alice"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 universal_newlines=True, timeout=60)
         self.assertEqual((result.returncode, result.stdout, result.stderr),
@@ -9854,8 +9889,27 @@ class CheckTlsTest(ServerCase):
     def test_an_untrusted_certificate_is_one_line_that_names_ca_file(self):
         code, out, err = run_check_command("--url", self.url, "--token", self.alice)
         self.assertEqual((code, err), (1, ""))
-        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted: self[- ]signed certificate "
-                              r"\(for a self-signed certificate, give it with --ca-file\)\n$" % re.escape(self.url))
+        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted \(self[- ]signed certificate\): "
+                              r"it is self-signed: give it with --ca-file\n$" % re.escape(self.url))
+
+    def test_a_certificate_for_another_name_says_so(self):
+        url = self.url.replace("127.0.0.1", "127.1")  # the same address, a name the certificate lacks
+        code, out, err = run_check_command("--url", url, "--token", self.alice, "--ca-file",
+                                           os.path.join(TLS_DATA, "cert.pem"))
+        self.assertEqual(code, 1)
+        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted \(Hostname mismatch.*\): it is "
+                              r"for another name: use in the URL a name \(or address\) the certificate holds\n$"
+                         % re.escape(url))
+
+    def test_https_to_a_plain_http_server_says_to_try_http(self):
+        plain = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), port=0)
+        threading.Thread(target=plain.serve_forever, daemon=True).start()
+        self.addCleanup(plain.server_close)
+        self.addCleanup(plain.shutdown)
+        url = plain.url.replace("http:", "https:")
+        code, out, err = run_check_command("--url", url, "--token", self.alice)
+        self.assertEqual((code, out), (1, "check stopped: the TLS handshake with %s failed: what answers there is "
+                                          "not TLS (plain HTTP?): try http://\n" % url))
 
     def test_an_http_url_for_it_is_one_line_that_names_https(self):
         # Before, every check failed with the same "network error: Connection reset by peer".
@@ -9869,7 +9923,8 @@ class CheckTlsTest(ServerCase):
         code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--ca-file",
                                            os.path.join(TLS_DATA, "cert.pem"), "--memory", "--principal", "alice")
         self.assertEqual(code, 0, out)
-        self.assertEqual(out, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"] + MEMORY_CHECKS))
+        checks = SESSION_CHECKS + ["unknown-team"] + MEMORY_CHECKS
+        self.assertEqual(out, "".join("PASS %s\n" % name for name in checks) + "check: %d passed, 0 failed\n" % len(checks))
 
     def test_a_ca_file_that_is_not_a_certificate_or_a_plain_url_is_a_usage_error(self):
         for argv, error in ((["--url", self.url, "--ca-file", README_PATH], "cannot use --ca-file %s: " % README_PATH),
@@ -9882,6 +9937,50 @@ class CheckTlsTest(ServerCase):
 
 
 class CheckUsageTest(unittest.TestCase):
+    def test_a_token_on_the_command_line_works_with_a_warning_and_a_token_file_without(self):
+        server = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), port=0)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        token, _ = sync.TokenStore(server.app.feeds.layout.path).issue("alice")
+        server.app.auth.local.reload()
+        argv = ["check", "--url", server.url]
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            self.assertEqual(sync.main(argv + ["--token", token]), 0)
+        self.assertEqual(err.getvalue().splitlines()[0], "check: warning: --token on the command line is visible to "
+                                                         "other users in ps; prefer --token-file")
+        code, out, err = run_check_command("--url", server.url, "--token", token)  # (as --token-file)
+        self.assertEqual((code, err.count("warning")), (0, 0))
+        self.assertTrue(out.endswith("check: 9 passed, 0 failed\n"), out)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            self.assertEqual(sync.main(argv + ["--token", token, "--token-file", token_file(token)]), 2)
+        self.assertEqual(err.getvalue(), "oharness-sync: error: give --token or --token-file, not both\n")
+
+    def test_a_redirect_to_https_is_one_line_that_names_the_url(self):
+        class Redirect(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(308)
+                self.send_header("Location", "https://pi.home.arpa/v1/health")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        self.addCleanup(httpd.server_close)
+        self.addCleanup(httpd.shutdown)
+        url = "http://127.0.0.1:%d" % httpd.server_address[1]
+        code, out, err = run_check_command("--url", url, "--token", "a-token-for-this")
+        self.assertEqual((code, out, err), (1, "check stopped: %s redirects to https://pi.home.arpa/v1/health: give "
+                                               "that as --url (with --ca-file for a private CA)\n" % url, ""))
+
+    def test_plain_http_to_another_host_is_said(self):
+        code, out, err = run_check_command("--url", "http://0.0.0.0:1", "--token", "t")  # (refused at once)
+        self.assertEqual(err.splitlines()[0], "check: warning: the token goes to http://0.0.0.0:1 in plain http, "
+                                              "readable on the way")
+
     def test_bad_flags_exit_2_with_one_line(self):
         url = ["--url", "http://127.0.0.1:1"]
         for argv in ([], ["--token", "t"], url, url + ["--token", "t", "--bogus"],
