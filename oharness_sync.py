@@ -56,6 +56,7 @@ import array
 import base64
 import bisect
 import collections
+import difflib
 import errno
 import hashlib
 import hmac
@@ -4279,7 +4280,7 @@ class Request:
     parsed, and the SyncRequestHandler serving its connection: for the body, read only when asked
     for, and for a parked pull's wait."""
     __slots__ = ("method", "path", "query", "headers", "handler", "client", "tls", "principal",
-                 "__weakref__")
+                 "refusal", "__weakref__")
 
     def __init__(self, method, path, query, headers, handler, client=None, tls=False):
         self.method = method
@@ -4290,6 +4291,7 @@ class Request:
         self.client = client            # the client's address (host), as the connection shows it
         self.tls = tls                  # whether it came over HTTPS (a proxy's HTTPS is not seen)
         self.principal = None           # for the access log, once a token was verified
+        self.refusal = None             # ... or why it was refused
 
     def read_body(self, limit, error):
         """The body, at most limit bytes; error(status, text) makes the exception for a bad or
@@ -4444,8 +4446,10 @@ class SyncApp:
             return json_response(405, body, [("Allow", ", ".join(allowed))])
         try:
             return getattr(self, handler)(request)
-        except (ApiError, MemoryApiError, FeedDamaged, StorageError, AuthError, AuthThrottled,
-                AuthUnavailable, AuthNotConfigured) as exc:
+        except (AuthError, AuthThrottled, AuthUnavailable, AuthNotConfigured) as exc:
+            request.refusal = str(exc)  # (the texts never hold a token)
+            return self.error_response(exc, request.path.startswith("/v1/memory/"))
+        except (ApiError, MemoryApiError, FeedDamaged, StorageError) as exc:
             return self.error_response(exc, request.path.startswith("/v1/memory/"))
 
     def error_response(self, exc, memory_route):
@@ -5002,7 +5006,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
                     printable(self.command), printable(path), type(exc).__name__, exc))
                 response = json_response(500, {"error": "internal server error"})
             self.server.log_access(self.command, path, response.status, started,
-                                   principal=request.principal)
+                                   principal=request.principal, why=request.refusal)
             if self.tally is not None:
                 self.tally.count(path, self.command, response.status, time.monotonic() - started)
             self.write_response(response, self.command)
@@ -5269,11 +5273,13 @@ class SyncServer(http.server.ThreadingHTTPServer):
     def end_request(self, handler):
         self._in_flight.discard(handler)
 
-    def log_access(self, method, path, status, started, principal):
+    def log_access(self, method, path, status, started, principal, why=None):
+        """One line of the access log: method, path (no query), status, milliseconds, principal,
+        and for a refused token why (never the token)."""
         if self.access_log is not None:
-            self.access_log("%s %s %d %.1fms %s" % (
+            self.access_log("%s %s %d %.1fms %s%s" % (
                 printable(method), printable(path), status, (time.monotonic() - started) * 1000,
-                principal or "-"))
+                principal or "-", "" if why is None else " (%s)" % why))
 
     # -- stopping ------------------------------------------------------------
 
@@ -5521,6 +5527,11 @@ def open_data_dir(path, create=True):
         with open(probe, "wb"):
             pass
         os.unlink(probe)
+    except PermissionError as exc:
+        owner = user_name(os.stat(data_dir).st_uid) if os.path.isdir(data_dir) else None
+        raise UsageError("cannot use data dir %s: %s%s" % (
+            data_dir, reason(exc), "" if owner is None else "; it belongs to %s: run this as that "
+            "user, e.g. sudo -u %s python3 oharness_sync.py ..." % (owner, owner))) from None
     except OSError as exc:
         raise UsageError("cannot use data dir %s: %s" % (data_dir, reason(exc))) from None
     tokens = TokenStore(data_dir)
@@ -5551,7 +5562,7 @@ def remove_new_data_dir(created, lock_path):
 COMMAND_SUMMARIES = (
     ("token", "issue, list and revoke local bearer tokens"),
     ("fsck", "check a data dir for damage (--repair mends it)"),
-    ("note-hash", "print a memory note's hash, from its fields or a JSON file"),
+    ("note-hash", "print a memory note's hash, from a JSON file (or - for standard input)"),
     ("check", "check that a server speaks protocol v1 (it writes test data)"),
     ("replicate", "copy a principal's feeds and notes from one server to another "
                   "(--follow: keep copying)"),
@@ -6031,17 +6042,33 @@ def token_command(argv):
     parser = ArgumentParser(prog="oharness_sync.py token",
                             description="Manage local bearer tokens.")
     commands = parser.add_subparsers(dest="action", required=True)
-    issue = commands.add_parser("issue", help="issue a token and print it on stdout")
-    issue.add_argument("--data", required=True, metavar="DIR")
-    issue.add_argument("--principal", required=True, metavar="ID")
-    issue.add_argument("--team", action="append", default=[], metavar="ID")
-    issue.add_argument("--name", default="", metavar="LABEL")
-    issue.add_argument("--expires-days", type=float, metavar="N")
-    listing = commands.add_parser("list", help="list tokens (never the tokens themselves)")
-    listing.add_argument("--data", required=True, metavar="DIR")
-    revoke = commands.add_parser("revoke", help="revoke a token by its id (or the whole token)")
-    revoke.add_argument("--data", required=True, metavar="DIR")
-    revoke.add_argument("token_id", metavar="TOKEN_ID")
+    issue = commands.add_parser(
+        "issue", help="issue a token and print it on stdout",
+        description="Issue a local bearer token: the token alone on stdout, its id and principal "
+                    "on stderr. A running server takes it within a second or two.")
+    issue.add_argument("--data", required=True, metavar="DIR",
+                       help="the server's data directory (made if missing)")
+    issue.add_argument("--principal", required=True, metavar="ID",
+                       help="whose token it is: the owner of their personal feeds and memory")
+    issue.add_argument("--team", action="append", default=[], metavar="ID",
+                       help="a team whose feeds the token may use (sync.team in the client); "
+                            "give it again for more teams")
+    issue.add_argument("--name", default="", metavar="LABEL",
+                       help="a label for token list, e.g. the device it is for")
+    issue.add_argument("--expires-days", type=float, metavar="N",
+                       help="the token stops working N days from now (default: never)")
+    listing = commands.add_parser("list", help="list tokens (never the tokens themselves)",
+                                  description="List tokens: id, principal, teams, label, created, "
+                                              "expires. Never the tokens themselves.")
+    listing.add_argument("--data", required=True, metavar="DIR",
+                         help="the server's data directory")
+    revoke = commands.add_parser("revoke", help="revoke a token by its id (or the whole token)",
+                                 description="Revoke a token; a running server refuses it within "
+                                             "a second or two.")
+    revoke.add_argument("--data", required=True, metavar="DIR",
+                        help="the server's data directory")
+    revoke.add_argument("token_id", metavar="TOKEN_ID",
+                        help="the id token list shows, or the whole token")
     for sub in (issue, listing, revoke):
         sub.error = parser.error
     args = parser.parse_args(argv)
@@ -6326,10 +6353,11 @@ class DataDirCheck:
 
     def summary(self):
         counts = self.counts
-        return ("fsck %s: %d feeds with %d events, %d memory scopes with %d live notes, "
-                "%d tokens: %d problems%s"
-                % (self.data_dir, counts["feeds"], counts["events"], counts["scopes"],
-                   counts["notes"], counts["tokens"], len(self.problems),
+        return ("fsck %s: %s with %s, %s with %s, %s: %s%s"
+                % (self.data_dir, plural(counts["feeds"], "feed"),
+                   plural(counts["events"], "event"), plural(counts["scopes"], "memory scope"),
+                   plural(counts["notes"], "live note"),
+                   plural(counts["tokens"], "token"), plural(len(self.problems), "problem"),
                    ", %d repaired" % len(self.repaired) if self.repaired else ""))
 
 
@@ -6381,8 +6409,9 @@ def fsck_remedies(check):
         return []
     command = [sys.executable or "python3", os.path.abspath(__file__), "fsck", "--data",
                check.data_dir, "--repair"]
-    return ["to repair, with the server stopped: %s"
-            % " ".join(shlex.quote(word) for word in command)]
+    return ["%s, with the server stopped: %s"
+            % ("to repair" if check.problems else "to tidy up what is harmless",
+               " ".join(shlex.quote(word) for word in command))]
 
 
 class FsckProgress:
@@ -7303,10 +7332,11 @@ class Replicator:
 
     def summary(self, seconds):
         t = self.totals
-        return ("%d feeds, %d events copied, %d already on the target; notes: %d created, "
-                "%d updated, %d deleted, %d conflicts kept; %.1f s"
-                % (t["feeds"], t["copied"], t["had"], t["created"], t["updated"], t["deleted"],
-                   t["conflicts"], seconds))
+        return ("%s, %s copied, %d already on the target; notes: %d created, %d updated, "
+                "%d deleted, %s kept; %.1f s"
+                % (plural(t["feeds"], "feed"), plural(t["copied"], "event"), t["had"],
+                   t["created"], t["updated"], t["deleted"], plural(t["conflicts"], "conflict"),
+                   seconds))
 
     # -- requests --------------------------------------------------------------
 
@@ -9135,6 +9165,14 @@ def main(argv=None):
     try:
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])
+        if not argv:
+            raise UsageError("to serve, give --data DIR; or a command: %s (--help says more)"
+                             % ", ".join(name for name, _ in COMMAND_SUMMARIES))
+        if not argv[0].startswith("-"):
+            near = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+            raise UsageError("%r is not a command%s; the commands: %s" % (
+                argv[0], " (did you mean %r?)" % near[0] if near else "",
+                ", ".join(name for name, _ in COMMAND_SUMMARIES)))
         return serve_command(argv)
     except UsageError as exc:
         print("oharness-sync: error: %s" % exc, file=sys.stderr)

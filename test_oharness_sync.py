@@ -4101,7 +4101,7 @@ class FsckTest(unittest.TestCase):
     def test_a_healthy_dir_is_clean(self):
         code, lines = self.fsck()
         self.assertEqual(code, 0, lines)
-        self.assertEqual(lines, ["fsck %s: 2 feeds with 7 events, 2 memory scopes with 3 live notes, 1 tokens: "
+        self.assertEqual(lines, ["fsck %s: 2 feeds with 7 events, 2 memory scopes with 3 live notes, 1 token: "
                                  "0 problems" % self.data_dir])
 
     def test_a_flipped_byte_is_named_with_its_line_and_repair_drops_only_that_line(self):
@@ -4243,7 +4243,7 @@ class FsckTest(unittest.TestCase):
                                                              "--repair"])
         self.assertEqual(subprocess.run(shlex.split(repair[len(prefix):]), stdout=subprocess.PIPE).returncode, 0)
         code, lines = self.fsck()
-        self.assertEqual(lines, ["fsck %s: 2 feeds with 6 events, 2 memory scopes with 3 live notes, 1 tokens: "
+        self.assertEqual(lines, ["fsck %s: 2 feeds with 6 events, 2 memory scopes with 3 live notes, 1 token: "
                                  "0 problems" % moved])
         self.assertLess(offset, os.path.getsize(self.feed))
 
@@ -4252,7 +4252,7 @@ class FsckTest(unittest.TestCase):
             f.write(b"{}")
         code, lines = self.fsck()
         self.assertEqual(code, 0)
-        self.assertEqual(lines[-1], "to repair, with the server stopped: %s %s fsck --data %s --repair" % (
+        self.assertEqual(lines[-1], "to tidy up what is harmless, with the server stopped: %s %s fsck --data %s --repair" % (
             shlex.quote(sys.executable), shlex.quote(MODULE), shlex.quote(self.data_dir)))
 
     def test_a_clean_dir_or_a_duplicate_record_names_no_command(self):
@@ -4843,6 +4843,18 @@ class ToolsBadInputTest(DataDirToolCase):
 class HealthAndAuthTest(ServerCase):
     def test_health_needs_no_token(self):
         self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
+
+    def test_the_access_log_says_why_a_token_was_refused_and_never_the_token(self):
+        bad = "ohs_000000000000_" + "x" * 43
+        self.request("GET", "/v1/projects", token=bad)
+        self.request("POST", "/v1/memory/identity", {"expectedPrincipal": "alice"}, token=bad)
+        self.request("GET", "/v1/projects")
+        lines = [line for line in self.log_lines if " 401 " in line]
+        self.assertEqual([re.sub(r"\d+\.\dms", "Nms", line) for line in lines],
+                         ["GET /v1/projects 401 Nms - (unknown or revoked token)",
+                          "POST /v1/memory/identity 401 Nms - (unknown or revoked token)",
+                          "GET /v1/projects 401 Nms - (missing or malformed bearer token)"])
+        self.assertNotIn(bad, "\n".join(self.log_lines))
 
     def test_every_data_route_refuses_a_missing_or_bad_token(self):
         calls = [("GET", "/v1/projects", None), ("GET", "/v1/pull?project=p&since=0", None),
@@ -9049,6 +9061,43 @@ class CommandLineTest(unittest.TestCase):
         return subprocess.run([sys.executable, MODULE] + list(args), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
 
+    def main(self, *argv):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sync.main(list(argv))
+        return code, out.getvalue(), err.getvalue()
+
+    def test_no_arguments_or_a_mistyped_command_is_one_line_that_helps(self):
+        commands = "token, fsck, note-hash, check, replicate, usage, compact, purge, bench"
+        self.assertEqual(self.main(), (2, "", "oharness-sync: error: to serve, give --data DIR; or a command: %s "
+                                              "(--help says more)\n" % commands))
+        self.assertEqual(self.main("tokens", "issue"), (2, "", "oharness-sync: error: 'tokens' is not a command "
+                                                              "(did you mean 'token'?); the commands: %s\n" % commands))
+        self.assertEqual(self.main("xyzzy")[2], "oharness-sync: error: 'xyzzy' is not a command; the "
+                                                "commands: %s\n" % commands)
+
+    def test_token_issue_help_describes_every_flag(self):
+        with contextlib.redirect_stdout(io.StringIO()) as out, self.assertRaises(SystemExit):
+            sync.main(["token", "issue", "--help"])
+        for flag, words in (("--data DIR", "the server's data directory"), ("--principal ID", "whose token"),
+                            ("--team ID", "team whose feeds"), ("--name LABEL", "label"),
+                            ("--expires-days N", "stops working")):
+            self.assertRegex(out.getvalue(), r"%s +[^\n]*%s" % (re.escape(flag), words), flag)
+
+    def test_a_data_dir_of_another_user_names_the_user_to_run_as(self):
+        real_open = open
+
+        def refusing_open(path, *args, **kwargs):
+            if str(path).endswith(".write-test"):
+                raise PermissionError(errno.EACCES, "Permission denied")
+            return real_open(path, *args, **kwargs)
+        with mock.patch("builtins.open", refusing_open), mock.patch.object(sync, "user_name", lambda uid: "oharness"):
+            code, out, err = self.main("token", "list", "--data", self.data_dir)
+        self.assertEqual((code, out), (2, ""))
+        self.assertEqual(err, "oharness-sync: error: cannot use data dir %s: Permission denied; it belongs to oharness: "
+                              "run this as that user, e.g. sudo -u oharness python3 oharness_sync.py ...\n"
+                         % self.data_dir)
+
     def test_serving_prints_one_line_and_creates_the_data_dir(self):
         data_dir = os.path.join(self.data_dir, "new", "dir")
         server = SubprocessServer(data_dir)
@@ -10513,8 +10562,9 @@ class ReplicateCase(ServerCase):
         return self.pull(self.alice, project, 0, **({"team": team} if team else {})).json
 
     def summary(self, feeds, copied, had=0, created=0, updated=0, deleted=0, conflicts=0):
-        return ("replicate: %d feeds, %d events copied, %d already on the target; notes: %d created, %d updated, "
-                "%d deleted, %d conflicts kept; " % (feeds, copied, had, created, updated, deleted, conflicts))
+        return ("replicate: %s, %s copied, %d already on the target; notes: %d created, %d updated, "
+                "%d deleted, %s kept; " % (sync.plural(feeds, "feed"), sync.plural(copied, "event"), had, created,
+                                           updated, deleted, sync.plural(conflicts, "conflict")))
 
     def assertSummary(self, out, *counts, **named):
         self.assertEqual(len(out.splitlines()), 1, out)
@@ -10631,7 +10681,7 @@ class ReplicateFeedsTest(ReplicateCase):
         code, out, _ = self.replicate("--state", self.state_path)
         self.assertEqual(code, 0)
         # It resumed from 1000: what the target had past it (1500 at least) is pushed again, and counted so.
-        copied, had = map(int, re.match(r"replicate: 1 feeds, (\d+) events copied, (\d+) already", out).groups())
+        copied, had = map(int, re.match(r"replicate: 1 feed, (\d+) events? copied, (\d+) already", out).groups())
         self.assertEqual(copied + had, 1500)
         self.assertGreaterEqual(had, 500)
         source = self.whole_feed(self.url, self.alice)
@@ -10777,7 +10827,7 @@ class ReplicateFollowTest(ReplicateCase):
         self.assertEqual(process.returncode, 0, err)
         self.assertEqual(err.count("POST /v1/push answered 503"), sync.REPLICATE_ATTEMPTS + 3, err)
         self.assertNotIn("gave up", err)
-        self.assertRegex(out, r"^replicate: 1 feeds, 1 events copied, ")
+        self.assertRegex(out, r"^replicate: 1 feed, 1 event copied, ")
 
     def wait_for(self, condition, seconds=10):
         deadline = time.monotonic() + seconds
