@@ -4385,15 +4385,20 @@ def retry_after(seconds):
     return [("Retry-After", str(seconds))]
 
 
+# Where the README says which memory clients this server's --memory-auth lets in.
+MEMORY_CLIENT_NOTE = 'the README of oharness-sync, "Pointing an OHarness client at the server"'
+
 # How a failed token check is answered: on a session route {"error": text}, on a memory route
-# {"code", "error"}. A token that cannot be checked now is 503 on a session route and, as the
-# contract wants, 502 auth_unavailable on a memory route.
-AUTH_FAILURES = (  # (exception, session status, session text, memory status, memory code)
-    (AuthError, 401, "%s", 401, "sign_in_required"),
-    (AuthThrottled, 429, "%s; try again later", 429, "rate_limited"),
+# {"code", "error": text}. A token that cannot be checked now is 503 on a session route and, as
+# the contract wants, 502 auth_unavailable on a memory route. A memory route's 401 names the
+# README's word on memory clients: today's OHarness client sends its Cloud account token there.
+AUTH_FAILURES = (  # (exception, session status and text, memory status, code and text)
+    (AuthError, 401, "%s", 401, "sign_in_required",
+     "%s (which memory clients this server lets in: see " + MEMORY_CLIENT_NOTE + ")"),
+    (AuthThrottled, 429, "%s; try again later", 429, "rate_limited", "%s"),
     (AuthUnavailable, 503, "cannot check this token now (%s); try again later",
-     502, "auth_unavailable"),
-    (AuthNotConfigured, 503, "%s", 503, "auth_not_configured"),
+     502, "auth_unavailable", "%s"),
+    (AuthNotConfigured, 503, "%s", 503, "auth_not_configured", "%s"),
 )
 
 
@@ -4463,13 +4468,14 @@ class SyncApp:
             return json_response(500, {"error": "storage failure; nothing was stored"})
         if isinstance(exc, (ApiError, MemoryApiError)):
             return json_response(exc.status, exc.payload(), exc.headers)
-        for kind, status, text, memory_status, code in AUTH_FAILURES:
+        for kind, status, text, memory_status, code, memory_text in AUTH_FAILURES:
             if isinstance(exc, kind):
                 break
         headers = ([("WWW-Authenticate", "Bearer")] if kind is AuthError
                    else retry_after(exc.retry_after) if kind is AuthThrottled else [])
         if memory_route:
-            return json_response(memory_status, {"code": code, "error": str(exc)}, headers)
+            return json_response(memory_status, {"code": code, "error": memory_text % exc},
+                                 headers)
         return json_response(status, {"error": text % exc}, headers)
 
     # -- session sync ------------------------------------------------------
@@ -5764,6 +5770,7 @@ class ConnectFailed(Exception):
 
     def __init__(self, url, error):
         Exception.__init__(self, connect_failure(url, error))
+        self.url = url
         self.error = error
 
 
@@ -5798,12 +5805,19 @@ def token_from_flags(token, path, flag, command, required=False):
     return token
 
 
-def connect_failure(url, exc):
-    """The cause, in words, of a failed connection (or TLS handshake) to url."""
+def connect_failure(url, exc, ca_file=None):
+    """The cause, in words, of a failed connection (or TLS handshake) to url; ca_file: the file
+    of CA certificates the client trusted, if one was given."""
     if isinstance(exc, ssl.SSLCertVerificationError):
+        fault = _CERTIFICATE_FAULTS.get(
+            exc.verify_code, "give the certificate of the CA that signed it with --ca-file")
+        if ca_file is not None and exc.verify_code == 18:
+            fault = "it is self-signed, and not the certificate in --ca-file %s" % ca_file
+        elif ca_file is not None and exc.verify_code in (19, 20):
+            fault = ("no CA in --ca-file %s signed it: give the certificate of the CA that did "
+                     "(openssl verify -CAfile FILE CERTIFICATE tells)" % ca_file)
         return "the certificate of %s is not trusted (%s): %s" % (
-            url, exc.verify_message or reason(exc), _CERTIFICATE_FAULTS.get(
-                exc.verify_code, "give the certificate of the CA that signed it with --ca-file"))
+            url, (exc.verify_message or reason(exc)).rstrip("."), fault)
     if isinstance(exc, ssl.SSLError) and exc.reason == "WRONG_VERSION_NUMBER":
         return ("the TLS handshake with %s failed: what answers there is not TLS (plain HTTP?): "
                 "try http://" % url)
@@ -6520,6 +6534,17 @@ class CheckStopped(Exception):
     the token refused): the message is the cause, said once, and no further check runs."""
 
 
+def redirect_stop(url, location):
+    """Why check stops at a redirect from url to location: the address to give as --url (a base
+    URL has no path: https://pi/v1/health gives https://pi), else where it points."""
+    target = urllib.parse.urlsplit(location or "")
+    if target.scheme in ("http", "https") and target.netloc:
+        return ("%s redirects to %s: give --url %s://%s (with --ca-file for a private CA)"
+                % (url, location, target.scheme, target.netloc))
+    return "%s redirects to %s: give the address it points to as --url" % (
+        url, location or "another place")
+
+
 def check_record(record_id, body="unchanged"):
     """A well-formed record for the checks' pushes."""
     return {"session": "s1", "id": record_id, "seq": 1, "device": "ohs-check", "at": 1,
@@ -6539,6 +6564,7 @@ class ConformanceCheck:
                  ca_file=None, err=None):
         self.url = url
         self.client = SyncClient(url, token)
+        self.ca_file = ca_file
         if ca_file is not None and not self.client.https:
             raise UsageError("--ca-file goes with an https:// URL")
         if self.client.https:
@@ -6640,7 +6666,7 @@ class ConformanceCheck:
         try:
             status, headers, document = send()
         except ConnectFailed as exc:  # refused, no such host, an untrusted certificate
-            raise CheckStopped(str(exc)) from None
+            raise CheckStopped(connect_failure(exc.url, exc.error, self.ca_file)) from None
         except (OSError, http.client.HTTPException) as exc:
             if self.responded:
                 raise
@@ -6649,9 +6675,7 @@ class ConformanceCheck:
             raise CheckStopped("no HTTP response from %s to a first request (%s)%s"
                                % (self.url, str(exc) or type(exc).__name__, hint)) from None
         if not self.responded and status in (301, 302, 307, 308):
-            raise CheckStopped("%s redirects to %s: give that as --url (with --ca-file for a "
-                               "private CA)"
-                               % (self.url, headers.get("location", "another place")))
+            raise CheckStopped(redirect_stop(self.url, headers.get("location")))
         if not self.responded:  # the checks write from now on: say where, once
             self.responded = True
             print(self.notice(), file=self.err, flush=True)
@@ -6663,9 +6687,14 @@ class ConformanceCheck:
         when a session route refuses --token itself (every other request would too)."""
         got, headers, document = self.response(send)
         if got == 401 and status != 401 and token is None and " /v1/memory/" not in what:
-            raise CheckStopped("the server refuses --token: %s answered 401 %s (is it a token of "
+            raise CheckStopped("the server refuses the token: %s answered 401 %s (is it a token of "
                                "this server, not revoked or expired?)"
                                % (what.split("?", 1)[0], excerpt(document)))
+        if got == 401 and status != 401 and token is None:  # a memory route
+            code = document.get("code") if isinstance(document, dict) else None
+            raise CheckFailed("%s answered 401 %s: the server does not take --token for memory "
+                              "sync (which tokens it takes there: see %s)"
+                              % (what, code or excerpt(document), MEMORY_CLIENT_NOTE))
         if got != status:
             raise CheckFailed("%s answered %d, expected %d: %s"
                               % (what, got, status, excerpt(document)))

@@ -7744,6 +7744,18 @@ class MemoryWireErrorsTest(ServerCase):
         answer = wire_post(self, "identity", memory_body(), None, {"Authorization": "Basic YWxpY2U6eA=="})
         wire_assert_code(self, answer, 401, "sign_in_required")
 
+    def test_a_refused_token_on_a_memory_route_points_to_the_readme_on_memory_clients(self):
+        # Today's OHarness memory client sends its Cloud account token: the text says where to read why.
+        answer = wire_post(self, "identity", memory_body(), "ohs_000000000000_" + "x" * 43)
+        self.assertEqual((answer.status, answer.json), (401, {
+            "code": "sign_in_required",
+            "error": 'unknown or revoked token (which memory clients this server lets in: see the README of '
+                     'oharness-sync, "Pointing an OHarness client at the server")'}))
+        with open(README_PATH, encoding="utf-8") as readme:
+            self.assertIn("\n## Pointing an OHarness client at the server\n", readme.read())
+        answer = self.request("GET", "/v1/pull?project=p&since=0", token="ohs_000000000000_" + "x" * 43)
+        self.assertEqual((answer.status, answer.json), (401, {"error": "unknown or revoked token"}))
+
     def test_body_over_4_mib_is_refused_from_content_length_before_it_is_read(self):
         for route in WIRE_ROUTES:
             with self.subTest(route=route):
@@ -8181,6 +8193,21 @@ class MemoryAuthModesTest(ServerCase):
         self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
         self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
         self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
+
+    def test_check_memory_against_a_server_that_takes_account_tokens_names_the_readme(self):
+        self.wire_fake_supabase()
+        code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--memory", "--principal",
+                                           "alice")
+        refused = ("FAIL memory-%s: POST /v1/memory/%s answered 401 sign_in_required: the server does not take "
+                   "--token for memory sync (which tokens it takes there: see the README of oharness-sync, "
+                   '"Pointing an OHarness client at the server")\n')
+        self.assertEqual((code, out), (1, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"])
+                                       + refused % ("identity", "identity")
+                                       + refused % ("empty-snapshot", "snapshot")
+                                       + refused % ("commit", "commit")
+                                       + "FAIL memory-stale-etag: needs memory-commit, which failed\n"
+                                         "FAIL memory-delete: needs memory-commit, which failed\n"
+                                         "check: 9 passed, 5 failed\n"))
 
     def test_local_with_jwts(self):
         wire_restart(self, jwt=JwtVerifier(SECRET, JwksSource(path=JWKS_PATH)))
@@ -9904,7 +9931,7 @@ class CheckCatchesFaultsTest(unittest.TestCase):
         self.assertEqual(code, 1)
         self.assertEqual(out.splitlines(), [
             "PASS health", "PASS auth-required",  # these send no token, or a made-up one: they do pass
-            'check stopped: the server refuses --token: POST /v1/push answered 401 {"error": "no token"} (is it a '
+            'check stopped: the server refuses the token: POST /v1/push answered 401 {"error": "no token"} (is it a '
             'token of this server, not revoked or expired?)'])
         self.assertEqual(len(err.splitlines()), 1, err)  # the notice: the checks did write (nothing was kept)
         self.assertNotIn("token-unknown", out + err)
@@ -9946,9 +9973,28 @@ class CheckTlsTest(ServerCase):
         code, out, err = run_check_command("--url", url, "--token", self.alice, "--ca-file",
                                            os.path.join(TLS_DATA, "cert.pem"))
         self.assertEqual(code, 1)
-        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted \(Hostname mismatch.*\): it is "
-                              r"for another name: use in the URL a name \(or address\) the certificate holds\n$"
+        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted \(Hostname mismatch.*[^.]\): it "
+                              r"is for another name: use in the URL a name \(or address\) the certificate holds\n$"
                          % re.escape(url))
+
+    def test_a_ca_file_that_did_not_sign_it_is_named(self):
+        cert2 = os.path.join(TLS_DATA, "cert2.pem")  # another self-signed certificate
+        code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--ca-file", cert2)
+        self.assertEqual((code, err), (1, ""))
+        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted \(self[- ]signed certificate\): "
+                              r"it is self-signed, and not the certificate in --ca-file %s\n$"
+                         % (re.escape(self.url), re.escape(cert2)))
+
+    def test_an_unknown_ca_names_the_ca_file_when_one_was_given(self):
+        error = ssl.SSLCertVerificationError(1, "certificate verify failed")
+        error.verify_code, error.verify_message = 20, "unable to get local issuer certificate"
+        fault = "the certificate of https://pi is not trusted (unable to get local issuer certificate): "
+        self.assertEqual(sync.connect_failure("https://pi", error),
+                         fault + "it is signed by a CA this machine does not trust: give the CA's certificate (not "
+                                 "the server's) with --ca-file")
+        self.assertEqual(sync.connect_failure("https://pi", error, ca_file="ca.crt"),
+                         fault + "no CA in --ca-file ca.crt signed it: give the certificate of the CA that did "
+                                 "(openssl verify -CAfile FILE CERTIFICATE tells)")
 
     def test_https_to_a_plain_http_server_says_to_try_http(self):
         plain = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), port=0)
@@ -10023,7 +10069,10 @@ class CheckUsageTest(unittest.TestCase):
         url = "http://127.0.0.1:%d" % httpd.server_address[1]
         code, out, err = run_check_command("--url", url, "--token", "a-token-for-this")
         self.assertEqual((code, out, err), (1, "check stopped: %s redirects to https://pi.home.arpa/v1/health: give "
-                                               "that as --url (with --ca-file for a private CA)\n" % url, ""))
+                                               "--url https://pi.home.arpa (with --ca-file for a private CA)\n" % url,
+                                            ""))
+        self.assertEqual(sync.redirect_stop("http://pi", "/elsewhere"),
+                         "http://pi redirects to /elsewhere: give the address it points to as --url")
 
     def test_plain_http_to_another_host_is_said(self):
         code, out, err = run_check_command("--url", "http://0.0.0.0:1", "--token", "t")  # (refused at once)
@@ -10889,7 +10938,9 @@ class ReplicateFollowTest(ReplicateCase):
         code, out, err = self.replicate(memory=True)
         self.assertEqual(code, 1)
         self.assertEqual(err, "replicate: the source %s refuses its token: POST /v1/memory/identity answered 401 "
-                              '{"code": "sign_in_required", "error": "unknown or revoked token"}\n' % self.url)
+                              '{"code": "sign_in_required", "error": "unknown or revoked token (which memory '
+                              'clients this server lets in: see the README of oharness-sync, \\"Pointing an '
+                              'OHarness client at the server\\")"}\n' % self.url)
 
     def test_a_team_the_token_does_not_list_ends_the_run_with_exit_1(self):
         code, out, err = self.replicate("--team", "elsewhere")
