@@ -8149,7 +8149,7 @@ def compact_command(argv):
     retain_ms = check_retain(args.retain_deleted_days)
     data_dir = existing_data_dir(args.data)
     lock = StoppedServerLock(data_dir, "compact")
-    failed, freed = 0, 0
+    failed, freed, compacted, unchanged = 0, 0, 0, 0
     try:
         lock.change()
         now_ms = int(time.time() * 1000)
@@ -8169,14 +8169,25 @@ def compact_command(argv):
                       % (entry.path, reason(exc)), flush=True)
                 failed += 1
                 continue
+            if before == after and not erased:  # a line for each such feed would bury the rest
+                unchanged += 1
+                continue
+            compacted += 1
             freed += before - after
             print("compact: %s: %s -> %s, %s freed, %s erased" % (
                 entry.path, format_bytes(before), format_bytes(after),
                 format_bytes(before - after), plural(erased, "record")), flush=True)
     finally:
         lock.release()
-    print("compact: %s freed%s" % (format_bytes(freed), "; %s left as %s" % (
-        plural(failed, "feed"), "it was" if failed == 1 else "they were") if failed else ""))
+    summary = "compact: %s freed" % format_bytes(freed)
+    if compacted:
+        summary += " in %s" % plural(compacted, "feed")
+    if unchanged:
+        summary += "; %s with nothing to drop" % plural(unchanged, "feed")
+    if failed:
+        summary += "; %s left as %s" % (plural(failed, "feed"),
+                                        "it was" if failed == 1 else "they were")
+    print(summary)
     return 1 if failed else 0
 
 
