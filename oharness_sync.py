@@ -2949,8 +2949,6 @@ def compact_lines(path, plan, out=None, pause=lambda: None):
     index, kept, erased = FeedIndex(), 0, 0
     with open(path, "rb") as f:
         for line_number, offset, line, number, kind, key, session, problem, _ in scan_feed(f):
-            if line_number % PAUSE_LINES == 0:
-                pause()
             if offset >= summary.size:
                 break
             if line_number % PAUSE_LINES == 0:  # (before the `continue` of a dropped line)
