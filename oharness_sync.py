@@ -2324,6 +2324,13 @@ def _sorted_dirs(path, prefixes):
     return [entry for entry in entries if entry.is_dir() and entry.name.startswith(prefixes)]
 
 
+def _file_size(path):
+    """The size of the file at path; 0 when there is none."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
 def sync_file(fd):
     """Make the bytes written to fd durable (fdatasync where there is one)."""
     if hasattr(os, "fdatasync"):
@@ -4167,21 +4174,20 @@ class MemoryStore:
                 except OSError:
                     pass
             raise self._sync_failed(files, exc) from None
-        data = manifest.to_bytes()
-        try:
-            old_size = os.path.getsize(files.manifest)
-        except OSError:
-            old_size = 0
+        # The objects are on disk now, whatever becomes of the manifest: should it fail, garbage
+        # collection removes them later, and counts them off then.
+        self.metrics.add("memory_bytes", amount=sum(len(data) for _, data in objects))
+        data, old_size = manifest.to_bytes(), _file_size(files.manifest)
         try:
             write_atomically(files.manifest, data)
-            self.metrics.add("memory_bytes", amount=sum(len(obj) for _, obj in objects)
-                             + len(data) - old_size)
         except OSError as exc:
             # Had the rename already happened (a failing directory fsync), the new manifest is the
             # one on disk: forget the cached one so the disk decides, and keep the objects it may
             # refer to.
+            self.metrics.add("memory_bytes", amount=_file_size(files.manifest) - old_size)
             self._cache.drop(files.root)
             raise self._sync_failed(files, exc) from None
+        self.metrics.add("memory_bytes", amount=len(data) - old_size)
 
     def _sync_failed(self, files, exc):
         self.log("memory: commit to %s failed: %s" % (files.root, exc))
