@@ -5442,7 +5442,7 @@ class MetricsOffTest(ServerCase):
                 if method == "GET":
                     self.assertAnswer(answer, 404, {"error": "unknown route"})
         self.assertFalse(self.server.counting)
-        self.assertEqual(self.server.metrics.tallies, set())
+        self.assertEqual(self.server.metrics.tallies, {})
         sync.reload_files(self.server)
         self.assertEqual(self.request("GET", "/metrics", token=METRICS_TOKEN).status, 404)
 
