@@ -5179,6 +5179,42 @@ class MetricsTest(ServerCase):
                          metric_value(before, name, name + "_count", route="/v1/health") + 5)
         self.assertGreater(metric_value(after, name, name + "_sum", route="/v1/health"), 0)
 
+    def test_one_connections_requests_are_each_counted_under_their_own_route_method_and_status(self):
+        """A connection remembers the row of its request before: one that differs only in method, status or
+        path is still counted apart, and an unknown path that comes again is still "other"."""
+        before = self.scrape()
+        heads = [("GET", "/v1/health", ""), ("GET", "/v1/health", ""), ("HEAD", "/v1/health", ""),
+                 ("GET", "/v1/health", ""), ("GET", "/v1/projects", "garbage"), ("GET", "/v1/projects", self.alice),
+                 ("GET", "/v1/projects", "garbage"), ("GET", "/nope", ""), ("GET", "/nope", ""),
+                 ("GET", "/v1/nope", ""), ("POST", "/v1/health", ""), ("GET", "/v1/health", "")]
+        with open_raw(self.url) as sock:
+            sock.sendall(b"".join(("%s %s HTTP/1.1\r\nHost: t\r\n%s\r\n" % (
+                method, path, "Authorization: Bearer %s\r\n" % token if token else "")).encode()
+                for method, path, token in heads))
+            reader = sock.makefile("rb")
+            statuses = []
+            for method, _, _ in heads:
+                statuses.append(int(reader.readline().split()[1]))
+                length = 0
+                while True:
+                    line = reader.readline()
+                    if line == b"\r\n":
+                        break
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                reader.read(0 if method == "HEAD" else length)
+            self.assertEqual(statuses, [200, 200, 200, 200, 401, 200, 401, 404, 404, 404, 405, 200])
+            after = self.scrape()  # (the connection is open: its Tally is read as it is)
+        moved = {}
+        for _, labels, value in after["oharness_sync_http_requests_total"].samples:
+            delta = value - self.requests_of(before, **labels)
+            if delta:
+                moved[labels["route"], labels["method"], labels["status"]] = delta
+        self.assertEqual(moved, {("/v1/health", "GET", "2xx"): 4, ("/v1/health", "HEAD", "2xx"): 1,
+                                 ("/v1/projects", "GET", "4xx"): 2, ("/v1/projects", "GET", "2xx"): 1,
+                                 ("other", "GET", "4xx"): 3, ("/v1/health", "POST", "4xx"): 1,
+                                 ("/metrics", "GET", "2xx"): 1})
+
     def test_events_group_commits_and_their_fsyncs_are_counted(self):
         before = self.scrape()
         self.assertAnswer(self.push(self.alice, records=[record(record_id="a"), record(record_id="b")],
