@@ -1000,7 +1000,8 @@ def decode_name(name):
 # without a lock; the Metrics take a lock only for what happens once per group commit, token
 # failure or memory commit, and when a connection's Tally is folded in as it closes.
 
-REQUEST_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+REQUEST_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0)
 FSYNC_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                  0.5, 1)
 PUSHES_PER_COMMIT = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -1008,6 +1009,9 @@ METRIC_ROUTES = frozenset(["/", "/v1/health", "/v1/projects", "/v1/push", "/v1/p
                            "/v1/memory/identity", "/v1/memory/snapshot", "/v1/memory/commit",
                            "/metrics"])
 METRIC_METHODS = frozenset(["GET", "HEAD", "POST"])
+_bucket = bisect.bisect_left  # (an observation of a bucket's bound is in it: le)
+_FIRST_BOUND = REQUEST_SECONDS[0]
+_SUM = len(REQUEST_SECONDS) + 1  # where a Tally's row keeps the sum of its durations
 
 
 class Histogram:
@@ -1029,30 +1033,63 @@ class Histogram:
             self.counts[i] += count
         self.sum += other.sum
 
+    def add_row(self, row):
+        """Add a Tally's row: counts by bucket, then their sum."""
+        for i, count in enumerate(row[:-1]):
+            self.counts[i] += count
+        self.sum += row[-1]
+
     def copy(self):
         twin = Histogram(self.bounds)
         twin.add(self)
         return twin
 
 
-class Tally:
-    """One connection's requests, counted by its own thread without a lock: by (route, method,
-    status class), and their durations by route."""
+class Tally(dict):
+    """Requests counted by one connection's own thread, without a lock: a row for each (route,
+    method, status) met, of their durations' counts by bucket of REQUEST_SECONDS (then +Inf) and
+    their sum (at _SUM, last). It remembers the row of the request before: a connection's next
+    request is mostly like its last, and then costs three comparisons and two additions, made
+    where it is answered (SyncRequestHandler.handle_request: even a call would cost more)."""
 
-    __slots__ = ("requests", "durations")
+    __slots__ = ("path", "method", "status", "last")
 
     def __init__(self):
-        self.requests = {}
-        self.durations = {}
+        super().__init__()
+        self.path = self.method = self.status = self.last = None
+
+    def row(self, path, method, status):
+        """The row of a request unlike the one before (remembered for the next): by route
+        template and method, a path or method of no route counted as "other" (so a client makes
+        no new series)."""
+        row = self.get((path, method, status))
+        if row is None:
+            key = (path if path in METRIC_ROUTES else "other",
+                   method if method in METRIC_METHODS else "other", status)
+            row = self.get(key)
+            if row is None:
+                row = self[key] = [0] * (len(REQUEST_SECONDS) + 1) + [0.0]
+        self.path, self.method, self.status, self.last = path, method, status, row
+        return row
 
     def count(self, path, method, status, seconds):
-        route = path if path in METRIC_ROUTES else "other"
-        key = (route, method if method in METRIC_METHODS else "other", status // 100)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        durations = self.durations.get(route)
-        if durations is None:
-            durations = self.durations[route] = Histogram(REQUEST_SECONDS)
-        durations.observe(seconds)
+        if path == self.path and status == self.status and method == self.method:
+            row = self.last
+        else:
+            row = self.row(path, method, status)
+        row[_bucket(REQUEST_SECONDS, seconds)] += 1
+        row[_SUM] += seconds
+
+    def add(self, other):
+        """Count other's requests here too (its thread may count on meanwhile: its rows are
+        copied as they are)."""
+        for key, row in list(other.items()):
+            mine = self.get(key)
+            if mine is None:
+                self[key] = list(row)
+            else:
+                for i, value in enumerate(list(row)):
+                    mine[i] += value
 
 
 class Metrics:
@@ -1062,7 +1099,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.started = clock()
         self.closed = Tally()                  # the requests of connections that have closed
-        self.tallies = set()                   # the Tallies of open connections
+        self.tallies = {}                      # id -> the Tally of an open connection
         self.counters = collections.Counter()  # (name, label value) -> count
         self.fsyncs = Histogram(FSYNC_SECONDS)
         self.commits = Histogram(PUSHES_PER_COMMIT)
@@ -1087,35 +1124,31 @@ class Metrics:
     def open_tally(self):
         tally = Tally()
         with self.lock:
-            self.tallies.add(tally)
+            self.tallies[id(tally)] = tally
         return tally
 
     def close_tally(self, tally):
         with self.lock:
-            self.tallies.discard(tally)
-            for key, count in tally.requests.items():
-                self.closed.requests[key] = self.closed.requests.get(key, 0) + count
-            for route, durations in tally.durations.items():
-                mine = self.closed.durations.get(route)
-                if mine is None:
-                    self.closed.durations[route] = durations.copy()
-                else:
-                    mine.add(durations)
+            del self.tallies[id(tally)]
+            self.closed.add(tally)
 
     def requests(self):
-        """The requests counted so far, open connections' too: (counts, durations)."""
+        """The requests counted so far, open connections' too: (counts by (route, method, status
+        class), Histograms of durations by route)."""
+        every = Tally()
         with self.lock:
-            counts, durations = dict(self.closed.requests), {
-                route: histogram.copy() for route, histogram in self.closed.durations.items()}
-            tallies = list(self.tallies)
-        for tally in tallies:  # (their threads count on meanwhile: copies, taken at once)
-            for key, count in dict(tally.requests).items():
-                counts[key] = counts.get(key, 0) + count
-            for route, histogram in dict(tally.durations).items():
-                if route in durations:
-                    durations[route].add(histogram)
-                else:
-                    durations[route] = histogram.copy()
+            every.add(self.closed)
+            tallies = list(self.tallies.values())
+        for tally in tallies:
+            every.add(tally)
+        counts, durations = {}, {}
+        for (route, method, status), row in every.items():
+            key = (route, method, status // 100)
+            counts[key] = counts.get(key, 0) + sum(row[:-1])
+            histogram = durations.get(route)
+            if histogram is None:
+                histogram = durations[route] = Histogram(REQUEST_SECONDS)
+            histogram.add_row(row)
         return counts, durations
 
 
@@ -2324,6 +2357,13 @@ def _sorted_dirs(path, prefixes):
         return []
     return [entry for entry in entries if entry.is_dir() and entry.name.startswith(prefixes)]
 
+
+def _file_size(path):
+    """The size of the file at path; 0 when there is none."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 def sync_file(fd):
     """Make the bytes written to fd durable (fdatasync where there is one)."""
@@ -4196,21 +4236,20 @@ class MemoryStore:
                 except OSError:
                     pass
             raise self._sync_failed(files, exc) from None
-        data = manifest.to_bytes()
-        try:
-            old_size = os.path.getsize(files.manifest)
-        except OSError:
-            old_size = 0
+        # The objects are on disk now, whatever becomes of the manifest: should it fail, garbage
+        # collection removes them later, and counts them off then.
+        self.metrics.add("memory_bytes", amount=sum(len(data) for _, data in objects))
+        data, old_size = manifest.to_bytes(), _file_size(files.manifest)
         try:
             write_atomically(files.manifest, data)
-            self.metrics.add("memory_bytes", amount=sum(len(obj) for _, obj in objects)
-                             + len(data) - old_size)
         except OSError as exc:
             # Had the rename already happened (a failing directory fsync), the new manifest is the
             # one on disk: forget the cached one so the disk decides, and keep the objects it may
             # refer to.
+            self.metrics.add("memory_bytes", amount=_file_size(files.manifest) - old_size)
             self._cache.drop(files.root)
             raise self._sync_failed(files, exc) from None
+        self.metrics.add("memory_bytes", amount=len(data) - old_size)
 
     def _sync_failed(self, files, exc):
         self.log("memory: commit to %s failed: %s" % (files.root, exc))
@@ -5011,8 +5050,15 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
                 response = json_response(500, {"error": "internal server error"})
             self.server.log_access(self.command, path, response.status, started,
                                    principal=request.principal, why=request.refusal)
-            if self.tally is not None:
-                self.tally.count(path, self.command, response.status, time.monotonic() - started)
+            tally = self.tally
+            if tally is not None:  # Tally.count, inline (most requests take under _FIRST_BOUND)
+                seconds, status = time.monotonic() - started, response.status
+                if path == tally.path and status == tally.status and self.command == tally.method:
+                    row = tally.last
+                else:
+                    row = tally.row(path, self.command, status)
+                row[0 if seconds <= _FIRST_BOUND else _bucket(REQUEST_SECONDS, seconds)] += 1
+                row[_SUM] += seconds
             self.write_response(response, self.command)
         finally:
             self.server.end_request(self)

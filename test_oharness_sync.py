@@ -6169,6 +6169,585 @@ class FrontPageTest(ServerCase):
         self.assertEqual(self.log_lines, ["GET /favicon.ico 404 %s -" % self.log_lines[0].split()[3]])  # access only
 
 
+# -- GET /metrics: Prometheus' text format, behind the metrics token -----------
+
+METRICS_TOKEN = "metrics_" + "K7q" * 12
+
+_METRIC_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_LABEL_PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
+_SAMPLE_VALUE = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]Inf|NaN"
+_HELP_LINE = re.compile(r"# HELP (%s) ((?:[^\\\n]|\\[\\n])+)" % _METRIC_NAME)
+_TYPE_LINE = re.compile(r"# TYPE (%s) (counter|gauge|histogram)" % _METRIC_NAME)
+_SAMPLE_LINE = re.compile(r"(%s)(?:\{(%s(?:,%s)*)\})? (%s)"
+                          % (_METRIC_NAME, _LABEL_PAIR, _LABEL_PAIR, _SAMPLE_VALUE))
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+_HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+class MetricFamily:
+    """One metric family of a scrape: its type, help and samples [(name, {label: value}, value)]."""
+
+    def __init__(self, kind, help_text):
+        self.kind = kind
+        self.help = help_text
+        self.samples = []
+
+
+def _unescape_label(value):
+    return re.sub(r'\\(.)', lambda match: "\n" if match.group(1) == "n" else match.group(1), value)
+
+
+def parse_exposition(text):
+    """A scrape in Prometheus' text format 0.0.4, parsed strictly: {family name: MetricFamily}, in order.
+    AssertionError names the first line that breaks a rule."""
+    if not text.endswith("\n") or "\r" in text:
+        raise AssertionError("a scrape is lines each ended by \\n, with no \\r")
+    families, family, helped, series = {}, None, None, set()
+    for number, line in enumerate(text[:-1].split("\n"), 1):
+        def fail(why):
+            raise AssertionError("line %d: %s: %r" % (number, why, line))
+        if line.startswith("#"):
+            match = _HELP_LINE.fullmatch(line)
+            if match:
+                name = match.group(1)
+                if name in families or name == helped:
+                    fail("a second HELP for a family")
+                helped, help_text = name, match.group(2)
+                continue
+            match = _TYPE_LINE.fullmatch(line)
+            if match is None:
+                fail("a comment that is neither # HELP name text nor # TYPE name counter|gauge|histogram")
+            name, kind = match.groups()
+            if name in families:
+                fail("a second TYPE for a family")
+            if helped != name:
+                fail("TYPE without its HELP just before it")
+            if not name.startswith(("oharness_sync_", "process_")):
+                fail("a name without the prefix oharness_sync_ or process_")
+            if (kind == "counter") != name.endswith("_total"):
+                fail("counters, and only they, end in _total")
+            if kind != "histogram" and name.endswith(_HISTOGRAM_SUFFIXES):
+                fail("a histogram's suffix on another type")
+            family = families[name] = MetricFamily(kind, help_text)
+            family.name, helped = name, None
+            continue
+        match = _SAMPLE_LINE.fullmatch(line)
+        if match is None:
+            fail("neither a comment nor name{labels} value")
+        name, labels_text, value = match.groups()
+        if family is None or helped is not None:
+            fail("a sample before its family's TYPE")
+        allowed = ([family.name + suffix for suffix in _HISTOGRAM_SUFFIXES] if family.kind == "histogram"
+                   else [family.name])
+        if name not in allowed:
+            fail("a sample of another family than the last TYPE's (%s)" % family.name)
+        pairs = _LABEL.findall(labels_text or "")
+        labels = {label: _unescape_label(value) for label, value in pairs}
+        if len(labels) != len(pairs):
+            fail("a label given twice")
+        if ("le" in labels) != (name == family.name + "_bucket"):
+            fail("le belongs to _bucket samples, and only to them")
+        key = (name, tuple(sorted(labels.items())))
+        if key in series:
+            fail("a series given twice")
+        series.add(key)
+        value = float(value)
+        if family.kind == "counter" and not value >= 0:
+            fail("a counter below 0")
+        family.samples.append((name, labels, value))
+    if helped is not None:
+        raise AssertionError("a HELP without its TYPE at the end")
+    for name, family in families.items():
+        if family.kind == "histogram":
+            check_histogram(name, family)
+    return families
+
+
+def check_histogram(name, family):
+    """Each series of a histogram: buckets with ascending le, counts cumulative (never less), +Inf last and
+    equal to _count, one _sum and one _count."""
+    groups = {}
+    for sample, labels, value in family.samples:
+        rest = tuple(sorted((label, text) for label, text in labels.items() if label != "le"))
+        group = groups.setdefault(rest, {"buckets": [], "_sum": [], "_count": []})
+        if sample.endswith("_bucket"):
+            if not re.fullmatch(_SAMPLE_VALUE, labels["le"]) or labels["le"] == "NaN":
+                raise AssertionError("%s: le=%r is no bound" % (name, labels["le"]))
+            group["buckets"].append((float(labels["le"]), value))
+        else:
+            group[sample[len(name):]].append(value)
+    for rest, group in groups.items():
+        where = "%s%r" % (name, rest)
+        bounds = [bound for bound, _ in group["buckets"]]
+        counts = [count for _, count in group["buckets"]]
+        if not bounds or bounds[-1] != float("inf"):
+            raise AssertionError("%s: no +Inf bucket last" % where)
+        if any(low >= high for low, high in zip(bounds, bounds[1:])):
+            raise AssertionError("%s: le not ascending: %r" % (where, bounds))
+        if any(low > high for low, high in zip(counts, counts[1:])) or counts[0] < 0:
+            raise AssertionError("%s: bucket counts not cumulative: %r" % (where, counts))
+        if any(count != int(count) for count in counts):
+            raise AssertionError("%s: a bucket count that is no integer" % where)
+        if len(group["_sum"]) != 1 or len(group["_count"]) != 1:
+            raise AssertionError("%s: not one _sum and one _count" % where)
+        if group["_count"][0] != counts[-1]:
+            raise AssertionError("%s: +Inf bucket %r, _count %r" % (where, counts[-1], group["_count"][0]))
+
+
+def metric_value(families, name, sample=None, **labels):
+    """The value of one series (0 when the family has none with these labels)."""
+    values = [value for sample_name, sample_labels, value in families[name].samples
+              if sample_name == (sample or name) and sample_labels == labels]
+    assert len(values) <= 1, values
+    return values[0] if values else 0
+
+
+def bucket_counts(families, name, **labels):
+    """{le: cumulative count} of one histogram series."""
+    return {sample_labels["le"]: value for sample_name, sample_labels, value in families[name].samples
+            if sample_name == name + "_bucket"
+            and {label: text for label, text in sample_labels.items() if label != "le"} == labels}
+
+
+def write_feed_file(data_dir, owner, project, count):
+    """A feed file of count records, written directly (as a server would have left it)."""
+    path = sync.DataDir(data_dir).feed_path(owner, project)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        for i in range(count):
+            event = sync.encode_json(record(record_id="r%d" % i))
+            f.write(sync.feed_line(i + 1, b"r", event, key=sync.record_key("s1", "r%d" % i)))
+
+
+def disk_bytes(top):
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(top) for name in names)
+
+
+EXPECTED_FAMILIES = {
+    "oharness_sync_info": "gauge",
+    "oharness_sync_http_requests_total": "counter",
+    "oharness_sync_http_request_duration_seconds": "histogram",
+    "oharness_sync_events_appended_total": "counter",
+    "oharness_sync_token_checks_failed_total": "counter",
+    "oharness_sync_token_checks_throttled_total": "counter",
+    "oharness_sync_memory_commits_total": "counter",
+    "oharness_sync_fsync_duration_seconds": "histogram",
+    "oharness_sync_group_commit_pushes": "histogram",
+    "oharness_sync_long_polls_woken_total": "counter",
+    "oharness_sync_connections_refused_total": "counter",
+    "oharness_sync_compactions_total": "counter",
+    "oharness_sync_feed_bytes": "gauge",
+    "oharness_sync_memory_bytes": "gauge",
+    "oharness_sync_disk_free_bytes": "gauge",
+    "oharness_sync_feeds_damaged": "gauge",
+    "oharness_sync_long_polls_parked": "gauge",
+    "oharness_sync_connections_open": "gauge",
+    "process_cpu_seconds_total": "counter",
+    "process_threads": "gauge",
+    "process_resident_memory_bytes": "gauge",
+    "process_start_time_seconds": "gauge",
+    "process_open_fds": "gauge",
+}
+# What a label may be named, and the values a route label may hold: never a principal, project or token.
+METRIC_LABELS = {"route", "method", "status", "le", "kind", "result", "version", "protocol"}
+METRIC_ROUTES = {"/", "/v1/health", "/v1/projects", "/v1/push", "/v1/pull", "/v1/memory/identity",
+                 "/v1/memory/snapshot", "/v1/memory/commit", "/metrics", "other"}
+
+
+class MetricsTest(ServerCase):
+    """GET /metrics with a metrics token: the whole scrape parsed strictly, and counters that move exactly as
+    requests are made."""
+
+    def setUp(self):
+        self.server_options = {"metrics_token": METRICS_TOKEN,
+                               "jwt": JwtVerifier(SECRET, JwksSource(path=JWKS_PATH))}
+        super().setUp()
+        self.server.app.auth.failures.clock = FakeClock(1000.0)  # no failed check is forgiven meanwhile
+
+    def scrape(self):
+        """The parsed scrape, its text checked for what a scrape must be."""
+        answer = self.request("GET", "/metrics", token=METRICS_TOKEN)
+        self.assertEqual(answer.status, 200, answer.raw)
+        self.assertEqual(answer.headers["content-type"], "text/plain; version=0.0.4; charset=utf-8")
+        self.assertEqual(int(answer.headers["content-length"]), len(answer.raw))
+        self.last_text = answer.raw.decode("utf-8")
+        return parse_exposition(self.last_text)
+
+    def requests_of(self, families, route, method, status):
+        return metric_value(families, "oharness_sync_http_requests_total", route=route, method=method,
+                            status=status)
+
+    def wait_for(self, condition, seconds=5):
+        deadline = time.monotonic() + seconds
+        while not condition():
+            self.assertLess(time.monotonic(), deadline, "not within %g s" % seconds)
+            time.sleep(0.01)
+
+    def test_the_whole_scrape_parses_strictly_and_has_every_family(self):
+        self.assertAnswer(self.push(self.alice, records=[record()], sessions=[meta()]), 200)
+        self.request("GET", "/v1/health")
+        families = self.scrape()
+        kinds = {name: family.kind for name, family in families.items()}
+        if not os.path.exists("/proc/self/stat"):  # (elsewhere: CPU time, threads and start time only)
+            self.skipTest("no /proc here")
+        self.assertEqual(kinds, EXPECTED_FAMILIES)
+        for family in families.values():
+            self.assertTrue(family.help.endswith("."), family.help)
+        self.assertEqual(families["oharness_sync_info"].samples,
+                         [("oharness_sync_info", {"version": sync.__version__, "protocol": "1"}, 1)])
+        for name in EXPECTED_FAMILIES:
+            if not name.startswith("oharness_sync_http_"):
+                self.assertTrue(families[name].samples, name)  # every other family has its series at once
+        started = metric_value(families, "process_start_time_seconds")
+        self.assertLessEqual(started, time.time())
+        self.assertGreater(started, time.time() - 86400)
+        self.assertGreater(metric_value(families, "process_resident_memory_bytes"), 1 << 20)
+        self.assertGreaterEqual(metric_value(families, "process_threads"), 2)
+        self.assertGreater(metric_value(families, "process_open_fds"), 3)
+        self.assertGreater(metric_value(families, "process_cpu_seconds_total"), 0)
+        self.assertAlmostEqual(metric_value(families, "oharness_sync_disk_free_bytes"),
+                               shutil.disk_usage(self.data_dir).free, delta=64 << 20)
+        self.assertEqual(metric_value(families, "oharness_sync_feed_bytes"),
+                         disk_bytes(os.path.join(self.data_dir, "feeds")))
+
+    def test_requests_are_counted_by_route_method_and_status_class_with_their_durations(self):
+        before = self.scrape()
+        for _ in range(3):
+            self.assertAnswer(self.request("GET", "/v1/health"), 200)
+        self.assertEqual(self.request("HEAD", "/v1/health").status, 200)
+        self.assertAnswer(self.request("DELETE", "/v1/health"), 405)
+        self.assertAnswer(self.request("GET", "/v1/push"), 405)
+        self.assertAnswer(self.request("GET", "/v1/alice/secret-path"), 404)
+        self.assertAnswer(self.pull(self.alice), 200)
+        self.assertAnswer(self.request("GET", "/v1/projects", token="garbage"), 401)
+        with open_raw(self.url) as sock:  # a head refused before any route is known
+            sock.sendall(b"NOT A REQUEST\r\n\r\n")
+            self.assertEqual(read_raw_answer(sock)[0], 400)
+        after = self.scrape()
+        moved = {}
+        for _, labels, value in after["oharness_sync_http_requests_total"].samples:
+            delta = value - self.requests_of(before, **labels)
+            if delta:
+                moved[labels["route"], labels["method"], labels["status"]] = delta
+        self.assertEqual(moved, {("/v1/health", "GET", "2xx"): 3, ("/v1/health", "HEAD", "2xx"): 1,
+                                 ("/v1/health", "other", "4xx"): 1, ("/v1/push", "GET", "4xx"): 1,
+                                 ("other", "GET", "4xx"): 1, ("/v1/pull", "GET", "2xx"): 1,
+                                 ("/v1/projects", "GET", "4xx"): 1, ("other", "other", "4xx"): 1,
+                                 ("/metrics", "GET", "2xx"): 1})  # the scrape before this one
+        # A route's durations count its requests, of every method and status.
+        name = "oharness_sync_http_request_duration_seconds"
+        for route in METRIC_ROUTES:
+            counted = sum(value for _, labels, value in after["oharness_sync_http_requests_total"].samples
+                          if labels["route"] == route)
+            self.assertEqual(metric_value(after, name, name + "_count", route=route), counted, route)
+        self.assertEqual(bucket_counts(after, name, route="/v1/health")["+Inf"],
+                         metric_value(before, name, name + "_count", route="/v1/health") + 5)
+        self.assertGreater(metric_value(after, name, name + "_sum", route="/v1/health"), 0)
+
+    def test_one_connections_requests_are_each_counted_under_their_own_route_method_and_status(self):
+        """A connection remembers the row of its request before: one that differs only in method, status or
+        path is still counted apart, and an unknown path that comes again is still "other"."""
+        before = self.scrape()
+        heads = [("GET", "/v1/health", ""), ("GET", "/v1/health", ""), ("HEAD", "/v1/health", ""),
+                 ("GET", "/v1/health", ""), ("GET", "/v1/projects", "garbage"), ("GET", "/v1/projects", self.alice),
+                 ("GET", "/v1/projects", "garbage"), ("GET", "/nope", ""), ("GET", "/nope", ""),
+                 ("GET", "/v1/nope", ""), ("POST", "/v1/health", ""), ("GET", "/v1/health", "")]
+        with open_raw(self.url) as sock:
+            sock.sendall(b"".join(("%s %s HTTP/1.1\r\nHost: t\r\n%s\r\n" % (
+                method, path, "Authorization: Bearer %s\r\n" % token if token else "")).encode()
+                for method, path, token in heads))
+            reader = sock.makefile("rb")
+            statuses = []
+            for method, _, _ in heads:
+                statuses.append(int(reader.readline().split()[1]))
+                length = 0
+                while True:
+                    line = reader.readline()
+                    if line == b"\r\n":
+                        break
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                reader.read(0 if method == "HEAD" else length)
+            self.assertEqual(statuses, [200, 200, 200, 200, 401, 200, 401, 404, 404, 404, 405, 200])
+            after = self.scrape()  # (the connection is open: its Tally is read as it is)
+        moved = {}
+        for _, labels, value in after["oharness_sync_http_requests_total"].samples:
+            delta = value - self.requests_of(before, **labels)
+            if delta:
+                moved[labels["route"], labels["method"], labels["status"]] = delta
+        self.assertEqual(moved, {("/v1/health", "GET", "2xx"): 4, ("/v1/health", "HEAD", "2xx"): 1,
+                                 ("/v1/projects", "GET", "4xx"): 2, ("/v1/projects", "GET", "2xx"): 1,
+                                 ("other", "GET", "4xx"): 3, ("/v1/health", "POST", "4xx"): 1,
+                                 ("/metrics", "GET", "2xx"): 1})
+
+    def test_events_group_commits_and_their_fsyncs_are_counted(self):
+        before = self.scrape()
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="a"), record(record_id="b")],
+                                    sessions=[meta("s1"), meta("s2")]), 200, {"cursor": 4, "accepted": 4})
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="a"), record(record_id="c")]), 200,
+                          {"cursor": 5, "accepted": 1})  # a duplicate is no event
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="a")]), 200,
+                          {"cursor": 5, "accepted": 0})  # nothing new: no group commit
+        # Four pushes in two group commits: the first holds its fsync while three more queue behind it.
+        feed = self.server.app.feeds.feed(("u", "alice"), "grouped", create=True)
+        threads = []
+        with fsyncs_held() as (entered, release):
+            for i in range(4):
+                threads.append(threading.Thread(target=self.push, args=(self.alice, "grouped"),
+                                                kwargs={"records": [record(record_id="g%d" % i)]}))
+                threads[-1].start()
+                if i == 0:
+                    self.assertTrue(entered.wait(5))
+            self.wait_for(lambda: len(feed.pending) == 3)
+            release.set()
+            for thread in threads:
+                thread.join(5)
+        after = self.scrape()
+        events = "oharness_sync_events_appended_total"
+        self.assertEqual(metric_value(after, events, kind="record") - metric_value(before, events, kind="record"),
+                         3 + 4)
+        self.assertEqual(metric_value(after, events, kind="session")
+                         - metric_value(before, events, kind="session"), 2)
+        pushes, fsyncs = self.server.app.feeds.commit_counts()
+        self.assertEqual((pushes, fsyncs), (2 + 4, 2 + 2))
+        fsync, group = "oharness_sync_fsync_duration_seconds", "oharness_sync_group_commit_pushes"
+        self.assertEqual(metric_value(after, fsync, fsync + "_count"), fsyncs)
+        self.assertEqual(metric_value(after, group, group + "_count"), fsyncs)
+        self.assertEqual(metric_value(after, group, group + "_sum"), pushes)
+        counts = bucket_counts(after, group)
+        self.assertEqual((counts["1"], counts["2"], counts["4"], counts["+Inf"]), (3, 3, 4, 4))
+        self.assertGreater(metric_value(after, fsync, fsync + "_sum"), 0)
+        self.assertEqual(metric_value(after, "oharness_sync_feed_bytes"),
+                         disk_bytes(os.path.join(self.data_dir, "feeds")))
+
+    def test_memory_commits_are_counted_by_result_and_their_bytes_follow_the_disk(self):
+        before = self.scrape()
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag="0" * 32), 409, "revision_conflict")
+        self.server.app.memory.quota["maxNotes"] = 1
+        wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag=etag), 413, "memory_quota_exceeded")
+        wire_assert_code(self, wire_commit(self, [{"id": "n3"}], etag=etag), 400, "invalid_changes")  # not a commit
+        after = self.scrape()
+        commits = "oharness_sync_memory_commits_total"
+        self.assertEqual({result: metric_value(after, commits, result=result)
+                          - metric_value(before, commits, result=result) for result in ("ok", "conflict", "quota")},
+                         {"ok": 1, "conflict": 1, "quota": 1})
+        self.assertEqual(metric_value(before, "oharness_sync_memory_bytes"), 0)
+        self.assertEqual(metric_value(after, "oharness_sync_memory_bytes"),
+                         disk_bytes(os.path.join(self.data_dir, "memory")))
+
+    def test_memory_bytes_stay_true_after_a_failed_manifest_write_and_garbage_collection(self):
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        real = sync.write_atomically
+
+        def failing(path, data, owner=None):
+            if path.endswith("manifest.json"):
+                raise OSError(errno.ENOSPC, "no space left on device")
+            return real(path, data, owner)
+        with mock.patch.object(sync, "write_atomically", failing):  # its objects are left behind
+            wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag=etag), 502, "memory_sync_failed")
+        memory_dir = os.path.join(self.data_dir, "memory")
+        self.assertEqual(metric_value(self.scrape(), "oharness_sync_memory_bytes"), disk_bytes(memory_dir))
+        self.server.app.memory.garbage_age = 0  # the next commit removes the leftovers and replaced revisions
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="changed")], etag=etag),
+                              entries=[wire_entry("n1", body="changed")])
+        self.assertEqual(metric_value(self.scrape(), "oharness_sync_memory_bytes"), disk_bytes(memory_dir))
+
+    def test_failed_and_throttled_token_checks_are_counted_by_token_kind(self):
+        before = self.scrape()
+        for token in ("ohs_000000000000_" + "x" * 43, self.alice + "x"):
+            self.assertAnswer(self.pull(token), 401)
+        self.assertAnswer(self.pull("garbage"), 401)
+        wire_assert_code(self, wire_commit(self, [memory_put("n1")], token="ohs_000000000000_" + "y" * 43),
+                         401, "sign_in_required")
+        for number in range(1, 11):  # the failures one client may have...
+            self.assertAnswer(self.pull(forged_es256(number)), 401)
+        self.assertAnswer(self.pull(forged_es256(11)), 429)  # ... then it is refused unchecked
+        self.assertAnswer(self.pull(self.alice), 200)
+        after = self.scrape()
+
+        def moved(name, kinds):
+            return {kind: metric_value(after, name, kind=kind) - metric_value(before, name, kind=kind)
+                    for kind in kinds}
+        self.assertEqual(moved("oharness_sync_token_checks_failed_total", ("local", "jwt", "supabase", "other")),
+                         {"local": 3, "jwt": 10, "supabase": 0, "other": 1})
+        self.assertEqual(moved("oharness_sync_token_checks_throttled_total", ("jwt", "supabase")),
+                         {"jwt": 1, "supabase": 0})
+
+    def test_a_long_poll_is_counted_parked_then_woken(self):
+        results = []
+        thread = threading.Thread(target=lambda: results.append(self.pull(self.alice, wait=10)))
+        thread.start()
+        self.wait_for(lambda: len(self.server.app.parked) == 1)
+        families = self.scrape()
+        self.assertEqual(metric_value(families, "oharness_sync_long_polls_parked"), 1)
+        self.assertEqual(metric_value(families, "oharness_sync_long_polls_woken_total"), 0)
+        self.assertEqual(metric_value(families, "oharness_sync_connections_open"), 2)  # the poll's, the scrape's
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200)
+        thread.join(5)
+        self.assertEqual([len(answer.json["records"]) for answer in results], [1])
+        self.wait_for(lambda: metric_value(self.scrape(), "oharness_sync_long_polls_parked") == 0)
+        families = self.scrape()
+        self.assertEqual(metric_value(families, "oharness_sync_long_polls_woken_total"), 1)
+        duration = "oharness_sync_http_request_duration_seconds"
+        self.assertEqual(bucket_counts(families, duration, route="/v1/pull")["0.005"], 0)  # it waited
+
+    def test_a_connection_refused_at_the_cap_is_counted(self):
+        self.wait_for(lambda: self.server.connections == 0)
+        self.server.max_connections = 2
+        held = [socket.create_connection(self.server.server_address[:2]) for _ in range(2)]
+        self.addCleanup(lambda: [sock.close() for sock in held])
+        self.wait_for(lambda: self.server.connections == 2)
+        with socket.create_connection(self.server.server_address[:2], timeout=5) as sock:
+            answer = b""
+            while True:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+        self.assertTrue(answer.startswith(b"HTTP/1.1 503 "), answer)
+        held.pop().close()
+        self.wait_for(lambda: self.server.connections == 1)
+        families = self.scrape()
+        self.assertEqual(metric_value(families, "oharness_sync_connections_refused_total"), 1)
+        self.assertEqual(metric_value(families, "oharness_sync_connections_open"), 2)  # one held, the scrape
+
+    def test_no_principal_project_team_or_token_appears_in_a_scrape(self):
+        zelda = self.issue("zelda-principal-q7", ["team-umbrella-x9"])
+        self.assertAnswer(self.push(zelda, "project-narwhal-k3", [record()], [meta()]), 200)
+        self.assertAnswer(self.push(zelda, "project-okapi-m2", [record()], team="team-umbrella-x9"), 200)
+        self.assertAnswer(self.pull(zelda, "project-narwhal-k3"), 200)
+        self.assertAnswer(self.pull(zelda, "project-okapi-m2", team="team-wombat-z5"), 403)
+        self.assertAnswer(self.request("GET", "/v1/projects?team=team-umbrella-x9", token=zelda), 200)
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=zelda, principal="zelda-principal-q7",
+                                         project="memory-project-quokka"), principal="zelda-principal-q7",
+                       entries=[wire_entry("n1")])
+        self.assertAnswer(self.pull(zelda + "tail", "project-narwhal-k3"), 401)
+        self.assertAnswer(self.request("GET", "/v1/zelda-principal-q7/project-narwhal-k3"), 404)
+        self.request("GET", "/metrics", token="wrong-" + METRICS_TOKEN)
+        families = self.scrape()
+        text = self.last_text
+        for private in ("zelda", "principal-q7", "narwhal", "okapi", "quokka", "umbrella", "wombat", "alice",
+                        "platform", zelda, zelda[:20], self.alice, METRICS_TOKEN, "wrong-", "s1", "laptop"):
+            self.assertNotIn(private, text)
+        for family in families.values():
+            for _, labels, _ in family.samples:
+                self.assertLessEqual(set(labels), METRIC_LABELS)
+                self.assertIn(labels.get("route", "other"), METRIC_ROUTES)
+                self.assertIn(labels.get("method", "GET"), {"GET", "HEAD", "POST", "other"})
+                self.assertRegex(labels.get("status", "2xx"), r"^[1-5]xx$")
+
+    def test_without_the_token_or_with_another_it_is_401(self):
+        for token in (None, "", "wrong", METRICS_TOKEN + "x", METRICS_TOKEN[:-1], self.alice, METRICS_TOKEN.upper()):
+            with self.subTest(token=token):
+                answer = self.request("GET", "/metrics", token=token)
+                self.assertAnswer(answer, 401)
+                self.assertEqual(answer.headers.get("www-authenticate"), "Bearer")
+                self.assertEqual(sorted(answer.json), ["error"])
+                self.assertIsInstance(answer.json["error"], str)
+                self.assertNotIn(METRICS_TOKEN, answer.raw.decode())
+        for header in ("Basic " + METRICS_TOKEN, METRICS_TOKEN, "Bearer " + METRICS_TOKEN + " extra"):
+            self.assertAnswer(self.request("GET", "/metrics", headers={"Authorization": header}), 401)
+        answer = self.request("POST", "/metrics", b"", token=METRICS_TOKEN)
+        self.assertAnswer(answer, 405)
+        self.assertEqual(answer.headers["allow"], "GET, HEAD")
+        self.assertNotIn(METRICS_TOKEN, "\n".join(self.log_lines))
+
+    def test_head_answers_the_head_of_a_scrape_without_its_body(self):
+        with open_raw(self.url) as sock:
+            sock.sendall(b"HEAD /metrics HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n\r\n"
+                         b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n" % METRICS_TOKEN.encode())
+            reader = sock.makefile("rb")
+            head = []
+            while True:
+                line = reader.readline()
+                if line == b"\r\n":
+                    break
+                head.append(line.decode("latin-1").strip())
+            self.assertEqual(head[0], "HTTP/1.1 200 OK")
+            self.assertIn("Content-Type: text/plain; version=0.0.4; charset=utf-8", head)
+            self.assertGreater(int([line for line in head if line.startswith("Content-Length: ")][0].split()[1]),
+                               1000)
+            self.assertEqual(reader.readline(), b"HTTP/1.1 200 OK\r\n")  # no body came between
+        with open_raw(self.url) as sock:
+            sock.sendall(b"HEAD /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+            self.assertTrue(sock.recv(100).startswith(b"HTTP/1.1 401 "))
+
+    def test_a_reload_switches_to_the_token_file_as_it_is_now(self):
+        path = os.path.join(self.data_dir, "metrics.token")
+        with open(path, "w") as f:
+            f.write("the-next-token-8Hq2\n")
+        sync.reload_files(self.server, path)
+        self.assertIn("reloaded the metrics token file %s" % path, self.log_lines[-1])
+        self.assertAnswer(self.request("GET", "/metrics", token=METRICS_TOKEN), 401)
+        self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status, 200)
+        for unusable in ("", "two words\n"):
+            with open(path, "w") as f:
+                f.write(unusable)
+            sync.reload_files(self.server, path)
+            self.assertIn("kept the metrics token in force", self.log_lines[-1])
+            self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status, 200)
+        os.unlink(path)
+        sync.reload_files(self.server, path)
+        self.assertIn("kept the metrics token in force", self.log_lines[-1])
+        self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status, 200)
+        self.assertNotIn("the-next-token-8Hq2", "\n".join(self.log_lines))
+
+    def test_a_scrape_walks_no_disk(self):
+        self.stop_server(self.server, self.server_thread)
+        for i in range(300):
+            write_feed_file(self.data_dir, ("u", "alice"), "p%d" % i, 3)
+        self.start_server()  # its one walk of the feeds is now
+        for i in range(0, 300, 10):  # a few loaded, and grown
+            self.assertAnswer(self.push(self.alice, "p%d" % i, [record(record_id="new")]), 200,
+                              {"cursor": 4, "accepted": 1})
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+
+        def no_walk(*args, **kwargs):
+            raise AssertionError("a scrape walked the disk")
+        with mock.patch.object(os, "scandir", no_walk), mock.patch.object(os, "walk", no_walk), \
+                mock.patch.object(sync.DataDir, "all_feeds", no_walk), \
+                mock.patch.object(sync.DataDir, "all_scopes", no_walk), \
+                mock.patch.object(os.path, "getsize", no_walk):
+            answer = self.request("GET", "/metrics", token=METRICS_TOKEN)
+        self.assertEqual(answer.status, 200, answer.raw)
+        families = parse_exposition(answer.raw.decode("utf-8"))
+        self.assertEqual(metric_value(families, "oharness_sync_feed_bytes"),
+                         disk_bytes(os.path.join(self.data_dir, "feeds")))
+        self.assertEqual(metric_value(families, "oharness_sync_memory_bytes"),
+                         disk_bytes(os.path.join(self.data_dir, "memory")))
+        self.assertEqual(metric_value(families, "oharness_sync_feeds_damaged"), 0)
+
+    def test_a_damaged_feed_is_counted(self):
+        self.assertAnswer(self.push(self.alice, "hurt", [record(record_id=str(i)) for i in range(3)]), 200)
+        self.stop_server(self.server, self.server_thread)
+        path = self.feed_files()[0]
+        with open(path, "rb") as f:
+            lines = f.readlines()
+        with open(path, "wb") as f:
+            f.write(lines[0] + lines[1].replace(b"hello", b"hellO") + lines[2])  # a middle line's checksum fails
+        self.start_server()
+        self.assertEqual(metric_value(self.scrape(), "oharness_sync_feeds_damaged"), 0)  # not known until read
+        self.assertEqual(self.pull(self.alice, "hurt").status, 500)
+        self.assertEqual(metric_value(self.scrape(), "oharness_sync_feeds_damaged"), 1)
+
+
+class MetricsOffTest(ServerCase):
+    """Without a metrics token there is no /metrics, and no connection counts its requests."""
+
+    def test_metrics_is_an_unknown_route(self):
+        for method in ("GET", "HEAD"):
+            for token in (None, METRICS_TOKEN, self.alice):
+                answer = self.request(method, "/metrics", token=token)
+                self.assertEqual(answer.status, 404)
+                if method == "GET":
+                    self.assertAnswer(answer, 404, {"error": "unknown route"})
+        self.assertFalse(self.server.counting)
+        self.assertEqual(self.server.metrics.tallies, {})
+        sync.reload_files(self.server)
+        self.assertEqual(self.request("GET", "/metrics", token=METRICS_TOKEN).status, 404)
+
+
 class IdleLimitTest(SessionWireMixin, ServerCase):
     """Contract 6: the idle limit, kept by the server's sweep of its connections. It closes
     a keep-alive connection nobody uses, and a connection whose client does not read its answer."""
