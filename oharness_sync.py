@@ -1077,7 +1077,7 @@ class Tally(dict):
             row = self.last
         else:
             row = self.row(path, method, status)
-        row[_bucket(REQUEST_SECONDS, seconds)] += 1
+        row[0 if seconds <= _FIRST_BOUND else _bucket(REQUEST_SECONDS, seconds)] += 1
         row[_SUM] += seconds
 
     def add(self, other):
@@ -5050,15 +5050,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
                 response = json_response(500, {"error": "internal server error"})
             self.server.log_access(self.command, path, response.status, started,
                                    principal=request.principal, why=request.refusal)
-            tally = self.tally
-            if tally is not None:  # Tally.count, inline (most requests take under _FIRST_BOUND)
-                seconds, status = time.monotonic() - started, response.status
-                if path == tally.path and status == tally.status and self.command == tally.method:
-                    row = tally.last
-                else:
-                    row = tally.row(path, self.command, status)
-                row[0 if seconds <= _FIRST_BOUND else _bucket(REQUEST_SECONDS, seconds)] += 1
-                row[_SUM] += seconds
+            if self.tally is not None:
+                self.tally.count(path, self.command, response.status, time.monotonic() - started)
             self.write_response(response, self.command)
         finally:
             self.server.end_request(self)
