@@ -1049,8 +1049,7 @@ class Tally(dict):
     """Requests counted by one connection's own thread, without a lock: a row for each (route,
     method, status) met, of their durations' counts by bucket of REQUEST_SECONDS (then +Inf) and
     their sum (at _SUM, last). It remembers the row of the request before: a connection's next
-    request is mostly like its last, and then costs three comparisons and two additions, made
-    where it is answered (SyncRequestHandler.handle_request: even a call would cost more)."""
+    request is mostly like its last, and then costs three comparisons and two additions."""
 
     __slots__ = ("path", "method", "status", "last")
 
