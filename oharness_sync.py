@@ -8368,7 +8368,8 @@ def bench_rate(url, token, kind, clients, seconds, extra=None):
     200. The timed window opens once every client is connected."""
     if kind == "push" and extra is None:
         extra = push_stamp()
-    return sum(bench_counts(url, token, kind, clients, seconds, extra)) / float(seconds)
+    counts = bench_counts(url, token, kind, clients, seconds=seconds, extra=extra)
+    return sum(counts) / float(seconds)
 
 
 def push_stamp():
@@ -8445,7 +8446,7 @@ def push_phase(target, clients, seconds):
     none when all is well) say what the feed, pulled after, holds other than every acknowledged
     push once."""
     stamp = push_stamp()
-    counts = bench_counts(target.url, target.token, "push", clients, seconds, stamp)
+    counts = bench_counts(target.url, target.token, "push", clients, seconds=seconds, extra=stamp)
     expected = {("w%d" % worker, "r%d" % number)
                 for worker, count in enumerate(counts) for number in range(count)}
     seen = pulled_keys(target, "bench-push-" + stamp)

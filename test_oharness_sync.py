@@ -8909,7 +8909,7 @@ class BenchCommandTest(unittest.TestCase):
         report = sync.BenchReport(out)
         report.add("long-polls answered", 20, "of 20", fact="answered")
         report.add("a rate", 5.25, "/s")
-        report.add("a ratio", 3.0, "/s", 2.0, "a reference")
+        report.add("a ratio", 3.0, "/s", 2.0, reference_name="a reference")
         report.add("a wake p99 of nothing", float("nan"), "ms")
         self.assertEqual(out.getvalue().splitlines(), [
             "long-polls answered                                    20 of 20     ",
