@@ -15,14 +15,14 @@ Usage:
     python3 oharness_sync.py token revoke --data DIR TOKEN_ID
     python3 oharness_sync.py fsck --data DIR [--repair]
     python3 oharness_sync.py note-hash FILE
-    python3 oharness_sync.py check --url URL --token TOKEN [--other-token TOKEN] [--team ID]
-                                   [--memory --principal ID] [--ca-file CERT.pem]
+    python3 oharness_sync.py check --url URL --token-file FILE [--other-token-file FILE]
+                                   [--team ID] [--memory --principal ID] [--ca-file CA.pem]
     python3 oharness_sync.py replicate --from URL --from-token-file FILE --to URL
                                        --to-token-file FILE [--follow] [--state FILE] ...
     python3 oharness_sync.py usage   --data DIR [--json]
     python3 oharness_sync.py compact --data DIR [--retain-deleted-days N]
     python3 oharness_sync.py purge   --data DIR --principal ID [--dry-run]
-    python3 oharness_sync.py bench [--url URL --token TOKEN] [--seconds N] [--clients N]
+    python3 oharness_sync.py bench [--url URL --token-file FILE] [--seconds N] [--clients N]
 
 How to read it. The file is two parts, each read top-down.
 
@@ -8320,46 +8320,32 @@ def purge(layout, principal, dry_run, lock):
 # bench: how fast is this box?
 # -------------------------------------------------------------------------------------------------
 
-# Every figure is printed with the reference it should be read against, both
-# measured in the same run: these are ratios, not absolute numbers, because a
-# small machine's speed swings with everything else it does.
+# Every figure is printed with the reference it should be read against, both measured in the same
+# run: ratios, not absolute numbers, because a small machine's speed swings with everything else it
+# does. bench judges no figure against an aim (our development aims are in the README's
+# performance table): it exits 1 only when the install is broken. That is an answer it did not
+# expect (it stops there), an acknowledged push missing from its feed or stored twice, a catch-up
+# pull that does not give back exactly the records pushed, or one client's pushes far below what
+# this machine's own disk and CPU allow (PUSH_FLOOR_SHARE). Its last lines say in plain words what
+# the figures mean for this machine (bench_summary).
 
-# What each figure should reach: `OP NUMBER`, where a NUMBER ending in x is a ratio to the figure's
-# reference (a figure without a reference cannot be judged against it) and any other is the figure
-# itself.
-BENCH_TARGETS = {
-    "health": ">= 0.9x",
-    "push, 1 client": ">= 0.8x",
-    "push, clients": ">= 1.0x",
-    "pushes per fsync": ">= 4",
-    "catch-up": ">= 100000/s",
-    "wake p99": "<= 250 ms",
-    "memory while parked": "<= 64 MiB",
-    "wake own feed": "== 1 (its own)",
-    "memory under oversized heads": "<= 20 MiB",
-    "snapshot unchanged": ">= 0.6x",
-    "snapshot full": ">= 50/s",
-    "start-up": "<= 10 s",
-    "memory after start-up": "<= 200 MiB",
-}
-_BENCH_TARGET = re.compile(r"(>=|<=|==) ([0-9]+(?:\.[0-9]+)?)(x?)")
+# The floor of one client's pushes a second, as a share of the bare server's (ReferenceServer) in
+# the same run: its one client pays the same round trip and the same append+fsync on the same disk,
+# and nothing else, so it is what this machine's disk and CPU allow a push from one device. This
+# server adds its checks and its feed line: 0.46x to 0.77x of the bare server on the 2-core test
+# VM, 0.73x on a RAM disk, and near 0.9x where syncs are slow (2 ms each, as on an SD card), so a
+# tenth leaves it a margin of four and more. The disk's own serial fsync rate would not do: a disk
+# whose syncs are almost free (a RAM disk, a drive that caches them) makes a million a second,
+# which no server behind HTTP comes near. Under the floor something else holds each push back: a
+# second sync, a sleep, a lock held too long. With --url there is no bare server (it would measure
+# this machine): no floor then.
+PUSH_FLOOR_SHARE = 0.1
 
 
-def target_met(target, value, ratio):
-    """True or False: does the figure (value, and ratio to its reference) meet target; None when
-    target is a ratio and the figure has no reference."""
-    match = _BENCH_TARGET.match(target)
-    if match is None:
-        raise ValueError("a bench target must be OP NUMBER: %r" % target)
-    operator, bound, of_ratio = match.group(1), float(match.group(2)), match.group(3) == "x"
-    if of_ratio and ratio is None:
-        return None
-    measured = ratio if of_ratio else value
-    if operator == ">=":
-        return measured >= bound
-    if operator == "<=":
-        return measured <= bound
-    return measured == bound
+def push_floor(bare_rate):
+    """The floor of one client's pushes a second (PUSH_FLOOR_SHARE of bare_rate, the bare server's
+    in the same run); None without it."""
+    return PUSH_FLOOR_SHARE * bare_rate if bare_rate else None
 
 
 def canned_response(body):
@@ -8578,19 +8564,19 @@ class BenchClient:
         self.close()
 
 
-_BENCH_PUSH = (b'{"project":"bench-push","records":[{"session":"w%d","id":"%s-%d","seq":%d,'
+_BENCH_PUSH = (b'{"project":"bench-push-%s","records":[{"session":"w%d","id":"r%d","seq":%d,'
                b'"device":"bench","at":1,"body":{"text":"' + b"x" * 150 + b'"}}]}')
 
 
 def bench_request(kind, worker, number, extra):
-    """(method, path, body bytes) of a benchmark request: 'health', 'push' (a new record each time)
-    or 'snapshot' (extra is the whole body, encoded once). Bodies are filled into templates, not
-    encoded from objects: the clients share the cores with the server, and their cost is not
-    its."""
+    """(method, path, body bytes) of a benchmark request: 'health', 'push' (a new record each time,
+    record r<number> of session w<worker> in the project bench-push-<extra>) or 'snapshot' (extra
+    is the whole body, encoded once). Bodies are filled into templates, not encoded from objects:
+    the clients share the cores with the server, and their cost is not its."""
     if kind == "health":
         return "GET", "/v1/health", None
     if kind == "push":
-        return "POST", "/v1/push", _BENCH_PUSH % (worker, extra.encode("ascii"), number, number)
+        return "POST", "/v1/push", _BENCH_PUSH % (extra.encode("ascii"), worker, number, number)
     if kind == "snapshot":
         return "POST", "/v1/memory/snapshot", extra
     raise ValueError(kind)
@@ -8601,8 +8587,9 @@ BENCH_RUN = secrets.token_hex(4)
 
 def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
     """One client process: connect, say so on ready, and once go is set send kind requests back to
-    back within the window (start, stop) the parent set; on results (count, None), or (count,
-    (status, body)) of the first response that was not 200, which ends its requests."""
+    back within the window (start, stop) the parent set; on results (worker, count, None), or
+    (worker, count, (status, body)) of the first response that was not 200, which ends its
+    requests."""
     try:
         client, failure = BenchClient(url, token), None
     except Exception as exc:  # the parent waits for a result from every worker: always one
@@ -8611,7 +8598,7 @@ def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
     go.wait()
     start_at, stop_at = window[0], window[1]
     if client is None:
-        results.put((0, (0, failure.encode("utf-8", "replace"))))
+        results.put((worker, 0, (0, failure.encode("utf-8", "replace"))))
         return
     count, refused = 0, None
     time.sleep(max(0.0, start_at - time.time()))
@@ -8627,7 +8614,7 @@ def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
         refused = (0, str(exc).encode("utf-8", "replace"))
     finally:
         client.close()
-    results.put((count, refused))
+    results.put((worker, count, refused))
 
 
 # seconds bench waits for a client process to be ready, or for its result past the window
@@ -8637,11 +8624,23 @@ BENCH_RESULT_WAIT = 60
 def bench_rate(url, token, kind, clients, seconds, extra=None):
     """Requests per second of kind from clients processes; BenchRefused if one was not answered
     200. The timed window opens once every client is connected."""
+    if kind == "push" and extra is None:
+        extra = push_stamp()
+    counts = bench_counts(url, token, kind, clients, seconds=seconds, extra=extra)
+    return sum(counts) / float(seconds)
+
+
+def push_stamp():
+    """A stamp new in every push phase: its pushes go to a feed of its own, bench-push-<stamp>."""
+    return "%s-%d" % (BENCH_RUN, time.time() * 1000)
+
+
+def bench_counts(url, token, kind, clients, seconds, extra):
+    """The requests of kind each of clients processes had answered 200 within seconds (bench_rate);
+    BenchRefused if one was answered otherwise."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     ready, go, window, results = (context.Queue(), context.Event(), context.Array("d", 2),
                                   context.Queue())
-    if kind == "push":
-        extra = "%s-%d" % (BENCH_RUN, time.time() * 1000)  # new records in every phase
     processes = [context.Process(target=bench_worker,
                                  kwargs={"url": url, "token": token, "kind": kind, "extra": extra,
                                          "worker": i, "ready": ready, "go": go, "window": window,
@@ -8667,10 +8666,10 @@ def bench_rate(url, token, kind, clients, seconds, extra=None):
         raise
     for process in processes:
         process.join()
-    for _, refused in counts:
+    for _, _, refused in counts:
         if refused is not None:
             raise BenchRefused("a %s request" % kind, *refused)
-    return sum(c for c, _ in counts) / float(seconds)
+    return [count for _, count, _ in sorted(counts)]
 
 
 def bench_reference(kind, client_counts, seconds, push_file=None):
@@ -8700,22 +8699,71 @@ def disk_fsync_rate(directory, seconds):
     return count / float(seconds)
 
 
+def push_phase(target, clients, seconds):
+    """(pushes a second, faults) of clients pushing to a new feed for seconds; faults (phrases,
+    none when all is well) say what the feed, pulled after, holds other than every acknowledged
+    push once."""
+    stamp = push_stamp()
+    counts = bench_counts(target.url, target.token, "push", clients, seconds=seconds, extra=stamp)
+    expected = {("w%d" % worker, "r%d" % number)
+                for worker, count in enumerate(counts) for number in range(count)}
+    seen = pulled_keys(target, "bench-push-" + stamp)
+    return (sum(counts) / float(seconds),
+            feed_faults("%d-client pushes" % clients, expected, seen))
+
+
+def pulled_keys(target, project):
+    """The (session, id) of every record of project's feed, pulled page by page."""
+    keys = []
+    with BenchClient(target.url, target.token) as client:
+        since = 0
+        while True:
+            status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d"
+                                       % (project, since, MAX_PULL_LIMIT))
+            if status != 200:
+                raise BenchRefused("a pull of the pushes", status, body)
+            page = json.loads(body)
+            keys.extend((record["session"], record["id"]) for record in page["records"])
+            since = page["cursor"]
+            if not page["more"]:
+                return keys
+
+
+def feed_faults(what, expected, seen):
+    """What is wrong with a feed that should hold each key of the set expected once, seen its keys
+    as pulled: a phrase for the summary ("what: 1 of 600 acknowledged records missing"), or none
+    when nothing is."""
+    times = collections.Counter(seen)
+    lost = sum(1 for key in expected if key not in times)
+    twice = sum(n - 1 for key, n in times.items() if n > 1 and key in expected)
+    foreign = sum(n for key, n in times.items() if key not in expected)
+    wrong = []
+    if lost:
+        wrong.append("%d of %d acknowledged records missing" % (lost, len(expected)))
+    if twice:
+        wrong.append("%d record%s stored more than once" % (twice, "s" if twice > 1 else ""))
+    if foreign:
+        wrong.append("%d record%s that no one pushed" % (foreign, "s" if foreign > 1 else ""))
+    return ["%s: %s" % (what, ", ".join(wrong))] if wrong else []
+
+
 def group_commit(data_dir, clients, seconds):
-    """(pushes a second, pushes per fsync) of clients pushing to one feed, on a server of its own:
-    the line it logs when it stops counts the pushes made durable and the fsyncs that did it."""
+    """(pushes a second, pushes per fsync, faults as push_phase's) of clients pushing to one feed,
+    on a server of its own: the line it logs when it stops counts the pushes made durable and the
+    fsyncs that did it."""
     make_dirs(data_dir)
     log_path = os.path.join(data_dir, "server.log")
     with open(log_path, "wb") as log:
         target = BenchTarget.start(data_dir, "--memory-rate-limit", "0", log=log)
         try:
-            rate = bench_rate(target.url, target.token, "push", clients, seconds=seconds)
+            rate, faults = push_phase(target, clients, seconds)
         finally:
             target.stop()
     with open(log_path, encoding="utf-8", errors="replace") as f:
         counts = re.search(r"stopped: (\d+) push(?:es)? made durable with (\d+) fsyncs?", f.read())
     if counts is None or not int(counts.group(2)):
         raise RuntimeError("the group-commit server's stop line is missing from %s" % log_path)
-    return rate, int(counts.group(1)) / int(counts.group(2))
+    return rate, int(counts.group(1)) / int(counts.group(2)), faults
 
 
 def fill_feed(target, project, records, body_bytes=200):
@@ -8732,20 +8780,20 @@ def fill_feed(target, project, records, body_bytes=200):
 
 
 def catch_up(target, project, limit=MAX_PULL_LIMIT):
-    """Pull a whole feed page by page; (records, seconds)."""
+    """Pull a whole feed page by page; (records, seconds, the records' ids)."""
     with BenchClient(target.url, target.token) as client:
-        since, records, started = 0, 0, time.monotonic()
+        since, ids, started = 0, [], time.monotonic()
         while True:
             status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d"
                                        % (project, since, limit))
             if status != 200:
                 raise BenchRefused("a catch-up pull", status, body)
             page = json.loads(body)
-            records += len(page["records"])
+            ids.extend(record["id"] for record in page["records"])
             since = page["cursor"]
             if not page["more"]:
                 break
-    return records, time.monotonic() - started
+    return len(ids), time.monotonic() - started, ids
 
 
 def park_worker(url, token, projects, ready, results, answered):
@@ -8980,10 +9028,9 @@ def measure_memory(report, target, clients, seconds, notes):
         unchanged += bench_rate(target.url, target.token, "snapshot", clients,
                                 seconds=seconds / 2, extra=unchanged_body) / 2
     report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health_now,
-               reference_name="health in turns", target=BENCH_TARGETS["snapshot unchanged"])
+               reference_name="health in turns", fact="unchanged")
     report.add("memory snapshot, %d notes, full have" % notes,
-               snapshot_rate(target, project, have, seconds), "/s",
-               target=BENCH_TARGETS["snapshot full"])
+               snapshot_rate(target, project, have, seconds), "/s", fact="snapshot")
 
 
 def write_big_data_dir(data_dir, feeds, records_per_feed):
@@ -9025,63 +9072,121 @@ def big_start(data_dir, feeds, records_per_feed):
 
 
 class BenchReport:
-    """Figures with their references, ratios and targets, printed as a table (a missed target
-    marked MISSED) and optionally written as JSON."""
+    """Figures with their references and ratios, printed as a table as they come, and what bench
+    found broken (faults: phrases); facts are the figures and counts bench_summary puts in words.
+    Optionally written as JSON."""
 
     def __init__(self, out=None):
         self.out = out or sys.stdout
         self.figures = []
+        self.facts = {}
+        self.faults = []
 
-    def add(self, name, value, unit, reference=None, reference_name="", target=None):
+    def add(self, name, value, unit, reference=None, reference_name="", fact=None):
+        """Print a figure's line; fact: the name bench_summary knows its value by."""
         ratio = value / reference if reference else None
-        met = None if target is None else target_met(target, value, ratio)
         figure = {"name": name, "value": value if isinstance(value, int) else round(value, 2),
                   "unit": unit, "reference": None if reference is None else round(reference, 2),
                   "reference_name": reference_name,
-                  "ratio": None if ratio is None else round(ratio, 2), "target": target,
-                  "met": met}
+                  "ratio": None if ratio is None else round(ratio, 2)}
         self.figures.append(figure)
+        if fact is not None:
+            self.facts[fact] = value
         # a count is an integer
         shown = "%12d" % value if isinstance(value, int) else "%12.1f" % value
         line = "%-44s %s %-10s" % (name, shown, unit)
         if reference is not None:
             line += "  vs %s %.1f: %.2fx" % (reference_name, reference, ratio)
-        if target is not None and met is None:
-            line += "  (target %s: not judged, no reference)" % target
-        elif target is not None:
-            line += "  (target %s)%s" % (target, "" if met else "  MISSED")
         print(line, file=self.out, flush=True)
 
-    def missed(self):
-        return sum(1 for figure in self.figures if figure["met"] is False)
-
-    def summary(self):
-        """The closing line: how many of the targets that could be judged were met."""
-        judged = [figure for figure in self.figures if figure["met"] is not None]
-        line = "%d of %d targets met" % (len(judged) - self.missed(), len(judged))
-        unjudged = sum(1 for figure in self.figures
-                       if figure["target"] is not None and figure["met"] is None)
-        if unjudged:
-            line += " (%d more not judged: no reference)" % unjudged
-        return line
+    def fault(self, faults):
+        self.faults.extend(faults)
 
     def note(self, text):
         print(text, file=self.out, flush=True)
 
-    def write_json(self, path):
-        judged = sum(1 for figure in self.figures if figure["met"] is not None)
+    def write_json(self, path, summary):
         doc = {"version": __version__, "python": sys.version.split()[0],
                "machine": platform.machine(), "cpus": os.cpu_count(), "figures": self.figures,
-               "targets": {"met": judged - self.missed(), "judged": judged}}
+               "summary": summary, "broken": self.faults}
         with open(path, "w") as f:
             json.dump(doc, f, indent=2)
 
 
+def plain(number):
+    """A figure as the summary says it: two significant digits (6,700; 340,000), a number under 10
+    with one decimal at most (7, 2.5)."""
+    if number != number:  # nan
+        return "?"
+    if abs(number) < 10:
+        return ("%.1f" % number).rstrip("0").rstrip(".")
+    digits = len("%d" % abs(number)) - 2
+    return "{:,}".format(int(round(number, -digits)) if digits > 0 else int(round(number)))
+
+
+def bench_summary(facts, faults):
+    """The closing sentences, one a line: what the figures (facts, by BenchReport.add's fact names)
+    mean for this machine, then whether the install is broken (faults) or nothing is wrong."""
+    sentences, own = [], facts.get("own", True)
+    if "fsync" in facts:
+        sentences.append(("Your disk makes %s syncs a second." if own else
+                          "This machine's disk makes %s syncs a second (the server's own only if "
+                          "it runs here).") % plain(facts["fsync"]))
+    if "push 1" in facts and "push n" in facts:
+        shared = "" if "per fsync" not in facts else plain(facts["per fsync"])
+        shared = ("" if not shared else " (each push with a sync of its own)" if shared == "1"
+                  else " (%s pushes share each sync)" % shared)
+        sentences.append("One client can push %s times a second; %d clients together %s%s."
+                         % (plain(facts["push 1"]), facts["clients"], plain(facts["push n"]),
+                            shared))
+    if "catch-up" in facts:
+        sentences.append("A device catching up pulls %s records a second."
+                         % plain(facts["catch-up"]))
+    if "answered" in facts:
+        answered, polls = facts["answered"], facts["polls"]
+        if answered == 0:
+            sentences.append("A push woke none of %s waiting devices." % plain(polls))
+        else:
+            sentences.append("A push wakes %s waiting devices within %s ms (p99)."
+                             % (plain(polls) if answered == polls
+                                else "%s of %s" % (plain(answered), plain(polls)),
+                                plain(facts["wake p99"])))
+    if "unchanged" in facts and "snapshot" in facts:
+        sentences.append("Memory sync answers %s \"nothing changed\" checks a second, and %s full "
+                         "snapshots of %s notes." % (plain(facts["unchanged"]),
+                                                     plain(facts["snapshot"]),
+                                                     plain(facts["notes"])))
+    if "start-up" in facts:
+        sentences.append("With %s records in 10 feeds, the server starts and answers in %s s%s."
+                         % (plain(facts["start-up records"]), plain(facts["start-up"]),
+                            "" if "start-up memory" not in facts
+                            else ", in %s MiB" % plain(facts["start-up memory"])))
+    if faults:
+        sentences.append("This install is broken: %s." % "; ".join(faults))
+    elif own and "floor" in facts:
+        sentences.append("Nothing is wrong with this install: every push was stored once, and one "
+                         "client's pushes clear the floor of %s a second (a tenth of what a bare "
+                         "server reaches on this disk and CPU)." % plain(facts["floor"]))
+    elif own:
+        sentences.append("Nothing is wrong with this install: every push was stored once.")
+    else:
+        sentences.append("Nothing is wrong that bench can see from here: every push was stored "
+                         "once (with --url no floor is set for the pushes: the disk and CPU "
+                         "measured are this machine's).")
+    return sentences
+
+
 def bench_command(argv):
-    parser = ArgumentParser(prog="oharness_sync.py bench", description="Measure a server's speed.")
+    parser = ArgumentParser(prog="oharness_sync.py bench",
+                            description="Measure a server's speed, and find out whether the "
+                                        "install is broken.")
     parser.add_argument("--url",
-                        help="measure this server instead of starting one (needs --token)")
-    parser.add_argument("--token", help="a token for --url")
+                        help="measure this server instead of starting one (needs --token-file)")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="a token for --url, on the file's first line")
+    parser.add_argument("--token",
+                        help="a token for --url on the command line (other users see it in ps: "
+                             "use --token-file)")
     parser.add_argument("--principal", metavar="ID",
                         help="the token's principal, for the memory figures with --url "
                              "(without it they are skipped)")
@@ -9098,11 +9203,16 @@ def bench_command(argv):
                         help="records in the start-up test's 10 feeds "
                              "(default 1,000,000; 0 skips it)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    # Kept for the scripts of the time when bench exited 1 on a missed development aim.
     parser.add_argument("--no-fail", action="store_true",
-                        help="exit 0 even when a target is missed (default: exit code 1)")
+                        help="exit 0 even when the figures show the install broken (lost or "
+                             "duplicated records, pushes under the floor); an answer bench did "
+                             "not expect still stops it with exit code 1")
     args = parser.parse_args(argv)
-    if bool(args.url) != bool(args.token):
-        raise UsageError("--url and --token go together")
+    if args.token is not None and args.token_file is not None:
+        raise UsageError("give --token or --token-file, not both")
+    if bool(args.url) != (args.token is not None or args.token_file is not None):
+        raise UsageError("--url and --token-file (or --token) go together")
     if args.url:
         parse_base_url(args.url)
     if args.principal is not None and (not args.url or not is_valid_id(args.principal)):
@@ -9111,6 +9221,7 @@ def bench_command(argv):
             or args.notes < 1 or args.big_records < 0):
         raise UsageError("--seconds, --clients, --polls, --catchup-records and --notes must be "
                          "positive")
+    args.token = token_from_flags(args.token, args.token_file, "--token", "bench")
     raise_open_file_limit()
     report = BenchReport()
     scratch = tempfile.mkdtemp(prefix="oharness-bench-")
@@ -9125,15 +9236,22 @@ def bench_command(argv):
         return 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report.note(report.summary())
+    summary = bench_summary(report.facts, report.faults)
+    report.note("")
+    for sentence in summary:
+        report.note(sentence)
     if args.json:
-        report.write_json(args.json)
-    return 1 if report.missed() and not args.no_fail else 0
+        report.write_json(args.json, summary)
+    if report.faults:
+        print("oharness-sync bench: this install is broken: %s" % "; ".join(report.faults),
+              file=sys.stderr)
+    return 1 if report.faults and not args.no_fail else 0
 
 
 def run_bench(report, args, scratch):
     seconds, clients = args.seconds, args.clients
     own = not args.url
+    report.facts.update(own=own, clients=clients, polls=args.polls, notes=args.notes)
     if own:
         target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0")
     else:
@@ -9151,40 +9269,50 @@ def run_bench(report, args, scratch):
             reference = bench_reference("health", [clients], seconds)[0]
         health = bench_rate(target.url, target.token, "health", clients, seconds=seconds)
         report.add("health, %d keep-alive clients" % clients, health, "req/s", reference,
-                   reference_name="bare http.server", target=BENCH_TARGETS["health"])
+                   reference_name="bare http.server")
         if not own:
             report.note("  no reference with --url: a bare http.server started here would measure "
                         "this machine, not the server's")
         # With --url the disk measured is this machine's, which is the server's only if bench runs
         # there.
+        fsync = disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds)
         report.add("disk: serial append+fsync" if own
-                   else "this machine's disk: serial append+fsync",
-                   disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds),
-                   "/s")
+                   else "this machine's disk: serial append+fsync", fsync, "/s", fact="fsync")
         bare = [None, None]
         if own:
             bare = bench_reference("push", [1, clients], seconds,
                                    os.path.join(scratch, "bare-pushes"))
             report.add("1-record pushes to a bare http.server, 1 client", bare[0], "push/s")
             report.add("  the same, %d clients" % clients, bare[1], "push/s")
-        push_1 = bench_rate(target.url, target.token, "push", 1, seconds=seconds)
+        push_1, faults = push_phase(target, 1, seconds)
         report.add("1-record pushes, 1 client", push_1, "push/s", bare[0], reference_name="bare",
-                   target=BENCH_TARGETS["push, 1 client"])
+                   fact="push 1")
+        report.fault(faults)
+        floor = push_floor(bare[0])
+        if floor is not None:
+            report.add("  its floor: a tenth of the bare server's", floor, "push/s", fact="floor")
+            if push_1 < floor:
+                report.fault(["one client pushes only %s times a second, under the floor of %s "
+                              "(a tenth of the %s a bare server reaches on this disk and CPU)"
+                              % (plain(push_1), plain(floor), plain(bare[0]))])
         if own:
-            push_n, per_fsync = group_commit(os.path.join(scratch, "group-commit"), clients,
-                                             seconds)
+            push_n, per_fsync, faults = group_commit(os.path.join(scratch, "group-commit"),
+                                                     clients, seconds)
         else:
-            push_n, per_fsync = (bench_rate(target.url, target.token, "push", clients,
-                                            seconds=seconds), None)
+            (push_n, faults), per_fsync = push_phase(target, clients, seconds), None
         report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", bare[1],
-                   reference_name="bare", target=BENCH_TARGETS["push, clients"])
+                   reference_name="bare", fact="push n")
+        report.fault(faults)
         if per_fsync is not None:
             report.add("  pushes per fsync, %d clients" % clients, per_fsync, "push/fsync",
-                       target=BENCH_TARGETS["pushes per fsync"])
-        fill_feed(target, "bench-catchup-" + BENCH_RUN, args.catchup_records)
-        records, elapsed = catch_up(target, "bench-catchup-" + BENCH_RUN)
-        report.add("catch-up pull of %d records, 500 a page" % records, records / elapsed,
-                   "records/s", target=BENCH_TARGETS["catch-up"])
+                       fact="per fsync")
+        project = "bench-catchup-" + BENCH_RUN
+        fill_feed(target, project, args.catchup_records)
+        records, elapsed, ids = catch_up(target, project)
+        report.add("catch-up pull of %d records, 500 a page" % args.catchup_records,
+                   records / elapsed, "records/s", fact="catch-up")
+        report.fault(feed_faults("the catch-up pull",
+                                 {"r%d" % i for i in range(args.catchup_records)}, ids))
         rss_before = target.rss_mib()
         latencies, failures, rss_parked, _ = park_and_wake(target, 1, args.polls)
         report.add("long-poll wake p50, %d parked on one feed" % args.polls,
@@ -9192,18 +9320,16 @@ def run_bench(report, args, scratch):
         bare_p99 = bare_wake_p99(args.polls) * 1000 if own else None
         report.add("long-poll wake p99, %d parked on one feed" % args.polls,
                    percentile(latencies, 0.99) * 1000, "ms", bare_p99,
-                   reference_name="bare http.server + Condition", target=BENCH_TARGETS["wake p99"])
-        report.add("long-polls answered", len(latencies), "of %d" % args.polls)
+                   reference_name="bare http.server + Condition", fact="wake p99")
+        report.add("long-polls answered", len(latencies), "of %d" % args.polls, fact="answered")
         if rss_parked is not None and rss_before is not None:
-            report.add("server memory growth while parked", rss_parked - rss_before, "MiB",
-                       target=BENCH_TARGETS["memory while parked"])
+            report.add("server memory growth while parked", rss_parked - rss_before, "MiB")
         _, _, _, first_only = park_and_wake(target, args.polls, args.polls)
         report.add("polls answered by a push to 1 of %d feeds" % args.polls, first_only,
-                   "in 0.5 s", target=BENCH_TARGETS["wake own feed"])
+                   "in 0.5 s")
         growth = oversized_heads(target)
         if growth is not None:
-            report.add("server memory growth, 40 heads of 100 x 65,000-byte lines", growth, "MiB",
-                       target=BENCH_TARGETS["memory under oversized heads"])
+            report.add("server memory growth, 40 heads of 100 x 65,000-byte lines", growth, "MiB")
         bench_memory(report, target, args)
         rss_end = target.rss_mib()
         if rss_end is not None:
@@ -9219,11 +9345,11 @@ def run_bench(report, args, scratch):
         big_dir = os.path.join(scratch, "big")
         write_big_data_dir(big_dir, 10, args.big_records // 10)
         elapsed, rss = big_start(big_dir, 10, args.big_records // 10)
+        report.facts["start-up records"] = args.big_records
         report.add("start-up: last page of 10 feeds, %d records" % args.big_records, elapsed, "s",
-                   target=BENCH_TARGETS["start-up"])
+                   fact="start-up")
         if rss is not None:
-            report.add("server memory after that start-up", rss, "MiB",
-                       target=BENCH_TARGETS["memory after start-up"])
+            report.add("server memory after that start-up", rss, "MiB", fact="start-up memory")
 
 
 # -------------------------------------------------------------------------------------------------

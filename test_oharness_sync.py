@@ -10664,7 +10664,8 @@ class CheckUsageTest(unittest.TestCase):
 
 
 class BenchCommandTest(unittest.TestCase):
-    """bench runs and prints every figure (no timing assertions: speed is not a unit test's business)."""
+    """bench runs, prints every figure and judges the install: broken or not (no timing assertions: speed is not a
+    unit test's business)."""
 
     def run_bench(self, *args, timeout=120):
         return subprocess.run([sys.executable, MODULE, "bench"] + list(args), stdout=subprocess.PIPE,
@@ -10701,134 +10702,252 @@ class BenchCommandTest(unittest.TestCase):
             self.assertEqual(f.read(), b'{"project": "p"}\n')
         self.assertEqual(http_request(url, "GET", "/v1/pull?project=p").status, 200)  # pushed: at once
 
-    def test_bench_prints_every_figure_and_writes_json(self):
+    def token_file(self, token):
+        """A file holding token on its first line, removed at the test's end."""
+        out_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, out_dir, True)
+        path = os.path.join(out_dir, "token")
+        with open(path, "w") as f:
+            f.write(token + "\n")
+        return path
+
+    def start_patched_server(self, patch):
+        """A server process on a fresh data dir, with patch (Python, sync is the module) run before
+        main; (its URL, a --token-file of alice's)."""
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        token, _ = sync.TokenStore(data_dir).issue("alice", [])
+        script = "import sys\nsys.path.insert(0, %r)\nimport oharness_sync as sync\n%s\nsys.exit(sync.main())" % (
+            HERE, patch)
+        process = subprocess.Popen([sys.executable, "-c", script, "--data", data_dir, "--port", "0", "--quiet"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.addCleanup(process.stdout.close)
+        self.addCleanup(process.wait)
+        self.addCleanup(process.kill)
+        line = process.stdout.readline().decode()
+        self.assertTrue(line.startswith("oharness-sync listening on "), line)
+        return line.split()[-1], self.token_file(token)
+
+    SHORT = ("--seconds", "0.3", "--clients", "2", "--polls", "10", "--catchup-records", "500", "--notes", "20")
+
+    def test_a_healthy_install_prints_every_figure_says_nothing_is_wrong_and_exits_0(self):
         out_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, out_dir, True)
         json_path = os.path.join(out_dir, "bench.json")
-        result = self.run_bench("--seconds", "0.1", "--clients", "2", "--polls", "20", "--catchup-records", "1200",
-                                "--notes", "300", "--big-records", "2000", "--json", json_path, "--no-fail")
-        self.assertEqual(result.returncode, 0, result.stderr)  # --no-fail: whatever such short phases reach
+        result = self.run_bench(*self.SHORT, "--big-records", "2000", "--json", json_path)
+        self.assertEqual((result.returncode, result.stderr), (0, ""))
         for figure in ("health, 2 keep-alive clients", "vs bare http.server", "disk: serial append+fsync",
-                       "1-record pushes, 1 client", "1-record pushes, 2 clients, one feed", "vs bare",
+                       "1-record pushes, 1 client", "  its floor: a tenth of the bare server's",
+                       "1-record pushes, 2 clients, one feed", "vs bare",
                        "1-record pushes to a bare http.server, 1 client", "  the same, 2 clients",
                        "  pushes per fsync, 2 clients",
-                       "catch-up pull of 1200 records", "long-poll wake p50", "long-poll wake p99",
+                       "catch-up pull of 500 records", "long-poll wake p50", "long-poll wake p99",
                        "vs bare http.server + Condition",
                        "long-polls answered", "server memory growth while parked",
-                       "polls answered by a push to 1 of 20 feeds", "memory snapshot 'unchanged'", "vs health in turns",
+                       "polls answered by a push to 1 of 10 feeds", "memory snapshot 'unchanged'", "vs health in turns",
                        "server memory growth, 40 heads of 100 x 65,000-byte lines",
-                       "memory snapshot, 300 notes, full have", "server memory (start / end)",
+                       "memory snapshot, 20 notes, full have", "server memory (start / end)",
                        "start-up: last page of 10 feeds, 2000 records", "server memory after that start-up"):
             self.assertIn(figure, result.stdout)
-        self.assertIn("2 client processes, 0.1 s a phase", result.stdout)
-        self.assertRegex(result.stdout, r"long-polls answered\s+20 of 20")  # counts are integers
-        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 20 feeds\s+1 in 0\.5 s")
+        for gone in ("target", "MISSED"):  # our development aims are the README's, not the owner's
+            self.assertNotIn(gone, result.stdout)
+        self.assertIn("2 client processes, 0.3 s a phase", result.stdout)
+        self.assertRegex(result.stdout, r"long-polls answered\s+10 of 10")  # counts are integers
+        self.assertRegex(result.stdout, r"polls answered by a push to 1 of 10 feeds\s+1 in 0\.5 s")
+        summary = result.stdout.split("\n\n")[-1].splitlines()
+        self.assertEqual(len(summary), 7, result.stdout)
+        self.assertRegex(summary[0], r"^Your disk makes [0-9,.]+ syncs a second\.$")
+        self.assertRegex(summary[1], r"^One client can push [0-9,.]+ times a second; 2 clients together [0-9,.]+ "
+                                     r"\((each push with a sync of its own|[0-9.]+ pushes share each sync)\)\.$")
+        self.assertRegex(summary[2], r"^A device catching up pulls [0-9,.]+ records a second\.$")
+        self.assertRegex(summary[3], r"^A push wakes 10 waiting devices within [0-9,.]+ ms \(p99\)\.$")
+        self.assertRegex(summary[4], r'^Memory sync answers [0-9,.]+ "nothing changed" checks a second, and '
+                                     r'[0-9,.]+ full snapshots of 20 notes\.$')
+        self.assertRegex(summary[5], r"^With 2,000 records in 10 feeds, the server starts and answers in [0-9.]+ s, "
+                                     r"in [0-9,.]+ MiB\.$")
+        self.assertRegex(summary[6], r"^Nothing is wrong with this install: every push was stored once, and one client's "
+                                     r"pushes clear the floor of [0-9,.]+ a second \(a tenth of what a bare server "
+                                     r"reaches on this disk and CPU\)\.$")
         with open(json_path) as f:
             doc = json.load(f)
-        self.assertEqual(len(doc["figures"]), 19)
+        self.assertEqual(len(doc["figures"]), 20)
+        self.assertEqual((doc["summary"], doc["broken"]), (summary, []))
         health = doc["figures"][0]
         self.assertEqual(health["ratio"], round(health["value"] / health["reference"], 2))
+        self.assertEqual(set(health), {"name", "value", "unit", "reference", "reference_name", "ratio"})
         wake = [figure for figure in doc["figures"] if figure["name"].startswith("long-poll wake p99")][0]
-        self.assertEqual((wake["reference_name"], wake["target"]), ("bare http.server + Condition", "<= 250 ms"))
+        self.assertEqual(wake["reference_name"], "bare http.server + Condition")
         self.assertGreater(wake["reference"], 0)
-        self.assertEqual(wake["met"], wake["value"] <= 250)  # judged on the figure itself, not its ratio
-        met = [figure["met"] for figure in doc["figures"] if figure["target"] is not None]
-        self.assertEqual(len(met), len(sync.BENCH_TARGETS))  # every target is judged when bench starts the server
-        self.assertEqual(doc["targets"], {"met": met.count(True), "judged": len(met)})
-        self.assertEqual(result.stdout.splitlines()[-1], "%d of %d targets met" % (met.count(True), len(met)))
-        self.assertEqual(result.stdout.count("  MISSED"), met.count(False))
+        figures = {figure["name"]: figure["value"] for figure in doc["figures"]}
+        self.assertAlmostEqual(figures["  its floor: a tenth of the bare server's"],
+                               figures["1-record pushes to a bare http.server, 1 client"] / 10, delta=0.01)
 
-    def test_a_running_server_is_measured_with_url_token_and_principal(self):
-        server, token, data_dir = self.start_server("--memory-rate-limit", "0")
-        result = self.run_bench("--url", server.url, "--token", token, "--principal", "alice", "--seconds", "0.1",
-                                "--clients", "1", "--polls", "2", "--catchup-records", "10", "--notes", "5",
-                                "--no-fail")
+    def test_pushes_under_the_floor_are_a_broken_install_and_no_fail_exits_0_all_the_same(self):
+        # A floor no install clears (share 10^6) stands for a server whose pushes something holds back.
+        script = ("import sys; sys.path.insert(0, %r); import oharness_sync as m; m.PUSH_FLOOR_SHARE = 1e6; "
+                  "sys.exit(m.main(sys.argv[1:]))" % HERE)
+        result = subprocess.run([sys.executable, "-c", script, "bench", "--no-fail", "--big-records", "0"]
+                                + list(self.SHORT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120,
+                                universal_newlines=True)
         self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertRegex(result.stdout.splitlines()[-1],
+                         r"^This install is broken: one client pushes only [0-9,.]+ times a second, under the floor "
+                         r"of [0-9,.]+ \(a tenth of the [0-9,.]+ a bare server reaches on this disk and CPU\)\.$")
+        self.assertEqual(result.stderr, "oharness-sync bench: this install is broken: %s\n"
+                         % result.stdout.splitlines()[-1][len("This install is broken: "):-1])
+
+    def test_a_running_server_is_measured_with_url_token_file_and_principal(self):
+        server, token, data_dir = self.start_server("--memory-rate-limit", "0")
+        result = self.run_bench("--url", server.url, "--token-file", self.token_file(token), "--principal", "alice",
+                                "--seconds", "0.1", "--clients", "1", "--polls", "2", "--catchup-records", "10",
+                                "--notes", "5")
+        self.assertEqual((result.returncode, result.stderr), (0, ""))
         self.assertIn("%s, WRITES test data to that server" % server.url, result.stdout)
         for figure in ("health, 1 keep-alive clients", "this machine's disk: serial append+fsync",
                        "1-record pushes, 1 client", "catch-up pull of 10 records",
                        "long-polls answered", "memory snapshot 'unchanged', 1 clients",
                        "memory snapshot, 5 notes, full have"):
             self.assertIn(figure, result.stdout)
-        for only_own in ("  the same to a bare http.server", "server memory", "start-up"):  # measured on its machine
+        for only_own in ("  the same to a bare http.server", "server memory", "start-up", "  its floor"):
             self.assertEqual([line for line in result.stdout.splitlines() if line.startswith(only_own)], [])
+        lines = result.stdout.splitlines()
+        health = [line.startswith("health, 1 keep-alive clients") for line in lines].index(True)
+        self.assertEqual(lines[health + 1], "  no reference with --url: a bare http.server started here would "
+                                            "measure this machine, not the server's")
+        summary = result.stdout.split("\n\n")[-1].splitlines()
+        self.assertRegex(summary[0], r"^This machine's disk makes [0-9,.]+ syncs a second \(the server's own only if "
+                                     r"it runs here\)\.$")
+        self.assertEqual(summary[-1], "Nothing is wrong that bench can see from here: every push was stored once (with "
+                                      "--url no floor is set for the pushes: the disk and CPU measured are this "
+                                      "machine's).")
+        self.assertEqual(result.stdout.split("\n\n")[0].splitlines()[-1],
+                         "not measured with --url: pushes to a bare http.server (so the push figures have no "
+                         "reference), pushes per fsync, the server's memory and its start-up (bench would have to "
+                         "start the server on its own machine)")
         projects = os.listdir(os.path.join(data_dir, "memory", "u-alice"))
         self.assertEqual(len(projects), 1)
         self.assertRegex(projects[0], r"^p-bench-memory-[0-9a-f]{8}$")
+        feeds = sorted(os.listdir(os.path.join(data_dir, "feeds", "u-alice")))  # a feed for each push phase
+        self.assertEqual(len([feed for feed in feeds if feed.startswith("p-bench-push-")]), 2, feeds)
 
-    def test_a_token_the_server_refuses_stops_bench_with_its_answer(self):
+    def test_a_token_on_the_command_line_warns_and_one_the_server_refuses_stops_bench_with_its_answer(self):
         server, _, _ = self.start_server()
         result = self.run_bench("--url", server.url, "--token", "ohs_0_unknown", "--seconds", "0.1", "--clients", "1")
         self.assertEqual(result.returncode, 1)
-        self.assertEqual(result.stderr, 'oharness-sync bench: stopped: a push request was answered 401, not 200: '
+        self.assertEqual(result.stderr, "bench: warning: --token on the command line is visible to other users in ps; "
+                                        "prefer --token-file\n"
+                                        "oharness-sync bench: stopped: a push request was answered 401, not 200: "
                                         '{"error": "unknown token"}\n')
         self.assertNotIn("1-record pushes", result.stdout)
 
-    def run_bench_with_targets(self, targets, *args):
-        """bench --url against a new server, in a process whose BENCH_TARGETS are these."""
-        server, token, _ = self.start_server("--memory-rate-limit", "0")
-        script = ("import sys; sys.path.insert(0, %r); import oharness_sync as m; m.BENCH_TARGETS.update(%r); "
-                  "sys.exit(m.main(sys.argv[1:]))" % (HERE, targets))
-        return subprocess.run([sys.executable, "-c", script, "bench", "--url", server.url, "--token", token,
-                               "--principal", "alice", "--seconds", "0.1", "--clients", "1", "--polls", "2",
-                               "--catchup-records", "10", "--notes", "5"] + list(args),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, universal_newlines=True)
+    def test_token_flags_go_with_url_one_at_a_time_and_the_file_must_hold_a_token(self):
+        path = self.token_file("t")
+        empty = self.token_file("")
+        for args, error in (
+                (["--token-file", path], "--url and --token-file (or --token) go together"),
+                (["--url", "http://127.0.0.1:9"], "--url and --token-file (or --token) go together"),
+                (["--url", "http://127.0.0.1:9", "--token", "t", "--token-file", path],
+                 "give --token or --token-file, not both"),
+                (["--url", "http://127.0.0.1:9", "--token-file", path + "-none"],
+                 "cannot read --token-file %s-none: " % path),
+                (["--url", "http://127.0.0.1:9", "--token-file", empty],
+                 "--token-file %s does not hold a token" % empty)):
+            result = self.run_bench(*args, timeout=30)
+            self.assertEqual((result.returncode, result.stdout), (2, ""), args)
+            self.assertTrue(result.stderr.startswith("oharness-sync: error: " + error), result.stderr)
+            self.assertEqual(len(result.stderr.splitlines()), 1, result.stderr)
 
-    # Targets every run meets (ratios are never negative; no figure reaches 10^12), and one none meets.
-    MET_TARGETS = {name: ">= 0x" if target.split()[1].endswith("x") else "<= 1000000000000"
-                   for name, target in sync.BENCH_TARGETS.items()}
-    MISSED_CATCH_UP = dict(MET_TARGETS, **{"catch-up": ">= 1000000000000/s"})
+    def test_a_server_whose_fsync_fails_is_a_broken_install(self):
+        url, token_file = self.start_patched_server(
+            "def fail(fd):\n    raise OSError(5, 'Input/output error')\nsync.sync_file = fail")
+        result = self.run_bench("--url", url, "--token-file", token_file, *self.SHORT)
+        self.assertEqual(result.returncode, 1)
+        self.assertEqual(result.stderr, 'oharness-sync bench: stopped: a push request was answered 500, not 200: '
+                                        '{"error": "storage failure; nothing was stored"}\n')
+        self.assertNotIn("Nothing is wrong", result.stdout)
 
-    def test_a_missed_target_is_marked_and_exits_1_unless_no_fail(self):
-        result = self.run_bench_with_targets(self.MISSED_CATCH_UP)
-        self.assertEqual((result.returncode, result.stderr), (1, ""))
-        lines = result.stdout.splitlines()
-        self.assertEqual([line for line in lines if "MISSED" in line],
-                         [line for line in lines if line.startswith("catch-up pull of 10 records")])
-        self.assertTrue(lines[[line.startswith("catch-up") for line in lines].index(True)].endswith(
-            "records/s   (target >= 1000000000000/s)  MISSED"), result.stdout)
-        # health and pushes x2 cannot be judged with --url; catch-up, wake p99, own feed, snapshots x2 are
-        self.assertEqual(lines[-1], "4 of 5 targets met (3 more not judged: no reference)")
-        result = self.run_bench_with_targets(self.MISSED_CATCH_UP, "--no-fail")
-        self.assertEqual((result.returncode, result.stdout.splitlines()[-1]),
-                         (0, "4 of 5 targets met (3 more not judged: no reference)"))
+    def test_records_lost_or_stored_twice_are_a_broken_install(self):
+        # A server that loses w0's record r3 and gives back every record r7 twice, in every pull.
+        url, token_file = self.start_patched_server(
+            "split = sync.split_events\n"
+            "def lossy(data):\n"
+            "    records, sessions = split(data)\n"
+            "    kept = [r for r in records if b'\"session\":\"w0\",\"id\":\"r3\"' not in r]\n"
+            "    return kept + [r for r in kept if b'\"id\":\"r7\"' in r], sessions\n"
+            "sync.split_events = lossy")
+        for extra, code in ((), 1), (("--no-fail",), 0):
+            result = self.run_bench("--url", url, "--token-file", token_file, *(self.SHORT + extra))
+            self.assertEqual(result.returncode, code, result.stderr)
+            broken = result.stdout.splitlines()[-1]
+            self.assertRegex(broken, r"^This install is broken: "
+                                     r"1-client pushes: 1 of [0-9]+ acknowledged records missing, 1 record stored more "
+                                     r"than once; "
+                                     r"2-client pushes: 1 of [0-9]+ acknowledged records missing, 2 records stored "
+                                     r"more than once; "
+                                     r"the catch-up pull: 1 record stored more than once\.$")
+            self.assertEqual(result.stderr, "oharness-sync bench: this install is broken: %s\n"
+                             % broken[len("This install is broken: "):-1])
 
-    def test_every_target_met_exits_0_and_url_says_what_has_no_reference(self):
-        result = self.run_bench_with_targets(self.MET_TARGETS)
-        self.assertEqual((result.returncode, result.stderr), (0, ""))
-        lines = result.stdout.splitlines()
-        self.assertNotIn("MISSED", result.stdout)
-        health = [line.startswith("health, 1 keep-alive clients") for line in lines].index(True)
-        self.assertTrue(lines[health].endswith("(target >= 0x: not judged, no reference)"), lines[health])
-        self.assertEqual(lines[health + 1], "  no reference with --url: a bare http.server started here would "
-                                            "measure this machine, not the server's")
-        self.assertEqual(lines[-2:], [
-            "not measured with --url: pushes to a bare http.server (so the push figures have no reference), pushes "
-            "per fsync, the server's memory and its start-up (bench would have to start the server on its own "
-            "machine)", "5 of 5 targets met (3 more not judged: no reference)"])
+    def test_feed_faults_count_what_is_missing_stored_twice_or_never_pushed(self):
+        expected = {("w0", "r0"), ("w0", "r1"), ("w1", "r0")}
+        self.assertEqual(sync.feed_faults("x", expected, [("w1", "r0"), ("w0", "r1"), ("w0", "r0")]), [])
+        self.assertEqual(sync.feed_faults("1-client pushes", expected, [("w0", "r0")]),
+                         ["1-client pushes: 2 of 3 acknowledged records missing"])
+        self.assertEqual(sync.feed_faults("x", expected, sorted(expected) * 3 + [("w2", "r0"), ("w0", "r9")]),
+                         ["x: 6 records stored more than once, 2 records that no one pushed"])
+        self.assertEqual(sync.feed_faults("the catch-up pull", {"r0", "r1"}, ["r1", "r1", "r2"]),
+                         ["the catch-up pull: 1 of 2 acknowledged records missing, 1 record stored more than once, "
+                          "1 record that no one pushed"])
 
-    def test_the_report_marks_misses_prints_counts_as_integers_and_sums_up(self):
+    def test_the_floor_is_a_tenth_of_the_bare_servers_pushes_and_none_without_them(self):
+        self.assertAlmostEqual(sync.push_floor(3167.3), 316.73)
+        self.assertEqual(sync.push_floor(None), None)  # with --url: no bare server
+
+    def test_the_summary_says_what_the_figures_mean_in_plain_words(self):
+        facts = {"own": True, "clients": 16, "polls": 1000, "notes": 5000, "fsync": 6712.3, "health": 7743.0,
+                 "push 1": 2221.7, "floor": 310.5, "push n": 4012.4, "per fsync": 7.04, "catch-up": 335356.0,
+                 "wake p99": 70.2, "answered": 1000, "unchanged": 6079.0, "snapshot": 275.3,
+                 "start-up records": 1000000, "start-up": 3.52, "start-up memory": 138.4}
+        self.assertEqual(sync.bench_summary(facts, []), [
+            "Your disk makes 6,700 syncs a second.",
+            "One client can push 2,200 times a second; 16 clients together 4,000 (7 pushes share each sync).",
+            "A device catching up pulls 340,000 records a second.",
+            "A push wakes 1,000 waiting devices within 70 ms (p99).",
+            'Memory sync answers 6,100 "nothing changed" checks a second, and 280 full snapshots of 5,000 notes.',
+            "With 1,000,000 records in 10 feeds, the server starts and answers in 3.5 s, in 140 MiB.",
+            "Nothing is wrong with this install: every push was stored once, and one client's pushes clear the floor "
+            "of 310 a second (a tenth of what a bare server reaches on this disk and CPU)."])
+        url = dict(facts, own=False, answered=990)
+        for name in ("per fsync", "floor", "unchanged", "snapshot", "start-up", "start-up memory"):
+            del url[name]
+        self.assertEqual(sync.bench_summary(url, ["a: b", "c: d"]), [
+            "This machine's disk makes 6,700 syncs a second (the server's own only if it runs here).",
+            "One client can push 2,200 times a second; 16 clients together 4,000.",
+            "A device catching up pulls 340,000 records a second.",
+            "A push wakes 990 of 1,000 waiting devices within 70 ms (p99).",
+            "This install is broken: a: b; c: d."])
+        self.assertEqual(sync.bench_summary(dict(facts, answered=0, **{"per fsync": 1.04}), [])[1:4], [
+            "One client can push 2,200 times a second; 16 clients together 4,000 (each push with a sync of its own).",
+            "A device catching up pulls 340,000 records a second.",
+            "A push woke none of 1,000 waiting devices."])
+        self.assertEqual([sync.plain(n) for n in (0.96, 7.46, 12.3, 99.6, 357.9, 4743.3, float("nan"))],
+                         ["1", "7.5", "12", "100", "360", "4,700", "?"])
+
+    def test_the_report_prints_counts_as_integers_and_ratios_to_references(self):
         out = io.StringIO()
         report = sync.BenchReport(out)
-        report.add("long-polls answered", 20, "of 20")
-        report.add("a rate", 5.25, "/s", target=">= 10/s")
-        report.add("a ratio", 3.0, "/s", 2.0, "a reference", ">= 1.2x")
-        report.add("a ratio without its reference", 3.0, "/s", target=">= 1.2x")
-        report.add("polls answered", 1, "in 0.5 s", target="== 1 (its own)")
-        report.add("a wake p99 of nothing", float("nan"), "ms", target="<= 250 ms")
+        report.add("long-polls answered", 20, "of 20", fact="answered")
+        report.add("a rate", 5.25, "/s")
+        report.add("a ratio", 3.0, "/s", 2.0, reference_name="a reference")
+        report.add("a wake p99 of nothing", float("nan"), "ms")
         self.assertEqual(out.getvalue().splitlines(), [
             "long-polls answered                                    20 of 20     ",
-            "a rate                                                5.2 /s          (target >= 10/s)  MISSED",
-            "a ratio                                               3.0 /s          vs a reference 2.0: 1.50x"
-            "  (target >= 1.2x)",
-            "a ratio without its reference                         3.0 /s          (target >= 1.2x: not judged, "
-            "no reference)",
-            "polls answered                                          1 in 0.5 s    (target == 1 (its own))",
-            "a wake p99 of nothing                                 nan ms          (target <= 250 ms)  MISSED"])
-        self.assertEqual((report.missed(), report.summary()), (2, "2 of 4 targets met (1 more not judged: no "
-                                                                  "reference)"))
-        with self.assertRaisesRegex(ValueError, "a bench target must be OP NUMBER"):
-            report.add("a target in words", 1.0, "/s", target="fast")
+            "a rate                                                5.2 /s        ",
+            "a ratio                                               3.0 /s          vs a reference 2.0: 1.50x",
+            "a wake p99 of nothing                                 nan ms        "])
+        self.assertEqual(report.facts, {"answered": 20})
+        report.fault(["x: 1 of 2 acknowledged records missing"])
+        self.assertEqual(report.faults, ["x: 1 of 2 acknowledged records missing"])
 
     def test_principal_goes_with_url_and_must_be_an_id(self):
         for args in (["--principal", "alice"], ["--url", "http://127.0.0.1:9", "--token", "t", "--principal", "a/b"]):
@@ -10859,7 +10978,8 @@ class BenchCommandTest(unittest.TestCase):
     def test_a_connection_the_server_closes_stops_bench_instead_of_hanging(self):
         server = FakeServer(lambda handler: (200, b'{"ok":true}', {"Content-Type": "application/json"}))
         self.addCleanup(server.stop)  # HTTP/1.0: it closes the connection after each answer
-        result = self.run_bench("--url", server.url, "--token", "t", "--seconds", "0.1", "--clients", "1", timeout=60)
+        result = self.run_bench("--url", server.url, "--token-file", self.token_file("t"), "--seconds", "0.1",
+                                "--clients", "1", timeout=60)
         self.assertEqual(result.returncode, 1)
         self.assertEqual(result.stderr, "oharness-sync bench: stopped: a health request got no response: "
                                         "the server closed the connection\n")
