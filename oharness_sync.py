@@ -4540,11 +4540,11 @@ class SyncApp:
         """A page for a person who types the server's address into a browser: what this is and
         how to point a client at it. Nothing of any tenant, and nothing to run."""
         url = public_url(request.headers, request.tls)
-        plain = ("" if url.startswith("https:") else
+        http_note = ("" if url.startswith("https:") else
                  " OHarness takes plain <code>http://</code> only for localhost: on a network, "
                  "put HTTPS in front of this server and use that address.")
         page = FRONT_PAGE % {"version": __version__, "url": html.escape(url, quote=True),
-                             "plain": plain}
+                             "plain": http_note}
         return Response(200, page.encode("utf-8"), [
             ("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'"),
             ("X-Content-Type-Options", "nosniff")], content_type="text/html; charset=utf-8")
@@ -6723,8 +6723,8 @@ class ConformanceCheck:
         when a session route refuses --token itself (every other request would too)."""
         got, headers, document = self.response(send)
         if got == 401 and status != 401 and token is None and " /v1/memory/" not in what:
-            raise CheckStopped("the server refuses the token: %s answered 401 %s (is it a token of "
-                               "this server, not revoked or expired?)"
+            raise CheckStopped("the server refuses the token: %s answered 401 %s (is it a token "
+                               "of this server, not revoked or expired?)"
                                % (what.split("?", 1)[0], excerpt(document)))
         if got == 401 and status != 401 and token is None:  # a memory route
             code = document.get("code") if isinstance(document, dict) else None
@@ -9113,7 +9113,7 @@ class BenchReport:
             json.dump(doc, f, indent=2)
 
 
-def plain(number):
+def rounded(number):
     """A figure as the summary says it: two significant digits (6,700; 340,000), a number under 10
     with one decimal at most (7, 2.5)."""
     if number != number:  # nan
@@ -9131,42 +9131,42 @@ def bench_summary(facts, faults):
     if "fsync" in facts:
         sentences.append(("Your disk makes %s syncs a second." if own else
                           "This machine's disk makes %s syncs a second (the server's own only if "
-                          "it runs here).") % plain(facts["fsync"]))
+                          "it runs here).") % rounded(facts["fsync"]))
     if "push 1" in facts and "push n" in facts:
-        shared = "" if "per fsync" not in facts else plain(facts["per fsync"])
+        shared = "" if "per fsync" not in facts else rounded(facts["per fsync"])
         shared = ("" if not shared else " (each push with a sync of its own)" if shared == "1"
                   else " (%s pushes share each sync)" % shared)
         sentences.append("One client can push %s times a second; %d clients together %s%s."
-                         % (plain(facts["push 1"]), facts["clients"], plain(facts["push n"]),
+                         % (rounded(facts["push 1"]), facts["clients"], rounded(facts["push n"]),
                             shared))
     if "catch-up" in facts:
         sentences.append("A device catching up pulls %s records a second."
-                         % plain(facts["catch-up"]))
+                         % rounded(facts["catch-up"]))
     if "answered" in facts:
         answered, polls = facts["answered"], facts["polls"]
         if answered == 0:
-            sentences.append("A push woke none of %s waiting devices." % plain(polls))
+            sentences.append("A push woke none of %s waiting devices." % rounded(polls))
         else:
             sentences.append("A push wakes %s waiting devices within %s ms (p99)."
-                             % (plain(polls) if answered == polls
-                                else "%s of %s" % (plain(answered), plain(polls)),
-                                plain(facts["wake p99"])))
+                             % (rounded(polls) if answered == polls
+                                else "%s of %s" % (rounded(answered), rounded(polls)),
+                                rounded(facts["wake p99"])))
     if "unchanged" in facts and "snapshot" in facts:
         sentences.append("Memory sync answers %s \"nothing changed\" checks a second, and %s full "
-                         "snapshots of %s notes." % (plain(facts["unchanged"]),
-                                                     plain(facts["snapshot"]),
-                                                     plain(facts["notes"])))
+                         "snapshots of %s notes." % (rounded(facts["unchanged"]),
+                                                     rounded(facts["snapshot"]),
+                                                     rounded(facts["notes"])))
     if "start-up" in facts:
         sentences.append("With %s records in 10 feeds, the server starts and answers in %s s%s."
-                         % (plain(facts["start-up records"]), plain(facts["start-up"]),
+                         % (rounded(facts["start-up records"]), rounded(facts["start-up"]),
                             "" if "start-up memory" not in facts
-                            else ", in %s MiB" % plain(facts["start-up memory"])))
+                            else ", in %s MiB" % rounded(facts["start-up memory"])))
     if faults:
         sentences.append("This install is broken: %s." % "; ".join(faults))
     elif own and "floor" in facts:
         sentences.append("Nothing is wrong with this install: every push was stored once, and one "
                          "client's pushes clear the floor of %s a second (a tenth of what a bare "
-                         "server reaches on this disk and CPU)." % plain(facts["floor"]))
+                         "server reaches on this disk and CPU)." % rounded(facts["floor"]))
     elif own:
         sentences.append("Nothing is wrong with this install: every push was stored once.")
     else:
@@ -9294,7 +9294,7 @@ def run_bench(report, args, scratch):
             if push_1 < floor:
                 report.fault(["one client pushes only %s times a second, under the floor of %s "
                               "(a tenth of the %s a bare server reaches on this disk and CPU)"
-                              % (plain(push_1), plain(floor), plain(bare[0]))])
+                              % (rounded(push_1), rounded(floor), rounded(bare[0]))])
         if own:
             push_n, per_fsync, faults = group_commit(os.path.join(scratch, "group-commit"),
                                                      clients, seconds)

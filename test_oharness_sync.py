@@ -10930,7 +10930,7 @@ class BenchCommandTest(unittest.TestCase):
             "One client can push 2,200 times a second; 16 clients together 4,000 (each push with a sync of its own).",
             "A device catching up pulls 340,000 records a second.",
             "A push woke none of 1,000 waiting devices."])
-        self.assertEqual([sync.plain(n) for n in (0.96, 7.46, 12.3, 99.6, 357.9, 4743.3, float("nan"))],
+        self.assertEqual([sync.rounded(n) for n in (0.96, 7.46, 12.3, 99.6, 357.9, 4743.3, float("nan"))],
                          ["1", "7.5", "12", "100", "360", "4,700", "?"])
 
     def test_the_report_prints_counts_as_integers_and_ratios_to_references(self):
