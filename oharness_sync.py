@@ -2449,6 +2449,16 @@ def give_file(fd, owner):
         os.fchmod(fd, mode)
 
 
+def dir_owner(path):
+    """(uid, gid, 0o600): what a file a command makes in the directory path gets, so that a server
+    run as the directory's owner can open it when the command ran as root; None where files have
+    no owner to give (Windows)."""
+    if not hasattr(os, "fchown"):
+        return None
+    info = os.stat(path)
+    return info.st_uid, info.st_gid, 0o600
+
+
 def user_name(uid):
     """The login name of uid, else "uid N"."""
     try:
@@ -3127,7 +3137,8 @@ class Feed:
                 if problem is not None:
                     if not last:
                         self.damage = "%s:%d: %s" % (self.path, line_number, problem)
-                        self.log("feed refused: %s" % self.damage)
+                        self.log("a damaged feed: %s: its pushes and pulls are refused until "
+                                 "fsck --repair mends it" % self.damage)
                         return
                     number = lost_number(line, index.end)
                     cut_tail(self.path, offset, number)
@@ -4364,8 +4375,9 @@ pre,code{background:#f3f3f3}pre{padding:.8em;overflow:auto}</style>
 oharness-sync %(version)s, sync protocol v1.
 Its health check is at <a href="/v1/health">/v1/health</a>.</p>
 <h2>Point an OHarness client at it</h2>
-<p>Put this in your <em>user</em> configuration, <code>~/.oharness/config.json</code>, then restart
-OHarness:</p>
+<p>Put this in your <em>user</em> configuration, <code>~/.oharness/config.json</code> (or
+<code>$OHARNESS_HOME/config.json</code>, or on Linux
+<code>$XDG_CONFIG_HOME/oharness/config.json</code>, when that is set), then restart OHarness:</p>
 <pre>{
   "sync": {
     "url": "%(url)s",
@@ -4495,8 +4507,7 @@ class SyncApp:
 
     def error_response(self, exc, memory_route):
         """The response to an expected failure: the one place that turns an exception into one."""
-        if isinstance(exc, FeedDamaged):
-            self.log("refused a damaged feed: %s" % exc)
+        if isinstance(exc, FeedDamaged):  # (logged once, when the feed was read)
             return json_response(500, {"error": "this feed is damaged; the server log names the "
                                                 "file and line"})
         if isinstance(exc, StorageError):
@@ -6134,8 +6145,8 @@ def token_command(argv):
         if args.action == "list":
             return list_tokens(tokens)
         if not tokens.revoke(token_id, hashed):
-            print("no token with id %s%s"
-                  % (token_id, "" if hashed is None else " matches this token"),
+            print("no token %s%s in %s (revoked already, or never issued here)"
+                  % (token_id, "" if hashed is None else " with this secret", data_dir),
                   file=sys.stderr)
             return 1
         print("revoked token %s" % token_id, file=sys.stderr)
@@ -6254,7 +6265,9 @@ class DataDirCheck:
         self._report_progress(0)
         try:
             read_purged(self.layout)
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
+            self.problems.append("cannot read %s: %s" % (self.layout.purged, reason(exc)))
+        except ValueError as exc:
             self.problems.append("%s does not parse: %s" % (self.layout.purged, reason(exc)))
 
     def leftover(self, path, what):
@@ -6368,12 +6381,13 @@ class DataDirCheck:
         if unreferenced and self.repair:
             for name in unreferenced:
                 os.unlink(os.path.join(objects, name))
-            self.repaired.append("%s: removed %d unreferenced revision objects"
-                                 % (objects, len(unreferenced)))
+            self.repaired.append("%s: removed %s" % (
+                objects, plural(len(unreferenced), "unreferenced revision object")))
         elif unreferenced:
             self.repairable = True
-            self.notes.append("%s: %d unreferenced revision objects (harmless; "
-                              "--repair removes them)" % (objects, len(unreferenced)))
+            self.notes.append("%s: %s (harmless; --repair removes %s)" % (
+                objects, plural(len(unreferenced), "unreferenced revision object"),
+                "it" if len(unreferenced) == 1 else "them"))
 
     def check_object(self, manifest_path, note_id, entry, path):
         try:
@@ -8033,9 +8047,8 @@ class StoppedServerLock:
         if not lock_exclusively(fd):
             os.close(fd)
             raise self._busy()
-        if flags & os.O_CREAT and hasattr(os, "fchown"):
-            info = os.stat(self.data_dir)  # (a server run as the dir's owner must open it too)
-            give_file(fd, (info.st_uid, info.st_gid, 0o600))
+        if flags & os.O_CREAT and dir_owner(self.data_dir) is not None:
+            give_file(fd, dir_owner(self.data_dir))
         self.fd = fd
 
     def _busy(self):
@@ -8118,38 +8131,44 @@ def format_time(ms):
 
 
 def usage_table(report):
-    """The report as text a person reads."""
+    """The report as text a person reads: columns as wide as their longest name (24 at least)."""
+    owners = [("team " if row["team"] else "") + row["owner"] for row in report["feeds"]]
+    wide = max([24] + [len(name) for name in owners]
+               + [len(row["principal"]) for row in report["memory"]])
+    wide_too = max([24] + [len(row["project"]) for row in report["feeds"]]
+                   + [len(row["scope"]) for row in report["memory"]])
+
+    def names(first, second):
+        return "  %-*s %-*s " % (wide, first, wide_too, second)
+
     lines = ["feeds of %s (a compaction keeps what a deletion of %d days or more leaves):"
              % (report["dataDir"], report["retainDeletedDays"]),
-             "  %-24s %-24s %9s %9s %13s %10s %10s  %s"
-             % ("owner", "project", "events", "records", "sessions", "on disk", "kept",
-                "last event")]
-    for row in report["feeds"]:
-        owner = ("team " if row["team"] else "") + row["owner"]
+             names("owner", "project") + "%9s %9s %13s %10s %10s  %s"
+             % ("events", "records", "sessions", "on disk", "kept", "last event")]
+    for owner, row in zip(owners, report["feeds"]):
         if "problem" in row:
-            lines.append("  %-24s %-24s %s" % (owner, row["project"], row["problem"]))
+            lines.append(names(owner, row["project"]) + row["problem"])
             continue
-        lines.append("  %-24s %-24s %9d %9d %6d+%-6d %10s %10s  %s" % (
-            owner, row["project"], row["events"], row["records"], row["sessions"],
-            row["deletedSessions"], format_bytes(row["bytes"]), format_bytes(row["keptBytes"]),
+        lines.append(names(owner, row["project"]) + "%9d %9d %6d+%-6d %10s %10s  %s" % (
+            row["events"], row["records"], row["sessions"], row["deletedSessions"],
+            format_bytes(row["bytes"]), format_bytes(row["keptBytes"]),
             format_time(row["lastEvent"])))
     lines.append("  (sessions: live+deleted)")
     lines.append("memory:")
-    lines.append("  %-24s %-24s %9s %11s %10s" % ("principal", "scope", "notes", "tombstones",
-                                                 "on disk"))
+    lines.append(names("principal", "scope") + "%9s %11s %10s" % ("notes", "tombstones",
+                                                                  "on disk"))
     for row in report["memory"]:
         if "problem" in row:
-            lines.append("  %-24s %-24s %s" % (row["principal"], row["scope"], row["problem"]))
+            lines.append(names(row["principal"], row["scope"]) + row["problem"])
             continue
-        lines.append("  %-24s %-24s %9d %11d %10s"
-                     % (row["principal"], row["scope"], row["notes"], row["tombstones"],
-                        format_bytes(row["bytes"])))
+        lines.append(names(row["principal"], row["scope"]) + "%9d %11d %10s"
+                     % (row["notes"], row["tombstones"], format_bytes(row["bytes"])))
     totals = report["totals"]
-    lines.append("in all: %s with %d events, %s on disk, %s after a compaction; %s with %d "
-                 "notes, %s; the disk has %s free" % (
-                     plural(totals["feeds"], "feed"), totals["events"],
+    lines.append("in all: %s with %s, %s on disk, %s after a compaction; %s with %s, %s; the "
+                 "disk has %s free" % (
+                     plural(totals["feeds"], "feed"), plural(totals["events"], "event"),
                      format_bytes(totals["bytes"]), format_bytes(totals["keptBytes"]),
-                     plural(totals["scopes"], "memory scope"), totals["notes"],
+                     plural(totals["scopes"], "memory scope"), plural(totals["notes"], "note"),
                      format_bytes(totals["memoryBytes"]), format_bytes(report["diskFreeBytes"])))
     return lines
 
@@ -8243,14 +8262,22 @@ def purge_command(argv):
     if not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
     data_dir = existing_data_dir(args.data)
-    lock = StoppedServerLock(data_dir, "purge")
+    try:
+        lock = StoppedServerLock(data_dir, "purge")
+    except UsageError:
+        if not args.dry_run:
+            raise
+        lock = None  # a dry run only reads, as usage does: a server may run meanwhile
     try:
         return purge(DataDir(data_dir), args.principal, args.dry_run, lock)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def purge(layout, principal, dry_run, lock):
+    """Erase principal from the data dir at layout (or with dry_run, say what would go); lock: the
+    StoppedServerLock held, None on a dry run while a server holds the dir."""
     tokens = TokenStore(layout.path)
     try:
         records = [record for record in tokens.read() if record["principal"] == principal]
@@ -8274,8 +8301,9 @@ def purge(layout, principal, dry_run, lock):
             raise UsageError("cannot read %s: %s (fsck --repair first)"
                              % (entry.path, reason(exc))) from None
         ends[purged_key(owner, project)] = summary.end
-        lines.append("feed %s: %d events, %s (pushed to again, it numbers on after %d)"
-                     % (project, summary.events, format_bytes(entry.stat().st_size), summary.end))
+        lines.append("feed %s: %s, %s (pushed to again, it numbers on after %d)"
+                     % (project, plural(summary.events, "event"),
+                        format_bytes(entry.stat().st_size), summary.end))
     for scope, files in scopes:
         lines.append("memory %s" % scope_name(scope.project))
     teams = sorted({team for record in records for team in record["teams"]})
@@ -8285,11 +8313,13 @@ def purge(layout, principal, dry_run, lock):
         if teams:
             print("purge: team feeds stay (they belong to the team): %s" % ", ".join(teams))
         print("purge: --dry-run: nothing was changed")
+        if lock is None:
+            print("purge: a server is using %s: stop it before the purge itself" % layout.path)
         return 0
     lock.change()  # (only now: a dry run or a refusal leaves the dir as it was)
     if ends:  # first: should anything fail after, the numbering is kept
         purged.update(ends)
-        write_atomically(layout.purged, encode_json(purged))
+        write_atomically(layout.purged, encode_json(purged), dir_owner(layout.path))
     for record in records:
         tokens.revoke(record["id"])
     for _, entry in feeds:

@@ -4190,13 +4190,21 @@ class FsckTest(unittest.TestCase):
         self.assertTrue(problems[1].startswith("problem: %s: token file does not parse" % os.path.join(
             self.data_dir, "tokens.json")))
 
+    def test_a_purged_feeds_file_that_cannot_be_read_is_said_so(self):
+        os.makedirs(os.path.join(self.data_dir, "feeds", "purged.json"))  # (root reads any file: a directory)
+        code, lines = self.fsck()
+        self.assertEqual(code, 1)
+        self.assertEqual(self.problems(lines), ["problem: cannot read %s: Is a directory"
+                                                % os.path.join(self.data_dir, "feeds", "purged.json")])
+
     def test_unreferenced_objects_are_a_note_and_repair_removes_them(self):
         orphan = os.path.join(self.scope, "objects", "0" * 32 + ".json")
         with open(orphan, "wb") as f:
             f.write(b"{}")  # what a crash between objects and manifest leaves
         code, lines = self.fsck()
         self.assertEqual(code, 0)
-        self.assertIn("note: %s: 1 unreferenced revision objects" % os.path.join(self.scope, "objects"),
+        self.assertIn("note: %s: 1 unreferenced revision object (harmless; --repair removes it)"
+                      % os.path.join(self.scope, "objects"),
                       "\n".join(lines))
         code, lines = self.fsck("--repair")
         self.assertEqual(code, 0)
@@ -4364,6 +4372,16 @@ class DataDirToolCase(unittest.TestCase):
         self.team_feed = self.layout.feed_path(self.TEAM, "proj-x")
         self.bob_feed = self.layout.feed_path(self.BOB, "proj-b")
 
+    def purge_report(self, verb):
+        """What purge --principal alice says of each thing of hers ("removed", "would remove")."""
+        return ["purge: %s alice's token %s (laptop)" % (verb, self.alice_tokens[0]),
+                "purge: %s alice's token %s" % (verb, self.alice_tokens[1]),
+                "purge: %s alice's feed proj-x: 10 events, %s (pushed to again, it numbers on after 10)"
+                % (verb, sync.format_bytes(os.path.getsize(self.alice_feed))),
+                "purge: %s alice's memory project/proj-x" % verb,
+                "purge: %s alice's memory user" % verb,
+                "purge: team feeds stay (they belong to the team): platform"]
+
     def run_tool(self, *argv):
         """(exit code, stdout, stderr) of the command line, run in this process."""
         out, err = io.StringIO(), io.StringIO()
@@ -4498,6 +4516,24 @@ class UsageCommandTest(DataDirToolCase):
             "in all: 3 feeds with 16 events, %s on disk, %s after a compaction; 3 memory scopes with 3 notes, %s; "
             "the disk has 123.0 GiB free" % (fb(report["totals"]["bytes"]), fb(report["totals"]["keptBytes"]),
                                              fb(report["totals"]["memoryBytes"]))])
+
+    def test_a_long_name_widens_its_column_and_a_count_of_one_is_singular(self):
+        long_project = "ohs-check-3272a261-bodies-" + "x" * 10  # 36 characters
+        sync.FeedStore(self.data_dir).push(("u", "carol"), long_project, *validated([record("c1", "c")]))
+        table = sync.usage_table(sync.usage_report(self.data_dir, int(time.time() * 1000), 90 * sync.DAY_MS))
+        self.assertEqual(table[1][:2 + 24 + 1 + 36 + 10], "  %-24s %-36s %9s" % ("owner", "project", "events"))
+        row = [line for line in table if "carol" in line][0]
+        self.assertEqual(row[:2 + 24 + 1 + 36 + 20], "  %-24s %-36s %9d %9d" % ("carol", long_project, 1, 1))
+        self.assertEqual(table[7 + 1][:2 + 24 + 1 + 36 + 10], "  %-24s %-36s %9s" % ("principal", "scope", "notes"))
+        shutil.rmtree(os.path.join(self.data_dir, "memory", "u-bob"))
+        shutil.rmtree(os.path.join(self.data_dir, "memory", "u-alice"))
+        memory = sync.MemoryStore(self.data_dir)
+        memory.commit("alice", sync.USER_SCOPE, None, memory_changes_of(memory_put("u")))
+        shutil.rmtree(os.path.join(self.data_dir, "feeds"))
+        sync.FeedStore(self.data_dir).push(self.BOB, "proj-b", *validated([record("b1", "1")]))
+        total = sync.usage_table(sync.usage_report(self.data_dir, int(time.time() * 1000), 90 * sync.DAY_MS))[-1]
+        self.assertTrue(total.startswith("in all: 1 feed with 1 event, "), total)
+        self.assertIn("; 1 memory scope with 1 note, ", total)
 
     def test_usage_is_read_only(self):
         before = self.tree()
@@ -4658,20 +4694,11 @@ class CompactCommandTest(DataDirToolCase):
 class PurgeCommandTest(DataDirToolCase):
     """purge: a principal's tokens, own feeds and memory go; team feeds and others stay; numbering goes on."""
 
-    def report(self, verb):
-        return ["purge: %s alice's token %s (laptop)" % (verb, self.alice_tokens[0]),
-                "purge: %s alice's token %s" % (verb, self.alice_tokens[1]),
-                "purge: %s alice's feed proj-x: 10 events, %s (pushed to again, it numbers on after 10)"
-                % (verb, sync.format_bytes(os.path.getsize(self.alice_feed))),
-                "purge: %s alice's memory project/proj-x" % verb,
-                "purge: %s alice's memory user" % verb,
-                "purge: team feeds stay (they belong to the team): platform"]
-
     def test_a_dry_run_prints_the_report_and_changes_nothing(self):
         before = self.tree()
         code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "alice", "--dry-run")
         self.assertEqual((code, err), (0, ""))
-        self.assertEqual(out.splitlines(), self.report("would remove") + ["purge: --dry-run: nothing was changed"])
+        self.assertEqual(out.splitlines(), self.purge_report("would remove") + ["purge: --dry-run: nothing was changed"])
         self.assertEqual(self.tree(), before)  # not even a lock file made
 
     def test_a_dry_run_on_a_dir_a_server_ran_on_leaves_its_lock_file_as_it_was(self):
@@ -4683,7 +4710,7 @@ class PurgeCommandTest(DataDirToolCase):
         self.assertEqual(self.tree(), before)
 
     def test_purge_erases_the_principal_and_leaves_team_feeds_and_others(self):
-        report = self.report("would remove")
+        report = self.purge_report("would remove")
         before = self.tree()
         code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")
         self.assertEqual((code, err), (0, ""))
@@ -4713,6 +4740,22 @@ class PurgeCommandTest(DataDirToolCase):
         memory = sync.MemoryStore(self.data_dir)
         self.assertEqual([json.loads(e)["id"] for e in memory.snapshot("bob", sync.USER_SCOPE).entries], ["v"])
         self.assertEqual(as_doc(memory.snapshot("alice", sync.USER_SCOPE))["entries"], [])
+
+    def test_purge_run_as_root_leaves_what_it_writes_to_the_data_dirs_owner(self):
+        # Else the server, run as that owner, cannot read feeds/purged.json and answers every push 500.
+        owner = (os.getuid(), os.getgid())
+        if os.geteuid() == 0:
+            owner = (65534, 65534)  # nobody: a service user's data dir, purged with sudo
+            for path in [self.data_dir] + [os.path.join(top, name) for top, dirs, files in os.walk(self.data_dir)
+                                           for name in dirs + files]:
+                os.chown(path, *owner)
+        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")[0], 0)
+        for path in (self.layout.purged, self.layout.lock):
+            info = os.stat(path)
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), owner + (0o600,), path)
+        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "bob")[0], 0)
+        info = os.stat(self.layout.purged)  # rewritten: still theirs
+        self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), owner + (0o600,))
 
     def test_a_purged_feed_pushed_to_again_numbers_on_after_its_old_end(self):
         self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")[0], 0)
@@ -4748,9 +4791,10 @@ class PurgeCommandTest(DataDirToolCase):
 
 
 class ToolsWithAServerUpTest(DataDirToolCase):
-    """usage reads a data dir a server runs on; compact and purge refuse it, and leave it as it was."""
+    """usage and purge --dry-run read a data dir a server runs on; compact and purge refuse it, and leave it as it
+    was."""
 
-    def test_usage_reads_while_a_server_runs_and_compact_and_purge_refuse(self):
+    def test_usage_and_a_dry_run_read_while_a_server_runs_and_compact_and_purge_refuse(self):
         server = SubprocessServer(self.data_dir)
         try:
             before = self.tree()
@@ -4759,14 +4803,20 @@ class ToolsWithAServerUpTest(DataDirToolCase):
             self.assertEqual((result.returncode, result.stderr), (0, b""))
             report = json.loads(result.stdout)
             self.assertEqual(report, self.expected_report(report["diskFreeBytes"]))
-            for command in (["compact"], ["purge", "--principal", "alice"],
-                            ["purge", "--principal", "alice", "--dry-run"]):
+            for command in (["compact"], ["purge", "--principal", "alice"]):
                 result = subprocess.run([sys.executable, MODULE, command[0], "--data", self.data_dir] + command[1:],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30,
                                         universal_newlines=True)
                 self.assertEqual((result.returncode, result.stdout, result.stderr), (2, "", (
                     "oharness-sync: error: a server is using %s: stop it first (%s needs the data dir to itself)\n"
                     % (self.data_dir, command[0]))), command)
+            result = subprocess.run([sys.executable, MODULE, "purge", "--data", self.data_dir, "--principal", "alice",
+                                     "--dry-run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30,
+                                    universal_newlines=True)
+            self.assertEqual((result.returncode, result.stderr), (0, ""))
+            self.assertEqual(result.stdout.splitlines(), self.purge_report("would remove") + [
+                "purge: --dry-run: nothing was changed",
+                "purge: a server is using %s: stop it before the purge itself" % self.data_dir])
             self.assertEqual(self.tree(), before)
         finally:
             server.stop()
@@ -9909,9 +9959,14 @@ class CommandLineTest(unittest.TestCase):
         forged = tokens[0][:-4] + ("AAAA" if not tokens[0].endswith("AAAA") else "BBBB")
         result = self.run_cli("token", "revoke", "--data", self.data_dir, forged)  # its id, not its hash
         self.assertEqual((result.returncode, result.stdout, result.stderr),
-                         (1, "", "no token with id %s matches this token\n" % alice_id))
+                         (1, "", "no token %s with this secret in %s (revoked already, or never issued here)\n"
+                          % (alice_id, self.data_dir)))
         result = self.run_cli("token", "revoke", "--data", self.data_dir, tokens[0])
         self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "", "revoked token %s\n" % alice_id))
+        result = self.run_cli("token", "revoke", "--data", self.data_dir, alice_id)  # again
+        self.assertEqual((result.returncode, result.stdout, result.stderr),
+                         (1, "", "no token %s in %s (revoked already, or never issued here)\n"
+                          % (alice_id, self.data_dir)))
         self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
         for given in ("ohs_%s" % alice_id, tokens[1][:20], "eyJhbGciOi.eyJzdWIiOi.c2lnbmF0dXJl", "3F9C2A17B0DE"):
             result = self.run_cli("token", "revoke", "--data", self.data_dir, given)
