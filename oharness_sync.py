@@ -32,6 +32,7 @@ Part I, the server, is what `--data DIR` runs:
     Validation and hashing
                         pure rules: ids and numbers, a push, a note and its hash
                         (JavaScript's JSON.stringify), a memory request
+    Metrics             what the server counts, and its Prometheus exposition
     Authentication      one small verifier per token kind: local tokens, JWTs
                         (HS256, RS256, ES256), Supabase; the guard against
                         forged ones; the Authenticator that picks
