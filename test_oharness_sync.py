@@ -10784,6 +10784,7 @@ class BenchCommandTest(unittest.TestCase):
         return line.split()[-1], self.token_file(token)
 
     SHORT = ("--seconds", "0.3", "--clients", "2", "--polls", "10", "--catchup-records", "500", "--notes", "20")
+    TINY = ("--seconds", "0.1", "--clients", "2", "--polls", "2", "--catchup-records", "10", "--notes", "5")
 
     def test_a_healthy_install_prints_every_figure_says_nothing_is_wrong_and_exits_0(self):
         out_dir = tempfile.mkdtemp(prefix="ohs-test-")
@@ -10842,7 +10843,7 @@ class BenchCommandTest(unittest.TestCase):
         script = ("import sys; sys.path.insert(0, %r); import oharness_sync as m; m.PUSH_FLOOR_SHARE = 1e6; "
                   "sys.exit(m.main(sys.argv[1:]))" % HERE)
         result = subprocess.run([sys.executable, "-c", script, "bench", "--no-fail", "--big-records", "0"]
-                                + list(self.SHORT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120,
+                                + list(self.TINY), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120,
                                 universal_newlines=True)
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertRegex(result.stdout.splitlines()[-1],
@@ -10931,7 +10932,7 @@ class BenchCommandTest(unittest.TestCase):
             "    return kept + [r for r in kept if b'\"id\":\"r7\"' in r], sessions\n"
             "sync.split_events = lossy")
         for extra, code in ((), 1), (("--no-fail",), 0):
-            result = self.run_bench("--url", url, "--token-file", token_file, *(self.SHORT + extra))
+            result = self.run_bench("--url", url, "--token-file", token_file, *(self.TINY + extra))
             self.assertEqual(result.returncode, code, result.stderr)
             broken = result.stdout.splitlines()[-1]
             self.assertRegex(broken, r"^This install is broken: "
