@@ -6427,6 +6427,15 @@ class MetricsTest(ServerCase):
         return metric_value(families, "oharness_sync_http_requests_total", route=route, method=method,
                             status=status)
 
+    def requests_moved(self, before, after):
+        """{(route, method, status class): requests counted between the scrapes before and after}."""
+        moved = {}
+        for _, labels, value in after["oharness_sync_http_requests_total"].samples:
+            delta = value - self.requests_of(before, **labels)
+            if delta:
+                moved[labels["route"], labels["method"], labels["status"]] = delta
+        return moved
+
     def wait_for(self, condition, seconds=5):
         deadline = time.monotonic() + seconds
         while not condition():
@@ -6474,11 +6483,7 @@ class MetricsTest(ServerCase):
             sock.sendall(b"NOT A REQUEST\r\n\r\n")
             self.assertEqual(read_raw_answer(sock)[0], 400)
         after = self.scrape()
-        moved = {}
-        for _, labels, value in after["oharness_sync_http_requests_total"].samples:
-            delta = value - self.requests_of(before, **labels)
-            if delta:
-                moved[labels["route"], labels["method"], labels["status"]] = delta
+        moved = self.requests_moved(before, after)
         self.assertEqual(moved, {("/v1/health", "GET", "2xx"): 3, ("/v1/health", "HEAD", "2xx"): 1,
                                  ("/v1/health", "other", "4xx"): 1, ("/v1/push", "GET", "4xx"): 1,
                                  ("other", "GET", "4xx"): 1, ("/v1/pull", "GET", "2xx"): 1,
@@ -6520,11 +6525,7 @@ class MetricsTest(ServerCase):
                 reader.read(0 if method == "HEAD" else length)
             self.assertEqual(statuses, [200, 200, 200, 200, 401, 200, 401, 404, 404, 404, 405, 200])
             after = self.scrape()  # (the connection is open: its Tally is read as it is)
-        moved = {}
-        for _, labels, value in after["oharness_sync_http_requests_total"].samples:
-            delta = value - self.requests_of(before, **labels)
-            if delta:
-                moved[labels["route"], labels["method"], labels["status"]] = delta
+        moved = self.requests_moved(before, after)
         self.assertEqual(moved, {("/v1/health", "GET", "2xx"): 4, ("/v1/health", "HEAD", "2xx"): 1,
                                  ("/v1/projects", "GET", "4xx"): 2, ("/v1/projects", "GET", "2xx"): 1,
                                  ("other", "GET", "4xx"): 3, ("/v1/health", "POST", "4xx"): 1,
