@@ -1010,6 +1010,9 @@ METRIC_ROUTES = frozenset(["/", "/v1/health", "/v1/projects", "/v1/push", "/v1/p
                            "/v1/memory/identity", "/v1/memory/snapshot", "/v1/memory/commit",
                            "/metrics"])
 METRIC_METHODS = frozenset(["GET", "HEAD", "POST"])
+# The status classes a route's requests are counted under from the first scrape, at 0: a query or
+# an alert on one (an error ratio, say) then has its series before the first such request.
+EXPECTED_STATUS_CLASSES = (2, 4, 5)
 _bucket = bisect.bisect_left  # (an observation of a bucket's bound is in it: le)
 _FIRST_BOUND = REQUEST_SECONDS[0]
 _SUM = len(REQUEST_SECONDS) + 1  # where a Tally's row keeps the sum of its durations
@@ -1104,10 +1107,17 @@ class Metrics:
         self.fsyncs = Histogram(FSYNC_SECONDS)
         self.commits = Histogram(PUSHES_PER_COMMIT)
         self.gauges = []                       # (name, help, read), read at each scrape
+        self.expected = set()                  # (route, method) counted at 0 before any request
 
     def gauge(self, name, text, read):
         """A gauge whose value read() gives at each scrape."""
         self.gauges.append((name, text, read))
+
+    def expect(self, route, method):
+        """Show route's requests by method, and their durations, from the first scrape: at 0 for
+        each of EXPECTED_STATUS_CLASSES (Prometheus cannot tell an absent series from no data)."""
+        with self.lock:
+            self.expected.add((route, method))
 
     def add(self, name, label=None, amount=1):
         with self.lock:
@@ -1139,9 +1149,12 @@ class Metrics:
         with self.lock:
             every.add(self.closed)
             tallies = list(self.tallies.values())
+            expected = list(self.expected)
         for tally in tallies:
             every.add(tally)
-        counts, durations = {}, {}
+        counts = {(route, method, status): 0
+                  for route, method in expected for status in EXPECTED_STATUS_CLASSES}
+        durations = {route: Histogram(REQUEST_SECONDS) for route, _ in expected}
         for (route, method, status), row in every.items():
             key = (route, method, status // 100)
             counts[key] = counts.get(key, 0) + sum(row[:-1])
@@ -4467,6 +4480,9 @@ class SyncApp:
         self.routes = dict(self.ROUTES)
         if metrics_token is not None:
             self.routes["/metrics"] = {"GET": "metrics_page"}
+        for route, methods in self.routes.items():
+            for method in methods:
+                self.metrics.expect(route, method)
         self.parked = set()               # the requests of long-polls waiting now
         self._parked_lock = threading.Lock()
         self.metrics.gauge("oharness_sync_long_polls_parked", "Long-polls parked now.",
