@@ -164,6 +164,9 @@ SIGNAL_POLL_SECONDS = 0.1           # how soon the main loop acts on a signal (S
 
 LOCAL_TOKEN_PREFIX = "ohs_"
 
+# Sharing the server
+MAX_PRINCIPALS_FILE_BYTES = 1024 * 1024  # a larger --principals-file is refused
+
 # Memory sync
 MEMORY_QUOTA = {"maxNotes": 5000, "maxChanges": 500, "maxNoteBytes": 131072, "tombstoneDays": 90}
 # A larger request body is refused with 413 before it is read.
@@ -254,6 +257,10 @@ class AuthError(Exception):
         self.lasting = lasting
 
 
+class NotListed(Exception):
+    """A valid token whose principal the principals file does not list (answers 403)."""
+
+
 class AuthUnavailable(Exception):
     """The identity service could not be asked (answers 502 auth_unavailable)."""
 
@@ -327,6 +334,31 @@ def format_bytes(count):
         if count < 1024 or unit == "GiB":
             return "%d %s" % (count, unit) if unit == "bytes" else "%.1f %s" % (count, unit)
         count /= 1024.0
+
+
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?) ?([KMGT]?i?B)?", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text):
+    """The bytes of a size as a person writes it: 4096 (bytes), 500MiB, 2GiB or 1.5 TiB (powers of
+    1024), 2GB or 1TB (powers of 1000, as disks are sold); ValueError for anything else."""
+    match = _SIZE.fullmatch(text.strip())
+    unit = (match.group(2) or "b").lower() if match else None
+    if unit not in _SIZE_UNITS:
+        raise ValueError("%r is not a size (such as 500MiB, 2GiB or 1TB)" % text)
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_size(count):
+    """A size as an operator would write it: exact when it is a whole number of its unit (2 GiB),
+    else format_bytes."""
+    for unit, size in (("TiB", 1 << 40), ("TB", 10 ** 12), ("GiB", 1 << 30), ("GB", 10 ** 9),
+                       ("MiB", 1 << 20), ("MB", 10 ** 6), ("KiB", 1 << 10), ("KB", 10 ** 3)):
+        if count >= size and count % size == 0:
+            return "%d %s" % (count // size, unit)
+    return format_bytes(count)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2218,20 +2250,71 @@ class GuardedVerifier:
                 self.failures.give_back(client)
 
 
+# ---- who may use the server ----------------------------------------------------
+
+def read_principals(path):
+    """{principal: quota in bytes, or None} of a principals file: one principal a line, optionally
+    its storage quota (`bob 2GiB`); `#` starts a comment. ValueError naming the line for anything
+    else (a bad id or size, more fields, a principal twice), and for an empty list."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_PRINCIPALS_FILE_BYTES + 1)
+    if len(data) > MAX_PRINCIPALS_FILE_BYTES:
+        raise ValueError("larger than %s" % format_bytes(MAX_PRINCIPALS_FILE_BYTES))
+    quotas = {}
+    for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        fields = line.split("#", 1)[0].split(None, 1)
+        if not fields:
+            continue
+        where = "line %d" % number
+        principal, quota = fields[0], None
+        if not is_valid_id(principal):
+            raise ValueError("%s: %r is not a valid id ([A-Za-z0-9_-], 1 to 128 characters)"
+                             % (where, principal))
+        if principal in quotas:
+            raise ValueError("%s: %s is listed twice" % (where, principal))
+        if len(fields) > 1:
+            try:
+                quota = parse_size(fields[1])
+            except ValueError as exc:
+                raise ValueError("%s: %s" % (where, exc)) from None
+        quotas[principal] = quota
+    if not quotas:
+        raise ValueError("it lists no principal (a server that lets no one in is a mistake)")
+    return quotas
+
+
+class PrincipalList:
+    """The principals file (--principals-file): who may use the server, and the storage quota of
+    each (None: no quota). reload() swaps the whole list at once, or keeps it (ValueError or
+    OSError)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.quotas = read_principals(path)
+
+    def reload(self):
+        """Read the file again; the number of principals it lists."""
+        self.quotas = read_principals(self.path)
+        return len(self.quotas)
+
+
 class Authenticator:
     """Chooses the verifier for a bearer token by its kind and the route family.
 
     Session sync: local tokens start with `ohs_`; JWTs (three dot-separated parts)
     go to the JWT verifier when one is configured. Memory sync (`memory_mode`):
-    "local" accepts the same tokens but refuses anonymous JWTs, "supabase" asks
+    "local" accepts the same tokens, "supabase" asks
     a Supabase-compatible auth service, "off" refuses every memory request.
     JWTs and Supabase tokens are checked behind a GuardedVerifier; `failures` counts
     their failed checks per client (default: FAILED_CHECKS_PER_MINUTE, FAILED_CHECKS_BURST).
+    Whatever the kind, an anonymous account is refused (AuthError), and with a PrincipalList
+    (`principals`) a principal it does not list is too (NotListed).
     """
 
     def __init__(self, local, jwt=None, memory_mode="local", supabase=None, failures=None,
-                 metrics=None):
+                 metrics=None, principals=None):
         self.local = local
+        self.principals = principals
         self.jwt = jwt
         self.memory_mode = memory_mode
         self.supabase = supabase
@@ -2245,7 +2328,17 @@ class Authenticator:
         """The Identity for an Authorization header; AuthError for any unusable token,
         AuthThrottled when too many tokens from client (an opaque key, such as an address) failed
         lately."""
-        return self._session_identity(bearer_token(header), client)
+        return self._admitted(self._session_identity(bearer_token(header), client))
+
+    def _admitted(self, identity):
+        """identity, when it may use this server: not anonymous (AuthError), and listed when there
+        is a principals file (NotListed)."""
+        if identity.anonymous:
+            raise AuthError("anonymous accounts are not accepted here")
+        if self.principals is not None and identity.principal not in self.principals.quotas:
+            raise NotListed("%s is not among the principals this server serves" %
+                            identity.principal)
+        return identity
 
     def _session_identity(self, token, client):
         if token.startswith(LOCAL_TOKEN_PREFIX):
@@ -2277,11 +2370,9 @@ class Authenticator:
             if token.startswith(LOCAL_TOKEN_PREFIX):
                 self.metrics.add("token_failures", "local")
                 raise AuthError("memory sync here needs an account token, not a local token")
-            return self._counted("supabase", self._guarded_supabase.verify, token, client)
-        identity = self._session_identity(token, client)
-        if identity.anonymous:
-            raise AuthError("anonymous accounts cannot use memory sync")
-        return identity
+            return self._admitted(self._counted("supabase", self._guarded_supabase.verify,
+                                                token, client))
+        return self._admitted(self._session_identity(token, client))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -4457,6 +4548,7 @@ MEMORY_CLIENT_NOTE = 'the README of oharness-sync, "Pointing an OHarness client 
 AUTH_FAILURES = (  # (exception, session status and text, memory status, code and text)
     (AuthError, 401, "%s", 401, "sign_in_required",
      "%s (which memory clients this server lets in: see " + MEMORY_CLIENT_NOTE + ")"),
+    (NotListed, 403, "%s", 403, "account_mismatch", "%s"),
     (AuthThrottled, 429, "%s; try again later", 429, "rate_limited", "%s"),
     (AuthUnavailable, 503, "cannot check this token now (%s); try again later",
      502, "auth_unavailable", "%s"),
@@ -4516,7 +4608,7 @@ class SyncApp:
             return json_response(405, body, [("Allow", ", ".join(allowed))])
         try:
             return getattr(self, handler)(request)
-        except (AuthError, AuthThrottled, AuthUnavailable, AuthNotConfigured) as exc:
+        except (AuthError, NotListed, AuthThrottled, AuthUnavailable, AuthNotConfigured) as exc:
             request.refusal = str(exc)  # (the texts never hold a token)
             return self.error_response(exc, request.path.startswith("/v1/memory/"))
         except (ApiError, MemoryApiError, FeedDamaged, StorageError) as exc:
@@ -5414,12 +5506,13 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
                  max_connections=DEFAULT_MAX_CONNECTIONS, log=None, jwt=None, memory_mode="local",
                  supabase=None, memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None,
                  max_parked=DEFAULT_MAX_PARKED, request_seconds=DEFAULT_REQUEST_SECONDS,
-                 idle_seconds=IDLE_SECONDS, metrics_token=None):
+                 idle_seconds=IDLE_SECONDS, metrics_token=None, principals=None):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business). With
-    a metrics_token, GET /metrics answers whoever has it."""
+    a metrics_token, GET /metrics answers whoever has it; with principals (a PrincipalList), only
+    those it lists are served."""
     log, metrics = log or Log(quiet=True), Metrics()
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode,
-                         supabase, metrics=metrics)
+                         supabase, metrics=metrics, principals=principals)
     feeds = FeedStore(data_dir, log, metrics=metrics)
     memory = MemoryStore(data_dir, log=log, metrics=metrics)
     if metrics_token is not None:
@@ -5676,6 +5769,9 @@ def serve_command(argv):
     parser.add_argument("--metrics-token-file", metavar="FILE",
                         help="serve GET /metrics to whoever sends the token on this file's first "
                              "line (re-read on SIGHUP)")
+    parser.add_argument("--principals-file", metavar="FILE",
+                        help="serve only the principals this file lists, one a line, each with "
+                             "an optional storage quota (`bob 2GiB`); re-read on SIGHUP")
     parser.add_argument("--quiet", action="store_true", help="no access log")
     parser.add_argument("--tls-cert", metavar="CERT.pem",
                         help="serve HTTPS with this certificate (chain)")
@@ -5697,6 +5793,7 @@ def serve_command(argv):
         raise UsageError("--retain-deleted-days must be 0 or more")
     metrics_token = (read_token_file(args.metrics_token_file, "--metrics-token-file")
                      if args.metrics_token_file else None)
+    principals = principals_from_flag(args.principals_file)
     log = Log(quiet=args.quiet)
     jwt, supabase = auth_from_flags(args, log)
     tls = tls_from_flags(args)
@@ -5712,7 +5809,7 @@ def serve_command(argv):
                                   memory_mode=args.memory_auth, supabase=supabase,
                                   memory_rate_limit=args.memory_rate_limit, tls=tls,
                                   max_parked=args.max_parked, request_seconds=args.request_timeout,
-                                  metrics_token=metrics_token)
+                                  metrics_token=metrics_token, principals=principals)
         except OSError as exc:
             raise UsageError("cannot listen on %s:%d: %s"
                              % (args.host, args.port, reason(exc))) from None
@@ -5734,10 +5831,20 @@ def serve_command(argv):
     return 0
 
 
+def principals_from_flag(path):
+    """The PrincipalList of --principals-file, or None; UsageError naming what is wrong."""
+    if path is None:
+        return None
+    try:
+        return PrincipalList(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError("cannot use the principals file %s: %s" % (path, reason(exc))) from None
+
+
 def reload_files(server, metrics_token_file=None):
-    """What a SIGHUP does: read the token file, a JWKS file, the TLS files and the metrics token
-    file again, each keeping what it had when it cannot; then log one line saying what was reloaded
-    (and what was kept, and why)."""
+    """What a SIGHUP does: read the token file, the principals file, a JWKS file, the TLS files and
+    the metrics token file again, each keeping what it had when it cannot; then log one line saying
+    what was reloaded (and what was kept, and why)."""
     local, jwt = server.app.auth.local, server.app.auth.jwt
     done = []
     try:
@@ -5746,6 +5853,14 @@ def reload_files(server, metrics_token_file=None):
     except (OSError, ValueError) as exc:
         done.append("kept the tokens in force: cannot read the token file %s: %s"
                     % (local.tokens.path, reason(exc)))
+    principals = server.app.auth.principals
+    if principals is not None:
+        try:
+            done.append("reloaded the principals file %s (%s)"
+                        % (principals.path, plural(principals.reload(), "principal")))
+        except (OSError, ValueError) as exc:
+            done.append("kept the principals in force: cannot use the principals file %s: %s"
+                        % (principals.path, reason(exc)))
     jwks = jwt.jwks if jwt is not None else None
     if jwks is not None and jwks.path is not None:
         try:
@@ -6135,6 +6250,9 @@ def token_command(argv):
                        help="a label for token list, e.g. the device it is for")
     issue.add_argument("--expires-days", type=float, metavar="N",
                        help="the token stops working N days from now (default: never)")
+    issue.add_argument("--principals-file", metavar="FILE",
+                       help="the server's --principals-file: warn when it does not list the "
+                            "principal")
     listing = commands.add_parser("list", help="list tokens (never the tokens themselves)",
                                   description="List tokens: id, principal, teams, label, created, "
                                               "expires. Never the tokens themselves.")
@@ -6196,6 +6314,7 @@ def check_issue_flags(args):
             raise UsageError("%r is not a valid id ([A-Za-z0-9_-], 1 to 128 characters)" % value)
     if args.expires_days is not None and not args.expires_days > 0:
         raise UsageError("--expires-days must be positive")
+    args.principals = principals_from_flag(args.principals_file)
 
 
 def issue_token(tokens, args):
@@ -6203,6 +6322,9 @@ def issue_token(tokens, args):
     print(token, flush=True)
     print("issued token %s for principal %s" % (record["id"], record["principal"]),
           file=sys.stderr)
+    if args.principals is not None and args.principal not in args.principals.quotas:
+        print("warning: the principals file %s does not list %s: the server refuses this token "
+              "(403) until it does" % (args.principals_file, args.principal), file=sys.stderr)
     return 0
 
 

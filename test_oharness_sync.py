@@ -2263,6 +2263,63 @@ class ForgedSupabaseTokenTest(unittest.TestCase):
 # Storage: feeds
 # ---------------------------------------------------------------------------
 
+class PrincipalsFileTest(unittest.TestCase):
+    """--principals-file: who may use the server, each with an optional storage quota."""
+
+    def write(self, text):
+        path = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "principals")
+        self.addCleanup(shutil.rmtree, os.path.dirname(path), True)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def test_names_quotas_and_comments(self):
+        path = self.write("# the household\nalice\n\nbob 2GiB   # the laptop\n  carol\t500MiB\ndave 1TB\n")
+        self.assertEqual(sync.read_principals(path), {"alice": None, "bob": 2 << 30, "carol": 500 << 20,
+                                                      "dave": 10 ** 12})
+
+    def test_sizes_binary_decimal_and_bare(self):
+        for text, size in (("4096", 4096), ("0", 0), ("1.5GiB", 3 << 29), ("2 GB", 2 * 10 ** 9), ("16MiB", 16 << 20),
+                           ("1kib", 1024), ("3TiB", 3 << 40), ("10B", 10)):
+            self.assertEqual(sync.parse_size(text), size, text)
+        for text in ("", "x", "2XB", "-1MiB", "1e3", "2 GiBs", "GiB", "2 G"):
+            with self.assertRaisesRegex(ValueError, r"is not a size \(such as 500MiB, 2GiB or 1TB\)$"):
+                sync.parse_size(text)
+        self.assertEqual([sync.format_size(n) for n in (2 << 30, 10 ** 12, 500 << 20, 1536 << 20, 100, 1500)],
+                         ["2 GiB", "1 TB", "500 MiB", "1536 MiB", "100 bytes", "1.5 KiB"])
+
+    def test_a_bad_line_makes_the_file_unusable_and_is_named(self):
+        for text, problem in (("alice\nbob 2XB\n", "line 2: '2XB' is not a size (such as 500MiB, 2GiB or 1TB)"),
+                              ("alice\na/b\n", "line 2: 'a/b' is not a valid id ([A-Za-z0-9_-], 1 to 128 characters)"),
+                              ("__proto__\n", "line 1: '__proto__' is not a valid id ([A-Za-z0-9_-], 1 to 128 "
+                                              "characters)"),
+                              ("alice\n# x\nalice 1GiB\n", "line 3: alice is listed twice"),
+                              ("bob 1 GiB extra\n", "line 1: '1 GiB extra' is not a size (such as 500MiB, 2GiB or "
+                                                    "1TB)"),
+                              ("# nobody\n\n", "it lists no principal (a server that lets no one in is a mistake)")):
+            with self.subTest(text=text):
+                with self.assertRaises(ValueError) as caught:
+                    sync.read_principals(self.write(text))
+                self.assertEqual(str(caught.exception), problem)
+
+    def test_reload_keeps_the_list_in_force_when_the_new_file_is_unusable(self):
+        path = self.write("alice\n")
+        principals = sync.PrincipalList(path)
+        with open(path, "w") as f:
+            f.write("alice\nbob 2XB\n")
+        with self.assertRaises(ValueError):
+            principals.reload()
+        self.assertEqual(principals.quotas, {"alice": None})
+        os.unlink(path)
+        with self.assertRaises(OSError):
+            principals.reload()
+        self.assertEqual(principals.quotas, {"alice": None})
+        with open(path, "w") as f:
+            f.write("bob 1GiB\n")
+        self.assertEqual(principals.reload(), 1)
+        self.assertEqual(principals.quotas, {"bob": 1 << 30})
+
+
 def validated(records=(), sessions=()):
     push = sync.validate_push({"project": "p", "records": list(records), "sessions": list(sessions)})
     return push.records, push.sessions
@@ -7038,6 +7095,84 @@ class JwtOnTheWireTest(ServerCase):
         self.assertNotIn(token, "\n".join(self.log_lines))
 
 
+class PrincipalsOnTheWireTest(ServerCase):
+    """With --principals-file only the principals it lists are served, whatever their token's kind; anonymous JWTs
+    are refused on every route, file or no file."""
+
+    def setUp(self):
+        self.principals_path = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "principals")
+        self.addCleanup(shutil.rmtree, os.path.dirname(self.principals_path), True)
+        self.write_principals("alice\nlisted-jwt 1GiB\n")
+        self.server_options = {"jwt": JwtVerifier(SECRET),
+                               "principals": sync.PrincipalList(self.principals_path)}
+        super().setUp()
+
+    def write_principals(self, text):
+        with open(self.principals_path, "w") as f:
+            f.write(text)
+
+    def every_route(self, token, principal):
+        """(route, answer) of a request with token on each route that takes one."""
+        memory = {"expectedPrincipal": principal, "project": "p"}
+        return [("push", self.push(token, "p", [record()])), ("pull", self.pull(token, "p")),
+                ("projects", self.request("GET", "/v1/projects", token=token)),
+                ("identity", wire_post(self, "identity", {"expectedPrincipal": principal}, token)),
+                ("snapshot", wire_post(self, "snapshot", memory, token)),
+                ("commit", wire_post(self, "commit", dict(memory, etag=None, changes=[memory_put("n1")]), token))]
+
+    def test_an_unlisted_principal_gets_403_on_every_route_and_writes_nothing(self):
+        unlisted_jwt = hs256_token({"sub": "stranger"})
+        for token, principal in ((unlisted_jwt, "stranger"), (self.bob, "bob")):
+            for route, answer in self.every_route(token, principal):
+                with self.subTest(principal=principal, route=route):
+                    if route in ("identity", "snapshot", "commit"):
+                        self.assertAnswer(answer, 403, {"code": "account_mismatch", "error": (
+                            "%s is not among the principals this server serves" % principal)})
+                    else:
+                        self.assertAnswer(answer, 403, {
+                            "error": "%s is not among the principals this server serves" % principal})
+        self.assertEqual(self.feed_files(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
+
+    def test_a_listed_principal_is_served_whatever_its_token(self):
+        listed_jwt = hs256_token({"sub": "listed-jwt"})
+        for token, principal in ((listed_jwt, "listed-jwt"), (self.alice, "alice")):
+            with self.subTest(principal=principal):
+                self.assertAnswer(self.push(token, "p", [record()]), 200, {"cursor": 1, "accepted": 1})
+                self.assertEqual(len(self.pull(token, "p").json["records"]), 1)
+                self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": principal}, token), 200,
+                                  {"principal": principal, "quota": WIRE_QUOTA})
+
+    def test_a_reload_takes_a_good_file_and_keeps_the_list_when_the_new_one_is_broken(self):
+        carol = self.issue("carol")
+        self.assertAnswer(self.push(carol, "p", [record()]), 403)
+        self.write_principals("alice\ncarol\n")
+        sync.reload_files(self.server)
+        self.assertIn("reloaded the principals file %s (2 principals)" % self.principals_path, self.log_lines[-1])
+        self.assertAnswer(self.push(carol, "p", [record()]), 200, {"cursor": 1, "accepted": 1})
+        self.write_principals("alice\ncarol 2 parsecs\n")
+        sync.reload_files(self.server)
+        self.assertIn("kept the principals in force: cannot use the principals file %s: line 2: '2 parsecs' is not "
+                      "a size (such as 500MiB, 2GiB or 1TB)" % self.principals_path, self.log_lines[-1])
+        self.assertAnswer(self.push(carol, "p", [record("s2")]), 200, {"cursor": 2, "accepted": 1})
+        self.assertAnswer(self.push(self.bob, "p", [record()]), 403)
+
+    def test_an_anonymous_jwt_gets_401_on_every_route_file_or_no_file(self):
+        for with_file in (True, False):
+            if not with_file:
+                wire_restart(self, jwt=JwtVerifier(SECRET), principals=None)
+            for claims in ({"sub": "alice", "is_anonymous": True}, {"sub": "alice", "role": "anon"}):
+                for route, answer in self.every_route(hs256_token(claims), "alice"):
+                    with self.subTest(with_file=with_file, claims=claims, route=route):
+                        if route in ("identity", "snapshot", "commit"):
+                            wire_assert_code(self, answer, 401, "sign_in_required")
+                        else:
+                            self.assertAnswer(answer, 401, {"error": "anonymous accounts are not accepted here"})
+                        self.assertEqual(answer.headers.get("www-authenticate"), "Bearer")
+        self.assertEqual(self.feed_files(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
+
+
 class ForgedTokenOnTheWireTest(ServerCase):
     """Forged JWTs on a real server: refused tokens remembered, failed checks bounded per client address."""
 
@@ -8875,7 +9010,7 @@ class MemoryAuthModesTest(ServerCase):
                 for route in WIRE_ROUTES:
                     wire_assert_code(self, wire_post(self, route, {"expectedPrincipal": sub, "project": "p"}, token),
                                      401, "sign_in_required")
-                self.assertAnswer(self.push(token, "p", [record()]), 200, {"cursor": 1, "accepted": 1})
+                self.assertAnswer(self.push(token, "p", [record()]), 401)
         for name in ("rs256_expired", "alg_none", "rs256_tampered_payload"):
             with self.subTest(token=name):
                 wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "user_rsa2048"},
@@ -9753,6 +9888,31 @@ class CommandLineTest(unittest.TestCase):
                             ("--team ID", "team whose feeds"), ("--name LABEL", "label"),
                             ("--expires-days N", "stops working")):
             self.assertRegex(out.getvalue(), r"%s +[^\n]*%s" % (re.escape(flag), words), flag)
+
+    def test_token_issue_warns_when_the_principals_file_does_not_list_the_principal(self):
+        path = os.path.join(self.data_dir, "principals")
+        with open(path, "w") as f:
+            f.write("alice 2GiB\n")
+        code, out, err = self.main("token", "issue", "--data", self.data_dir, "--principal", "carol",
+                                   "--principals-file", path)
+        self.assertEqual(code, 0)
+        self.assertRegex(out, r"^ohs_[0-9a-f]{12}_\S+\n$")
+        self.assertRegex(err, r"^issued token [0-9a-f]{12} for principal carol\nwarning: the principals file %s does "
+                              r"not list carol: the server refuses this token \(403\) until it does\n$" % re.escape(path))
+        code, out, err = self.main("token", "issue", "--data", self.data_dir, "--principal", "alice",
+                                   "--principals-file", path)
+        self.assertEqual(code, 0)
+        self.assertNotIn("warning", err)
+        with open(path, "w") as f:
+            f.write("alice 2 GiBs\n")
+        self.assertEqual(self.main("token", "issue", "--data", self.data_dir, "--principal", "alice",
+                                   "--principals-file", path),
+                         (2, "", "oharness-sync: error: cannot use the principals file %s: line 1: '2 GiBs' is not "
+                                 "a size (such as 500MiB, 2GiB or 1TB)\n" % path))
+        self.assertEqual(len(sync.TokenStore(self.data_dir).read()), 2)  # nothing issued by the refused one
+        self.assertEqual(self.main("--data", self.data_dir, "--principals-file", path + ".missing"),
+                         (2, "", "oharness-sync: error: cannot use the principals file %s.missing: No such file or "
+                                 "directory\n" % path))
 
     def test_a_data_dir_of_another_user_names_the_user_to_run_as(self):
         real_open = open
