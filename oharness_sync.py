@@ -135,6 +135,11 @@ MAX_PUSH_BYTES = 8 * 1024 * 1024
 MAX_PUSH_RECORDS = 500
 MAX_PUSH_SESSIONS = 500
 MAX_PULL_LIMIT = 500
+# A pull page stops before its lines pass this (it holds one event at least, however large).
+MAX_PAGE_BYTES = 8 * 1024 * 1024
+# A push body opening more arrays and objects than this is refused with 413 before it is decoded:
+# 500 records of large transcripts hold some thousands; 8 MiB of `{},` would hold 2.8 million.
+MAX_PUSH_CONTAINERS = 200000
 MAX_WAIT_SECONDS = 30
 # The latest page read of a feed is kept for the next pull up to this size.
 CACHED_PAGE_BYTES = 256 * 1024
@@ -432,6 +437,17 @@ def json_too_deep(data, limit=MAX_JSON_DEPTH):
         if depth > limit:
             return True
     return False
+
+
+def too_many_containers(data, limit):
+    """True when the JSON bytes data open more than limit arrays and objects: counted over the
+    brackets alone (as json_too_deep does), and only when they are too many, again without
+    strings."""
+    brackets = data.translate(None, _NOT_A_BRACKET)
+    if brackets.count(b"[") + brackets.count(b"{") <= limit:
+        return False
+    outside_strings = _JSON_STRING.sub(b"", _ESCAPED_QUOTE_OR_BACKSLASH.sub(b"", data))
+    return outside_strings.count(b"[") + outside_strings.count(b"{") > limit
 
 
 def decode_json(data, max_depth=MAX_JSON_DEPTH):
@@ -2908,13 +2924,15 @@ class FeedIndex:
             return i + 1, size, True
         return self.numbers[i], size, self.events_before[i + 1] > self.events_before[i]
 
-    def page(self, since, limit):
+    def page(self, since, limit, max_bytes=MAX_PAGE_BYTES):
         """(first line, line after the last, cursor, more) of the page of at most limit events
-        after since: the cursor is the last event's number (since when there is none), and more
-        says whether events follow it."""
+        after since whose lines stay within max_bytes (one event at least): the cursor is the last
+        event's number (since when there is none), and more says whether events follow it."""
+        offsets = self.offsets
         if self.numbers is None:
             start = min(since, self.lines)
-            stop = min(self.lines, start + limit)
+            fits = bisect.bisect_right(offsets, offsets[start] + max_bytes, start) - 1
+            stop = min(self.lines, start + limit, max(start + 1, fits))
             return start, stop, stop if stop > start else since, stop < self.lines
         start = bisect.bisect_right(self.numbers, since)
         before = self.events_before
@@ -2922,6 +2940,11 @@ class FeedIndex:
         if wanted <= 0:
             return start, start, since, False
         stop = bisect.bisect_left(before, before[start] + wanted, start)
+        if offsets[stop] - offsets[start] > max_bytes:
+            fits = bisect.bisect_right(offsets, offsets[start] + max_bytes, start) - 1
+            # Back to the last event within the bytes, or on to the first one after start.
+            events = max(before[fits], before[start] + 1)
+            stop = bisect.bisect_left(before, events, start)
         return start, stop, self.numbers[stop - 1], before[stop] < self.events
 
 
@@ -4686,6 +4709,9 @@ class SyncApp:
     def push(self, request):
         identity = self.session_identity(request)
         body = request.read_body(MAX_PUSH_BYTES, session_error)
+        if too_many_containers(body, MAX_PUSH_CONTAINERS):  # decoded, each would take memory
+            raise TooLarge("more than %d JSON arrays and objects in one push"
+                           % MAX_PUSH_CONTAINERS)
         try:
             doc = decode_json(body)
         except ValueError as exc:

@@ -392,6 +392,25 @@ class FeedLineTest(unittest.TestCase):
         self.assertEqual((purged.page(0, 500), purged.page(40, 500), purged.page(41, 500)),
                          ((0, 1, 41, False), (0, 1, 41, False), (1, 1, 41, False)))
 
+    def test_a_page_stops_before_its_lines_pass_max_bytes_and_holds_one_event_at_least(self):
+        dense = sync.FeedIndex()
+        for number, size in enumerate((40, 40, 40, 100, 10), 1):
+            dense.add(number, size)
+        self.assertEqual([dense.page(since, 500, max_bytes=80) for since in (0, 2, 3, 4, 5)],
+                         [(0, 2, 2, True), (2, 3, 3, True), (3, 4, 4, True), (4, 5, 5, False),
+                          (5, 5, 5, False)])
+        self.assertEqual(dense.page(0, 500, max_bytes=120), (0, 3, 3, True))  # 120 bytes, exactly
+        self.assertEqual(dense.page(0, 1, max_bytes=120), (0, 1, 1, True))    # limit first
+        sparse = sync.FeedIndex()
+        for number, size, event in ((1, 40, True), (2, 40, False), (3, 40, True), (5, 100, True),
+                                    (6, 10, False), (7, 10, True)):
+            sparse.add(number, size, event)
+        # A page ends on an event: the bytes of an eventless line after it do not hold it back.
+        self.assertEqual([sparse.page(since, 500, max_bytes=90) for since in (0, 1, 3, 5)],
+                         [(0, 1, 1, True), (1, 3, 3, True), (3, 4, 5, True), (4, 6, 7, False)])
+        self.assertEqual(sparse.page(0, 500, max_bytes=120), (0, 3, 3, True))
+        self.assertEqual(sparse.page(0, 500), (0, 6, 7, False))  # 8 MiB by default
+
 
 # -- JavaScript strings, notes and the note hash ------------------------------
 # The vectors file was made with node 20 by:
@@ -5002,6 +5021,27 @@ class PushPullTest(ServerCase):
         self.assertAnswer(self.pull(self.alice, "conformance", 1), 200,
                           {"cursor": 1, "records": [], "sessions": [], "more": False})
 
+    def test_a_pull_of_forty_4_mib_records_goes_page_by_page_each_record_once(self):
+        big = "x" * (4 * 1024 * 1024)
+        for i in range(40):
+            self.assertEqual(self.push(self.alice, records=[record(record_id="r%02d" % i,
+                                                                   body=big)]).status, 200)
+        self.push(self.alice, sessions=[meta()])
+        pulled, sessions, since, pages = [], [], 0, 0
+        while True:
+            answer = self.pull(self.alice, since=since)
+            self.assertEqual(answer.status, 200)
+            self.assertLessEqual(len(answer.raw), sync.MAX_PAGE_BYTES)
+            page = answer.json
+            self.assertTrue(page["records"] or page["sessions"])  # one event at least
+            pulled += [r["id"] for r in page["records"] if r["body"] == big]
+            sessions += page["sessions"]
+            since, pages = page["cursor"], pages + 1
+            if not page["more"]:
+                break
+        self.assertEqual((pulled, sessions, since, pages),
+                         (["r%02d" % i for i in range(40)], [meta()], 41, 40))
+
     def test_dedupe_across_and_within_requests(self):
         answer = self.push(self.alice, records=[record(record_id="a"), record(record_id="a", seq=2),
                                                 record(record_id="b")])
@@ -5652,6 +5692,27 @@ class LimitsTest(SessionWireMixin, ServerCase):
         data = doc + b" " * (8 * 1024 * 1024 - len(doc))
         self.assertEqual(len(data), 8 * 1024 * 1024)
         self.assertAnswer(self.push_raw(data), 200, {"cursor": 1, "accepted": 1})
+
+    def test_more_json_containers_than_the_limit_is_413_before_decoding_and_stores_nothing(self):
+        """Each array and object decoded takes memory: 8 MiB of `{},` takes hundreds of MiB."""
+        head = (b'{"project":"proj","records":[{"session":"s1","id":"r1","seq":1,"device":"d",'
+                b'"at":1,"body":[')
+        tail = b']}]}'
+        opened = 4  # the push, its records, the record and its body
+        at_limit = head + b",".join([b"[]"] * (sync.MAX_PUSH_CONTAINERS - opened)) + tail
+        with mock.patch.object(sync, "decode_json", side_effect=AssertionError("decoded")):
+            answer = self.push_raw(at_limit[:-len(tail)] + b",[]" + tail)
+        self.assertError(answer, 413)
+        self.assertEqual(answer.json["error"],
+                         "more than 200000 JSON arrays and objects in one push")
+        self.assertNothingStored()
+        self.assertAnswer(self.push_raw(at_limit), 200, {"cursor": 1, "accepted": 1})
+        self.assertError(self.push_raw(b"[" + b",".join([b"{}"] * 2700000) + b"]"), 413)
+
+    def test_brackets_inside_strings_are_not_containers(self):
+        body = "{[" * (sync.MAX_PUSH_CONTAINERS + 1) + '\\"[{\\'
+        self.assertAnswer(self.push(self.alice, records=[record(body=body)]), 200,
+                          {"cursor": 1, "accepted": 1})
 
     def assertEarly413(self, length):
         """Headers declaring `length` body bytes, and no body: a prompt 413 that closes the connection."""
