@@ -2924,11 +2924,13 @@ class FeedIndex:
             return i + 1, size, True
         return self.numbers[i], size, self.events_before[i + 1] > self.events_before[i]
 
-    def page(self, since, limit, max_bytes=MAX_PAGE_BYTES):
+    def page(self, since, limit, max_bytes=None):
         """(first line, line after the last, cursor, more) of the page of at most limit events
-        after since whose lines stay within max_bytes (one event at least): the cursor is the last
-        event's number (since when there is none), and more says whether events follow it."""
+        after since whose lines stay within max_bytes (default MAX_PAGE_BYTES; one event at least):
+        the cursor is the last event's number (since when there is none), and more says whether
+        events follow it."""
         offsets = self.offsets
+        max_bytes = MAX_PAGE_BYTES if max_bytes is None else max_bytes
         if self.numbers is None:
             start = min(since, self.lines)
             fits = bisect.bisect_right(offsets, offsets[start] + max_bytes, start) - 1

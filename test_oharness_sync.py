@@ -11647,6 +11647,7 @@ class ReplicateFeedsTest(ReplicateCase):
         self.assertSummary(out, 1, 2, 1)
         self.assertEqual(self.target_pull()["sessions"], [newer, meta("s1", 1), meta("s1", 2, deleted=True)])
 
+    @mock.patch.object(sync, "MAX_PAGE_BYTES", 16 * 1024 * 1024)  # a source of larger pages
     def test_a_10_mb_page_is_split_into_several_pushes(self):
         records = [record("s1", "r%d" % i, i, body="x" * 20000) for i in range(500)]
         for half in (records[:250], records[250:]):
