@@ -5362,6 +5362,7 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self._in_flight = set()
         self._open = set()                     # the sockets of connections being served
         self._lock = threading.Lock()
+        self._plain_http_logged = False        # (plain_http_came)
         self.metrics = app.metrics
         self.counting = app.metrics_token is not None  # each connection counts its requests
         self.metrics.gauge("oharness_sync_connections_open", "Connections open now.",
@@ -5415,11 +5416,27 @@ class SyncServer(http.server.ThreadingHTTPServer):
         try:
             tls_sock.do_handshake()
             return tls_sock
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
+            if getattr(exc, "reason", None) == "HTTP_REQUEST":
+                self.plain_http_came(tls_sock)
             tls_sock.close()
             return None
         finally:
             self.watchdog.disarm(tls_sock)
+
+    def plain_http_came(self, sock):
+        """Log, the first time only in a run, that a client sent plain HTTP to this TLS port: an
+        owner's http:// typo, which the client sees only as a closed connection."""
+        with self._lock:
+            if self._plain_http_logged:
+                return
+            self._plain_http_logged = True
+        try:
+            address = sock.getpeername()[0]
+        except OSError:  # gone already
+            address = "an address gone since"
+        self.log("a client spoke plain HTTP to this TLS port (%s): it needs https://; said once "
+                 "a run, others are not logged" % address)
 
     def refuse(self, sock):
         """Past the connection cap: a 503 JSON response rather than a hang (with TLS: closed at

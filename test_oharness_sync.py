@@ -7654,16 +7654,28 @@ class TlsTest(ServerCase):
         self.assertEqual(status, 200)
         self.assertLess(time.monotonic() - started, 1.0)
 
-    def test_plain_http_to_the_tls_port_is_closed_and_harms_nothing(self):
-        sock = socket.create_connection(self.server.server_address[:2], timeout=5)
-        sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
-        try:
-            data = sock.recv(1024)
-        except ConnectionResetError:
-            data = b""
-        sock.close()
-        self.assertFalse(data.startswith(b"HTTP/"))
-        self.assertEqual(https_health(self.url)[:2], (200, b'{"ok":true}'))
+    def test_plain_http_to_the_tls_port_is_closed_harms_nothing_and_is_logged_once_a_run(self):
+        """An owner who typed http:// sees only a closed connection: the log says why, once (a client
+        retrying must not fill it)."""
+        for _ in range(3):
+            sock = socket.create_connection(self.server.server_address[:2], timeout=5)
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            try:
+                data = sock.recv(1024)
+            except ConnectionResetError:
+                data = b""
+            sock.close()
+            self.assertFalse(data.startswith(b"HTTP/"))
+            self.assertEqual(https_health(self.url)[:2], (200, b'{"ok":true}'))
+        with socket.create_connection(self.server.server_address[:2], timeout=5) as sock:
+            sock.sendall(b"\x16\x03\x01\x00\x05hello")  # a broken handshake, but not plain HTTP
+            try:
+                sock.recv(1024)
+            except ConnectionResetError:
+                pass
+        events = [line for line in self.log_lines if not line.startswith("GET /v1/health 200 ")]
+        self.assertEqual(events, ["a client spoke plain HTTP to this TLS port (127.0.0.1): it needs "
+                                          "https://; said once a run, others are not logged"])
 
 
 class TlsCommandLineTest(unittest.TestCase):
