@@ -190,6 +190,7 @@ DEFAULT_MEMORY_RATE_LIMIT = 1200
 # JWTs and identity services
 LEEWAY_SECONDS = 60            # allowed clock skew for exp and nbf
 MAX_TOKEN_LENGTH = 16384       # longer bearer tokens are refused unread
+MIN_METRICS_TOKEN_LENGTH = 16  # a shorter --metrics-token-file is refused (guessable)
 TOKEN_CACHE_SIZE = 10000       # verified tokens remembered (least recently used dropped)
 TOKEN_CACHE_MAX_AGE = 3600     # a verified token is re-checked at least hourly
 JWKS_REFETCH_INTERVAL = 60     # an unknown kid refetches a JWKS URL at most this often
@@ -5609,10 +5610,24 @@ def read_token_file(path, flag):
             line = f.readline(MAX_TOKEN_LENGTH + 2).decode("utf-8").strip()
     except (OSError, ValueError) as exc:
         raise UsageError("cannot read %s %s: %s" % (flag, path, reason(exc))) from None
+    if line[:7].lower() == "bearer ":
+        raise UsageError("%s %s starts with \"Bearer \": drop it, the file holds the token alone "
+                         "(\"Bearer \" is added when it is sent)" % (flag, path))
     if not _TOKEN_CHARACTERS.fullmatch(line or " "):
         raise UsageError("%s %s does not hold a token (printable ASCII, no spaces, "
                          "on its first line)" % (flag, path))
     return line
+
+
+def read_metrics_token(path):
+    """The metrics token on path's first line; UsageError when unusable or shorter than
+    MIN_METRICS_TOKEN_LENGTH (/metrics is on the network: a short token can be guessed)."""
+    token = read_token_file(path, "--metrics-token-file")
+    if len(token) < MIN_METRICS_TOKEN_LENGTH:
+        raise UsageError("the token on --metrics-token-file %s is %s: use one of %d or more, e.g. "
+                         "python3 -c \"import secrets; print(secrets.token_urlsafe(32))\""
+                         % (path, plural(len(token), "character"), MIN_METRICS_TOKEN_LENGTH))
+    return token
 
 
 def auth_from_flags(args, log=None):
@@ -5836,7 +5851,7 @@ def serve_command(argv):
         raise UsageError("--memory-rate-limit must be 0 or more")
     if args.retain_deleted_days < 0:
         raise UsageError("--retain-deleted-days must be 0 or more")
-    metrics_token = (read_token_file(args.metrics_token_file, "--metrics-token-file")
+    metrics_token = (read_metrics_token(args.metrics_token_file)
                      if args.metrics_token_file else None)
     principals = principals_from_flag(args.principals_file)
     log = Log(quiet=args.quiet)
@@ -5928,7 +5943,7 @@ def reload_files(server, metrics_token_file=None):
                         % (tls.cert_path, exc))
     if metrics_token_file is not None:
         try:
-            server.app.metrics_token = read_token_file(metrics_token_file, "--metrics-token-file")
+            server.app.metrics_token = read_metrics_token(metrics_token_file)
             done.append("reloaded the metrics token file %s" % metrics_token_file)
         except UsageError as exc:
             done.append("kept the metrics token in force: %s" % exc)
@@ -6022,6 +6037,8 @@ def token_from_flags(token, path, flag, command, required=False):
         if required:
             raise UsageError("%s-file FILE (or %s) is required" % (flag, flag))
         return None
+    if token[:7].lower() == "bearer ":
+        raise UsageError("%s starts with \"Bearer \": give the token alone" % flag)
     if not _TOKEN_CHARACTERS.fullmatch(token):
         raise UsageError("%s must be printable ASCII without spaces" % flag)
     print("%s: warning: %s on the command line is visible to other users in ps; prefer %s-file"

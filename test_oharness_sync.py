@@ -6874,12 +6874,20 @@ class MetricsTest(ServerCase):
         self.assertIn("reloaded the metrics token file %s" % path, self.log_lines[-1])
         self.assertAnswer(self.request("GET", "/metrics", token=METRICS_TOKEN), 401)
         self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status, 200)
-        for unusable in ("", "two words\n"):
+        for unusable in ("", "two words\n", "short-tok3n\n", "Bearer the-last-token-8Hq2\n"):
             with open(path, "w") as f:
                 f.write(unusable)
             sync.reload_files(self.server, path)
             self.assertIn("kept the metrics token in force", self.log_lines[-1])
             self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status, 200)
+        hangups = [line for line in self.log_lines if line.startswith("SIGHUP: ")]
+        self.assertTrue(hangups[-2].endswith(
+            '; kept the metrics token in force: the token on --metrics-token-file %s is 11 characters: use one of 16 '
+            'or more, e.g. python3 -c "import secrets; print(secrets.token_urlsafe(32))"' % path), hangups[-2])
+        self.assertTrue(hangups[-1].endswith(
+            '; kept the metrics token in force: --metrics-token-file %s starts with "Bearer ": drop it, the file '
+            'holds the token alone ("Bearer " is added when it is sent)' % path), hangups[-1])
+        self.assertAnswer(self.request("GET", "/metrics", token="short-tok3n"), 401)
         os.unlink(path)
         sync.reload_files(self.server, path)
         self.assertIn("kept the metrics token in force", self.log_lines[-1])
@@ -6923,6 +6931,57 @@ class MetricsTest(ServerCase):
         self.assertEqual(metric_value(self.scrape(), "oharness_sync_feeds_damaged"), 0)  # not known until read
         self.assertEqual(self.pull(self.alice, "hurt").status, 500)
         self.assertEqual(metric_value(self.scrape(), "oharness_sync_feeds_damaged"), 1)
+
+
+class TokenFileMistakeTest(unittest.TestCase):
+    """Two mistakes of a first week, each refused at start with one line (exit 2) that says the fix."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+
+    def file(self, name, text):
+        path = os.path.join(self.dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def main(self, *argv):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sync.main(list(argv))
+        return code, out.getvalue(), err.getvalue()
+
+    def test_a_token_file_that_starts_with_bearer_is_refused_with_a_hint_to_drop_it(self):
+        """What an Authorization header shows, pasted whole: before, "does not hold a token (... no spaces ...)"
+        left the owner to guess which space."""
+        bearer = self.file("bearer.token", "Bearer " + METRICS_TOKEN + "\n")
+        good = self.file("good.token", METRICS_TOKEN + "\n")
+        data = os.path.join(self.dir, "data")
+        url = "http://127.0.0.1:9"
+        for flag, argv in (
+                ("--metrics-token-file", ["--data", data, "--port", "0", "--metrics-token-file", bearer]),
+                ("--token-file", ["check", "--url", url, "--token-file", bearer]),
+                ("--other-token-file", ["check", "--url", url, "--token-file", good,
+                                        "--other-token-file", bearer]),
+                ("--token-file", ["bench", "--url", url, "--token-file", bearer]),
+                ("--from-token-file", ["replicate", "--from", url, "--to", "http://127.0.0.1:10",
+                                       "--from-token-file", bearer, "--to-token-file", good])):
+            self.assertEqual(self.main(*argv), (2, "", 'oharness-sync: error: %s %s starts with "Bearer ": drop it, '
+                                                       'the file holds the token alone ("Bearer " is added when it '
+                                                       'is sent)\n' % (flag, bearer)), argv)
+        self.assertFalse(os.path.exists(data))
+        self.assertEqual(self.main("check", "--url", url, "--token", "bearer x"),
+                         (2, "", 'oharness-sync: error: --token starts with "Bearer ": give the token alone\n'))
+
+    def test_a_metrics_token_under_16_characters_stops_the_start_with_a_hint(self):
+        data = os.path.join(self.dir, "data")
+        short = self.file("metrics.token", "x" * 15 + "\n")
+        self.assertEqual(self.main("--data", data, "--port", "0", "--metrics-token-file", short), (
+            2, "", 'oharness-sync: error: the token on --metrics-token-file %s is 15 characters: use one of 16 or '
+                   'more, e.g. python3 -c "import secrets; print(secrets.token_urlsafe(32))"\n' % short))
+        self.assertFalse(os.path.exists(data))
+        self.assertEqual(sync.read_metrics_token(self.file("sixteen.token", "y" * 16 + "\n")), "y" * 16)
 
 
 class MetricsOffTest(ServerCase):
