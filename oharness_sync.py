@@ -22,6 +22,7 @@ Usage:
     python3 oharness_sync.py usage   --data DIR [--json]
     python3 oharness_sync.py compact --data DIR [--retain-deleted-days N]
     python3 oharness_sync.py purge   --data DIR --principal ID [--dry-run]
+    python3 oharness_sync.py backup  --data DIR (--to DEST | --tar FILE|- | --mark-restored)
     python3 oharness_sync.py bench [--url URL --token-file FILE] [--seconds N] [--clients N]
 
 How to read it. The file is two parts, each read top-down.
@@ -48,7 +49,7 @@ Storage knows nothing of HTTP, and the HTTP layer does no storage work.
 
 Part II, the tools, holds the clients of Part I: the protocol client first (check,
 replicate and bench talk to a server through it), then token, fsck, note-hash,
-check, replicate, usage, compact, purge and bench; main last. Part I names
+check, replicate, usage, compact, purge, backup and bench; main last. Part I names
 nothing of Part II.
 """
 
@@ -64,6 +65,7 @@ import hmac
 import html
 import http.client
 import http.server
+import io
 import ipaddress
 import json
 import math
@@ -81,6 +83,7 @@ import socket
 import socketserver
 import ssl
 import subprocess
+import tarfile
 import sys
 import tempfile
 import threading
@@ -148,6 +151,10 @@ COMPACT_MIN_BYTES = 1024 * 1024     # ... and compacts one that drops this much,
 DEFAULT_RETAIN_DELETED_DAYS = 90    # a deleted session's records are erased this long after
 PAUSE_LINES = 128                   # a background compaction lets pushes in after this many lines
 COMPACT_SYNC_BYTES = 1024 * 1024    # ... and fsyncs what it wrote after this many bytes
+# A restored copy's feeds number on this far past the highest number in it (apply_restore says
+# why), and by this much a millisecond since the copy was taken when that is more.
+RESTORE_JUMP = 1 << 32
+RESTORE_JUMP_PER_MS = 1024
 
 # Headers and body of one request must arrive within this, in total.
 DEFAULT_REQUEST_SECONDS = 30.0
@@ -2404,6 +2411,8 @@ class DataDir:
     DIR/feeds/u-<principal>/p-<project>.jsonl  a personal feed
     DIR/feeds/t-<team>/p-<project>.jsonl       a team's feed
     DIR/feeds/purged.json                      where purged feeds ended, by a hash of their names
+    DIR/feeds/restored.json                    where every feed numbers on from after a restore
+    DIR/restored-from-backup.json              the restore mark: a copy not yet started on
     DIR/memory/u-<principal>/p-<project>/      a project's notes: manifest.json, objects/<rev>.json
     DIR/memory/u-<principal>/user/             the user scope's notes ("user" is no "p-" name)
 
@@ -2419,6 +2428,8 @@ class DataDir:
         self.tokens_lock = os.path.join(path, "tokens.lock")
         self.feeds = os.path.join(path, "feeds")
         self.purged = os.path.join(path, "feeds", "purged.json")
+        self.feed_floor = os.path.join(path, "feeds", "restored.json")
+        self.restore_mark = os.path.join(path, "restored-from-backup.json")
         self.memory = os.path.join(path, "memory")
 
     def owner_dir(self, owner):
@@ -3457,6 +3468,20 @@ class Feed:
                                % (self.path, exc))
             raise
 
+    def keep_number(self, number):
+        """Make number used, durably, by a line that holds no event, so the feed numbers on after
+        it (a restore's jump, made before the server serves); False when the feed is past it
+        already."""
+        self.ensure_loaded()
+        with self.lock:
+            if self.index.end >= number:
+                return False
+            line = feed_line(number, b"x")
+            self._write(line)
+            self.index.add(number, len(line), event=False)
+            self.next_number = number + 1
+        return True
+
     # -- reading -----------------------------------------------------------
 
     def read(self, since, limit):
@@ -3639,6 +3664,19 @@ def read_purged(layout):
     return doc
 
 
+def read_feed_floor(layout):
+    """The number every feed numbers on after since the last restore (0 when none was)."""
+    try:
+        with open(layout.feed_floor, "rb") as f:
+            doc = decode_json(f.read())
+    except FileNotFoundError:
+        return 0
+    floor = doc.get("floor") if isinstance(doc, dict) else None
+    if set(doc) != {"floor"} or as_safe_int(floor) is None:
+        raise ValueError("%s is not a feed-numbering file" % layout.feed_floor)
+    return floor
+
+
 def has_event(path):
     """Whether a feed file's first line is an event (the usual case; else it takes a load to
     tell)."""
@@ -3668,6 +3706,7 @@ class FeedStore:
         # (owner, project) without a Feed -> ParkedPulls waiting for one
         self._unborn = {}
         self._purged = None                    # read_purged, when a new feed is first made
+        self._floor = 0                        # read_feed_floor, read with it
 
     def feed(self, owner, project, create=False):
         """The Feed of (owner, project); None when it has no file and create is false.
@@ -3683,19 +3722,56 @@ class FeedStore:
         with self._lock:
             feed = self._feeds.get(key)
             if feed is None and (create or os.path.exists(path)):
-                if self._purged is None:
-                    try:
-                        self._purged = read_purged(self.layout)
-                    except (OSError, ValueError) as exc:
-                        raise StorageError("cannot read %s: %s" % (self.layout.purged,
-                                                                    reason(exc))) from None
+                self._read_numbering()
                 # Pulls waiting for this feed to exist now wait on it, for its first event: not
-                # woken now.
-                start = self._purged.get(purged_key(owner, project), 0)
+                # woken now. A new feed numbers on after a purged one of its name, and after the
+                # last restore's jump.
+                start = max(self._purged.get(purged_key(owner, project), 0), self._floor)
                 feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()),
                                                start=start, clock=self.clock,
                                                metrics=self.metrics)
             return feed
+
+    def highest_number(self):
+        """The highest number any feed has used, purged ones and the last restore's jump too (a
+        restore's start: it loads every feed)."""
+        highest = 0
+        for owner, project, _ in self.layout.all_feeds():
+            if owner is not None:
+                feed = self.feed(owner, project)
+                feed.ensure_loaded()
+                highest = max(highest, feed.index.end)
+        with self._lock:
+            self._read_numbering()
+            return max([highest, self._floor] + list(self._purged.values()))
+
+    def number_on_from(self, floor):
+        """A restore's jump: every feed numbers on after floor, those on disk (each gets a line
+        that holds no event, numbered floor; one past it already is left as it is, so a start that
+        crashed half-way does the rest) and those made later (DIR/feeds/restored.json). The
+        number of feeds that jumped."""
+        jumped = 0
+        for owner, project, _ in self.layout.all_feeds():
+            if owner is not None:
+                jumped += self.feed(owner, project).keep_number(floor)
+        if read_feed_floor(self.layout) < floor:
+            make_dirs(self.layout.feeds)
+            write_atomically(self.layout.feed_floor, encode_json({"floor": floor}))
+        with self._lock:
+            self._floor = floor
+        return jumped
+
+    def _read_numbering(self):
+        """Read the purged-feeds and numbering files, once (lock held)."""
+        if self._purged is None:
+            path = self.layout.purged
+            try:
+                purged = read_purged(self.layout)
+                path = self.layout.feed_floor
+                self._floor = read_feed_floor(self.layout)
+            except (OSError, ValueError) as exc:
+                raise StorageError("cannot read %s: %s" % (path, reason(exc))) from None
+            self._purged = purged
 
     def feeds(self):
         """The Feeds made so far."""
@@ -4297,6 +4373,27 @@ class MemoryStore:
             raise MemoryApiError(502, "memory_integrity_error", "a memory note object is damaged")
         return data
 
+    def change_etags(self):
+        """Give every scope's manifest a new etag, its entries as they are (a restore: a device
+        holding an etag from after the backup gets 409 and snapshots again); (scopes changed,
+        scopes left as they are for a damaged manifest, which the server answers 502 for
+        anyway)."""
+        changed = damaged = 0
+        for principal, scope, files in self.layout.all_scopes():
+            with self._scope_lock(files.root):
+                try:
+                    manifest = self._manifest(files)
+                except MemoryApiError:  # (logged)
+                    damaged += 1
+                    continue
+                if manifest is NO_MANIFEST:
+                    continue
+                new = Manifest(secrets.token_hex(16), manifest.entries)
+                write_atomically(files.manifest, new.to_bytes())
+                self._cache.put(files.root, new)
+            changed += 1
+        return changed, damaged
+
     # -- committing ----------------------------------------------------------
 
     def _apply(self, old, changes):
@@ -4425,6 +4522,76 @@ class MemoryStore:
             except OSError as exc:
                 self.log("memory: cannot remove %s: %s" % (path, exc))
         return removed
+
+
+# A restore: what a server's first start on a copy of a data dir does (apply_restore).
+#
+# A copy made at some moment (by backup, or another way and marked by hand) lacks what the server
+# handed out after it: event numbers, and memory etags, that devices hold. Started as it is, it
+# would give the same numbers to new events, and a device whose cursor is past them would skip
+# them for good. So the first start on a copy makes every feed number on far past anything handed
+# out after the copy was taken: each feed gets a kept number (a line that holds no event) at
+# floor = the highest number in the copy + the jump, and a feed made later starts there too. The
+# jump is 2**32 (no feed takes four billion events between a backup and its restore), or 1,024 per
+# millisecond since the copy was taken when that is more: a feed takes far fewer than a million
+# events a second, so the same copy restored twice, a day apart, jumps past what the first restore
+# handed out meanwhile. Numbers must stay under 2**53 (JavaScript's safe integers): that leaves
+# room for 2**21 (two million) restores of fresh backups, about 100,000 of day-old ones, 270 of
+# year-old ones. Memory: every manifest gets a new etag, so a commit with an etag from after the
+# copy gets 409 and the device snapshots again, to the restored state.
+
+def read_restore_mark(layout):
+    """The restore mark of the data dir at layout (None when there is none): {"version": 1,
+    "taken": Unix ms, "by": what made it, and once a start has chosen it, "floor": the number every
+    feed numbers on after}; ValueError when it is damaged."""
+    try:
+        with open(layout.restore_mark, "rb") as f:
+            mark = decode_json(f.read())
+    except FileNotFoundError:
+        return None
+    if (not isinstance(mark, dict) or mark.get("version") != 1
+            or not {"version", "taken", "by"} <= set(mark) <= {"version", "taken", "by", "floor"}
+            or as_safe_int(mark["taken"]) is None or not isinstance(mark["by"], str)
+            or as_safe_int(mark.get("floor", 0)) is None):
+        raise ValueError("%s is not a restore mark" % layout.restore_mark)
+    return mark
+
+
+def restore_floor(highest, taken_ms, now_ms):
+    """Where a restore's feeds number on after: highest + the jump (the comment above says why);
+    ValueError when no room is left under 2**53."""
+    floor = highest + max(RESTORE_JUMP, RESTORE_JUMP_PER_MS * (now_ms - taken_ms))
+    if floor > MAX_SAFE_INTEGER - RESTORE_JUMP:
+        raise ValueError("feed numbers would pass 2**53 (at %d): no room for another restore"
+                         % highest)
+    return floor
+
+
+def apply_restore(feeds, memory, log, clock=time.time):
+    """A first start on a marked copy: choose the floor (kept in the mark), jump every feed past
+    it, give every memory scope a new etag, log one line, then remove the mark. A start that
+    crashes half-way does it again with the same floor; a feed that jumped already is left as it
+    is. OSError, ValueError, StorageError or FeedDamaged when it cannot be done (the server must
+    not start then)."""
+    layout = feeds.layout
+    mark = read_restore_mark(layout)
+    if mark is None:
+        return
+    if "floor" not in mark:
+        mark["floor"] = restore_floor(feeds.highest_number(), mark["taken"],
+                                      int(clock() * 1000))
+        write_atomically(layout.restore_mark, encode_json(mark))
+    jumped = feeds.number_on_from(mark["floor"])
+    scopes, damaged = memory.change_etags()
+    os.unlink(layout.restore_mark)
+    sync_dir(layout.path)
+    log("restored from a copy taken %s (%s): feeds number on after %d (%s jumped), %s got a new "
+        "etag%s" % (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(mark["taken"] / 1000)),
+                    mark["by"], mark["floor"], plural(jumped, "feed"),
+                    plural(scopes, "memory scope"),
+                    "; %s left as %s: damaged" % (plural(damaged, "scope"),
+                                                  "it was" if damaged == 1 else "they were")
+                    if damaged else ""))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -5561,6 +5728,11 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
                          supabase, metrics=metrics, principals=principals)
     feeds = FeedStore(data_dir, log, metrics=metrics)
     memory = MemoryStore(data_dir, log=log, metrics=metrics)
+    try:  # before the server is bound: no request is served from the copy as it was
+        apply_restore(feeds, memory, log)
+    except (OSError, ValueError, StorageError, FeedDamaged) as exc:
+        raise UsageError("cannot start on the restored copy %s: %s (fsck --data %s says more)"
+                         % (data_dir, reason(exc), data_dir)) from None
     if metrics_token is not None:
         for name, text, read in (
                 ("oharness_sync_feed_bytes", "Bytes of the feeds on disk.", feeds.bytes_on_disk),
@@ -5792,6 +5964,7 @@ COMMAND_SUMMARIES = (
     ("usage", "show what each owner stores (safe while a server runs)"),
     ("compact", "compact every feed now, keeping every event number (server stopped)"),
     ("purge", "erase a principal: tokens, own feeds, memory (server stopped)"),
+    ("backup", "copy a data dir, server running or not, to a new dir or a tar archive"),
     ("bench", "measure how fast this machine serves, against a bare reference server"),
 )
 
@@ -5987,8 +6160,8 @@ def run_until_signalled(server, ready, metrics_token_file=None):
 # Part II. The tools
 #
 # The sub-commands, each a client of Part I: first the protocol client that check, replicate and
-# bench talk to a server with; then token, fsck, note-hash, check, replicate, usage, compact, purge
-# and bench; main last.
+# bench talk to a server with; then token, fsck, note-hash, check, replicate, usage, compact,
+# purge, backup and bench; main last.
 # =================================================================================================
 
 
@@ -8548,6 +8721,412 @@ def purge(layout, principal, dry_run, lock):
 
 
 # -------------------------------------------------------------------------------------------------
+# backup: a consistent copy of a live data dir, and the mark of a restored one
+# -------------------------------------------------------------------------------------------------
+
+BACKUP_PROGRESS_SECONDS = 1.0   # at most one progress line this often
+BACKUP_SCOPE_READS = 5          # a memory scope is read again when a commit changed it meanwhile
+BACKUP_CHUNK_BYTES = 1 << 20
+
+
+def backup_command(argv):
+    parser = ArgumentParser(
+        prog="oharness_sync.py backup",
+        description="Copy a data dir, while its server runs or not, to a new data dir (--to) or "
+                    "a tar archive (--tar), marked as a copy: its first start never puts a "
+                    "device in the past. --mark-restored marks a copy made another way (cp -a, "
+                    "rsync, a disk image) before its first start.")
+    data_dir_flag(parser)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--to", metavar="DEST",
+                       help="a new data dir (DEST must not exist, or be an empty directory)")
+    where.add_argument("--tar", metavar="FILE",
+                       help="a tar archive (- writes it to standard output)")
+    where.add_argument("--mark-restored", action="store_true",
+                       help="mark DIR, restored some other way, as a copy (server stopped)")
+    args = parser.parse_args(argv)
+    data_dir = existing_data_dir(args.data)
+    if args.mark_restored:
+        return mark_restored(data_dir)
+    if args.tar == "-":
+        if sys.stdout.isatty():
+            raise UsageError("--tar - writes a tar archive to standard output, which is a "
+                             "terminal: redirect it (> FILE) or pipe it")
+        sink, where, report = BackupTar(sys.stdout.buffer), "standard output", sys.stderr
+    elif args.tar is not None:
+        dest = backup_destination(data_dir, args.tar, "--tar")
+        sink, where, report = BackupTar.to_file(dest), dest, sys.stdout
+    else:
+        dest = backup_destination(data_dir, args.to, "--to")
+        sink, where, report = BackupDir(dest, dir_owner(data_dir)), dest, sys.stdout
+    copy = DataDirCopy(data_dir, sink, BackupProgress(sys.stderr))
+    try:
+        copy.run()
+        sink.finish()
+    except BaseException as exc:
+        sink.abandon()
+        if isinstance(exc, (OSError, ValueError)):
+            raise UsageError("backup of %s failed, no copy made: %s" % (data_dir,
+                                                                         reason(exc))) from None
+        raise
+    print(copy.summary(where), file=report, flush=True)
+    return 1 if copy.skipped else 0
+
+
+def backup_destination(data_dir, path, flag):
+    """The absolute path of a backup's destination; UsageError when it is inside the data dir,
+    exists and is not empty, or its directory does not exist."""
+    dest = os.path.abspath(path)
+    inside = os.path.realpath(data_dir)
+    if (os.path.realpath(dest) + os.sep).startswith(inside + os.sep):
+        raise UsageError("%s %s is inside the data dir %s: put the copy elsewhere"
+                         % (flag, dest, data_dir))
+    if not os.path.isdir(os.path.dirname(dest)):
+        raise UsageError("%s %s: no such directory %s" % (flag, dest, os.path.dirname(dest)))
+    if os.path.islink(dest) or (os.path.isdir(dest) and (flag != "--to" or os.listdir(dest))
+                                or os.path.isfile(dest) and (flag != "--tar"
+                                                             or os.path.getsize(dest))):
+        raise UsageError("%s %s exists and is not empty: a backup never writes over anything"
+                         % (flag, dest))
+    return dest
+
+
+def open_no_link(path):
+    """An fd for reading the file at path; OSError (ELOOP) when it is a link, never followed."""
+    return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+
+
+def whole_lines_end(fd, size):
+    """Where the last whole line of an open file's first size bytes ends (0 when none does)."""
+    position = size
+    while position > 0:
+        start = max(0, position - 65536)
+        chunk = os.pread(fd, position - start, start)
+        cut = chunk.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        position = start
+    return 0
+
+
+class FileSlice:
+    """The first size bytes of an open file, as a stream; OSError when the file is shorter by then
+    (a failed push was cut off it: the backup is run again)."""
+
+    def __init__(self, fd, size, path):
+        self.fd, self.left, self.offset, self.path = fd, size, 0, path
+
+    def read(self, size=-1):
+        size = self.left if size < 0 else min(size, self.left)
+        data = os.pread(self.fd, size, self.offset) if size else b""
+        if size and not data:
+            raise OSError(errno.EIO, "%s shrank while it was copied: run the backup again"
+                          % self.path)
+        self.offset += len(data)
+        self.left -= len(data)
+        return data
+
+
+class DataDirCopy:
+    """backup's reading of a data dir, read-only and with no lock (the server goes on): each file
+    the layout names, to a sink (BackupDir, BackupTar).
+
+    A feed is only appended to, but for a compaction's rename over it: its file is opened once and
+    copied in whole lines up to its size then. Opened after the backup began, it holds every push
+    answered before (and a compaction's new file holds every line the old one had). A memory
+    manifest is read, then the objects it names, then it is written after them; should a commit
+    meanwhile have removed one of those (a replaced one is kept an hour), the scope is read again.
+    """
+
+    def __init__(self, data_dir, sink, progress=None, clock=time.monotonic):
+        self.data_dir = data_dir
+        self.layout = DataDir(data_dir)
+        self.sink = sink
+        self.progress = progress or (lambda copy: None)
+        self.clock = clock
+        self.started = None
+        self.feeds_total = 0
+        self.counts = {"feeds": 0, "bytes": 0, "scopes": 0, "notes": 0, "tokens": 0}
+        self.skipped = []                      # links: never followed, never copied
+
+    def run(self):
+        self.started = self.clock()
+        layout = self.layout
+        taken = int(time.time() * 1000)
+        try:  # a copy of a copy not started on yet: as old as that one
+            taken = min(taken, (read_restore_mark(layout) or {"taken": taken})["taken"])
+        except (OSError, ValueError):
+            pass
+        # First in an archive: even one cut short is marked.
+        self.add_bytes(layout.restore_mark, encode_json({"version": 1, "taken": taken,
+                                                         "by": "backup"}),
+                       os.stat(self.data_dir))  # (the data dir's owner's, as every file)
+        tokens = self.copy_small(layout.tokens)
+        if tokens is not None:
+            try:
+                self.counts["tokens"] = len(decode_json(tokens)["tokens"])
+            except (ValueError, KeyError, TypeError):
+                pass  # copied as it is: fsck says what is wrong with it
+        for path in (layout.purged, layout.feed_floor):
+            self.copy_small(path)
+        feeds = [entry.path for owner, _, entry in layout.all_feeds() if owner is not None]
+        self.feeds_total = len(feeds)
+        for path in feeds:
+            self.copy_feed(path)
+            self.progress(self)
+        for _, _, files in layout.all_scopes():
+            self.copy_scope(files)
+            self.progress(self)
+
+    def relative(self, path):
+        return os.path.relpath(path, self.data_dir)
+
+    def add_bytes(self, path, data, info):
+        self.sink.add(self.relative(path), io.BytesIO(data), len(data), info)
+        self.counts["bytes"] += len(data)
+
+    def read_small(self, path):
+        """(bytes, stat) of a small file; FileNotFoundError when there is none."""
+        fd = open_no_link(path)
+        try:
+            info = os.fstat(fd)
+            return read_exactly(fd, 0, info.st_size, path), info
+        finally:
+            os.close(fd)
+
+    def skip_link(self, path, exc):
+        """Whether exc says path is a link (then skipped, and said so); else False."""
+        if exc.errno != errno.ELOOP:
+            return False
+        self.skipped.append(path)
+        print("backup: %s is a link: not followed, not copied (fsck --data %s says more)"
+              % (path, self.data_dir), file=sys.stderr, flush=True)
+        return True
+
+    def copy_small(self, path):
+        """Copy a file read whole (tokens, the numbering files); its bytes, or None when there
+        is none."""
+        try:
+            data, info = self.read_small(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if self.skip_link(path, exc):
+                return None
+            raise
+        self.add_bytes(path, data, info)
+        return data
+
+    def copy_feed(self, path):
+        try:
+            fd = open_no_link(path)
+        except FileNotFoundError:  # purged since it was listed
+            return
+        except OSError as exc:
+            if self.skip_link(path, exc):
+                return
+            raise
+        try:
+            info = os.fstat(fd)
+            end = whole_lines_end(fd, info.st_size)
+            self.sink.add(self.relative(path), FileSlice(fd, end, path), end, info)
+        finally:
+            os.close(fd)
+        self.counts["feeds"] += 1
+        self.counts["bytes"] += end
+
+    def copy_scope(self, files):
+        for _ in range(BACKUP_SCOPE_READS):
+            try:
+                data, info = self.read_small(files.manifest)
+            except FileNotFoundError:  # no note was ever committed (or purged since listed)
+                return
+            except OSError as exc:
+                if self.skip_link(files.manifest, exc):
+                    return
+                raise
+            try:
+                manifest = Manifest.from_bytes(data)
+            except ValueError as exc:
+                raise ValueError("%s: %s" % (files.manifest, exc)) from None
+            objects = []
+            try:
+                for entry in manifest.entries.values():
+                    if entry["hash"] is not None:
+                        path = files.object_path(entry["rev"])
+                        objects.append((path,) + self.read_small(path))
+            except FileNotFoundError:
+                continue  # a commit replaced the manifest: read it again
+            for path, note, note_info in objects:
+                self.add_bytes(path, note, note_info)
+            self.add_bytes(files.manifest, data, info)
+            self.counts["scopes"] += 1
+            self.counts["notes"] += len(objects)
+            return
+        raise OSError(errno.EAGAIN, "%s changed under each of %d reads" % (files.root,
+                                                                         BACKUP_SCOPE_READS))
+
+    def summary(self, where):
+        counts = self.counts
+        return ("backup: copied %s to %s in %.1f s: %s (%s in all), %s with %s, %s%s"
+                % (self.data_dir, where, self.clock() - self.started,
+                   plural(counts["feeds"], "feed"), format_bytes(counts["bytes"]),
+                   plural(counts["scopes"], "memory scope"), plural(counts["notes"], "note"),
+                   plural(counts["tokens"], "token"),
+                   "; %s skipped" % plural(len(self.skipped), "link") if self.skipped else ""))
+
+
+class BackupProgress:
+    """backup's progress on stderr, at most one line a second (none for a small data dir)."""
+
+    def __init__(self, stream, clock=time.monotonic):
+        self.stream = stream
+        self.clock = clock
+        self.shown_at = clock()
+
+    def __call__(self, copy):
+        now = self.clock()
+        if now - self.shown_at >= BACKUP_PROGRESS_SECONDS:
+            self.shown_at = now
+            print("backup: %d of %d feeds, %s, %s copied"
+                  % (copy.counts["feeds"], copy.feeds_total,
+                     plural(copy.counts["scopes"], "memory scope"),
+                     format_bytes(copy.counts["bytes"])), file=self.stream, flush=True)
+
+
+class BackupDir:
+    """A backup written as a data dir: into DEST.partial-XXXX beside DEST, each file fsynced, then
+    each directory, then renamed to DEST, so a backup stopped at any moment leaves no DEST. owner:
+    (uid, gid, mode) the files get when run as root (the data dir's), so that its server can use
+    the copy."""
+
+    def __init__(self, dest, owner=None):
+        self.dest = dest
+        self.owner = owner if owner is not None and os.geteuid() == 0 else None
+        self.root = "%s.partial-%s" % (dest, secrets.token_hex(4))
+        os.mkdir(self.root, 0o700)
+        self.dirs = [self.root]
+
+    def add(self, relative, stream, size, info):
+        path = os.path.join(self.root, relative)
+        if os.path.dirname(path) not in self.dirs:
+            self.dirs.extend(make_dirs(os.path.dirname(path)))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if self.owner is not None:
+                give_file(fd, self.owner)
+            while True:
+                chunk = stream.read(BACKUP_CHUNK_BYTES)
+                if not chunk:
+                    break
+                write_all(fd, chunk)
+            sync_file(fd)
+        finally:
+            os.close(fd)
+        if info is not None:  # (as usage reads a feed's last event from it)
+            os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+    def finish(self):
+        for directory in reversed(self.dirs):
+            if self.owner is not None:
+                os.chown(directory, self.owner[0], self.owner[1])
+            sync_dir(directory)
+        os.rename(self.root, self.dest)  # (over an empty directory too)
+        sync_dir(os.path.dirname(self.dest))
+
+    def abandon(self):
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class BackupTar:
+    """A backup written as a tar archive, streamed (it never seeks back): to standard output, or
+    to_file."""
+
+    def __init__(self, stream, partial=None, dest=None):
+        self.stream = stream
+        self.partial, self.dest = partial, dest
+        self.tar = tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT)
+        self.dirs = set()
+        self.now = int(time.time())
+
+    @classmethod
+    def to_file(cls, dest):
+        """A BackupTar written to FILE.partial-XXXX beside dest, fsynced and renamed to it once
+        whole."""
+        partial = "%s.partial-%s" % (dest, secrets.token_hex(4))
+        return cls(open(partial, "xb"), partial, dest)
+
+    def add(self, relative, stream, size, info):
+        parts = relative.split(os.sep)
+        for depth in range(1, len(parts)):
+            name = "/".join(parts[:depth])
+            if name not in self.dirs:
+                self.dirs.add(name)
+                self.tar.addfile(self.member(name, tarfile.DIRTYPE, 0o700, info))
+        member = self.member("/".join(parts), tarfile.REGTYPE, 0o600, info)
+        member.size = size
+        self.tar.addfile(member, stream)
+
+    def member(self, name, kind, mode, info):
+        member = tarfile.TarInfo(name)
+        member.type, member.mode = kind, mode
+        member.mtime = self.now if info is None else info.st_mtime
+        if info is not None:  # the data dir's owner, by name where there is one
+            member.uid, member.gid = info.st_uid, info.st_gid
+            member.uname = user_name(info.st_uid) if pwd is not None else ""
+        return member
+
+    def finish(self):
+        self.tar.close()
+        self.stream.flush()
+        if self.partial is not None:
+            sync_file(self.stream.fileno())
+            self.stream.close()
+            os.replace(self.partial, self.dest)
+            sync_dir(os.path.dirname(self.dest))
+
+    def abandon(self):
+        if self.partial is not None:
+            self.stream.close()
+            _remove(self.partial)
+
+
+def mark_restored(data_dir):
+    """Mark a data dir restored some other way than from backup (cp -a, rsync, a disk image) as a
+    copy, for its next start (apply_restore). Taken: its newest feed or manifest's time, which the
+    copy can only be newer than (the older, the bigger the jump: the safe side)."""
+    layout = DataDir(data_dir)
+    lock = StoppedServerLock(data_dir, "backup --mark-restored")
+    try:
+        try:
+            mark = read_restore_mark(layout)
+        except (OSError, ValueError) as exc:
+            raise UsageError("cannot read %s: %s" % (layout.restore_mark, reason(exc))) from None
+        if mark is not None:
+            print("backup: %s is marked already: its next start applies the restore"
+                  % data_dir)
+            return 0
+        times = [entry.stat(follow_symlinks=False).st_mtime for owner, _, entry
+                 in layout.all_feeds() if owner is not None]
+        for _, _, files in layout.all_scopes():
+            try:
+                times.append(os.lstat(files.manifest).st_mtime)
+            except FileNotFoundError:
+                pass
+        taken = int(min(max(times, default=time.time()), time.time()) * 1000)
+        lock.change()
+        write_atomically(layout.restore_mark, encode_json(
+            {"version": 1, "taken": taken, "by": "backup --mark-restored"}),
+            dir_owner(layout.path))
+    finally:
+        lock.release()
+    print("backup: marked %s as a copy taken by %s: its next start makes every feed number on "
+          "past what was handed out since, and gives every memory scope a new etag"
+          % (data_dir, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(taken / 1000))))
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------
 # bench: how fast is this box?
 # -------------------------------------------------------------------------------------------------
 
@@ -9590,7 +10169,7 @@ def run_bench(report, args, scratch):
 COMMANDS = {"serve": serve_command, "token": token_command, "fsck": fsck_command,
             "note-hash": note_hash_command, "check": check_command, "replicate": replicate_command,
             "usage": usage_command, "compact": compact_command, "purge": purge_command,
-            "bench": bench_command}
+            "backup": backup_command, "bench": bench_command}
 
 
 def main(argv=None):
