@@ -151,8 +151,8 @@ COMPACT_MIN_BYTES = 1024 * 1024     # ... and compacts one that drops this much,
 DEFAULT_RETAIN_DELETED_DAYS = 90    # a deleted session's records are erased this long after
 PAUSE_LINES = 128                   # a background compaction lets pushes in after this many lines
 COMPACT_SYNC_BYTES = 1024 * 1024    # ... and fsyncs what it wrote after this many bytes
-# A restored copy's feeds number on this far past the highest number in it (apply_restore says
-# why), and by this much a millisecond since the copy was taken when that is more.
+# A restored copy's feeds number on this far past the highest number in it, and this much further
+# for each millisecond since the copy was taken (apply_restore says why).
 RESTORE_JUMP = 1 << 32
 RESTORE_JUMP_PER_MS = 1024
 
@@ -4532,35 +4532,42 @@ class MemoryStore:
 # them for good. So the first start on a copy makes every feed number on far past anything handed
 # out after the copy was taken: each feed gets a kept number (a line that holds no event) at
 # floor = the highest number in the copy + the jump, and a feed made later starts there too. The
-# jump is 2**32 (no feed takes four billion events between a backup and its restore), or 1,024 per
-# millisecond since the copy was taken when that is more: a feed takes far fewer than a million
-# events a second, so the same copy restored twice, a day apart, jumps past what the first restore
-# handed out meanwhile. Numbers must stay under 2**53 (JavaScript's safe integers): that leaves
-# room for 2**21 (two million) restores of fresh backups, about 100,000 of day-old ones, 270 of
-# year-old ones. Memory: every manifest gets a new etag, so a commit with an etag from after the
-# copy gets 409 and the device snapshots again, to the restored state.
+# jump is 2**32, plus 1,024 for each millisecond since the copy was taken. A feed takes far fewer
+# than 1,024 events a millisecond (a million a second; each push waits for an fsync), so the jump
+# passes whatever was handed out between the copy and now, on the server that was lost and on a
+# restore of the same copy made earlier; 2**32 is for a clock that went back (no feed takes four
+# billion events between a backup and its restore). Numbers must stay under 2**53 (JavaScript's
+# safe integers): that leaves room for two million restores of a fresh copy, 97,000 of day-old
+# ones, 280 of year-old ones. Memory: every manifest gets a new etag, so a commit with an etag from
+# after the copy gets 409 and the device snapshots again, to the restored state.
 
 def read_restore_mark(layout):
     """The restore mark of the data dir at layout (None when there is none): {"version": 1,
     "taken": Unix ms, "by": what made it, and once a start has chosen it, "floor": the number every
-    feed numbers on after}; ValueError when it is damaged."""
+    feed numbers on after}; ValueError when it is damaged, or says that the archive the copy came
+    from was cut short ("whole": false, the first member of a backup archive, which its last member
+    replaces)."""
     try:
         with open(layout.restore_mark, "rb") as f:
             mark = decode_json(f.read())
     except FileNotFoundError:
         return None
     if (not isinstance(mark, dict) or mark.get("version") != 1
-            or not {"version", "taken", "by"} <= set(mark) <= {"version", "taken", "by", "floor"}
+            or not {"version", "taken", "by"} <= set(mark) <= {"version", "taken", "by", "floor",
+                                                                "whole"}
             or as_safe_int(mark["taken"]) is None or not isinstance(mark["by"], str)
-            or as_safe_int(mark.get("floor", 0)) is None):
+            or as_safe_int(mark.get("floor", 0)) is None or mark.get("whole", False) is not False):
         raise ValueError("%s is not a restore mark" % layout.restore_mark)
+    if "whole" in mark:
+        raise ValueError("the backup archive this copy came from was cut short (%s says so): "
+                         "restore a whole one" % layout.restore_mark)
     return mark
 
 
 def restore_floor(highest, taken_ms, now_ms):
     """Where a restore's feeds number on after: highest + the jump (the comment above says why);
     ValueError when no room is left under 2**53."""
-    floor = highest + max(RESTORE_JUMP, RESTORE_JUMP_PER_MS * (now_ms - taken_ms))
+    floor = highest + RESTORE_JUMP + RESTORE_JUMP_PER_MS * max(0, now_ms - taken_ms)
     if floor > MAX_SAFE_INTEGER - RESTORE_JUMP:
         raise ValueError("feed numbers would pass 2**53 (at %d): no room for another restore"
                          % highest)
@@ -5730,9 +5737,12 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
     memory = MemoryStore(data_dir, log=log, metrics=metrics)
     try:  # before the server is bound: no request is served from the copy as it was
         apply_restore(feeds, memory, log)
-    except (OSError, ValueError, StorageError, FeedDamaged) as exc:
-        raise UsageError("cannot start on the restored copy %s: %s (fsck --data %s says more)"
-                         % (data_dir, reason(exc), data_dir)) from None
+    except FeedDamaged as exc:
+        raise UsageError("cannot start on the restored copy %s: a damaged feed: %s; fsck --data "
+                         "%s --repair mends it" % (data_dir, exc, data_dir)) from None
+    except (OSError, ValueError, StorageError) as exc:
+        raise UsageError("cannot start on the restored copy %s: %s"
+                         % (data_dir, reason(exc))) from None
     if metrics_token is not None:
         for name, text, read in (
                 ("oharness_sync_feed_bytes", "Bytes of the feeds on disk.", feeds.bytes_on_disk),
@@ -8857,10 +8867,10 @@ class DataDirCopy:
             taken = min(taken, (read_restore_mark(layout) or {"taken": taken})["taken"])
         except (OSError, ValueError):
             pass
-        # First in an archive: even one cut short is marked.
-        self.add_bytes(layout.restore_mark, encode_json({"version": 1, "taken": taken,
-                                                         "by": "backup"}),
-                       os.stat(self.data_dir))  # (the data dir's owner's, as every file)
+        mark = {"version": 1, "taken": taken, "by": "backup"}
+        owner = os.stat(self.data_dir)  # (the mark is the data dir's owner's, as every file)
+        if self.sink.streamed:  # an archive cut short is marked as one: this, unless replaced
+            self.add_bytes(layout.restore_mark, encode_json(dict(mark, whole=False)), owner)
         tokens = self.copy_small(layout.tokens)
         if tokens is not None:
             try:
@@ -8877,6 +8887,7 @@ class DataDirCopy:
         for _, _, files in layout.all_scopes():
             self.copy_scope(files)
             self.progress(self)
+        self.add_bytes(layout.restore_mark, encode_json(mark), owner)
 
     def relative(self, path):
         return os.path.relpath(path, self.data_dir)
@@ -9000,6 +9011,8 @@ class BackupDir:
     (uid, gid, mode) the files get when run as root (the data dir's), so that its server can use
     the copy."""
 
+    streamed = False
+
     def __init__(self, dest, owner=None):
         self.dest = dest
         self.owner = owner if owner is not None and os.geteuid() == 0 else None
@@ -9040,7 +9053,10 @@ class BackupDir:
 
 class BackupTar:
     """A backup written as a tar archive, streamed (it never seeks back): to standard output, or
-    to_file."""
+    to_file. Cut short, it may end at a member's end, which tar -x takes for a whole archive: its
+    first member is a mark that says so, and the last replaces it."""
+
+    streamed = True
 
     def __init__(self, stream, partial=None, dest=None):
         self.stream = stream
@@ -9087,8 +9103,11 @@ class BackupTar:
 
     def abandon(self):
         if self.partial is not None:
-            self.stream.close()
-            _remove(self.partial)
+            try:
+                self.tar.close()
+                self.stream.close()
+            finally:
+                _remove(self.partial)
 
 
 def mark_restored(data_dir):

@@ -31,6 +31,7 @@ import ssl
 import struct
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -4864,6 +4865,495 @@ class PurgeCommandTest(DataDirToolCase):
         self.assertFalse(os.path.exists(os.path.join(self.layout.memory, "u-dave")))
         self.assertFalse(os.path.exists(self.layout.purged))  # no feed went: no numbering to keep
         self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["alice", "alice", "bob"])
+
+
+class BackupCommandTest(DataDirToolCase):
+    """backup --to and --tar: a copy that is itself a data dir, marked as a copy, written aside and renamed into
+    place; read-only against the data dir."""
+
+    SUMMARY = re.compile(r"backup: copied (\S+) to (.+) in [0-9.]+ s: (.*)\n")
+
+    def setUp(self):
+        super().setUp()
+        self.parent = os.path.dirname(self.data_dir)
+        self.dest = os.path.join(self.parent, "copy")
+
+    def expected_copy(self):
+        """The data dir's tree as a backup must copy it: feeds, tokens, manifests and the objects they name (not
+        alice's replaced note "b", kept an hour for readers), no lock file; and the mark."""
+        source = self.tree()
+        kept = {path: value[0] for path, value in source.items() if value[0] is not None
+                and not path.endswith(".lock")}
+        manifest = self.layout.scope_files("alice", sync.MemoryScope("proj-x")).manifest
+        with open(manifest, "rb") as f:
+            live = {entry["rev"] for entry in json.loads(f.read())["entries"].values() if entry["hash"]}
+        objects = [path for path in kept if "objects" in path and os.path.basename(path)[:-5] not in live
+                   and path.startswith(os.path.join("memory", "u-alice", "p-proj-x"))]
+        self.assertEqual(len(objects), 1)  # the replaced note, left for garbage collection
+        del kept[objects[0]]
+        return kept
+
+    def copied(self, path):
+        """{relative path: bytes} of the files of a copy, and its mark (parsed)."""
+        found = {path: value[0] for path, value in self.tree(path).items() if value[0] is not None}
+        mark = json.loads(found.pop("restored-from-backup.json"))
+        return found, mark
+
+    def assertMark(self, mark, before, after):
+        self.assertEqual(set(mark), {"version", "taken", "by"})
+        self.assertEqual((mark["version"], mark["by"]), (1, "backup"))
+        self.assertTrue(before <= mark["taken"] <= after, mark)
+
+    def test_a_backup_is_a_marked_data_dir_that_fsck_passes_and_the_data_dir_is_left_as_it_was(self):
+        before, started = self.tree(), int(time.time() * 1000)
+        code, out, err = self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)
+        self.assertEqual((code, err), (0, ""))
+        copied = sum(len(data) for data in self.expected_copy().values()) + 49  # (the mark's 49 bytes)
+        self.assertEqual(self.SUMMARY.fullmatch(out).groups(), (
+            self.data_dir, self.dest,
+            "3 feeds (%s in all), 3 memory scopes with 3 notes, 3 tokens" % sync.format_bytes(copied)))
+        self.assertEqual(self.tree(), before)
+        files, mark = self.copied(self.dest)
+        self.assertEqual(files, self.expected_copy())
+        self.assertMark(mark, started, int(time.time() * 1000))
+        for path, (_, mtime, mode) in self.tree(self.dest).items():  # the owner's alone; a feed's time kept
+            self.assertEqual(mode & 0o777, 0o700 if os.path.isdir(os.path.join(self.dest, path)) else 0o600, path)
+            if path.endswith(".jsonl"):
+                self.assertEqual(mtime, before[path][1])
+        self.assertEqual(sorted(os.listdir(self.parent)), ["copy", "data"])  # nothing left aside
+        self.assertEqual(self.run_tool("fsck", "--data", self.dest)[0], 0)
+
+    def test_a_tar_holds_what_a_copy_holds(self):
+        started = int(time.time() * 1000)
+        archive = os.path.join(self.parent, "data.tar")
+        code, out, err = self.run_tool("backup", "--data", self.data_dir, "--tar", archive)
+        self.assertEqual((code, err, self.SUMMARY.fullmatch(out).group(2)), (0, "", archive))
+        restored = os.path.join(self.parent, "restored")
+        os.mkdir(restored)
+        result = subprocess.run(["tar", "-x", "-f", archive, "-C", restored], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        self.assertEqual((result.returncode, result.stderr), (0, b""))
+        files, mark = self.copied(restored)
+        self.assertEqual(files, self.expected_copy())
+        self.assertMark(mark, started, int(time.time() * 1000))
+        with tarfile.open(archive) as tar:
+            members = tar.getmembers()
+        self.assertEqual(members[0].name, "restored-from-backup.json")  # first: even a torn archive is marked
+        self.assertEqual({(m.mode, m.uid) for m in members}, {(0o600, os.getuid()), (0o700, os.getuid())})
+        self.assertEqual(sorted(os.listdir(self.parent)), ["data", "data.tar", "restored"])
+
+    def test_an_archive_cut_short_at_a_members_end_is_refused_by_the_server(self):
+        # tar -x takes it for a whole one; the mark it begins with says otherwise, until the last member replaces it.
+        archive = os.path.join(self.parent, "data.tar")
+        self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--tar", archive)[0], 0)
+        with tarfile.open(archive) as tar:
+            cut = [member.offset for member in tar.getmembers()][-3]
+        with open(archive, "rb") as f:
+            data = f.read()
+        with open(archive, "wb") as f:
+            f.write(data[:cut])
+        restored = os.path.join(self.parent, "restored")
+        os.mkdir(restored)
+        self.assertEqual(subprocess.run(["tar", "-x", "-f", archive, "-C", restored]).returncode, 0)
+        with self.assertRaises(sync.UsageError) as caught:
+            sync.build_server(restored, port=0, log=CapturingLog([]))
+        self.assertEqual(str(caught.exception), (
+            "cannot start on the restored copy %s: the backup archive this copy came from was cut short (%s says "
+            "so): restore a whole one" % (restored, os.path.join(restored, "restored-from-backup.json"))))
+
+    def test_tar_to_standard_output_reports_on_standard_error(self):
+        result = subprocess.run([sys.executable, MODULE, "backup", "--data", self.data_dir, "--tar", "-"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(self.SUMMARY.fullmatch(result.stderr.decode()).group(2), "standard output")
+        with tarfile.open(fileobj=io.BytesIO(result.stdout)) as tar:
+            names = tar.getnames()
+            data = {name: tar.extractfile(name).read() for name in names if tar.getmember(name).isfile()}
+        data.pop("restored-from-backup.json")
+        self.assertEqual(data, self.expected_copy())
+
+    def test_a_destination_that_is_not_empty_or_is_inside_the_data_dir_is_refused(self):
+        os.mkdir(self.dest)
+        with open(os.path.join(self.dest, "keep"), "wb") as f:
+            f.write(b"mine")
+        tar_file = os.path.join(self.parent, "old.tar")
+        with open(tar_file, "wb") as f:
+            f.write(b"an older backup")
+        inside = os.path.join(self.data_dir, "feeds", "copy")
+        before = self.tree(self.parent)
+        for flag, dest, message in (
+                ("--to", self.dest, "--to %s exists and is not empty: a backup never writes over anything"
+                 % self.dest),
+                ("--tar", tar_file, "--tar %s exists and is not empty: a backup never writes over anything"
+                 % tar_file),
+                ("--to", self.data_dir, "--to %s is inside the data dir %s: put the copy elsewhere"
+                 % (self.data_dir, self.data_dir)),
+                ("--to", inside, "--to %s is inside the data dir %s: put the copy elsewhere" % (inside, self.data_dir)),
+                ("--tar", os.path.join(self.parent, "no", "x.tar"), "--tar %s: no such directory %s" % (
+                    os.path.join(self.parent, "no", "x.tar"), os.path.join(self.parent, "no")))):
+            self.assertEqual(self.run_tool("backup", "--data", self.data_dir, flag, dest),
+                             (2, "", "oharness-sync: error: %s\n" % message), flag)
+        self.assertEqual(self.tree(self.parent), before)
+        os.unlink(os.path.join(self.dest, "keep"))  # an empty directory will do
+        self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)[0], 0)
+        self.assertEqual(self.copied(self.dest)[0], self.expected_copy())
+
+    def test_a_backup_stopped_half_way_leaves_no_destination(self):
+        real_copy_scope = sync.DataDirCopy.copy_scope
+        copied_scopes = []
+
+        def stop_at_the_second_scope(copy, files):
+            if copied_scopes:
+                raise KeyboardInterrupt  # (a ^C, in the middle of memory)
+            copied_scopes.append(files)
+            real_copy_scope(copy, files)
+
+        for flag, dest in (("--to", self.dest), ("--tar", self.dest + ".tar")):
+            with mock.patch.object(sync.DataDirCopy, "copy_scope", stop_at_the_second_scope):
+                with self.assertRaises(KeyboardInterrupt):
+                    self.run_tool("backup", "--data", self.data_dir, flag, dest)
+            self.assertEqual(sorted(os.listdir(self.parent)), ["data"], flag)  # (what was aside is gone too)
+            copied_scopes.clear()
+
+    def test_a_backup_killed_at_any_moment_leaves_no_destination_that_looks_whole(self):
+        # The child says each file it has copied and waits; it is killed after the n-th, for each n.
+        script = ("import sys, time; sys.path.insert(0, %r); import oharness_sync as sync\n"
+                  "add = sync.BackupDir.add\n"
+                  "def slow_add(self, *args):\n"
+                  "    add(self, *args); print(args[0], flush=True); sys.stdin.readline()\n"
+                  "sync.BackupDir.add = slow_add\n"
+                  "sys.exit(sync.main(sys.argv[1:]))\n" % HERE)
+        files = len(self.expected_copy()) + 1
+        for kill_after in range(files + 1):
+            child = subprocess.Popen([sys.executable, "-c", script, "backup", "--data", self.data_dir, "--to",
+                                      self.dest], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            for _ in range(kill_after):
+                self.assertTrue(child.stdout.readline())
+                if _ < kill_after - 1:
+                    child.stdin.write(b"\n")
+                    child.stdin.flush()
+            child.kill()
+            child.wait()
+            child.stdin.close()
+            child.stdout.close()
+            self.assertFalse(os.path.exists(self.dest), kill_after)
+            for name in os.listdir(self.parent):
+                if name != "data":
+                    self.assertTrue(name.startswith("copy.partial-"), name)
+                    shutil.rmtree(os.path.join(self.parent, name))
+        # Let through, it finishes.
+        child = subprocess.run([sys.executable, "-c", script, "backup", "--data", self.data_dir, "--to", self.dest],
+                               input=b"\n" * files, stdout=subprocess.PIPE, timeout=60)
+        self.assertEqual(child.returncode, 0)
+        self.assertEqual(self.copied(self.dest)[0], self.expected_copy())
+
+    def test_a_torn_last_line_is_left_out_and_a_link_is_never_followed(self):
+        with open(self.bob_feed, "ab") as f:
+            f.write(b'{"n":5,"k":"r"')  # a push being written
+        outside = os.path.join(self.parent, "elsewhere.jsonl")
+        shutil.copy(self.team_feed, outside)
+        os.unlink(self.team_feed)
+        os.symlink(outside, self.team_feed)
+        expected = self.expected_copy()
+        expected[os.path.relpath(self.bob_feed, self.data_dir)] = expected[
+            os.path.relpath(self.bob_feed, self.data_dir)][:-len(b'{"n":5,"k":"r"')]
+        del expected[os.path.relpath(self.team_feed, self.data_dir)]
+        code, out, err = self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)
+        self.assertEqual((code, err), (1, "backup: %s is a link: not followed, not copied (fsck --data %s says more)\n"
+                                       % (self.team_feed, self.data_dir)))
+        self.assertTrue(out.endswith("; 1 link skipped\n"), out)
+        self.assertEqual(self.copied(self.dest)[0], expected)
+
+    def test_a_feed_compacted_while_it_is_copied_is_copied_whole_from_its_old_file(self):
+        old = self.lines_of(self.alice_feed)
+        real_open = sync.open_no_link
+
+        def open_then_compact(path):
+            fd = real_open(path)
+            if path == self.alice_feed:
+                sync.compact_file(path, int(time.time() * 1000), 90 * sync.DAY_MS)
+            return fd
+
+        with mock.patch.object(sync, "open_no_link", open_then_compact):
+            self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)[0], 0)
+        self.assertEqual(self.lines_of(self.alice_feed), self.compacted_alice_feed().splitlines(True))  # (it ran)
+        self.assertEqual(self.lines_of(os.path.join(self.dest, os.path.relpath(self.alice_feed, self.data_dir))),
+                         old)
+
+    def test_a_scope_committed_to_while_it_is_read_is_read_again(self):
+        memory = sync.MemoryStore(self.data_dir)
+        files = self.layout.scope_files("bob", sync.USER_SCOPE)
+        real_read = sync.DataDirCopy.read_small
+        committed = []
+
+        def commit_once_the_manifest_is_read(copy, path):
+            data, info = real_read(copy, path)
+            if path == files.manifest and not committed:
+                old = json.loads(data)
+                committed.append(memory.commit("bob", sync.USER_SCOPE, old["etag"],
+                                               memory_changes_of(memory_put("v", body="new"))))
+                for entry in old["entries"].values():  # collected (as if an hour had gone by)
+                    os.unlink(files.object_path(entry["rev"]))
+            return data, info
+
+        with mock.patch.object(sync.DataDirCopy, "read_small", commit_once_the_manifest_is_read):
+            self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)[0], 0)
+        copy = sync.MemoryStore(self.dest)
+        self.assertEqual(as_doc(copy.snapshot("bob", sync.USER_SCOPE))["entries"],
+                         [wire_entry("v", body="new")])
+        self.assertEqual(self.run_tool("fsck", "--data", self.dest)[0], 0)
+
+    def test_mark_restored_marks_a_copy_made_another_way_with_its_newest_file_time(self):
+        copy = os.path.join(self.parent, "cp-a")
+        shutil.copytree(self.data_dir, copy)  # (copy2: times kept, as cp -a keeps them)
+        newest = max(os.stat(path).st_mtime for path in (
+            self.alice_feed, self.team_feed, self.bob_feed,
+            self.layout.scope_files("alice", sync.MemoryScope("proj-x")).manifest,
+            self.layout.scope_files("alice", sync.USER_SCOPE).manifest,
+            self.layout.scope_files("bob", sync.USER_SCOPE).manifest))
+        code, out, err = self.run_tool("backup", "--mark-restored", "--data", copy)
+        taken = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(int(newest * 1000) / 1000))
+        self.assertEqual((code, out, err), (0, (
+            "backup: marked %s as a copy taken by %s: its next start makes every feed number on past what was "
+            "handed out since, and gives every memory scope a new etag\n" % (copy, taken)), ""))
+        with open(os.path.join(copy, "restored-from-backup.json")) as f:
+            self.assertEqual(json.load(f), {"version": 1, "taken": int(newest * 1000), "by": "backup --mark-restored"})
+        self.assertEqual(self.run_tool("backup", "--mark-restored", "--data", copy), (0, (
+            "backup: %s is marked already: its next start applies the restore\n" % copy), ""))
+        server = SubprocessServer(copy)  # a server runs on it: refused
+        try:
+            self.assertFalse(os.path.exists(os.path.join(copy, "restored-from-backup.json")))  # (applied)
+            self.assertEqual(self.run_tool("backup", "--mark-restored", "--data", copy), (2, "", (
+                "oharness-sync: error: a server is using %s: stop it first (backup --mark-restored needs the data "
+                "dir to itself)\n" % copy)))
+        finally:
+            server.stop()
+
+
+class RestoreMarkTest(DataDirToolCase):
+    """apply_restore, a server's first start on a marked copy: every feed numbers on past the floor, every memory
+    scope gets a new etag, one line is logged, and the mark goes; a start that crashed half-way does the rest once."""
+
+    NOW = 1796400000.0  # a server's clock, in seconds
+
+    def mark(self, taken_ms, **fields):
+        doc = {"version": 1, "taken": taken_ms, "by": "backup"}
+        doc.update(fields)
+        with open(self.layout.restore_mark, "w") as f:
+            json.dump(doc, f)
+
+    def apply(self, lines=None):
+        feeds, memory = sync.FeedStore(self.data_dir), sync.MemoryStore(self.data_dir)
+        self.addCleanup(close_store, feeds)
+        sync.apply_restore(feeds, memory, (lines if lines is not None else []).append, clock=lambda: self.NOW)
+        return feeds, memory
+
+    def etags(self):
+        found = {}
+        for principal, scope, files in self.layout.all_scopes():
+            with open(files.manifest, "rb") as f:
+                doc = json.loads(f.read())
+            found[(principal, scope.project)] = (doc["etag"], doc["entries"])
+        return found
+
+    def last_line(self, path):
+        return sync.parse_feed_line(self.lines_of(path)[-1])[:2]
+
+    def test_every_feed_numbers_on_past_the_floor_and_every_etag_changes_and_the_mark_goes(self):
+        self.mark(int(self.NOW * 1000) - 5000)  # taken five seconds before
+        before, lines = self.etags(), []
+        feeds, memory = self.apply(lines)
+        floor = 10 + 2 ** 32 + 1024 * 5000  # alice's feed, at 10, has the highest number
+        taken = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.NOW - 5))
+        self.assertEqual(lines, ["restored from a copy taken %s UTC (backup): feeds number on after %d (3 feeds "
+                                 "jumped), 3 memory scopes got a new etag" % (taken, floor)])
+        for path in (self.alice_feed, self.team_feed, self.bob_feed):
+            self.assertEqual(self.last_line(path), (floor, b"x"))
+        after = self.etags()
+        self.assertEqual(set(after), set(before))
+        for scope, (etag, entries) in after.items():
+            self.assertEqual(entries, before[scope][1])
+            self.assertNotEqual(etag, before[scope][0])
+        self.assertFalse(os.path.exists(self.layout.restore_mark))
+        with open(self.layout.feed_floor) as f:
+            self.assertEqual(json.load(f), {"floor": floor})
+        # Pushes number on after the floor: to a feed there, to a new one, from a cursor of before.
+        new = record("s9", "n1")
+        self.assertEqual(feeds.push(self.BOB, "proj-b", *validated([new])), (floor + 1, 1))
+        self.assertEqual(feeds.push(self.BOB, "proj-new", *validated([new])), (floor + 1, 1))
+        cursor, records, _, _ = self.pull_all(self.BOB, "proj-b", 6)
+        self.assertEqual((cursor, [json.loads(r) for r in records]), (floor + 1, [new]))
+        self.assertEqual(sync.FeedStore(self.data_dir).push(self.ALICE, "other", *validated([new])), (floor + 1, 1))
+        # A second start: nothing more.
+        lines, etags = [], self.etags()
+        self.apply(lines)
+        self.assertEqual((lines, self.etags()), ([], etags))
+        self.assertEqual(self.last_line(self.bob_feed)[0], floor + 1)
+
+    def test_an_older_copy_jumps_1024_further_for_each_millisecond_since_it_was_taken(self):
+        day = 86400 * 1000
+        self.mark(int(self.NOW * 1000) - day)
+        self.apply()
+        self.assertEqual(self.last_line(self.bob_feed), (10 + 2 ** 32 + 1024 * day, b"x"))
+
+    def test_the_same_copy_restored_twice_jumps_past_what_the_first_restore_handed_out(self):
+        copy = os.path.join(os.path.dirname(self.data_dir), "copy")
+        shutil.copytree(self.data_dir, copy)
+        taken = int(self.NOW * 1000) - 1000
+        self.mark(taken)
+        feeds, _ = self.apply()
+        first = self.last_line(self.bob_feed)[0]
+        feeds.push(self.BOB, "proj-b", *validated([record("s", str(i)) for i in range(500)]))
+        shutil.rmtree(self.data_dir)
+        shutil.copytree(copy, self.data_dir)
+        self.mark(taken)
+        self.NOW += 1.0  # a second later: 1024 numbers a millisecond past the first restore's floor, which no feed
+        # can have taken in the meanwhile
+        self.apply()
+        self.assertEqual(self.last_line(self.bob_feed)[0], first + 1024 * 1000)
+        self.assertGreater(first + 1024 * 1000, feeds.feed(self.BOB, "proj-b").index.end)
+
+    def test_a_start_that_crashed_half_way_does_the_rest_with_the_same_floor(self):
+        self.mark(int(self.NOW * 1000))
+        real = sync.Feed.keep_number
+        calls = []
+
+        def crash_at_the_second_feed(feed, number):
+            calls.append(feed.path)
+            if len(calls) == 2:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(feed, number)
+
+        before = self.etags()
+        with mock.patch.object(sync.Feed, "keep_number", crash_at_the_second_feed):
+            with self.assertRaises(OSError):
+                self.apply()
+        floor = 10 + 2 ** 32
+        with open(self.layout.restore_mark) as f:
+            self.assertEqual(json.load(f), {"version": 1, "taken": int(self.NOW * 1000), "by": "backup",
+                                            "floor": floor})
+        jumped = calls[0]
+        self.assertEqual(self.last_line(jumped), (floor, b"x"))
+        self.NOW += 3600  # an hour later: the floor stays the one chosen
+        lines = []
+        self.apply(lines)
+        self.assertEqual(len(lines), 1)
+        for path in (self.alice_feed, self.team_feed, self.bob_feed):
+            self.assertEqual(self.last_line(path), (floor, b"x"))
+            self.assertEqual(sum(1 for line in self.lines_of(path) if sync.parse_feed_line(line)[0] == floor), 1)
+        self.assertTrue(all(etag != before[scope][0] for scope, (etag, _) in self.etags().items()))
+        self.assertFalse(os.path.exists(self.layout.restore_mark))
+
+    def test_a_server_does_not_start_on_a_damaged_mark_or_with_no_room_left_under_2_53(self):
+        log = CapturingLog([])
+        for mark, message in (
+                ("{}", "%s is not a restore mark" % self.layout.restore_mark),
+                (json.dumps({"version": 1, "taken": 0, "by": "backup", "floor": -1}),
+                 "%s is not a restore mark" % self.layout.restore_mark)):
+            with open(self.layout.restore_mark, "w") as f:
+                f.write(mark)
+            with self.assertRaises(sync.UsageError) as caught:
+                sync.build_server(self.data_dir, port=0, log=log)
+            self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: %s" % (self.data_dir,
+                                                                                                 message))
+        with open(self.layout.feed_floor, "w") as f:
+            json.dump({"floor": 2 ** 53 - 2 ** 32}, f)
+        self.mark(int(time.time() * 1000))
+        with self.assertRaises(sync.UsageError) as caught:
+            sync.build_server(self.data_dir, port=0, log=log)
+        self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: feed numbers would pass 2**53 "
+                         "(at %d): no room for another restore" % (self.data_dir, 2 ** 53 - 2 ** 32))
+        self.assertEqual(log.lines, [])
+
+
+class BackupRestoreWireTest(ServerCase):
+    """The issue's walk: push 4 events, back up, push 2 more and let a device pull to 6; stop, restore the backup,
+    start, push 2 more: that device, pulling on from 6, gets both; a device holding the latest etag gets 409, then
+    a snapshot equal to the restored one. Restored from backup --to, from backup --tar - by tar -x, and from a cp -a
+    copy marked by hand."""
+
+    def pushed(self, *ids):
+        for record_id in ids:
+            self.assertAnswer(self.push(self.alice, records=[record(record_id=record_id)]), 200)
+
+    def walk(self, back_up, restore):
+        self.pushed("r1", "r2", "r3", "r4")
+        restored_notes = [wire_entry("n1")]
+        backed_up_etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=restored_notes)
+        back_up()
+        self.pushed("r5", "r6")
+        device = self.pull(self.alice, since=0).json
+        self.assertEqual((device["cursor"], len(device["records"])), (6, 6))
+        latest_etag = wire_assert_ok(self, wire_commit(self, [memory_put("n2")], backed_up_etag),
+                                     entries=[wire_entry("n1"), wire_entry("n2")])
+        self.stop_server(self.server, self.server_thread)
+        restore()
+        self.start_server()
+        self.assertEqual(len(self.log_lines), 1, self.log_lines)
+        self.assertTrue(self.log_lines[0].startswith("restored from a copy taken "), self.log_lines)
+        self.pushed("r7", "r8")
+        answer = self.pull(self.alice, since=device["cursor"])
+        self.assertAnswer(answer, 200)
+        self.assertEqual([r["id"] for r in answer.json["records"]], ["r7", "r8"])
+        self.assertEqual(answer.json["more"], False)
+        self.assertEqual([r["id"] for r in self.pull(self.alice, since=0).json["records"]],
+                         ["r1", "r2", "r3", "r4", "r7", "r8"])
+        wire_assert_code(self, wire_commit(self, [memory_put("n3")], latest_etag), 409, "revision_conflict")
+        snapshot = wire_snapshot(self, knownEtag=latest_etag)
+        etag = wire_assert_ok(self, snapshot, entries=restored_notes)
+        self.assertNotIn(etag, (backed_up_etag, latest_etag))
+        wire_assert_code(self, wire_commit(self, [memory_put("n3")], backed_up_etag), 409, "revision_conflict")
+        # A start after it jumps nothing more.
+        self.restart_server()
+        self.assertEqual(self.log_lines, [])
+        self.assertEqual(self.push(self.alice, records=[record(record_id="r9")]).json["cursor"],
+                         answer.json["cursor"] + 1)
+
+    def copy_path(self):
+        parent = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, parent, True)
+        return os.path.join(parent, "copy")
+
+    def replace_data_dir(self, command):
+        shutil.rmtree(self.data_dir)
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        self.assertEqual((result.returncode, result.stderr), (0, b""), command)
+
+    def test_restored_from_backup_to(self):
+        copy = self.copy_path()
+
+        def back_up():
+            with contextlib.redirect_stdout(io.StringIO()):
+                self.assertEqual(sync.main(["backup", "--data", self.data_dir, "--to", copy]), 0)
+
+        self.walk(back_up, lambda: self.replace_data_dir(["mv", copy, self.data_dir]))
+
+    def test_restored_from_backup_tar_to_standard_output_by_tar_x(self):
+        archive = self.copy_path() + ".tar"
+
+        def back_up():
+            with open(archive, "wb") as out:
+                result = subprocess.run([sys.executable, MODULE, "backup", "--data", self.data_dir, "--tar", "-"],
+                                        stdout=out, stderr=subprocess.PIPE, timeout=60)
+            self.assertEqual(result.returncode, 0, result.stderr)
+
+        def restore():
+            self.replace_data_dir(["mkdir", self.data_dir])
+            result = subprocess.run(["tar", "-x", "-f", archive, "-C", self.data_dir], stderr=subprocess.PIPE)
+            self.assertEqual((result.returncode, result.stderr), (0, b""))
+
+        self.walk(back_up, restore)
+
+    def test_restored_from_a_cp_a_copy_marked_by_hand(self):
+        copy = self.copy_path()
+
+        def restore():
+            self.replace_data_dir(["cp", "-a", copy, self.data_dir])
+            result = subprocess.run([sys.executable, MODULE, "backup", "--mark-restored", "--data", self.data_dir],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+            self.assertEqual((result.returncode, result.stderr), (0, b""))
+
+        self.walk(lambda: subprocess.run(["cp", "-a", self.data_dir, copy], check=True), restore)
 
 
 class ToolsWithAServerUpTest(DataDirToolCase):
