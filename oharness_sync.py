@@ -3756,7 +3756,8 @@ class FeedStore:
                 jumped += self.feed(owner, project).keep_number(floor)
         if read_feed_floor(self.layout) < floor:
             make_dirs(self.layout.feeds)
-            write_atomically(self.layout.feed_floor, encode_json({"floor": floor}))
+            write_atomically(self.layout.feed_floor, encode_json({"floor": floor}),
+                             dir_owner(self.layout.path))
         with self._lock:
             self._floor = floor
         return jumped
@@ -4389,7 +4390,8 @@ class MemoryStore:
                 if manifest is NO_MANIFEST:
                     continue
                 new = Manifest(secrets.token_hex(16), manifest.entries)
-                write_atomically(files.manifest, new.to_bytes())
+                # (the data dir's owner's, should this run as root)
+                write_atomically(files.manifest, new.to_bytes(), dir_owner(self.layout.path))
                 self._cache.put(files.root, new)
             changed += 1
         return changed, damaged
@@ -4587,7 +4589,7 @@ def apply_restore(feeds, memory, log, clock=time.time):
     if "floor" not in mark:
         mark["floor"] = restore_floor(feeds.highest_number(), mark["taken"],
                                       int(clock() * 1000))
-        write_atomically(layout.restore_mark, encode_json(mark))
+        write_atomically(layout.restore_mark, encode_json(mark), dir_owner(layout.path))
     jumped = feeds.number_on_from(mark["floor"])
     scopes, damaged = memory.change_etags()
     os.unlink(layout.restore_mark)
@@ -9102,12 +9104,15 @@ class BackupTar:
             sync_dir(os.path.dirname(self.dest))
 
     def abandon(self):
+        """Remove the file written aside (standard output is left as it is: its reader sees an
+        archive cut short, and its first mark)."""
         if self.partial is not None:
             try:
                 self.tar.close()
                 self.stream.close()
-            finally:
-                _remove(self.partial)
+            except OSError:
+                pass  # (what failed is what the caller reports)
+            _remove(self.partial)
 
 
 def mark_restored(data_dir):

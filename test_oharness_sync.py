@@ -10495,7 +10495,7 @@ class CommandLineTest(unittest.TestCase):
         return code, out.getvalue(), err.getvalue()
 
     def test_no_arguments_or_a_mistyped_command_is_one_line_that_helps(self):
-        commands = "token, fsck, note-hash, check, replicate, usage, compact, purge, bench"
+        commands = "token, fsck, note-hash, check, replicate, usage, compact, purge, backup, bench"
         self.assertEqual(self.main(), (2, "", "oharness-sync: error: to serve, give --data DIR; or a command: %s "
                                               "(--help says more)\n" % commands))
         self.assertEqual(self.main("tokens", "issue"), (2, "", "oharness-sync: error: 'tokens' is not a command "
@@ -10669,7 +10669,7 @@ class CommandLineTest(unittest.TestCase):
                                      "       oharness_sync.py COMMAND [--help] ..."])
         commands = [line.split()[0] for line in lines if re.match(r"  [a-z][a-z-]*  +[a-z]", line)]
         self.assertEqual(commands, ["token", "fsck", "note-hash", "check", "replicate", "usage", "compact", "purge",
-                                    "bench"])
+                                    "backup", "bench"])
         for flag in ("--version", "--data DIR", "--host HOST", "--port PORT", "--tls-cert CERT.pem", "--tls-key KEY.pem",
                      "--jwt-secret-file FILE", "--jwks-file FILE", "--memory-auth", "--quiet"):
             self.assertEqual(len([line for line in lines if line.startswith("  " + flag)]), 1, flag)
