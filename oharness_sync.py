@@ -4869,7 +4869,11 @@ class SyncApp:
                              "plain": http_note}
         return Response(200, page.encode("utf-8"), [
             ("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'"),
-            ("X-Content-Type-Options", "nosniff")], content_type="text/html; charset=utf-8")
+            ("X-Content-Type-Options", "nosniff"),
+            # The page shows what these headers say: a cache must not hand it to another request.
+            ("Cache-Control", "no-cache"),
+            ("Vary", "Host, Forwarded, X-Forwarded-Proto, X-Forwarded-Host")],
+            content_type="text/html; charset=utf-8")
 
     def metrics_page(self, request):
         """The server's metrics, in Prometheus' text format, for a scraper with the metrics
@@ -5131,14 +5135,18 @@ def read_chunked(rfile, limit, error):
     return b"".join(chunks)
 
 
-def render(response, method, close):
+def render(response, method, close, no_store):
     """The bytes of a response: status line, headers, body (none for HEAD), in one piece for one
-    send."""
+    send. no_store: `Cache-Control: no-store` in place of the route's own (see
+    SyncRequestHandler.response_bytes)."""
     head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (
         response.status, _REASONS.get(response.status, b"Unknown"),
         response.content_type.encode("latin-1"), len(response.body))
     if response.headers:
-        head += "".join("%s: %s\r\n" % header for header in response.headers).encode("latin-1")
+        head += "".join("%s: %s\r\n" % header for header in response.headers
+                        if not (no_store and header[0] == "Cache-Control")).encode("latin-1")
+    if no_store:
+        head += b"Cache-Control: no-store\r\n"
     head += b"Connection: close\r\n\r\n" if close else b"\r\n"
     return head if method == "HEAD" else head + response.body
 
@@ -5463,11 +5471,14 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def response_bytes(self, response, method):
-        """The response's bytes; whether the connection closes after it is decided here."""
+        """The response's bytes; whether the connection closes after it is decided here, and
+        whether a cache may keep it: never an answer to a request with a token (a proxy's cache
+        would hand one person's feed to another) nor an error."""
         close = (response.close or self.close_connection or self.body_pending
                  or self.server.stopping.is_set())
         self.close_connection = close
-        return render(response, method, close)
+        return render(response, method, close,
+                      no_store=response.status >= 400 or "authorization" in self.headers)
 
     def linger(self):
         """After a last response sent before its request's body was read (an early 401 or 413):
@@ -5504,7 +5515,7 @@ class TlsFiles:
 
 _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             b"Content-Length: 64\r\n"
-            b"Retry-After: 1\r\nConnection: close\r\n\r\n"
+            b"Retry-After: 1\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n"
             b'{"error":"server is at its connection limit; try again shortly"}')
 
 

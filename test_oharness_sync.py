@@ -6827,6 +6827,88 @@ class FrontPageTest(ServerCase):
         self.assertEqual(self.log_lines, ["GET /favicon.ico 404 %s -" % self.log_lines[0].split()[3]])  # access only
 
 
+def caching_headers(url, method, path, body=None, token=None, headers=None):
+    """(status, every Cache-Control value, every Vary value) of one answer, repeated fields kept
+    apart."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        all_headers = dict(headers or {})
+        if token is not None:
+            all_headers["Authorization"] = "Bearer " + token
+        if body is not None:
+            all_headers["Content-Type"] = "application/json"
+            body = json.dumps(body).encode("utf-8")
+        conn.request(method, path, body=body, headers=all_headers)
+        response = conn.getresponse()
+        response.read()
+        return (response.status, response.msg.get_all("Cache-Control") or [],
+                response.msg.get_all("Vary") or [])
+    finally:
+        conn.close()
+
+
+class CachingTest(ServerCase):
+    """A cache in front (a proxy's, a browser's) keeps nothing of a request with a token nor any
+    error, and keys the front page by the headers it shows."""
+
+    def cached(self, method, path, body=None, token=None, headers=None):
+        return caching_headers(self.url, method, path, body, token, headers)
+
+    def test_every_answer_to_a_request_with_a_token_is_no_store(self):
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200)
+        calls = [("POST", "/v1/push", {"project": "p", "records": [record()]}, 200),
+                 ("GET", "/v1/pull?project=p&since=0", None, 200),
+                 ("GET", "/v1/projects", None, 200),
+                 ("POST", "/v1/memory/identity", {"expectedPrincipal": "alice"}, 200),
+                 ("GET", "/v1/health", None, 200),
+                 ("GET", "/", None, 200)]  # no-cache with no token; with one, no-store only
+        for method, path, body, status in calls:
+            with self.subTest(path=path):
+                vary = [VARY_FRONT_PAGE] if path == "/" else []
+                self.assertEqual(self.cached(method, path, body, token=self.alice),
+                                 (status, ["no-store"], vary))
+
+    def test_every_error_is_no_store_with_a_token_or_without(self):
+        calls = [("GET", "/v1/projects", None, None, 401),
+                 ("GET", "/nowhere", None, None, 404),
+                 ("DELETE", "/v1/push", None, None, 405),
+                 ("GET", "/v1/pull?project=p&since=x", None, self.alice, 400),
+                 ("POST", "/v1/memory/identity", {"expectedPrincipal": "bob"}, self.alice, 403)]
+        for method, path, body, token, status in calls:
+            with self.subTest(path=path, status=status):
+                self.assertEqual(self.cached(method, path, body, token=token),
+                                 (status, ["no-store"], []))
+        with open_raw(self.url) as sock:  # a head refused before any route saw it
+            sock.sendall(b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n")
+            status, headers, _ = read_raw_answer(sock)
+        self.assertEqual((status, headers.get("cache-control")), (400, "no-store"))
+
+    def test_the_front_page_is_no_cache_and_varies_on_the_headers_it_shows(self):
+        self.assertEqual(self.cached("GET", "/", headers={"X-Forwarded-Host": "pi.home.arpa"}),
+                         (200, ["no-cache"], [VARY_FRONT_PAGE]))
+        self.assertEqual(self.cached("HEAD", "/"), (200, ["no-cache"], [VARY_FRONT_PAGE]))
+
+    def test_health_without_a_token_says_nothing_of_caching(self):
+        self.assertEqual(self.cached("GET", "/v1/health"), (200, [], []))
+
+    def test_a_parked_pull_answered_by_the_push_that_woke_it_is_no_store(self):
+        results = []
+        thread = threading.Thread(target=lambda: results.append(
+            self.cached("GET", "/v1/pull?project=proj&since=0&wait=10", token=self.alice)))
+        thread.start()
+        deadline = time.monotonic() + 5
+        while not self.server.app.parked:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200)
+        thread.join(5)
+        self.assertEqual(results, [(200, ["no-store"], [])])
+
+
+VARY_FRONT_PAGE = "Host, Forwarded, X-Forwarded-Proto, X-Forwarded-Host"
+
+
 # -- GET /metrics: Prometheus' text format, behind the metrics token -----------
 
 METRICS_TOKEN = "metrics_" + "K7q" * 12
@@ -7589,6 +7671,7 @@ class ConnectionCapTest(ServerCase):
         self.assertTrue(head.startswith(b"HTTP/1.1 503 "), answer)
         self.assertIn(b"Content-Type: application/json", head)
         self.assertIn(b"Connection: close", head)
+        self.assertIn(b"Cache-Control: no-store", head)
         self.assertIsInstance(json.loads(body)["error"], str)
         for sock in held:
             sock.close()
@@ -8360,7 +8443,7 @@ class EarlyAnswerTest(unittest.TestCase):
         self.addCleanup(theirs.close)
         theirs.settimeout(0.2)
         handler = sync.SyncRequestHandler.__new__(sync.SyncRequestHandler)
-        handler.connection, handler.command = ours, "GET"
+        handler.connection, handler.command, handler.headers = ours, "GET", {}
         handler.server = mock.Mock(tls=tls, stopping=threading.Event())
         handler.close_connection = handler.body_pending = False
         handler.held, handler.early, handler.early_lock = None, None, threading.Lock()
