@@ -178,6 +178,7 @@ LOCAL_TOKEN_PREFIX = "ohs_"
 
 # Sharing the server
 MAX_PRINCIPALS_FILE_BYTES = 1024 * 1024  # a larger --principals-file is refused
+FEED_LINE_FRAMING = 96                   # a feed line's bytes around its event, at most
 
 # Memory sync
 MEMORY_QUOTA = {"maxNotes": 5000, "maxChanges": 500, "maxNoteBytes": 131072, "tombstoneDays": 90}
@@ -289,6 +290,18 @@ class AuthThrottled(Exception):
 
 class StorageError(Exception):
     """The disk refused a write; nothing of the request was kept."""
+
+
+class QuotaReached(Exception):
+    """A push or memory commit would take its principal past their storage quota; nothing of it
+    was stored."""
+
+    def __init__(self, quota, stored):
+        super().__init__("storage quota of %s reached (%s stored); nothing was stored: delete "
+                         "sessions to make room, or ask the server's operator for more"
+                         % (format_size(quota), format_bytes(stored)))
+        self.quota = quota
+        self.stored = stored
 
 
 class CompactionStopped(Exception):
@@ -1053,7 +1066,8 @@ def decode_name(name):
 #
 # GET /metrics (with --metrics-token-file) answers in Prometheus' text format, version 0.0.4. A
 # series is labelled by route template, method, status class, event kind, token kind or result,
-# never by principal, project or token. A connection's thread counts its own requests in a Tally
+# never by principal, project or token (what each owner stores is counted by owner, for the
+# quotas, and never exported). A connection's thread counts its own requests in a Tally
 # without a lock; the Metrics take a lock only for what happens once per group commit, token
 # failure or memory commit, and when a connection's Tally is folded in as it closes.
 
@@ -1178,6 +1192,18 @@ class Metrics:
     def add(self, name, label=None, amount=1):
         with self.lock:
             self.counters[name, label] += amount
+
+    def stored(self, principal):
+        """The bytes principal stores: their own feeds and their memory (a team's feeds count
+        against no one)."""
+        with self.lock:
+            return (self.counters["feed_bytes", ("u", principal)]
+                    + self.counters["memory_bytes", principal])
+
+    def total(self, name):
+        """The sum of a counter over its labels (feed_bytes, memory_bytes: every owner's)."""
+        with self.lock:
+            return sum(count for (key, _), count in self.counters.items() if key == name)
 
     def group_commit(self, pushes, records, sessions, seconds):
         """One group commit: the pushes it made durable, its events by kind, its fsync's time."""
@@ -2464,6 +2490,11 @@ class DataDir:
                                        "user" if scope.project is None
                                        else "p-" + encode_name(scope.project)))
 
+    def memory_dirs(self):
+        """(principal, path) of every principal's directory under DIR/memory."""
+        for entry in _sorted_dirs(self.memory, ("u-",)):
+            yield decode_name(entry.name[2:]), entry.path
+
     def all_scopes(self):
         """(principal, MemoryScope, ScopeFiles) of every scope directory, sorted by path (those
         whose names are no valid ids are not scopes of this server's making, and are left out)."""
@@ -3206,6 +3237,34 @@ def _remove(path):
         pass
 
 
+class StorageLimits:
+    """What a write may not pass: its principal's storage quota (in a PrincipalList, swapped on
+    SIGHUP), against what they store (the Metrics count it by owner). FeedStore.push and
+    MemoryStore.commit ask check() before they write anything."""
+
+    def __init__(self, metrics, principals=None):
+        self.metrics = metrics
+        self.principals = principals
+
+    def check(self, principal, adding):
+        """QuotaReached when principal (None: a team, no quota) would pass their quota by adding
+        bytes. A write that adds nothing (adding <= 0) always passes."""
+        if principal is None or self.principals is None or adding <= 0:
+            return
+        quota = self.principals.quotas.get(principal)
+        if quota is not None:
+            stored = self.metrics.stored(principal)
+            if stored + adding > quota:
+                raise QuotaReached(quota, stored)
+
+
+def push_bytes(records, sessions):
+    """What a push adds to a feed file, at most (what it finds there already adds nothing)."""
+    return (sum(len(record.event) for record in records)
+            + sum(len(entry.event) for entry in sessions)
+            + FEED_LINE_FRAMING * (len(records) + len(sessions)))
+
+
 class Feed:
     """One (owner, project) feed: its file, and the index a start-up rebuilds from it.
 
@@ -3219,8 +3278,9 @@ class Feed:
     while all this goes on, and swaps it in under the lock.
     """
 
-    def __init__(self, path, log, parked=(), start=0, clock=time.time, metrics=None):
+    def __init__(self, path, log, parked=(), start=0, clock=time.time, metrics=None, owner=None):
         self.path = path
+        self.owner = owner                     # what its bytes are counted under in the Metrics
         self.log = log
         self.clock = clock                     # stamps session metadata with the time it is stored
         self.metrics = metrics or Metrics()
@@ -3304,6 +3364,7 @@ class Feed:
             self.superseded_bytes = superseded
             self.next_number = index.end + 1
             self.fd = fd
+        self.metrics.add("feed_bytes", self.owner, amount=index.offsets[-1] - self.bytes_at_load)
         self.loaded = True
 
     # -- appending ---------------------------------------------------------
@@ -3404,6 +3465,7 @@ class Feed:
                 self.fsyncs += 1
                 self.fsynced_pushes += pushes
                 self.metrics.group_commit(pushes, len(lines) - sessions, sessions, seconds)
+                self.metrics.add("feed_bytes", self.owner, amount=sum(len(line) for line in lines))
                 parked, self.parked = self.parked, set()
         else:
             group += self.pending  # numbered after the failed events: they fail with them
@@ -3580,6 +3642,7 @@ class Feed:
             _remove(aside)
             raise
         self._close_retired()  # (the old file goes as its last fd closes: not under the lock)
+        self.metrics.add("feed_bytes", self.owner, amount=index.offsets[-1] - size)
         return size, index.offsets[-1], erased
 
     def _swap(self, aside, index, lines, durable_end):
@@ -3699,7 +3762,7 @@ class FeedStore:
         self.log = log or (lambda message: None)
         self.clock = clock
         self.metrics = metrics or Metrics()
-        self._bytes_at_start = None
+        self.limits = StorageLimits(self.metrics)
         self.stopping = threading.Event()
         self._feeds = {}
         self._lock = threading.Lock()
@@ -3729,7 +3792,7 @@ class FeedStore:
                 start = max(self._purged.get(purged_key(owner, project), 0), self._floor)
                 feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()),
                                                start=start, clock=self.clock,
-                                               metrics=self.metrics)
+                                               metrics=self.metrics, owner=owner)
             return feed
 
     def highest_number(self):
@@ -3782,7 +3845,11 @@ class FeedStore:
     def push(self, owner, project, records, sessions):
         """Append a validated push; (cursor, accepted) once durable. A push that adds nothing
         creates nothing (an empty push to a project without a feed leaves no Feed behind
-        either)."""
+        either). Past the owner's quota (QuotaReached), only a push of session deletions alone
+        goes ahead: it is what frees room, once a compaction erases their records."""
+        if records or not all(entry.deleted for entry in sessions):
+            self.limits.check(owner[1] if owner[0] == "u" else None,
+                              push_bytes(records, sessions))
         feed = self.feed(owner, project, create=bool(records or sessions))
         if feed is None:
             return 0, 0
@@ -3856,15 +3923,17 @@ class FeedStore:
                 names.append(project)
         return sorted(names)
 
+    def count_bytes(self):
+        """Count what each owner's feeds hold on disk, by one walk of DIR/feeds (at start); then
+        pushes, compactions and cut torn tails count what they change."""
+        for owner, _, entry in self.layout.all_feeds():
+            if owner is not None:
+                self.metrics.add("feed_bytes", owner,
+                                 amount=entry.stat(follow_symlinks=False).st_size)
+
     def bytes_on_disk(self):
-        """What the feeds hold on disk: their sizes at the first call (one walk of DIR/feeds,
-        which the server makes as it starts), and since then what loaded feeds grew or shrank
-        by."""
-        if self._bytes_at_start is None:
-            self._bytes_at_start = sum(entry.stat().st_size
-                                       for owner, _, entry in self.layout.all_feeds() if owner)
-        return self._bytes_at_start + sum(feed.index.offsets[-1] - feed.bytes_at_load
-                                          for feed in self.feeds() if feed.loaded)
+        """What the feeds hold on disk, every owner's."""
+        return self.metrics.total("feed_bytes")
 
     def damaged(self):
         """Feeds refused for a damaged line."""
@@ -4182,7 +4251,7 @@ class MemoryStore:
         self.clock = clock
         self.log = log or (lambda message: None)
         self.metrics = metrics or Metrics()
-        self._bytes_at_start = None
+        self.limits = StorageLimits(self.metrics)
         self.quota = dict(MEMORY_QUOTA)              # enforced and advertised; tests may lower it
         self._quota_json = (None, b"")               # (the quota it was made from, its JSON)
         self.max_snapshot_bytes = MAX_SNAPSHOT_BYTES
@@ -4195,15 +4264,17 @@ class MemoryStore:
     def quota_doc(self):
         return dict(self.quota)
 
+    def count_bytes(self):
+        """Count what each principal's memory holds on disk, by one walk of DIR/memory (at start);
+        then commits and garbage collection count what they change."""
+        for principal, path in self.layout.memory_dirs():
+            self.metrics.add("memory_bytes", principal, amount=sum(
+                os.lstat(os.path.join(root, name)).st_size
+                for root, _, names in os.walk(path) for name in names))
+
     def bytes_on_disk(self):
-        """What memory holds on disk: its files' sizes at the first call (one walk of DIR/memory,
-        which the server makes as it starts), and since then what commits wrote and removed."""
-        if self._bytes_at_start is None:
-            self._bytes_at_start = sum(os.path.getsize(os.path.join(root, name))
-                                       for root, _, names in os.walk(self.layout.memory)
-                                       for name in names)
-        with self.metrics.lock:
-            return self._bytes_at_start + self.metrics.counters["memory_bytes", None]
+        """What memory holds on disk, every principal's."""
+        return self.metrics.total("memory_bytes")
 
     def quota_json(self):
         """The quota as answered, encoded once (and again only if it was changed)."""
@@ -4271,16 +4342,19 @@ class MemoryStore:
             entries, objects, fresh = self._apply(old, changes)
             new = Manifest(secrets.token_hex(16), entries)
             self._check_ids(new, changes)
+            data = new.to_bytes()
             try:
                 self._check_quota(old, new)
-            except MemoryApiError:
+                self.limits.check(principal, len(data) - _file_size(files.manifest)
+                                  + sum(len(note) for _, note in objects))
+            except (MemoryApiError, QuotaReached):
                 self.metrics.add("memory_commits", "quota")
                 raise
-            self._publish(files, new, objects)
+            self._publish(principal, files, data, objects)
             self.metrics.add("memory_commits", "ok")
             self._cache.put(files.root, new)
             self._mark_replaced(files, old, new)
-            self._collect_garbage(files, new)
+            self._collect_garbage(principal, files, new)
             return self._snapshot(principal, files, new, have, fresh=fresh)
 
     def _mark_replaced(self, files, old, new):
@@ -4449,21 +4523,21 @@ class MemoryStore:
             raise MemoryApiError(413, "memory_quota_exceeded",
                                  "the memory snapshot would be too large")
 
-    def _publish(self, files, manifest, objects):
-        """Write the new objects durably, then replace the manifest atomically.
+    def _publish(self, principal, files, data, objects):
+        """Write the new objects durably, then replace the manifest (data: its bytes) atomically.
 
         Any OSError answers 502 memory_sync_failed and leaves the previous manifest published.
         """
         written = []
         try:
             make_dirs(files.objects)
-            for rev, data in objects:
+            for rev, note in objects:
                 path = files.object_path(rev)
                 # O_EXCL: a revision is never overwritten.
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 written.append(path)
                 try:
-                    write_all(fd, data)
+                    write_all(fd, note)
                     sync_file(fd)
                 finally:
                     os.close(fd)
@@ -4478,24 +4552,24 @@ class MemoryStore:
             raise self._sync_failed(files, exc) from None
         # The objects are on disk now, whatever becomes of the manifest: should it fail, garbage
         # collection removes them later, and counts them off then.
-        self.metrics.add("memory_bytes", amount=sum(len(data) for _, data in objects))
-        data, old_size = manifest.to_bytes(), _file_size(files.manifest)
+        self.metrics.add("memory_bytes", principal, sum(len(note) for _, note in objects))
+        old_size = _file_size(files.manifest)
         try:
             write_atomically(files.manifest, data)
         except OSError as exc:
             # Had the rename already happened (a failing directory fsync), the new manifest is the
             # one on disk: forget the cached one so the disk decides, and keep the objects it may
             # refer to.
-            self.metrics.add("memory_bytes", amount=_file_size(files.manifest) - old_size)
+            self.metrics.add("memory_bytes", principal, _file_size(files.manifest) - old_size)
             self._cache.drop(files.root)
             raise self._sync_failed(files, exc) from None
-        self.metrics.add("memory_bytes", amount=len(data) - old_size)
+        self.metrics.add("memory_bytes", principal, len(data) - old_size)
 
     def _sync_failed(self, files, exc):
         self.log("memory: commit to %s failed: %s" % (files.root, exc))
         return MemoryApiError(502, "memory_sync_failed", "the memory commit could not be stored")
 
-    def _collect_garbage(self, files, manifest):
+    def _collect_garbage(self, principal, files, manifest):
         """Remove unreferenced revision objects older than garbage_age (losers of a race, replaced
         revisions, leftovers of a failed commit). A failure here is logged, never raised."""
         referenced = {entry["rev"] + ".json" for entry in manifest.entries.values()
@@ -4518,7 +4592,7 @@ class MemoryStore:
                 if stat.st_mtime < oldest:
                     os.unlink(path)
                     removed += 1
-                    self.metrics.add("memory_bytes", amount=-stat.st_size)
+                    self.metrics.add("memory_bytes", principal, -stat.st_size)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -4813,7 +4887,7 @@ class SyncApp:
         except (AuthError, NotListed, AuthThrottled, AuthUnavailable, AuthNotConfigured) as exc:
             request.refusal = str(exc)  # (the texts never hold a token)
             return self.error_response(exc, request.path.startswith("/v1/memory/"))
-        except (ApiError, MemoryApiError, FeedDamaged, StorageError) as exc:
+        except (ApiError, MemoryApiError, FeedDamaged, StorageError, QuotaReached) as exc:
             return self.error_response(exc, request.path.startswith("/v1/memory/"))
 
     def error_response(self, exc, memory_route):
@@ -4826,6 +4900,9 @@ class SyncApp:
             return json_response(500, {"error": "storage failure; nothing was stored"})
         if isinstance(exc, (ApiError, MemoryApiError)):
             return json_response(exc.status, exc.payload(), exc.headers)
+        if isinstance(exc, QuotaReached):
+            return (json_response(413, {"code": "memory_quota_exceeded", "error": str(exc)})
+                    if memory_route else json_response(507, {"error": str(exc)}))
         for kind, status, text, memory_status, code, memory_text in AUTH_FAILURES:
             if isinstance(exc, kind):
                 break
@@ -5756,6 +5833,9 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
     except (OSError, ValueError, StorageError) as exc:
         raise UsageError("cannot start on the restored copy %s: %s"
                          % (data_dir, reason(exc))) from None
+    feeds.count_bytes()  # one walk of the disk, after the restore's: never at a scrape or a push
+    memory.count_bytes()
+    feeds.limits = memory.limits = StorageLimits(metrics, principals)
     if metrics_token is not None:
         for name, text, read in (
                 ("oharness_sync_feed_bytes", "Bytes of the feeds on disk.", feeds.bytes_on_disk),
@@ -5766,8 +5846,6 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
                 ("oharness_sync_feeds_damaged", "Feeds refused for a damaged line.",
                  feeds.damaged)):
             metrics.gauge(name, text, read)
-        feeds.bytes_on_disk()  # the one walk of the disk, now: never at a scrape
-        memory.bytes_on_disk()
     app = SyncApp(feeds, memory, auth, RateLimiter(memory_rate_limit), log=log,
                   max_parked=max_parked, metrics=metrics, metrics_token=metrics_token)
     # --quiet: no line is even formatted
@@ -8505,8 +8583,24 @@ def scope_usage(principal, scope, files):
     return row
 
 
-def usage_report(data_dir, now_ms, retain_ms):
-    """Everything usage says of a data dir, as one JSON-ready document."""
+def principal_usage(feeds, scopes, quotas=None):
+    """What each principal stores (their own feeds and memory) beside their quota: rows sorted by
+    principal, the principals file's (quotas: principal -> bytes or None) with nothing stored
+    too; served says whether the server lets them in."""
+    stored = dict.fromkeys(quotas or (), 0)
+    for row in feeds:
+        if not row["team"]:
+            stored[row["owner"]] = stored.get(row["owner"], 0) + row["bytes"]
+    for row in scopes:
+        stored[row["principal"]] = stored.get(row["principal"], 0) + row["bytes"]
+    return [{"principal": principal, "bytes": stored[principal],
+             "quota": (quotas or {}).get(principal),
+             "served": quotas is None or principal in quotas} for principal in sorted(stored)]
+
+
+def usage_report(data_dir, now_ms, retain_ms, quotas=None):
+    """Everything usage says of a data dir, as one JSON-ready document (quotas: the principals
+    file's, or None)."""
     layout = DataDir(data_dir)
     feeds = [feed_usage(owner, project, entry, now_ms=now_ms, retain_ms=retain_ms)
              for owner, project, entry in layout.all_feeds() if owner is not None]
@@ -8520,7 +8614,8 @@ def usage_report(data_dir, now_ms, retain_ms):
                   tombstones=sum(row["tombstones"] for row in scopes),
                   memoryBytes=sum(row["bytes"] for row in scopes))
     return {"dataDir": data_dir, "retainDeletedDays": retain_ms // DAY_MS, "feeds": feeds,
-            "memory": scopes, "totals": totals, "diskFreeBytes": shutil.disk_usage(data_dir).free}
+            "memory": scopes, "principals": principal_usage(feeds, scopes, quotas),
+            "totals": totals, "diskFreeBytes": shutil.disk_usage(data_dir).free}
 
 
 def format_time(ms):
@@ -8531,7 +8626,7 @@ def usage_table(report):
     """The report as text a person reads: columns as wide as their longest name (24 at least)."""
     owners = [("team " if row["team"] else "") + row["owner"] for row in report["feeds"]]
     wide = max([24] + [len(name) for name in owners]
-               + [len(row["principal"]) for row in report["memory"]])
+               + [len(row["principal"]) for row in report["memory"] + report["principals"]])
     wide_too = max([24] + [len(row["project"]) for row in report["feeds"]]
                    + [len(row["scope"]) for row in report["memory"]])
 
@@ -8560,6 +8655,13 @@ def usage_table(report):
             continue
         lines.append(names(row["principal"], row["scope"]) + "%9d %11d %10s"
                      % (row["notes"], row["tombstones"], format_bytes(row["bytes"])))
+    lines.append("principals (their own feeds and memory; a team's feeds count against no one):")
+    lines.append("  %-*s %10s %12s" % (wide, "principal", "stored", "quota"))
+    for row in report["principals"]:
+        quota = ("not listed" if not row["served"] else "-" if row["quota"] is None
+                 else format_size(row["quota"]))
+        lines.append("  %-*s %10s %12s" % (wide, row["principal"], format_bytes(row["bytes"]),
+                                           quota))
     totals = report["totals"]
     lines.append("in all: %s with %s, %s on disk, %s after a compaction; %s with %s, %s; the "
                  "disk has %s free" % (
@@ -8577,9 +8679,14 @@ def usage_command(argv):
     data_dir_flag(parser)
     parser.add_argument("--json", action="store_true", help="print JSON, for scripts")
     retain_flag(parser)
+    parser.add_argument("--principals-file", metavar="FILE",
+                        help="the server's --principals-file: each principal's quota beside what "
+                             "they store")
     args = parser.parse_args(argv)
     retain_ms = check_retain(args.retain_deleted_days)
-    report = usage_report(existing_data_dir(args.data), int(time.time() * 1000), retain_ms)
+    principals = principals_from_flag(args.principals_file)
+    report = usage_report(existing_data_dir(args.data), int(time.time() * 1000), retain_ms,
+                          quotas=principals and principals.quotas)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:

@@ -4526,8 +4526,12 @@ class DataDirToolCase(unittest.TestCase):
                   for name in ("events", "records", "recordsToErase", "sessions", "deletedSessions", "bytes",
                                "keptBytes")}
         totals.update(feeds=3, scopes=3, notes=3, tombstones=1, memoryBytes=sum(row["bytes"] for row in memory))
+        principals = [{"principal": "alice", "bytes": feeds[1]["bytes"] + memory[0]["bytes"] + memory[1]["bytes"],
+                       "quota": None, "served": True},
+                      {"principal": "bob", "bytes": feeds[2]["bytes"] + memory[2]["bytes"], "quota": None,
+                       "served": True}]
         return {"dataDir": self.data_dir, "retainDeletedDays": 90, "feeds": feeds, "memory": memory,
-                "totals": totals, "diskFreeBytes": free}
+                "principals": principals, "totals": totals, "diskFreeBytes": free}
 
     def usage(self, *flags, free=123 << 30):
         """(exit code, stdout, stderr) of usage, the disk's free space made free bytes."""
@@ -4590,6 +4594,10 @@ class UsageCommandTest(DataDirToolCase):
             "  alice                    project/proj-x                   1           1 %10s" % fb(scopes[0]["bytes"]),
             "  alice                    user                             1           0 %10s" % fb(scopes[1]["bytes"]),
             "  bob                      user                             1           0 %10s" % fb(scopes[2]["bytes"]),
+            "principals (their own feeds and memory; a team's feeds count against no one):",
+            "  principal                    stored        quota",
+            "  alice                    %10s            -" % fb(report["principals"][0]["bytes"]),
+            "  bob                      %10s            -" % fb(report["principals"][1]["bytes"]),
             "in all: 3 feeds with 16 events, %s on disk, %s after a compaction; 3 memory scopes with 3 notes, %s; "
             "the disk has 123.0 GiB free" % (fb(report["totals"]["bytes"]), fb(report["totals"]["keptBytes"]),
                                              fb(report["totals"]["memoryBytes"]))])
@@ -4611,6 +4619,35 @@ class UsageCommandTest(DataDirToolCase):
         total = sync.usage_table(sync.usage_report(self.data_dir, int(time.time() * 1000), 90 * sync.DAY_MS))[-1]
         self.assertTrue(total.startswith("in all: 1 feed with 1 event, "), total)
         self.assertIn("; 1 memory scope with 1 note, ", total)
+
+    def test_each_principal_stores_their_own_feeds_and_memory_beside_their_quota(self):
+        path = os.path.join(self.data_dir, "principals")
+        with open(path, "w") as f:
+            f.write("bob 2GiB\ncarol 500MiB\ndave\n")
+        code, out, err = self.usage("--json", "--principals-file", path)
+        self.assertEqual((code, err), (0, ""))
+        report = json.loads(out)
+        alice, bob = self.expected_report(123 << 30)["principals"]
+        self.assertEqual(report["principals"], [
+            dict(alice, served=False), dict(bob, quota=2 << 30),
+            {"principal": "carol", "bytes": 0, "quota": 500 << 20, "served": True},
+            {"principal": "dave", "bytes": 0, "quota": None, "served": True}])
+        self.assertEqual(bob["bytes"], os.path.getsize(self.bob_feed) + disk_bytes(
+            os.path.join(self.data_dir, "memory", "u-bob")))  # (the team's feed is no one's)
+        code, out, err = self.usage("--principals-file", path)
+        fb = sync.format_bytes
+        self.assertIn("\n".join([
+            "principals (their own feeds and memory; a team's feeds count against no one):",
+            "  principal                    stored        quota",
+            "  alice                    %10s   not listed" % fb(alice["bytes"]),
+            "  bob                      %10s        2 GiB" % fb(bob["bytes"]),
+            "  carol                       0 bytes      500 MiB",
+            "  dave                        0 bytes            -"]), out)
+        with open(path, "w") as f:
+            f.write("bob 2 GiBs\n")
+        self.assertEqual(self.usage("--principals-file", path),
+                         (2, "", "oharness-sync: error: cannot use the principals file %s: line 1: '2 GiBs' is not "
+                                 "a size (such as 500MiB, 2GiB or 1TB)\n" % path))
 
     def test_usage_is_read_only(self):
         before = self.tree()
@@ -7864,6 +7901,89 @@ class PrincipalsOnTheWireTest(ServerCase):
                         self.assertEqual(answer.headers.get("www-authenticate"), "Bearer")
         self.assertEqual(self.feed_files(), [])
         self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
+
+
+class QuotaOnTheWireTest(ServerCase):
+    """A principal's own feeds and memory count against their quota in the principals file: past it a push is 507
+    and a memory commit 413 memory_quota_exceeded, whole; reads, team feeds and what frees room go on."""
+
+    QUOTA = 8 << 10
+
+    def setUp(self):
+        directory = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        path = os.path.join(directory, "principals")
+        with open(path, "w") as f:
+            f.write("alice 8KiB\nbob\n")
+        self.server_options = {"principals": sync.PrincipalList(path)}
+        super().setUp()
+
+    def stored(self):
+        """What alice stores on disk: her own feeds and her memory."""
+        return sum(disk_bytes(os.path.join(self.data_dir, top, "u-alice")) for top in ("feeds", "memory"))
+
+    def refusal(self):
+        return ("storage quota of 8 KiB reached (%s stored); nothing was stored: delete sessions to make room, or "
+                "ask the server's operator for more" % sync.format_bytes(self.stored()))
+
+    def fill(self):
+        """Push alice's records of 1 KiB each until one is refused; the records acknowledged."""
+        acknowledged = []
+        for i in range(20):
+            answer = self.push(self.alice, "p", [record("s1", "r%d" % i, seq=i, body="x" * 1024)])
+            if answer.status != 200:
+                self.assertAnswer(answer, 507, {"error": self.refusal()})
+                return acknowledged
+            acknowledged.append("r%d" % i)
+        self.fail("no push was refused")
+
+    def test_a_push_past_the_quota_is_507_whole_and_reads_go_on(self):
+        acknowledged = self.fill()
+        self.assertEqual(len(acknowledged), 6)  # (each line: 1 KiB and about 130 bytes)
+        feed = self.server.app.feeds.layout.feed_path(("u", "alice"), "p")
+        size = os.path.getsize(feed)
+        self.assertLessEqual(size, self.QUOTA)
+        # Refused whole: the small record before the big one is not stored either.
+        self.assertAnswer(self.push(self.alice, "p", [record("s1", "small", body=""), record("s1", "big", body="y" * 2048)]),
+                          507, {"error": self.refusal()})
+        self.assertEqual(os.path.getsize(feed), size)
+        self.assertEqual([r["id"] for r in self.pull(self.alice, "p").json["records"]], acknowledged)
+        self.assertEqual(self.request("GET", "/v1/projects", token=self.alice).json, {"projects": ["p"]})
+        # A team's feed counts against no one, and bob has no quota.
+        self.assertAnswer(self.push(self.alice, "p", [record(body="z" * 4096)], team="platform"), 200)
+        self.assertAnswer(self.push(self.bob, "p", [record(body="z" * 16384)]), 200)
+
+    def test_a_memory_commit_past_the_quota_is_413_and_snapshots_go_on(self):
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=self.alice, principal="alice"),
+                              entries=[wire_entry("n1")], principal="alice")
+        self.fill()
+        answer = wire_commit(self, [memory_put("n2", body="x" * 2048)], etag=etag, token=self.alice,
+                             principal="alice")
+        self.assertAnswer(answer, 413, {"code": "memory_quota_exceeded", "error": self.refusal()})
+        wire_assert_ok(self, wire_snapshot(self, self.alice, "alice"), etag, [wire_entry("n1")], principal="alice")
+        self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": "alice"}, self.alice), 200)
+        # A commit that does not grow what she stores (a deletion) goes ahead.
+        wire_assert_ok(self, wire_commit(self, [memory_delete("n1")], etag=etag, token=self.alice, principal="alice"),
+                       entries=[{"id": "n1", "hash": None}], principal="alice")
+        self.assertEqual(self.server.app.metrics.stored("alice"), self.stored())
+
+    def test_deleting_sessions_then_a_compaction_makes_room(self):
+        self.fill()
+        self.assertAnswer(self.push(self.alice, "p", sessions=[meta("s1", gen=1, deleted=True)]), 200)
+        self.assertAnswer(self.push(self.alice, "p", [record("s2", "after", body="x" * 1024)]), 507)
+        feed = self.server.app.feeds.feed(("u", "alice"), "p")
+        before, after, erased = feed.compact(int(time.time() * 1000), retain_ms=0)
+        self.assertEqual(erased, 6)
+        self.assertLess(after, before)
+        self.assertAnswer(self.push(self.alice, "p", [record("s2", "after", body="x" * 1024)]), 200)
+        self.assertEqual(self.server.app.metrics.stored("alice"), self.stored())
+
+    def test_what_is_stored_before_a_start_counts(self):
+        self.fill()
+        self.restart_server()
+        self.assertAnswer(self.push(self.alice, "p", [record("s2", "r", body="x" * 1024)]), 507,
+                          {"error": self.refusal()})
+        self.assertEqual(self.server.app.metrics.stored("alice"), self.stored())
 
 
 class ForgedTokenOnTheWireTest(ServerCase):
