@@ -5393,6 +5393,70 @@ class BackupRestoreWireTest(ServerCase):
         self.walk(lambda: subprocess.run(["cp", "-a", self.data_dir, copy], check=True), restore)
 
 
+class BackupUnderLoadTest(ServerCase):
+    """backup while two clients push without a pause: the copy passes fsck and holds every push answered before the
+    backup began (and every note committed before it)."""
+
+    FEEDS = 20
+
+    def test_a_backup_under_a_steady_push_load_holds_every_push_answered_before_it_began(self):
+        projects = ["p%d" % i for i in range(self.FEEDS)]
+        for project in projects:
+            self.assertAnswer(self.push(self.alice, project, records=[record(record_id="first")]), 200)
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n0")]), entries=[wire_entry("n0")])
+        answered, stop = [], threading.Event()  # (project, record id, when its 200 came)
+        notes = []  # (etag, when its commit was answered)
+
+        def client(name):
+            nonlocal etag
+            i = 0
+            while not stop.is_set():
+                project = projects[i % len(projects)]
+                record_id = "%s-%d" % (name, i)
+                answer = self.push(self.alice, project, records=[record(record_id=record_id)])
+                self.assertEqual(answer.status, 200, answer.raw)
+                answered.append((project, record_id, time.monotonic()))
+                if name == "b" and i % 10 == 0:
+                    answer = wire_commit(self, [memory_put("n%d" % i)], etag)
+                    self.assertEqual(answer.status, 200, answer.raw)
+                    etag = answer.json["etag"]
+                    notes.append((sorted(entry["id"] for entry in answer.json["entries"]), time.monotonic()))
+                i += 1
+
+        clients = [threading.Thread(target=client, args=(name,)) for name in "ab"]
+        for thread in clients:
+            thread.start()
+        try:
+            while len(answered) < 40:
+                time.sleep(0.01)
+            began = time.monotonic()
+            dest = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "copy")
+            self.addCleanup(shutil.rmtree, os.path.dirname(dest), True)
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                self.assertEqual(sync.main(["backup", "--data", self.data_dir, "--to", dest]), 0)
+            time.sleep(0.1)
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join(30)
+        self.assertIn(" to %s " % dest, out.getvalue())
+        self.assertGreater(len([push for push in answered if push[2] > began]), 0)  # (pushes went on meanwhile)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            self.assertEqual(sync.main(["fsck", "--data", dest]), 0, out.getvalue())
+        copy = sync.FeedStore(dest)
+        self.addCleanup(close_store, copy)
+        held = set()
+        for project in projects:
+            page = copy.pull(("u", "alice"), project, 0, 500)
+            self.assertFalse(page.more)
+            held.update((project, json.loads(event)["id"]) for event in page.records)
+        missing = [push for push in answered if push[2] < began and push[:2] not in held]
+        self.assertEqual(missing, [])
+        snapshot = as_doc(sync.MemoryStore(dest).snapshot("alice", sync.MemoryScope("proj")))
+        ids = sorted(entry["id"] for entry in snapshot["entries"])
+        self.assertTrue(all(set(before) <= set(ids) for before, when in notes if when < began), ids)
+
+
 class ToolsWithAServerUpTest(DataDirToolCase):
     """usage and purge --dry-run read a data dir a server runs on; compact and purge refuse it, and leave it as it
     was."""
