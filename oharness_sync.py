@@ -82,6 +82,7 @@ import signal
 import socket
 import socketserver
 import ssl
+import stat
 import subprocess
 import tarfile
 import sys
@@ -302,6 +303,15 @@ class QuotaReached(Exception):
                          % (format_size(quota), format_bytes(stored)))
         self.quota = quota
         self.stored = stored
+
+
+class LinkRefused(OSError):
+    """A link where a file or directory of the data dir should be: never followed (fsck --repair
+    removes it)."""
+
+    def __init__(self, path):
+        super().__init__(errno.ELOOP, "a link, refused: nothing in a data dir is ever followed "
+                                      "through a link (fsck --repair removes it)", path)
 
 
 class CompactionStopped(Exception):
@@ -2448,7 +2458,9 @@ class DataDir:
     """
 
     def __init__(self, path):
-        self.path = path
+        # Resolved once: a link of the admin's making on the way to the data dir is no link in it
+        # (open_in_data_dir walks the whole path).
+        path = self.path = os.path.realpath(path)
         self.lock = os.path.join(path, "server.lock")
         self.tokens = os.path.join(path, "tokens.json")
         self.tokens_lock = os.path.join(path, "tokens.lock")
@@ -2467,26 +2479,33 @@ class DataDir:
 
     def owner_feeds(self, owner):
         """[(project, os.DirEntry)] of owner's feed files, in no order."""
+        if os.path.islink(self.feeds) or os.path.islink(self.owner_dir(owner)):
+            return []  # (fsck names it)
         try:
             entries = list(os.scandir(self.owner_dir(owner)))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         return [(decode_name(entry.name[2:-6]), entry) for entry in entries
-                if _is_feed_name(entry.name)]
+                if _is_feed_name(entry.name) and not entry.is_symlink()]
 
     def all_feeds(self):
         """(owner, project, os.DirEntry) of every file under DIR/feeds/u-*|t-*, sorted by path;
-        owner and project are None for a file that is no feed."""
+        owner and project are None for a file that is no feed. Links are left out (links())."""
         for owner_entry in _sorted_dirs(self.feeds, ("u-", "t-")):
             owner = (owner_entry.name[0], decode_name(owner_entry.name[2:]))
             for entry in sorted(os.scandir(owner_entry.path), key=lambda entry: entry.name):
+                if entry.is_symlink():
+                    continue
                 if _is_feed_name(entry.name):
                     yield owner, decode_name(entry.name[2:-6]), entry
                 else:
                     yield None, None, entry
 
+    def memory_dir(self, principal):
+        return os.path.join(self.memory, "u-" + encode_name(principal))
+
     def scope_files(self, principal, scope):
-        return ScopeFiles(os.path.join(self.memory, "u-" + encode_name(principal),
+        return ScopeFiles(os.path.join(self.memory_dir(principal),
                                        "user" if scope.project is None
                                        else "p-" + encode_name(scope.project)))
 
@@ -2507,18 +2526,94 @@ class DataDir:
                         and (scope.project is None or is_valid_id(scope.project))):
                     yield principal, scope, self.scope_files(principal, scope)
 
+    def links(self):
+        """The path of every link in the data dir, sorted (the layout has none: each is refused,
+        never followed), found without following any."""
+        found, todo = [], [self.path]
+        while todo:
+            try:
+                entries = list(os.scandir(todo.pop()))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                if entry.is_symlink():
+                    found.append(entry.path)
+                elif entry.is_dir(follow_symlinks=False):
+                    todo.append(entry.path)
+        return sorted(found)
+
+
+# Opening a file of the data dir never follows a link: not the file's own name (O_NOFOLLOW), nor
+# any directory on the way to it. Each directory of the path is opened without following, and the
+# next name looked up in it (dir_fd), so a directory swapped for a link meanwhile is refused too.
+# DataDir's paths are absolute and hold no link of the admin's making (it resolves its root once),
+# so the whole path is walked from "/".
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_WALK_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
+_CAN_WALK = os.open in os.supports_dir_fd and _NOFOLLOW != 0
+
+
+def open_in_data_dir(path, flags, mode=0o600):
+    """os.open of a data-dir file or directory that follows no link: LinkRefused names one found
+    on the way or at path."""
+    path = os.path.abspath(path)
+    if not _CAN_WALK:  # (Windows: no links to speak of, and no dir_fd)
+        return os.open(path, flags | _NOFOLLOW, mode)
+    names = [name for name in path.split(os.sep) if name]
+    fd = os.open(os.sep, _WALK_FLAGS)
+    try:
+        for depth, name in enumerate(names):
+            last = depth == len(names) - 1
+            try:
+                found = os.open(name, flags | _NOFOLLOW if last else _WALK_FLAGS,
+                                mode, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR) and _is_link(name, fd):
+                    raise LinkRefused(os.sep + os.path.join(*names[:depth + 1])) from None
+                raise
+            os.close(fd)
+            fd = found
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _is_link(name, dir_fd):
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
+
+
+def open_data_file(path, flags=os.O_RDONLY, mode=0o600):
+    """A data-dir file as a buffered binary file object, opened without following any link (see
+    open_in_data_dir); flags tell how ("rb" without them, "r+b" with O_RDWR, "ab" with
+    O_APPEND)."""
+    fd = open_in_data_dir(path, flags, mode)
+    how = "rb" if flags & 3 == os.O_RDONLY else "ab" if flags & os.O_APPEND else "r+b"
+    try:
+        return os.fdopen(fd, how)
+    except BaseException:
+        os.close(fd)
+        raise
+
 
 def _is_feed_name(name):
     return name.startswith("p-") and name.endswith(".jsonl")
 
 
 def _sorted_dirs(path, prefixes):
-    """The directories in path whose names begin with one of prefixes, sorted by name."""
+    """The directories in path whose names begin with one of prefixes, sorted by name (a link to
+    one is none)."""
+    if os.path.islink(path):
+        return []
     try:
         entries = sorted(os.scandir(path), key=lambda entry: entry.name)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return [entry for entry in entries if entry.is_dir() and entry.name.startswith(prefixes)]
+    return [entry for entry in entries
+            if entry.is_dir(follow_symlinks=False) and entry.name.startswith(prefixes)]
 
 
 def _file_size(path):
@@ -2583,7 +2678,7 @@ def write_atomically(path, data, owner=None):
     0600)."""
     directory = os.path.dirname(path)
     temporary = "%s.tmp-%s" % (path, secrets.token_hex(4))
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = open_in_data_dir(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         try:
             if owner is not None:
@@ -2653,7 +2748,7 @@ class DataDirLock:
         self.fd = None
 
     def acquire(self):
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_in_data_dir(self.path, os.O_RDWR | os.O_CREAT)
         if not lock_exclusively(fd):
             os.close(fd)
             raise UsageError("another oharness-sync server is already using %s"
@@ -2687,7 +2782,7 @@ class TokenStore:
     def version(self):
         """Something that changes whenever the file is replaced: (inode, mtime, size), or None."""
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
@@ -2695,7 +2790,7 @@ class TokenStore:
     def read(self):
         """All token records; [] when there is no file. ValueError when the file is damaged."""
         try:
-            with open(self.path, "rb") as f:
+            with open_data_file(self.path) as f:
                 doc = json.loads(f.read().decode("utf-8"))
         except FileNotFoundError:
             return []
@@ -2727,7 +2822,9 @@ class TokenStore:
         if not hasattr(os, "fchown"):
             return None
         try:
-            info, whose = os.stat(self.path), self.path
+            info, whose = os.lstat(self.path), self.path
+            if stat.S_ISLNK(info.st_mode):
+                raise LinkRefused(self.path)
             mode = info.st_mode & 0o7777
         except FileNotFoundError:
             whose = os.path.dirname(self.path)
@@ -2744,9 +2841,10 @@ class TokenStore:
         its owner."""
         owner = self.owner()  # refused before anything is written
         try:
-            fd, created = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+            fd, created = open_in_data_dir(self.lock_path,
+                                           os.O_RDWR | os.O_CREAT | os.O_EXCL), True
         except FileExistsError:
-            fd, created = os.open(self.lock_path, os.O_RDWR), False
+            fd, created = open_in_data_dir(self.lock_path, os.O_RDWR), False
         try:
             # The token file's owner's too, or they are locked out of it.
             if created and owner is not None:
@@ -2887,7 +2985,7 @@ def scan_feed(f):
 def cut_tail(path, offset, number):
     """Cut a feed file back to offset, durably, keeping number: a torn or damaged last line goes,
     and a line that holds no event takes its place, so its number is never handed to another."""
-    with open(path, "r+b") as f:
+    with open_data_file(path, os.O_RDWR) as f:
         f.truncate(offset)
         f.seek(offset)
         f.write(feed_line(number, b"x"))
@@ -3095,7 +3193,7 @@ def summarize_feed(path, end=None, pause=lambda: None, torn_tail=False):
     (a server may be writing it: it is left out, but for its number); pause() is called every few
     hundred lines (a background compaction lets other threads in, or stops)."""
     summary = FeedSummary()
-    with open(path, "rb") as f:
+    with open_data_file(path) as f:
         for line_number, offset, line, number, kind, _, session, problem, last in scan_feed(f):
             if line_number % PAUSE_LINES == 0:
                 pause()
@@ -3169,7 +3267,7 @@ def compact_lines(path, plan, out=None, pause=lambda: None):
     (None: only count it): (bytes kept, records erased now, the FeedIndex of what was written)."""
     summary, erase, stamp, now_ms = plan.summary, plan.erase, plan.stamp, plan.now_ms
     index, kept, erased = FeedIndex(), 0, 0
-    with open(path, "rb") as f:
+    with open_data_file(path) as f:
         for line_number, offset, line, number, kind, key, session, problem, _ in scan_feed(f):
             if offset >= summary.size:
                 break
@@ -3218,9 +3316,15 @@ def open_aside(path):
     """The file a rewrite of the feed file path is written to (path + COMPACT_SUFFIX) until it
     replaces it, made afresh with path's owner, group and mode, not this process's umask's: a feed
     stays unreadable to other users (0600, as the server makes it), and its server's when the
-    rewrite runs as root."""
-    info = os.stat(path)
-    fd = os.open(path + COMPACT_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    rewrite runs as root. A new file, never one found there (a link, say): one a crash left is
+    removed first."""
+    fd = open_in_data_dir(path, os.O_RDONLY)
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    _remove(path + COMPACT_SUFFIX)
+    fd = open_in_data_dir(path + COMPACT_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         if hasattr(os, "fchown"):
             give_file(fd, (info.st_uid, info.st_gid, info.st_mode & 0o7777))
@@ -3327,9 +3431,13 @@ class Feed:
         half-built. A compaction's file left aside by a crash is removed."""
         _remove(self.path + COMPACT_SUFFIX)
         try:
-            f = open(self.path, "rb")
+            f = open_data_file(self.path)
         except FileNotFoundError:
             self.loaded = True
+            return
+        except LinkRefused as exc:
+            self.damage = "%s: %s" % (exc.filename, exc.strerror)
+            self.log("a link in the data dir: %s" % self.damage)
             return
         index, keys, meta, winners, superseded = FeedIndex(), set(), {}, {}, 0
         with f:
@@ -3358,7 +3466,7 @@ class Feed:
                         superseded += old[1]
                     meta[session_id] = stamp
                     winners[session_id] = (number, len(line), deleted, stored)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        fd = open_in_data_dir(self.path, os.O_RDWR | os.O_APPEND)
         with self.lock:
             self.index, self.keys, self.meta, self.winners = index, keys, meta, winners
             self.superseded_bytes = superseded
@@ -3510,7 +3618,7 @@ class Feed:
         created = self.fd is None
         if created:
             make_dirs(os.path.dirname(self.path))
-            self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            self.fd = open_in_data_dir(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         durable_end, started = self.index.offsets[-1], time.monotonic()
         try:
             write_all(self.fd, data)
@@ -3651,11 +3759,12 @@ class Feed:
         directory). Once renamed, the feed is on the new file whatever fails next: appending to the
         old one would lose what a push is answered for."""
         tail = read_exactly(self.fd, durable_end, self.index.offsets[-1] - durable_end, self.path)
-        with open(aside, "ab") as out:
+        with open_data_file(aside, os.O_WRONLY | os.O_APPEND) as out:
             out.write(tail)
             out.flush()
             sync_file(out.fileno())
-        fd = os.open(aside, os.O_RDWR | os.O_APPEND)  # before the rename: the same file after it
+        # before the rename: the same file after it
+        fd = open_in_data_dir(aside, os.O_RDWR | os.O_APPEND)
         try:
             os.replace(aside, self.path)
         except BaseException:
@@ -3718,7 +3827,7 @@ def purged_key(owner, project):
 def read_purged(layout):
     """{purged_key: the last number the feed had} of the feeds purge removed; {} when none was."""
     try:
-        with open(layout.purged, "rb") as f:
+        with open_data_file(layout.purged) as f:
             doc = decode_json(f.read())
     except FileNotFoundError:
         return {}
@@ -3744,7 +3853,7 @@ def has_event(path):
     """Whether a feed file's first line is an event (the usual case; else it takes a load to
     tell)."""
     try:
-        with open(path, "rb") as f:
+        with open_data_file(path) as f:
             return parse_feed_line(f.readline(MAX_PUSH_BYTES * 2))[1] != b"x"
     except (OSError, ValueError):
         return False
@@ -3784,7 +3893,8 @@ class FeedStore:
         path = self.layout.feed_path(owner, project)
         with self._lock:
             feed = self._feeds.get(key)
-            if feed is None and (create or os.path.exists(path)):
+            # (lexists: a link is a feed the load refuses, not a feed that is not there)
+            if feed is None and (create or os.path.lexists(path)):
                 self._read_numbering()
                 # Pulls waiting for this feed to exist now wait on it, for its first event: not
                 # woken now. A new feed numbers on after a purged one of its name, and after the
@@ -4383,7 +4493,7 @@ class MemoryStore:
         if manifest is not None:
             return manifest
         try:
-            with open(files.manifest, "rb") as stream:
+            with open_data_file(files.manifest) as stream:
                 data = stream.read()
         except FileNotFoundError:
             manifest = NO_MANIFEST
@@ -4430,7 +4540,7 @@ class MemoryStore:
         hash."""
         path = files.object_path(entry["rev"])
         try:
-            with open(path, "rb") as stream:
+            with open_data_file(path) as stream:
                 data = stream.read()
         except OSError as exc:
             self.log("memory: cannot read note %s at %s: %s" % (note_id, path, exc))
@@ -4534,7 +4644,7 @@ class MemoryStore:
             for rev, note in objects:
                 path = files.object_path(rev)
                 # O_EXCL: a revision is never overwritten.
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                fd = open_in_data_dir(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
                 written.append(path)
                 try:
                     write_all(fd, note)
@@ -4588,11 +4698,11 @@ class MemoryStore:
                 continue
             path = os.path.join(files.objects, name)
             try:
-                stat = os.stat(path)
-                if stat.st_mtime < oldest:
+                info = os.lstat(path)  # (a link is removed as itself, never its target)
+                if info.st_mtime < oldest:
                     os.unlink(path)
                     removed += 1
-                    self.metrics.add("memory_bytes", principal, -stat.st_size)
+                    self.metrics.add("memory_bytes", principal, -info.st_size)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -6020,8 +6130,8 @@ def open_data_dir(path, create=True):
     try:
         created = make_dirs(data_dir)
         probe = os.path.join(data_dir, ".write-test")
-        with open(probe, "wb"):
-            pass
+        _remove(probe)  # (one a crash left, or a link: never followed)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))
         os.unlink(probe)
     except PermissionError as exc:
         owner = user_name(os.stat(data_dir).st_uid) if os.path.isdir(data_dir) else None
@@ -6716,10 +6826,27 @@ class DataDirCheck:
         self.feeds_total = self.bytes_total = self.bytes_done = 0
 
     def run(self):
+        self.check_links()
         self.check_feeds()
         self.check_memory()
         self.check_tokens()
         return not self.problems
+
+    # -- links ---------------------------------------------------------------
+
+    def check_links(self):
+        """A link anywhere in the data dir is damage (the server refuses it, never follows it);
+        repair removes the link itself, never what it points to."""
+        for path in self.layout.links():
+            if self.repair:
+                os.unlink(path)  # (unlink removes the link, never its target)
+                sync_dir(os.path.dirname(path))
+                self.repaired.append("%s: removed a link (what it pointed to is left alone)"
+                                     % path)
+            else:
+                self.repairable = True
+                self.problems.append("%s: a link, refused by the server (never followed); "
+                                     "--repair removes the link, never its target" % path)
 
     # -- feeds ---------------------------------------------------------------
 
@@ -6761,7 +6888,7 @@ class DataDirCheck:
 
     def check_feed(self, path):
         keys, damaged, torn, before = set(), [], None, 0
-        with open(path, "rb") as f:
+        with open_data_file(path) as f:
             for line_number, offset, line, number, kind, key, _, problem, last in scan_feed(f):
                 if line_number % self.PROGRESS_LINES == 0:
                     self._report_progress(offset)
@@ -6801,7 +6928,7 @@ class DataDirCheck:
             if torn:
                 drop.add(torn[0])
             aside = path + COMPACT_SUFFIX
-            with open(path, "rb") as f, open_aside(path) as out:
+            with open_data_file(path) as f, open_aside(path) as out:
                 for line_number, line in enumerate(f, 1):
                     if line_number not in drop:
                         out.write(line)
@@ -6830,7 +6957,7 @@ class DataDirCheck:
         self.counts["scopes"] += 1
         manifest_path = files.manifest
         try:
-            with open(manifest_path, "rb") as f:
+            with open_data_file(manifest_path) as f:
                 manifest = Manifest.from_bytes(f.read())
         except FileNotFoundError:
             manifest = NO_MANIFEST
@@ -6866,7 +6993,7 @@ class DataDirCheck:
 
     def check_object(self, manifest_path, note_id, entry, path):
         try:
-            with open(path, "rb") as f:
+            with open_data_file(path) as f:
                 data = f.read()
         except OSError:
             self.problems.append("%s: note %s: its object %s is missing"
@@ -8510,7 +8637,7 @@ class StoppedServerLock:
 
     def _take(self, flags):
         try:
-            fd = os.open(self.path, flags, 0o600)
+            fd = open_in_data_dir(self.path, flags)
         except FileNotFoundError:
             if flags & os.O_CREAT:
                 raise UsageError("cannot lock %s: no such directory" % self.data_dir) from None
@@ -8565,7 +8692,7 @@ def scope_usage(principal, scope, files):
     row = {"principal": principal, "scope": scope_name(scope.project), "notes": 0, "tombstones": 0,
            "bytes": 0}
     try:
-        with open(files.manifest, "rb") as f:
+        with open_data_file(files.manifest) as f:
             data = f.read()
         manifest = Manifest.from_bytes(data)
         row["bytes"] += len(data)
@@ -8577,7 +8704,8 @@ def scope_usage(principal, scope, files):
     row["notes"] = manifest.live_count
     row["tombstones"] = len(manifest.entries) - manifest.live_count
     try:
-        row["bytes"] += sum(entry.stat().st_size for entry in os.scandir(files.objects))
+        row["bytes"] += sum(entry.stat(follow_symlinks=False).st_size
+                            for entry in os.scandir(files.objects))
     except FileNotFoundError:
         pass
     return row
@@ -8789,6 +8917,12 @@ def purge(layout, principal, dry_run, lock):
     except (OSError, ValueError) as exc:
         raise UsageError("cannot read %s: %s" % (layout.path, reason(exc))) from None
     owner = ("u", principal)
+    theirs = (layout.owner_dir(owner), layout.memory_dir(principal))
+    for path in layout.links():
+        if (path in (layout.feeds, layout.memory) + theirs
+                or path.startswith(tuple(top + os.sep for top in theirs))):
+            raise UsageError("%s is a link: purge removes nothing through a link, and changed "
+                             "nothing (fsck --repair removes the link, never its target)" % path)
     feeds = sorted(layout.owner_feeds(owner), key=lambda item: item[0])
     scopes = [(scope, files) for who, scope, files in layout.all_scopes() if who == principal]
     if not (records or feeds or scopes):

@@ -106,6 +106,26 @@ def http_request(url, method, path, body=None, token=None, headers=None, timeout
         conn.close()
 
 
+def outside_file(case, content=b"root's own file\n"):
+    """A file outside any data dir, root-only where the tests run as root (what a planted link
+    points at)."""
+    directory = tempfile.mkdtemp(prefix="ohs-outside-")
+    case.addCleanup(shutil.rmtree, directory, True)
+    path = os.path.join(directory, "secret")
+    with open(path, "wb") as f:
+        f.write(content)
+    os.chmod(path, 0o600)
+    return path
+
+
+def file_state(path):
+    """(bytes, uid, gid, mode) of a file: what a link planted at it must leave as it was."""
+    with open(path, "rb") as f:
+        content = f.read()
+    info = os.stat(path)
+    return content, info.st_uid, info.st_gid, info.st_mode
+
+
 class ServerCase(unittest.TestCase):
     """A real server on port 0 in this process, on a fresh data dir, with tokens for alice and bob."""
 
@@ -2395,11 +2415,11 @@ class FeedStoreTest(unittest.TestCase):
             real_open = os.open
             calls = []
 
-            def no_descriptor_once(path, flags, *mode):
+            def no_descriptor_once(path, flags, *mode, **dir_fd):
                 if not calls and path.endswith("p-p%d.jsonl" % events):
                     calls.append(path)
                     raise OSError(errno.EMFILE, "Too many open files")
-                return real_open(path, flags, *mode)
+                return real_open(path, flags, *mode, **dir_fd)
 
             with mock.patch.object(sync.os, "open", no_descriptor_once):
                 with self.assertRaises(sync.StorageError):
@@ -3065,10 +3085,10 @@ class FeedCompactionTest(unittest.TestCase):
                     real(source, target)
                     renamed.append(target)
 
-                def open_(path, flags, *mode):
+                def open_(path, flags, *mode, **dir_fd):
                     if renamed and not flags & os.O_DIRECTORY:
                         raise OSError(errno.EMFILE, "Too many open files")
-                    return real_open(path, flags, *mode)
+                    return real_open(path, flags, *mode, **dir_fd)
 
                 def sync_dir(path):
                     if renamed:
@@ -5391,6 +5411,117 @@ class BackupRestoreWireTest(ServerCase):
             self.assertEqual((result.returncode, result.stderr), (0, b""))
 
         self.walk(lambda: subprocess.run(["cp", "-a", self.data_dir, copy], check=True), restore)
+class PlantedLinksTest(DataDirToolCase):
+    """Links planted in a data dir by someone with its owner's rights: compact, token issue,
+    fsck --repair and purge, run as root on a dir owned by nobody, follow none of them and leave
+    every file outside it byte-for-byte, owner- and mode-unchanged."""
+
+    def setUp(self):
+        super().setUp()
+        if os.geteuid() == 0:  # a service user's data dir, tended by root as the README says
+            for top, dirs, files in os.walk(self.data_dir):
+                for name in dirs + files:
+                    os.chown(os.path.join(top, name), 65534, 65534)
+            os.chown(self.data_dir, 65534, 65534)
+        self.outside = outside_file(self)
+        self.outside_before = file_state(self.outside)
+
+    def assertOutsideUnchanged(self):
+        self.assertEqual(file_state(self.outside), self.outside_before)
+
+    def issue_carol(self):
+        return self.run_tool("token", "issue", "--data", self.data_dir, "--principal", "carol")
+
+    def test_compact_makes_its_aside_file_afresh_and_never_writes_through_a_link_there(self):
+        aside = self.alice_feed + sync.COMPACT_SUFFIX
+        os.symlink(self.outside, aside)
+        code, out, err = self.run_tool("compact", "--data", self.data_dir)
+        self.assertEqual((code, err), (0, ""), out)
+        self.assertOutsideUnchanged()
+        self.assertFalse(os.path.lexists(aside))
+        with open(self.alice_feed, "rb") as f:
+            self.assertEqual(f.read(), self.compacted_alice_feed())
+        info = os.lstat(self.alice_feed)
+        self.assertEqual((info.st_uid, info.st_mode & 0o7777),
+                         (65534 if os.geteuid() == 0 else os.getuid(), 0o600))
+
+    def test_token_issue_never_follows_its_write_test_or_a_token_file_link(self):
+        probe = os.path.join(self.data_dir, ".write-test")
+        os.symlink(self.outside, probe)
+        code, out, err = self.issue_carol()
+        self.assertEqual(code, 0, err)
+        self.assertOutsideUnchanged()
+        self.assertFalse(os.path.lexists(probe))
+        os.unlink(self.layout.tokens)
+        os.symlink(self.outside, self.layout.tokens)
+        code, out, err = self.issue_carol()
+        self.assertEqual((code, out), (2, ""))
+        self.assertIn("%s: a link, refused" % self.layout.tokens, err)
+        self.assertOutsideUnchanged()
+        self.assertTrue(os.path.islink(self.layout.tokens))
+
+    def test_fsck_names_a_symlinked_feed_and_repair_removes_the_link_never_its_target(self):
+        with open(self.outside, "wb") as f:  # a feed with a torn tail: what a repair would cut
+            f.write(b"".join(self.lines_of(self.bob_feed)) + b'{"n":9,"k":"r"')
+        self.outside_before = file_state(self.outside)
+        os.unlink(self.bob_feed)
+        os.symlink(self.outside, self.bob_feed)
+        code, out, err = self.run_tool("fsck", "--data", self.data_dir)
+        self.assertEqual(code, 1)
+        self.assertIn("problem: %s: a link, refused by the server (never followed); --repair "
+                      "removes the link, never its target" % self.bob_feed, out.splitlines())
+        self.assertOutsideUnchanged()
+        code, out, err = self.run_tool("fsck", "--data", self.data_dir, "--repair")
+        self.assertIn("repaired: %s: removed a link (what it pointed to is left alone)"
+                      % self.bob_feed, out.splitlines())
+        self.assertFalse(os.path.lexists(self.bob_feed))
+        self.assertOutsideUnchanged()
+        self.assertEqual(self.run_tool("fsck", "--data", self.data_dir)[0], 0)
+
+    def test_purge_refuses_a_linked_memory_or_feed_dir_and_changes_nothing(self):
+        elsewhere = tempfile.mkdtemp(prefix="ohs-elsewhere-")
+        self.addCleanup(shutil.rmtree, elsewhere, True)
+        target = os.path.join(elsewhere, "u-bob")
+        shutil.copytree(os.path.join(self.layout.memory, "u-bob"), target)
+        inside = os.path.join(target, "user", "manifest.json")
+        before = file_state(inside)
+        sync.TokenStore(self.data_dir).issue("carol")
+        for link in (os.path.join(self.layout.memory, "u-carol"),
+                     os.path.join(self.layout.feeds, "u-carol")):
+            os.symlink(target, link)
+            tree = self.tree()
+            code, out, err = self.run_tool("purge", "--data", self.data_dir,
+                                           "--principal", "carol")
+            self.assertEqual((code, out, err), (2, "", (
+                "oharness-sync: error: %s is a link: purge removes nothing through a link, and "
+                "changed nothing (fsck --repair removes the link, never its target)\n" % link)))
+            self.assertEqual(self.tree(), tree)
+            self.assertEqual(file_state(inside), before)
+            self.assertEqual(sorted(os.listdir(os.path.join(target, "user"))),
+                             ["manifest.json", "objects"])
+            os.unlink(link)
+        code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "carol")
+        self.assertEqual(code, 0, err)
+
+    def test_usage_leaves_out_a_link_and_a_store_refuses_a_linked_file_or_directory(self):
+        os.unlink(self.bob_feed)
+        os.symlink(self.outside, self.bob_feed)
+        code, out, err = self.usage("--json")
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual([row["owner"] for row in json.loads(out)["feeds"]], ["platform", "alice"])
+        with self.assertRaises(sync.LinkRefused) as caught:
+            sync.open_in_data_dir(self.bob_feed, os.O_RDONLY)
+        self.assertEqual(caught.exception.filename, self.bob_feed)
+        os.unlink(self.bob_feed)
+        owner_dir, elsewhere = os.path.dirname(self.bob_feed), os.path.dirname(self.outside)
+        os.rename(owner_dir, os.path.join(elsewhere, "u-bob"))
+        os.symlink(os.path.join(elsewhere, "u-bob"), owner_dir)
+        for flags in (os.O_RDONLY, os.O_RDWR | os.O_CREAT | os.O_APPEND):
+            with self.assertRaises(sync.LinkRefused) as caught:
+                sync.open_in_data_dir(os.path.join(owner_dir, "p-new.jsonl"), flags)
+            self.assertEqual(caught.exception.filename, owner_dir)
+        self.assertEqual(os.listdir(os.path.join(elsewhere, "u-bob")), [])
+        self.assertOutsideUnchanged()
 
 
 class BackupUnderLoadTest(ServerCase):
@@ -7842,6 +7973,55 @@ class FeedFaultsOnTheWireTest(ServerCase):
         self.assertTrue(any("%s:2: checksum mismatch" % alice_feed in line for line in self.log_lines), self.log_lines)
         self.assertEqual(len(self.pull(self.bob).json["records"]), 1)
         self.assertAnswer(self.push(self.alice, "other", [record()]), 200, {"cursor": 1, "accepted": 1})
+
+
+class LinkedFeedOnTheWireTest(ServerCase):
+    """A link where a feed should be (planted by someone with the service user's rights): the
+    server never reads or writes through it."""
+
+    DAMAGED = {"error": "this feed is damaged; the server log names the file and line"}
+
+    def test_a_symlinked_feed_answers_500_logs_its_path_once_and_leaves_the_target_alone(self):
+        self.push(self.alice, records=[record(record_id=str(i)) for i in range(3)])
+        self.stop_server(self.server, self.server_thread)
+        outside = outside_file(self)
+        before = file_state(outside)
+        feed = os.path.join(self.data_dir, "feeds", "u-alice", "p-proj.jsonl")
+        os.unlink(feed)
+        os.symlink(outside, feed)
+        dangling = os.path.join(self.data_dir, "feeds", "u-alice", "p-other.jsonl")
+        os.symlink(outside + "-none", dangling)  # (a link to nothing is refused too)
+        self.start_server()
+        for project in ("proj", "other"):
+            for answer in (self.pull(self.alice, project), self.pull(self.alice, project),
+                           self.push(self.alice, project, [record(record_id="new")])):
+                self.assertAnswer(answer, 500, self.DAMAGED)
+        refused = [line for line in self.log_lines if "a link in the data dir" in line]
+        self.assertEqual(refused, ["a link in the data dir: %s: a link, refused: nothing in a "
+                                   "data dir is ever followed through a link (fsck --repair "
+                                   "removes it)" % path for path in (feed, dangling)])
+        self.assertEqual(file_state(outside), before)
+        self.assertFalse(os.path.exists(outside + "-none"))
+        self.assertAnswer(self.push(self.bob, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
+
+    def test_a_symlinked_owner_directory_is_not_gone_through(self):
+        self.push(self.alice, records=[record()])
+        self.stop_server(self.server, self.server_thread)
+        elsewhere = tempfile.mkdtemp(prefix="ohs-elsewhere-")
+        self.addCleanup(shutil.rmtree, elsewhere, True)
+        owner_dir = os.path.join(self.data_dir, "feeds", "u-alice")
+        os.rename(owner_dir, os.path.join(elsewhere, "u-alice"))
+        os.symlink(os.path.join(elsewhere, "u-alice"), owner_dir)
+        moved = os.path.join(elsewhere, "u-alice", "p-proj.jsonl")
+        before = file_state(moved)
+        self.start_server()
+        self.assertAnswer(self.pull(self.alice), 500, self.DAMAGED)
+        self.assertAnswer(self.push(self.alice, "new", [record()]), 500, self.DAMAGED)
+        self.assertEqual(os.listdir(os.path.join(elsewhere, "u-alice")), ["p-proj.jsonl"])
+        self.assertEqual(file_state(moved), before)
+        self.assertIn("a link in the data dir: %s: a link, refused" % owner_dir,
+                      "\n".join(self.log_lines))
 
 
 class JwtOnTheWireTest(ServerCase):
@@ -10804,13 +10984,14 @@ class CommandLineTest(unittest.TestCase):
                                  "directory\n" % path))
 
     def test_a_data_dir_of_another_user_names_the_user_to_run_as(self):
-        real_open = open
+        real_open = os.open
 
         def refusing_open(path, *args, **kwargs):
             if str(path).endswith(".write-test"):
                 raise PermissionError(errno.EACCES, "Permission denied")
             return real_open(path, *args, **kwargs)
-        with mock.patch("builtins.open", refusing_open), mock.patch.object(sync, "user_name", lambda uid: "oharness"):
+        with mock.patch.object(sync.os, "open", refusing_open), \
+                mock.patch.object(sync, "user_name", lambda uid: "oharness"):
             code, out, err = self.main("token", "list", "--data", self.data_dir)
         self.assertEqual((code, out), (2, ""))
         self.assertEqual(err, "oharness-sync: error: cannot use data dir %s: Permission denied; it belongs to oharness: "
