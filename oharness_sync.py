@@ -9056,8 +9056,9 @@ def backup_destination(data_dir, path, flag):
 
 
 def open_no_link(path):
-    """An fd for reading the file at path; OSError (ELOOP) when it is a link, never followed."""
-    return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    """An fd for reading the file at path; LinkRefused (ELOOP) when it or a directory on the way
+    is a link, never followed."""
+    return open_in_data_dir(path, os.O_RDONLY)
 
 
 def whole_lines_end(fd, size):
@@ -9133,6 +9134,8 @@ class DataDirCopy:
                 pass  # copied as it is: fsck says what is wrong with it
         for path in (layout.purged, layout.feed_floor):
             self.copy_small(path)
+        for path in layout.links():  # (the walks below leave links out)
+            self.skip_link(path, LinkRefused(path))
         feeds = [entry.path for owner, _, entry in layout.all_feeds() if owner is not None]
         self.feeds_total = len(feeds)
         for path in feeds:
@@ -9163,6 +9166,8 @@ class DataDirCopy:
         """Whether exc says path is a link (then skipped, and said so); else False."""
         if exc.errno != errno.ELOOP:
             return False
+        if path in self.skipped:
+            return True
         self.skipped.append(path)
         print("backup: %s is a link: not followed, not copied (fsck --data %s says more)"
               % (path, self.data_dir), file=sys.stderr, flush=True)
