@@ -5029,6 +5029,19 @@ class BackupCommandTest(DataDirToolCase):
         data.pop("restored-from-backup.json")
         self.assertEqual(data, self.expected_copy())
 
+    def test_progress_is_one_line_on_stderr_a_second_at_most(self):
+        # (a small data dir's backup, done within the first second, has none: err == "" above)
+        now, stream = [100.0], io.StringIO()
+        progress = sync.BackupProgress(stream, clock=lambda: now[0])
+        copy = mock.Mock(counts={"feeds": 0, "scopes": 0, "bytes": 0}, feeds_total=200)
+        for at, feeds in ((100.5, 10), (101.0, 20), (101.9, 90), (102.2, 200)):
+            now[0] = at
+            copy.counts.update(feeds=feeds, scopes=feeds // 100, bytes=feeds << 20)
+            progress(copy)
+        self.assertEqual(stream.getvalue().splitlines(), [
+            "backup: 20 of 200 feeds, 0 memory scopes, 20.0 MiB copied",
+            "backup: 200 of 200 feeds, 2 memory scopes, 200.0 MiB copied"])
+
     def test_a_destination_that_is_not_empty_or_is_inside_the_data_dir_is_refused(self):
         os.mkdir(self.dest)
         with open(os.path.join(self.dest, "keep"), "wb") as f:
