@@ -40,7 +40,7 @@ Part I, the server, is what `--data DIR` runs:
     Storage             files, the data dir's layout (DataDir), the lock and
                         the tokens; session feeds (one scanner of a feed file,
                         group commit, long-poll waits, compaction); memory
-                        manifests
+                        manifests; a restored copy's first start
     HTTP                the protocol's routes and thin handlers (SyncApp), the
                         strict reading of a request, the transport on
                         http.server (SyncRequestHandler, SyncServer)
@@ -9030,8 +9030,10 @@ def backup_command(argv):
     except BaseException as exc:
         sink.abandon()
         if isinstance(exc, (OSError, ValueError)):
-            raise UsageError("backup of %s failed, no copy made: %s" % (data_dir,
-                                                                         reason(exc))) from None
+            what = reason(exc)
+            if getattr(exc, "filename", None):
+                what = "%s: %s" % (exc.filename, what)
+            raise UsageError("backup of %s failed, no copy made: %s" % (data_dir, what)) from None
         raise
     print(copy.summary(where), file=report, flush=True)
     return 1 if copy.skipped else 0
