@@ -164,6 +164,9 @@ IDLE_SECONDS = 60.0
 MAX_HEADERS = 100                   # lines in one request's headers, the closing blank one too
 DEFAULT_MAX_CONNECTIONS = 2000
 DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull answers at once
+# By default one client address (IPv6: one /64) holds at most a quarter of --max-connections (and
+# one principal's long-polls half of --max-parked): no one takes every place from the others.
+PER_ADDRESS_SHARE = 4
 LISTEN_BACKLOG = 512
 MAX_HEAD_BYTES = 65536              # the request line and every header line together
 SWEEP_SECONDS = 0.25                # how often the watchdog looks at the connections' deadlines
@@ -1372,7 +1375,8 @@ def exposition(metrics):
     for key, name, text in (("woken", "oharness_sync_long_polls_woken_total",
                              "Parked long-polls woken by an event."),
                             ("refused", "oharness_sync_connections_refused_total",
-                             "Connections refused with 503 at the connection cap."),
+                             "Connections refused with 503 at the connection cap or at the "
+                             "cap per address."),
                             ("compactions", "oharness_sync_compactions_total",
                              "Feeds compacted in the background.")):
         out.metric(name, "counter", text, [((), counters.get((key, None), 0))])
@@ -2241,9 +2245,22 @@ class RateLimiter:
 
 # ---- forged tokens ------------------------------------------------------------
 
+def ip_address(text):
+    """The IP address in text as an ipaddress object (an IPv4 client of a dual-stack socket as
+    IPv4; an IPv6 zone left out), or None when text is no IP address."""
+    try:
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
 def client_key(address):
-    """What a client's failed token checks are counted under: its address, or for IPv6 its /64 (one
-    host, or one home network, holds a whole /64 and could take a new address for each try).
+    """What a client's failed token checks and its connections are counted under: its address, or
+    for IPv6 its /64 (one host, or one home network, holds a whole /64 and could take a new address
+    for each try).
 
         198.51.100.7                 198.51.100.7
         2001:db8:1:2:a:b:c:d         2001:db8:1:2::/64
@@ -2252,12 +2269,11 @@ def client_key(address):
     """
     if ":" not in address:
         return address
-    try:
-        ip = ipaddress.IPv6Address(address.split("%", 1)[0])  # (without a zone: fe80::1%eth0)
-    except ValueError:
+    ip = ip_address(address)  # (without a zone: fe80::1%eth0)
+    if ip is None:
         return address
-    if ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
+    if ip.version == 4:
+        return str(ip)
     return str(ipaddress.IPv6Network((ip, 64), strict=False))
 
 
@@ -4919,6 +4935,45 @@ def public_url(headers, tls):
     return "%s://%s" % (scheme, host or "HOST")
 
 
+def forwarded_client(headers):
+    """The client address a proxy in front says it serves: the last hop of X-Forwarded-For (the one
+    the proxy itself added), else the `for=` of Forwarded's last element; None when neither names
+    an IP address (absent, `unknown`, an obfuscated name). Only for a trusted proxy's requests:
+    anyone else may send these headers.
+
+        X-Forwarded-For: 203.0.113.9, 198.51.100.7                198.51.100.7
+        Forwarded: for=203.0.113.9, for="[2001:db8::7]:4711"      2001:db8::7
+    """
+    value = headers.get("x-forwarded-for")
+    if value is not None:
+        hop = value.rsplit(",", 1)[-1]
+    else:
+        match = _FORWARDED_FOR.search(headers.get("forwarded", "").rsplit(",", 1)[-1])
+        if match is None:
+            return None
+        hop = match.group(1)
+    hop = hop.strip(' \t"')
+    if hop.startswith("["):                      # [2001:db8::7]:4711
+        hop = hop[1:].split("]", 1)[0]
+    elif hop.count(":") == 1:                    # 198.51.100.7:4711
+        hop = hop.split(":", 1)[0]
+    ip = ip_address(hop)
+    return None if ip is None else str(ip)
+
+
+_FORWARDED_FOR = re.compile(r'(?:^|;)\s*for\s*=\s*("[^"]*"|[^;,\s]*)', re.IGNORECASE)
+
+
+def trusted_proxy(text):
+    """The ipaddress network of a --trusted-proxy value (an address or a CIDR); ValueError when it
+    is neither."""
+    try:
+        return ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        raise ValueError("--trusted-proxy %r is not an IP address or a network such as "
+                         "10.0.0.0/8" % text) from None
+
+
 def retry_after(seconds):
     """The header of a response that says when to try again."""
     return [("Retry-After", str(seconds))]
@@ -4962,6 +5017,7 @@ class SyncApp:
             for method in methods:
                 self.metrics.expect(route, method)
         self.parked = set()               # the requests of long-polls waiting now
+        self._parked_by = {}              # principal -> the requests of its long-polls parked now
         self._parked_lock = threading.Lock()
         self.metrics.gauge("oharness_sync_long_polls_parked", "Long-polls parked now.",
                            lambda: len(self.parked))
@@ -5112,14 +5168,19 @@ class SyncApp:
         """Hold a pull until its feed has an event after since, its wait is over, the server stops,
         or its client closes its side (looked at every PARKED_CHECK_SECONDS, so an abandoned pull
         gives its place back soon; one that only half-closed still reads its response); then
-        make_response(). Past max_parked: make_response() at once.
+        make_response(). Past max_parked, or past half of it for the request's principal (so that
+        one principal's devices cannot take every place): make_response() at once.
 
         The thread that wakes the pull sends its response (on_event, see wake_pulls); Feed.read
         builds one Page for all the pulls a push wakes."""
-        with self._parked_lock:  # (the count and the add, together)
-            if len(self.parked) >= self.max_parked:
+        principal = request.principal
+        with self._parked_lock:  # (the counts and the adds, together)
+            if (len(self.parked) >= self.max_parked
+                    or len(self._parked_by.get(principal, ())) >= max(1, self.max_parked // 2)):
                 return make_response()
+            mine = self._parked_by.setdefault(principal, set())
             self.parked.add(request)
+            mine.add(request)
         handler = request.handler
         handler.hold(request)
         try:
@@ -5137,7 +5198,14 @@ class SyncApp:
                 if handler.client_gone():
                     break
         finally:
-            self.parked.discard(request)  # no lock: the pulls one push woke would all queue for it
+            # No lock: the pulls one push woke would all queue for it; only a principal's last
+            # pull takes it, to forget the principal.
+            self.parked.discard(request)
+            mine.discard(request)
+            if not mine:
+                with self._parked_lock:
+                    if not mine and self._parked_by.get(principal) is mine:
+                        del self._parked_by[principal]
             early = handler.release()
         return early if early is not None else make_response()
 
@@ -5438,6 +5506,8 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.early_lock = threading.Lock()
         self.known_lines = None     # the last head's field lines, as parsed (read_fields)
         self.tally = self.server.metrics.open_tally() if self.server.counting else None
+        # A trusted proxy's requests name their client (forwarded_client); anyone else's do not.
+        self.via_proxy = self.server.trusts(self.client_address[0])
         self.server.watchdog.arm(self.connection, self.server.idle_seconds)
 
     def finish(self):
@@ -5554,8 +5624,11 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.body_pending = declares_body(headers)
         if not self.body_pending:
             self.server.watchdog.disarm(self.connection)
-        request = Request(self.command, path, query, headers, handler=self,
-                          client=self.client_address[0], tls=self.server.tls is not None)
+        client = self.client_address[0]
+        if self.via_proxy:
+            client = forwarded_client(headers) or client
+        request = Request(self.command, path, query, headers, handler=self, client=client,
+                          tls=self.server.tls is not None)
         self.body = None
         self.server.begin_request(self)
         try:
@@ -5567,8 +5640,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
                 self.server.log("internal error on %s %s: %s: %s" % (
                     printable(self.command), printable(path), type(exc).__name__, exc))
                 response = json_response(500, {"error": "internal server error"})
-            self.server.log_access(self.command, path, response.status, started,
-                                   principal=request.principal, why=request.refusal)
+            self.server.log_access(request, response.status, started)
             if self.tally is not None:
                 self.tally.count(path, self.command, response.status, time.monotonic() - started)
             self.write_response(response, self.command)
@@ -5700,18 +5772,26 @@ class TlsFiles:
 
 
 
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 64\r\n"
-            b"Retry-After: 1\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n"
-            b'{"error":"server is at its connection limit; try again shortly"}')
+def cap_refusal(text):
+    """The bytes of a 503 that the accepting thread sends a connection past a cap."""
+    return render(json_response(503, {"error": text}, retry_after(1)), "GET", close=True,
+                  no_store=True)
+
+
+_REFUSAL = cap_refusal("server is at its connection limit; try again shortly")
+_ADDRESS_REFUSAL = cap_refusal("too many connections from this address; try again shortly")
 
 
 class SyncServer(http.server.ThreadingHTTPServer):
     """http.server's ThreadingHTTPServer, with a connection cap, TLS, a watchdog and a quiet error
     path.
 
-    Past max_connections a new connection gets a 503 at once, from the accepting thread: never
-    more threads than that. With TLS, the handshake runs in the connection's own thread.
+    Past max_connections, or past max_per_address from one client (client_key: IPv6 by its /64),
+    a new connection gets a 503 at once, from the accepting thread: never more threads than that,
+    and one address cannot take every place. A trusted proxy's connections (trusted_proxies:
+    ipaddress networks) carry many clients: they are not counted per address, and their requests'
+    client is the one the proxy names (forwarded_client). With TLS, the handshake runs in the
+    connection's own thread.
     """
 
     daemon_threads = True
@@ -5721,7 +5801,7 @@ class SyncServer(http.server.ThreadingHTTPServer):
 
     def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None,
                  access_log=None, tls=None, request_seconds=DEFAULT_REQUEST_SECONDS,
-                 idle_seconds=IDLE_SECONDS):
+                 idle_seconds=IDLE_SECONDS, max_per_address=None, trusted_proxies=()):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.app = app
@@ -5729,10 +5809,14 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self.request_seconds = request_seconds
         self.idle_seconds = idle_seconds
         self.max_connections = max_connections
+        self.max_per_address = (max(1, max_connections // PER_ADDRESS_SHARE)
+                                if max_per_address is None else max_per_address)
+        self.trusted_proxies = tuple(trusted_proxies)
         self.log = log or (lambda message: None)
         self.access_log = access_log
         self.stopping = threading.Event()      # set: responses close their connections
         self.connections = 0                   # accepted, not yet closed (past the cap: refused)
+        self._per_address = {}                 # client_key -> its connections, while it has one
         # handlers answering a request (set.add and discard need no lock)
         self._in_flight = set()
         self._open = set()                     # the sockets of connections being served
@@ -5753,18 +5837,36 @@ class SyncServer(http.server.ThreadingHTTPServer):
 
     # -- connections ---------------------------------------------------------
 
+    def trusts(self, address):
+        """Whether a peer address is one of the trusted proxies."""
+        if not self.trusted_proxies:
+            return False
+        ip = ip_address(address)
+        return ip is not None and any(ip in network for network in self.trusted_proxies)
+
+    def counted_as(self, address):
+        """What a peer's connections are counted under for max_per_address; None: not counted (a
+        trusted proxy)."""
+        return None if self.trusts(address) else client_key(address)
+
     def process_request(self, request, client_address):
+        key = self.counted_as(client_address[0])
         with self._lock:
-            full = self.connections >= self.max_connections
-            if not full:
+            if self.connections >= self.max_connections:
+                refused = _REFUSAL
+            elif key is not None and self._per_address.get(key, 0) >= self.max_per_address:
+                refused = _ADDRESS_REFUSAL
+            else:
+                refused = None
                 self.connections += 1
-        if full:
-            return self.refuse(request)
+                if key is not None:
+                    self._per_address[key] = self._per_address.get(key, 0) + 1
+        if refused is not None:
+            return self.refuse(request, refused)
         try:
             super().process_request(request, client_address)  # a thread for the connection
         except BaseException:
-            with self._lock:
-                self.connections -= 1
+            self.connection_over(key)
             raise
 
     def process_request_thread(self, request, client_address):
@@ -5774,8 +5876,16 @@ class SyncServer(http.server.ThreadingHTTPServer):
             if request is not None:
                 super().process_request_thread(request, client_address)
         finally:
-            with self._lock:
-                self.connections -= 1
+            self.connection_over(self.counted_as(client_address[0]))
+
+    def connection_over(self, key):
+        """A connection counted under key (None: per address not at all) is closed."""
+        with self._lock:
+            self.connections -= 1
+            if key is not None:
+                left = self._per_address.pop(key) - 1
+                if left:
+                    self._per_address[key] = left
 
     def handshake(self, sock):
         """The TLS handshake, in the connection's own thread and within the request time limit: a
@@ -5813,15 +5923,15 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self.log("a client spoke plain HTTP to this TLS port (%s): it needs https://; said once "
                  "a run, others are not logged" % address)
 
-    def refuse(self, sock):
-        """Past the connection cap: a 503 JSON response rather than a hang (with TLS: closed at
-        once). The socket is closed LINGER_SECONDS later, so closing does not reset the response
-        away."""
+    def refuse(self, sock, answer):
+        """Past a connection cap: a 503 JSON response (answer, its bytes) rather than a hang (with
+        TLS: closed at once). The socket is closed LINGER_SECONDS later, so closing does not reset
+        the response away."""
         self.metrics.add("refused")
         try:
             if self.tls is None:
                 sock.setblocking(False)
-                sock.send(_REFUSAL)
+                sock.send(answer)
                 sock.shutdown(socket.SHUT_WR)
                 self.watchdog.arm(sock, LINGER_SECONDS, close=True)
                 return
@@ -5855,13 +5965,14 @@ class SyncServer(http.server.ThreadingHTTPServer):
     def end_request(self, handler):
         self._in_flight.discard(handler)
 
-    def log_access(self, method, path, status, started, principal, why=None):
-        """One line of the access log: method, path (no query), status, milliseconds, principal,
-        and for a refused token why (never the token)."""
+    def log_access(self, request, status, started):
+        """One line of the access log: client address, method, path (no query), status,
+        milliseconds, principal, and for a refused token why (never the token)."""
         if self.access_log is not None:
-            self.access_log("%s %s %d %.1fms %s%s" % (
-                printable(method), printable(path), status, (time.monotonic() - started) * 1000,
-                principal or "-", "" if why is None else " (%s)" % why))
+            self.access_log("%s %s %s %d %.1fms %s%s" % (
+                request.client, printable(request.method), printable(request.path), status,
+                (time.monotonic() - started) * 1000, request.principal or "-",
+                "" if request.refusal is None else " (%s)" % request.refusal))
 
     # -- stopping ------------------------------------------------------------
 
@@ -5926,10 +6037,11 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
                  max_connections=DEFAULT_MAX_CONNECTIONS, log=None, jwt=None, memory_mode="local",
                  supabase=None, memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None,
                  max_parked=DEFAULT_MAX_PARKED, request_seconds=DEFAULT_REQUEST_SECONDS,
-                 idle_seconds=IDLE_SECONDS, metrics_token=None, principals=None):
+                 idle_seconds=IDLE_SECONDS, metrics_token=None, principals=None,
+                 max_per_address=None, trusted_proxies=()):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business). With
     a metrics_token, GET /metrics answers whoever has it; with principals (a PrincipalList), only
-    those it lists are served."""
+    those it lists are served. max_per_address and trusted_proxies: see SyncServer."""
     log, metrics = log or Log(quiet=True), Metrics()
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode,
                          supabase, metrics=metrics, principals=principals)
@@ -5962,7 +6074,8 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
     access_log = None if getattr(log, "quiet", False) else log.access
     return SyncServer((host, port), app, max_connections=max_connections, log=log,
                       access_log=access_log, tls=tls, request_seconds=request_seconds,
-                      idle_seconds=idle_seconds)
+                      idle_seconds=idle_seconds, max_per_address=max_per_address,
+                      trusted_proxies=trusted_proxies)
 
 
 def add_auth_flags(parser):
@@ -6199,6 +6312,13 @@ def serve_command(argv):
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="open connections at once (default %d); past it a new one gets 503"
                         % DEFAULT_MAX_CONNECTIONS)
+    parser.add_argument("--max-connections-per-address", type=int, metavar="N",
+                        help="open connections from one client address (IPv6: one /64; default a "
+                             "quarter of --max-connections); past it a new one gets 503")
+    parser.add_argument("--trusted-proxy", action="append", default=[], metavar="ADDR",
+                        help="a reverse proxy's address or network (repeat for more): its "
+                             "connections are not counted per address, and its X-Forwarded-For "
+                             "(or Forwarded) names the client")
     parser.add_argument("--max-parked", type=int, default=DEFAULT_MAX_PARKED,
                         help="long-polls held at once (default %d); past it a pull answers at once"
                         % DEFAULT_MAX_PARKED)
@@ -6227,6 +6347,12 @@ def serve_command(argv):
         raise UsageError("--port must be 0..65535")
     if args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
+    if args.max_connections_per_address is not None and args.max_connections_per_address < 1:
+        raise UsageError("--max-connections-per-address must be at least 1")
+    try:
+        trusted_proxies = [trusted_proxy(text) for text in args.trusted_proxy]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if not args.request_timeout > 0:
         raise UsageError("--request-timeout must be positive")
     if args.max_parked < 0:
@@ -6253,7 +6379,9 @@ def serve_command(argv):
                                   memory_mode=args.memory_auth, supabase=supabase,
                                   memory_rate_limit=args.memory_rate_limit, tls=tls,
                                   max_parked=args.max_parked, request_seconds=args.request_timeout,
-                                  metrics_token=metrics_token, principals=principals)
+                                  metrics_token=metrics_token, principals=principals,
+                                  max_per_address=args.max_connections_per_address,
+                                  trusted_proxies=trusted_proxies)
         except OSError as exc:
             raise UsageError("cannot listen on %s:%d: %s"
                              % (args.host, args.port, reason(exc))) from None
@@ -10367,7 +10495,11 @@ def run_bench(report, args, scratch):
     own = not args.url
     report.facts.update(own=own, clients=clients, polls=args.polls, notes=args.notes)
     if own:
-        target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0")
+        # (its clients are one address and one principal: the shares that keep either from
+        # taking every place would refuse its polls)
+        target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0",
+                                   "--max-connections-per-address", str(DEFAULT_MAX_CONNECTIONS),
+                                   "--max-parked", str(max(DEFAULT_MAX_PARKED, 2 * args.polls)))
     else:
         target = BenchTarget(args.url, args.token, args.principal)
     report.note("oharness-sync bench: %s, %s; %d client processes, %g s a phase; Python %s on %s, "

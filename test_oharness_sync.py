@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import http.client
 import io
+import ipaddress
 import json
 import multiprocessing
 import os
@@ -2194,6 +2195,30 @@ class ForgedTokenTest(unittest.TestCase):
                              ("fe80::1%eth0", "fe80::/64"), ("::ffff:198.51.100.7", "198.51.100.7"),
                              ("", ""), ("not:an:address", "not:an:address")):
             self.assertEqual(sync.client_key(address), key, address)
+
+    def test_the_client_a_proxy_names_is_the_last_hop_it_added(self):
+        cases = [({"x-forwarded-for": "198.51.100.7"}, "198.51.100.7"),
+                 ({"x-forwarded-for": "203.0.113.9, 198.51.100.7"}, "198.51.100.7"),  # nginx appends
+                 ({"x-forwarded-for": "203.0.113.9,198.51.100.7:4711"}, "198.51.100.7"),
+                 ({"x-forwarded-for": "[2001:DB8::7]:4711"}, "2001:db8::7"),
+                 ({"x-forwarded-for": "::ffff:198.51.100.7"}, "198.51.100.7"),
+                 ({"forwarded": 'for=203.0.113.9;proto=https, for="[2001:db8::7]:4711";proto=https'},
+                  "2001:db8::7"),
+                 ({"forwarded": "proto=https;For=198.51.100.7"}, "198.51.100.7"),
+                 # X-Forwarded-For first: the recipes' proxies set it, and pass Forwarded on as sent
+                 ({"x-forwarded-for": "198.51.100.7", "forwarded": "for=203.0.113.9"}, "198.51.100.7"),
+                 ({"x-forwarded-for": "unknown"}, None), ({"forwarded": "for=_hidden"}, None),
+                 ({"forwarded": "for=203.0.113.9, proto=https"}, None),  # the last hop names none
+                 ({"x-forwarded-for": ""}, None), ({}, None)]
+        for headers, client in cases:
+            self.assertEqual(sync.forwarded_client(headers), client, headers)
+
+    def test_a_trusted_proxy_is_an_address_or_a_network(self):
+        self.assertEqual(sync.trusted_proxy("127.0.0.1"), ipaddress.ip_network("127.0.0.1/32"))
+        self.assertEqual(sync.trusted_proxy("10.1.2.3/8"), ipaddress.ip_network("10.0.0.0/8"))
+        self.assertEqual(sync.trusted_proxy("fd00::/8"), ipaddress.ip_network("fd00::/8"))
+        with self.assertRaisesRegex(ValueError, "'proxy' is not an IP address or a network"):
+            sync.trusted_proxy("proxy")
 
     def test_a_token_verified_before_still_passes_from_a_throttled_client(self):
         self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "198.51.100.7"), Identity("user_ec"))
@@ -5701,9 +5726,9 @@ class HealthAndAuthTest(ServerCase):
         self.request("GET", "/v1/projects")
         lines = [line for line in self.log_lines if " 401 " in line]
         self.assertEqual([re.sub(r"\d+\.\dms", "Nms", line) for line in lines],
-                         ["GET /v1/projects 401 Nms - (unknown or revoked token)",
-                          "POST /v1/memory/identity 401 Nms - (unknown or revoked token)",
-                          "GET /v1/projects 401 Nms - (missing or malformed bearer token)"])
+                         ["127.0.0.1 GET /v1/projects 401 Nms - (unknown or revoked token)",
+                          "127.0.0.1 POST /v1/memory/identity 401 Nms - (unknown or revoked token)",
+                          "127.0.0.1 GET /v1/projects 401 Nms - (missing or malformed bearer token)"])
         self.assertNotIn(bad, "\n".join(self.log_lines))
 
     def test_every_data_route_refuses_a_missing_or_bad_token(self):
@@ -6976,7 +7001,7 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
             sock.sendall("GET /v1/caf\u00e9 HTTP/1.1\r\nHost: t\r\n\r\n".encode("utf-8"))
             self.assertEqual(read_raw_answer(sock)[0], 400)
         self.assertEqual([line.rsplit(" ", 2)[0] for line in self.log_lines[:2]],
-                         ["GET /v1/caf%C3%A9 404", "GET /v1/health 200"])
+                         ["127.0.0.1 GET /v1/caf%C3%A9 404", "127.0.0.1 GET /v1/health 200"])
         self.assertEqual(self.log_lines[2], "refused a malformed request (400 bad request line): GET /v1/caf\\xc3\\xa9 "
                                             "HTTP/1.1")
 
@@ -7069,7 +7094,8 @@ class FrontPageTest(ServerCase):
     def test_a_favicon_is_a_quiet_404(self):
         answer = self.request("GET", "/favicon.ico")
         self.assertAnswer(answer, 404, {"error": "unknown route"})
-        self.assertEqual(self.log_lines, ["GET /favicon.ico 404 %s -" % self.log_lines[0].split()[3]])  # access only
+        self.assertEqual(self.log_lines,  # the access line only
+                         ["127.0.0.1 GET /favicon.ico 404 %s -" % self.log_lines[0].split()[4]])
 
 
 def caching_headers(url, method, path, body=None, token=None, headers=None):
@@ -7894,7 +7920,7 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
 
 
 class ConnectionCapTest(ServerCase):
-    server_options = {"max_connections": 3}
+    server_options = {"max_connections": 3, "max_per_address": 3}
 
     def test_past_the_connection_cap_a_new_connection_gets_a_503_json_answer(self):
         held = [socket.create_connection(self.server.server_address[:2]) for _ in range(3)]
@@ -7926,13 +7952,84 @@ class ConnectionCapTest(ServerCase):
             time.sleep(0.01)
         self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
 
+def connect_from(case, source, timeout=5):
+    """A socket to case's server from the loopback address source (Linux routes all of 127/8 to
+    loopback; elsewhere the test is skipped)."""
+    sock = socket.socket()
+    try:
+        sock.bind((source, 0))
+        sock.settimeout(timeout)
+        sock.connect(case.server.server_address[:2])
+    except OSError as exc:
+        sock.close()
+        case.skipTest("cannot connect from %s: %s" % (source, exc))
+    case.addCleanup(sock.close)
+    return sock
+
+
+def health_from(case, source):
+    """GET /v1/health from source: (status, headers, body, seconds taken)."""
+    started = time.monotonic()
+    sock = connect_from(case, source)
+    sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n")
+    status, headers, body = read_raw_answer(sock)
+    return status, headers, body, time.monotonic() - started
+
+
+class PerAddressCapTest(ServerCase):
+    """One address (IPv6: one /64) holds at most its share of the connections: by default a
+    quarter of --max-connections."""
+
+    server_options = {"max_connections": 40}
+
+    def hold(self, count, source="127.0.0.1"):
+        held = [connect_from(self, source) for _ in range(count)]
+        deadline = time.monotonic() + 5
+        while self.server.connections < count:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        return held
+
+    def test_an_address_holding_its_share_does_not_keep_another_from_a_200(self):
+        self.hold(10)
+        status, headers, body, _ = health_from(self, "127.0.0.1")
+        self.assertEqual((status, headers["retry-after"], headers["cache-control"], json.loads(body)),
+                         (503, "1", "no-store",
+                          {"error": "too many connections from this address; try again shortly"}))
+        status, _, body, seconds = health_from(self, "127.0.0.2")
+        self.assertEqual((status, json.loads(body)), (200, {"ok": True}))
+        self.assertLess(seconds, 1.0)
+        families = parse_exposition(sync.exposition(self.server.metrics).decode())
+        self.assertEqual(metric_value(families, "oharness_sync_connections_refused_total"), 1)
+
+    def test_a_closed_connection_gives_its_place_back(self):
+        held = self.hold(10)
+        held[0].close()
+        deadline = time.monotonic() + 5
+        while self.server.connections > 9:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        self.assertEqual(health_from(self, "127.0.0.1")[0], 200)
+        self.assertEqual(health_from(self, "127.0.0.1")[0], 503)  # the place is taken again
+
+    def test_a_trusted_proxy_is_not_counted_per_address(self):
+        self.restart_with(trusted_proxies=[sync.trusted_proxy("127.0.0.0/30")])
+        self.hold(15)
+        self.assertEqual(health_from(self, "127.0.0.1")[0], 200)
+        self.assertEqual(health_from(self, "127.0.0.4")[0], 200)  # (counted: not in the network)
+
+    def restart_with(self, **options):
+        self.server_options = dict(self.server_options, **options)
+        self.restart_server()
+
+
 class ParkedCapTest(ServerCase):
     server_options = {"max_parked": 2}
 
     def test_past_the_parked_cap_wait_is_treated_as_0(self):
         results = []
-        threads = [threading.Thread(target=lambda: results.append(self.pull(self.alice, wait=10)))
-                   for _ in range(2)]
+        threads = [threading.Thread(target=lambda token=token: results.append(self.pull(token, wait=10)))
+                   for token in (self.alice, self.bob)]  # (one principal may park half the places)
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 5
@@ -7940,10 +8037,11 @@ class ParkedCapTest(ServerCase):
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
         started = time.monotonic()
-        answer = self.pull(self.alice, wait=10)  # a third long-poll: answered at once, empty
+        answer = self.pull(self.issue("carol"), wait=10)  # a third long-poll: answered at once, empty
         self.assertLess(time.monotonic() - started, 1.0)
         self.assertAnswer(answer, 200, {"cursor": 0, "records": [], "sessions": [], "more": False})
         self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.bob, records=[record()]), 200, {"cursor": 1, "accepted": 1})
         for thread in threads:
             thread.join(5)
         self.assertEqual([len(answer.json["records"]) for answer in results], [1, 1])
@@ -7951,6 +8049,48 @@ class ParkedCapTest(ServerCase):
         while len(self.server.app.parked):  # the places are given back once the threads resume
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
+
+
+class ParkedShareTest(ServerCase):
+    """One principal parks at most half of the places: another principal's devices still park."""
+
+    server_options = {"max_parked": 6}
+
+    def park(self, token, results, project="proj"):
+        thread = threading.Thread(target=lambda: results.append(self.pull(token, project, wait=5)))
+        thread.start()
+        self.addCleanup(thread.join, 10)
+        return thread
+
+    def wait_parked(self, count):
+        deadline = time.monotonic() + 5
+        while len(self.server.app.parked) < count:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+
+    def test_a_principal_parking_its_half_does_not_keep_another_from_parking(self):
+        alice_answers, bob_answers = [], []
+        alice_threads = [self.park(self.alice, alice_answers, "p%d" % i) for i in range(3)]
+        self.wait_parked(3)
+        started = time.monotonic()
+        self.assertAnswer(self.pull(self.alice, "p9", wait=5), 200, EMPTY_PULL)  # past her half
+        self.assertLess(time.monotonic() - started, 1.0)
+        bob_thread = self.park(self.bob, bob_answers)
+        self.wait_parked(4)
+        self.assertEqual(bob_answers, [])
+        self.assertAnswer(self.push(self.bob, records=[record()]), 200)
+        bob_thread.join(5)
+        self.assertEqual([len(answer.json["records"]) for answer in bob_answers], [1])
+        for i in range(3):
+            self.assertAnswer(self.push(self.alice, "p%d" % i, [record()]), 200)
+        for thread in alice_threads:
+            thread.join(5)
+        self.assertEqual([len(answer.json["records"]) for answer in alice_answers], [1, 1, 1])
+        deadline = time.monotonic() + 5
+        while self.server.app.parked:  # every place given back, and her share with them
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        self.assertEqual(self.server.app._parked_by, {})
 
 
 class FeedFaultsOnTheWireTest(ServerCase):
@@ -8310,6 +8450,48 @@ class ForgedTokenOnTheWireTest(ServerCase):
             self.assertEqual((response.status, json.loads(response.read())), (401, {"error": "bad token signature"}))
         finally:
             conn.close()
+
+
+class TrustedProxyTest(ServerCase):
+    """Behind a proxy given with --trusted-proxy, the client is the one the proxy names: its forged
+    tokens count against it alone. From any other peer those headers are ignored."""
+
+    def setUp(self):
+        self.server_options = {"jwt": JwtVerifier(SECRET, JwksSource(path=JWKS_PATH)),
+                               "trusted_proxies": [sync.trusted_proxy("127.0.0.1")]}
+        super().setUp()
+        self.server.app.auth.failures.clock = FakeClock(1000.0)
+
+    def forged(self, number, source="127.0.0.1", **headers):
+        """The status of a pull with a forged token, sent from source with headers."""
+        sock = connect_from(self, source)
+        head = "GET /v1/pull?project=p HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n" % (
+            forged_es256(number))
+        head += "".join("%s: %s\r\n" % (name.replace("_", "-"), value)
+                        for name, value in headers.items())
+        sock.sendall((head + "\r\n").encode("latin-1"))
+        return read_raw_answer(sock)[0]
+
+    def test_forged_tokens_from_one_forwarded_address_do_not_throttle_another(self):
+        for number in range(1, 11):
+            self.assertEqual(self.forged(number, X_Forwarded_For="203.0.113.9, 198.51.100.7"), 401)
+        self.assertEqual(self.forged(11, X_Forwarded_For="198.51.100.7"), 429)
+        self.assertEqual(self.forged(12, Forwarded="for=198.51.100.7"), 429)
+        self.assertEqual(self.forged(13, X_Forwarded_For="198.51.100.8"), 401)
+        self.assertEqual(self.forged(14, Forwarded='for="[2001:db8::7]:4711"'), 401)
+        self.assertEqual(self.forged(15), 401)  # the proxy's own requests: its own address
+        lines = [line for line in self.log_lines if " /v1/pull " in line]
+        self.assertEqual([line.split()[0] for line in lines],
+                         ["198.51.100.7"] * 12 + ["198.51.100.8", "2001:db8::7", "127.0.0.1"])
+
+    def test_forwarded_headers_from_another_peer_are_ignored(self):
+        for number in range(1, 11):
+            self.assertEqual(self.forged(number, "127.0.0.2", X_Forwarded_For="198.51.100.%d" % number,
+                                         Forwarded="for=198.51.100.%d" % number), 401)
+        self.assertEqual(self.forged(11, "127.0.0.2", X_Forwarded_For="198.51.100.99"), 429)
+        self.assertEqual(self.forged(12, "127.0.0.1", X_Forwarded_For="198.51.100.99"), 401)
+        self.assertEqual({line.split()[0] for line in self.log_lines if " /v1/pull " in line},
+                         {"127.0.0.2", "198.51.100.99"})
 
 
 class LongPollTest(ServerCase):
@@ -8682,7 +8864,7 @@ class TlsTest(ServerCase):
                 sock.recv(1024)
             except ConnectionResetError:
                 pass
-        events = [line for line in self.log_lines if not line.startswith("GET /v1/health 200 ")]
+        events = [line for line in self.log_lines if not line.startswith("127.0.0.1 GET /v1/health 200 ")]
         self.assertEqual(events, ["a client spoke plain HTTP to this TLS port (127.0.0.1): it needs "
                                           "https://; said once a run, others are not logged"])
 
@@ -11041,7 +11223,9 @@ class CommandLineTest(unittest.TestCase):
         for args in (["--data", self.data_dir, "--port", "x"], ["--data", self.data_dir, "--bogus"], [],
                      ["--data", os.path.join(blocker, "sub")], ["--data", self.data_dir, "--port", "70000"],
                      ["token", "issue", "--data", self.data_dir, "--principal", "a/b"], ["token", "frob"],
-                     ["--data", self.data_dir, "--request-timeout", "0"], ["--data", self.data_dir, "--max-parked", "-1"]):
+                     ["--data", self.data_dir, "--request-timeout", "0"], ["--data", self.data_dir, "--max-parked", "-1"],
+                     ["--data", self.data_dir, "--max-connections-per-address", "0"],
+                     ["--data", self.data_dir, "--trusted-proxy", "proxy.home.arpa"]):
             result = self.run_cli(*args)
             self.assertEqual(result.returncode, 2, args)
             self.assertEqual(len(result.stderr.strip().splitlines()), 1, (args, result.stderr))
@@ -11132,7 +11316,8 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(commands, ["token", "fsck", "note-hash", "check", "replicate", "usage", "compact", "purge",
                                     "backup", "bench"])
         for flag in ("--version", "--data DIR", "--host HOST", "--port PORT", "--tls-cert CERT.pem", "--tls-key KEY.pem",
-                     "--jwt-secret-file FILE", "--jwks-file FILE", "--memory-auth", "--quiet"):
+                     "--jwt-secret-file FILE", "--jwks-file FILE", "--memory-auth", "--quiet",
+                     "--max-connections-per-address N", "--trusted-proxy ADDR"):
             self.assertEqual(len([line for line in lines if line.startswith("  " + flag)]), 1, flag)
 
     def test_token_list_and_revoke_refuse_a_data_dir_that_is_not_there_and_make_none(self):
