@@ -3855,7 +3855,7 @@ def read_purged(layout):
 def read_feed_floor(layout):
     """The number every feed numbers on after since the last restore (0 when none was)."""
     try:
-        with open(layout.feed_floor, "rb") as f:
+        with open_data_file(layout.feed_floor) as f:
             doc = decode_json(f.read())
     except FileNotFoundError:
         return 0
@@ -4750,7 +4750,7 @@ def read_restore_mark(layout):
     from was cut short ("whole": false, the first member of a backup archive, which its last member
     replaces)."""
     try:
-        with open(layout.restore_mark, "rb") as f:
+        with open_data_file(layout.restore_mark) as f:
             mark = decode_json(f.read())
     except FileNotFoundError:
         return None
@@ -6053,8 +6053,10 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
         raise UsageError("cannot start on the restored copy %s: a damaged feed: %s; fsck --data "
                          "%s --repair mends it" % (data_dir, exc, data_dir)) from None
     except (OSError, ValueError, StorageError) as exc:
-        raise UsageError("cannot start on the restored copy %s: %s"
-                         % (data_dir, reason(exc))) from None
+        what = reason(exc)
+        if getattr(exc, "filename", None):
+            what = "%s: %s" % (exc.filename, what)
+        raise UsageError("cannot start on the restored copy %s: %s" % (data_dir, what)) from None
     feeds.count_bytes()  # one walk of the disk, after the restore's: never at a scrape or a push
     memory.count_bytes()
     feeds.limits = memory.limits = StorageLimits(metrics, principals)

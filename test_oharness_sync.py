@@ -5351,6 +5351,17 @@ class RestoreMarkTest(DataDirToolCase):
                 sync.build_server(self.data_dir, port=0, log=log)
             self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: %s" % (self.data_dir,
                                                                                                  message))
+        elsewhere = os.path.join(os.path.dirname(self.data_dir), "mark")
+        with open(elsewhere, "w") as f:
+            json.dump({"version": 1, "taken": 0, "by": "backup"}, f)
+        os.unlink(self.layout.restore_mark)
+        os.symlink(elsewhere, self.layout.restore_mark)  # never followed
+        with self.assertRaises(sync.UsageError) as caught:
+            sync.build_server(self.data_dir, port=0, log=log)
+        self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: %s: a link, refused: nothing "
+                         "in a data dir is ever followed through a link (fsck --repair removes it)"
+                         % (self.data_dir, self.layout.restore_mark))
+        os.unlink(self.layout.restore_mark)
         with open(self.layout.feed_floor, "w") as f:
             json.dump({"floor": 2 ** 53 - 2 ** 32}, f)
         self.mark(int(time.time() * 1000))
