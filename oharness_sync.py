@@ -58,6 +58,7 @@ import array
 import base64
 import bisect
 import collections
+import contextlib
 import difflib
 import errno
 import hashlib
@@ -145,6 +146,10 @@ MAX_PAGE_BYTES = 8 * 1024 * 1024
 # 500 records of large transcripts hold some thousands; 8 MiB of `{},` would hold 2.8 million.
 MAX_PUSH_CONTAINERS = 200000
 MAX_WAIT_SECONDS = 30
+# Feed files open at once, at most (also bounded by a quarter of the open-file limit): each keeps
+# its index in memory, which a feed evicted to make room for another loads again when next used.
+MAX_OPEN_FEEDS = 512
+FEED_ROOM_SECONDS = 10.0            # a request waits this long for a feed when all are in use
 # The latest page read of a feed is kept for the next pull up to this size.
 CACHED_PAGE_BYTES = 256 * 1024
 COMPACT_CHECK_SECONDS = 30          # how often the server looks for a feed worth compacting
@@ -1437,12 +1442,20 @@ def split_local_token(token):
     return token_id
 
 
+def out_of_fds(exc):
+    """Whether an OSError says the process (or system) has no file descriptor left: the file it
+    was opening is not at fault."""
+    return exc.errno in (errno.EMFILE, errno.ENFILE)
+
+
 class LocalTokenVerifier:
     """Verifies opaque tokens issued by `token issue` against the hashed token file.
 
     The file is looked at (one stat) at most once a second, so a running server
     honours new and revoked tokens without a restart. A file that cannot be read
     or parsed keeps the last good set in force: a 401 must never be spurious.
+    But a changed file that cannot be opened for want of a file descriptor may have
+    revoked a token: until it is read, every local token is answered 503 (AuthUnavailable).
     """
 
     def __init__(self, tokens, clock=time.time, log=None):
@@ -1453,6 +1466,7 @@ class LocalTokenVerifier:
         self._checked = float("-inf")
         self._version = None
         self._bad_version = None   # the stamp of the damaged file last logged
+        self._out_of_fds = False   # the file changed, and could not be opened for want of an fd
         self._records = {}
         # Read now, not at the first request: if the file breaks before that, the set in force from
         # the start is the last good one. (The first request still looks at the file again, as
@@ -1474,23 +1488,38 @@ class LocalTokenVerifier:
 
     def _reload(self):
         version = self.tokens.version()
-        if version == self._version:
+        if version == self._version and not self._out_of_fds:
             return
         try:
             records = self.tokens.read()
-        except (OSError, ValueError) as exc:
-            # Read again at every look (a chmod mends it without a new stamp), but logged once a
-            # version.
-            if version != self._bad_version:
-                self.log("token file %s unreadable, keeping the previous tokens: %s" % (
-                    self.tokens.path, reason(exc)))
-                self._bad_version = version
+        except OSError as exc:
+            if not out_of_fds(exc):
+                self._keep_records(version, exc)
+            elif not self._out_of_fds:  # read again at every look; logged once
+                self._out_of_fds = True
+                self.log("cannot open the token file %s now (%s): local tokens are answered 503 "
+                         "until it is read" % (self.tokens.path, reason(exc)))
+            return
+        except ValueError as exc:
+            self._keep_records(version, exc)
             return
         self._bad_version = None
         self._install(records, version)
 
+    def _keep_records(self, version, exc):
+        """A changed file that cannot be read or parsed: what was in force stays. It is read again
+        at every look (a chmod mends it without a new stamp), but logged once a version."""
+        self._out_of_fds = False  # (it could be opened)
+        if version != self._bad_version:
+            self.log("token file %s unreadable, keeping the previous tokens: %s" % (
+                self.tokens.path, reason(exc)))
+            self._bad_version = version
+
     def _install(self, records, version):
         # Each token's Identity is made here, once, not on every request.
+        if self._out_of_fds:
+            self.log("read the token file %s again" % self.tokens.path)
+            self._out_of_fds = False
         self._records = {record["id"]: (record, Identity(record["principal"],
                                                          record.get("teams", ())))
                          for record in records}
@@ -1499,13 +1528,17 @@ class LocalTokenVerifier:
     def reload(self):
         """Read the token file now, whatever its stamp (SIGHUP); the number of tokens in force.
         OSError or ValueError when it cannot be read: the tokens last read stay in force (and it is
-        not logged again)."""
+        not logged again), unless it could not be opened for want of a file descriptor
+        (out_of_fds): then local tokens are answered 503 until it is read."""
         with self._lock:
             version = self.tokens.version()
             try:
                 records = self.tokens.read()
-            except (OSError, ValueError):
-                self._bad_version = version
+            except (OSError, ValueError) as exc:
+                if isinstance(exc, OSError) and out_of_fds(exc):
+                    self._out_of_fds = True
+                else:
+                    self._bad_version = version
                 raise
             self._bad_version = None
             self._install(records, version)
@@ -1517,6 +1550,8 @@ class LocalTokenVerifier:
         if token_id is None:
             raise AuthError("unknown token")
         self._refresh()
+        if self._out_of_fds:
+            raise AuthUnavailable("the token file cannot be opened now: out of file descriptors")
         record, identity = self._records.get(token_id, (None, None))
         presented = token_hash(token)
         stored = record["hash"] if record else "0" * 64
@@ -3395,7 +3430,8 @@ class Feed:
     wait on a Condition for the flush that holds theirs (the lock hand-off is explained at
     _flush). A parked long-poll waits on a Condition of its own, which the feed keeps until events
     become durable and then hands to wake_pulls. A compaction (compact) rewrites the file aside
-    while all this goes on, and swaps it in under the lock.
+    while all this goes on, and swaps it in under the lock. Its FeedStore evicts it when no request
+    uses it and room is needed for another: a Feed made again for it loads all this from the file.
     """
 
     def __init__(self, path, log, parked=(), start=0, clock=time.time, metrics=None, owner=None):
@@ -3426,6 +3462,7 @@ class Feed:
         self._retired = []                     # fds a compaction replaced, closed once unread
         self.fsyncs = 0                        # group commits that wrote events
         self.fsynced_pushes = 0                # pushes made durable by them
+        self.users = 0                         # requests holding it in memory (FeedStore.using)
 
     # -- loading -----------------------------------------------------------
 
@@ -3701,21 +3738,15 @@ class Feed:
             self._last_page = (key, page)
         return page
 
-    def wait(self, since, timeout, stopping, on_event=None):
-        """Wait up to timeout seconds for an event after since; True once there is one, or
-        stopping is set. on_event: called by the thread that wakes this wait, before it does (see
-        wake_pulls)."""
+    def park(self, pull, since, stopping):
+        """Park pull until the next durable event, unless there is an event after since already or
+        stopping is set: then True, and it is not parked."""
         self.ensure_loaded()
-        pull = ParkedPull(on_event)
-        # Held until wait() lets it go: a flush that takes this pull cannot notify it before.
-        with pull.woken:
-            with self.lock:
-                if self.index.last_event > since or stopping.is_set():
-                    return True
-                self.parked.add(pull)
-            if not pull.woken.wait(timeout):
-                self.unpark(pull)
-        return self.index.last_event > since or stopping.is_set()
+        with self.lock:
+            if self.index.last_event > since or stopping.is_set():
+                return True
+            self.parked.add(pull)
+        return False
 
     def unpark(self, pull):
         with self.lock:
@@ -3875,51 +3906,129 @@ def has_event(path):
         return False
 
 
+def open_feeds_budget():
+    """How many feed files may be open at once: a quarter of the process's open-file limit (the
+    rest is for connections, the token file, manifests and TLS), and at most MAX_OPEN_FEEDS."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource is not None else -1
+    if soft == getattr(resource, "RLIM_INFINITY", -1) or soft < 0:
+        return MAX_OPEN_FEEDS
+    return max(1, min(MAX_OPEN_FEEDS, soft // 4))
+
+
 class FeedStore:
-    """All feeds under DIR/feeds, loaded lazily on first use.
+    """All feeds under DIR/feeds, loaded lazily on first use, at most max_open of them at once
+    (default: open_feeds_budget()).
 
     An owner is ("u", principal) for a personal feed or ("t", team) for a team
     feed: two namespaces, so a principal and a team with one id never meet.
+
+    A Feed in memory holds its file open and its index; to make room for another, the least
+    recently used one that no request holds (using) is evicted: its file closed, its index
+    dropped, its parked pulls set aside to wait for the Feed made next for it (as for a feed that
+    does not exist yet), which loads the index again from the file. When every one is held, a
+    request that needs another waits for one to be let go.
     """
 
-    def __init__(self, data_dir, log=None, clock=time.time, metrics=None):
+    def __init__(self, data_dir, log=None, clock=time.time, metrics=None, max_open=None):
         self.layout = DataDir(data_dir)
         self.log = log or (lambda message: None)
         self.clock = clock
         self.metrics = metrics or Metrics()
         self.limits = StorageLimits(self.metrics)
+        self.max_open = max_open or open_feeds_budget()
         self.stopping = threading.Event()
-        self._feeds = {}
+        self._feeds = OrderedDict()            # (owner, project) -> Feed, least recently used 1st
         self._lock = threading.Lock()
-        # (owner, project) without a Feed -> ParkedPulls waiting for one
+        self._let_go = threading.Condition(self._lock)  # a held Feed was let go
+        # (owner, project) without a Feed (none yet, or evicted) -> ParkedPulls waiting for one
         self._unborn = {}
         self._purged = None                    # read_purged, when a new feed is first made
         self._floor = 0                        # read_feed_floor, read with it
+        self._damaged = {}                     # (owner, project) -> an evicted Feed's damage
+        # What evicted Feeds counted: pushes made durable, fsyncs that did it.
+        self._evicted_counts = [0, 0]
 
-    def feed(self, owner, project, create=False):
-        """The Feed of (owner, project); None when it has no file and create is false.
+    def feed(self, owner, project, create=False, hold=False):
+        """The Feed of (owner, project), made when none is in memory; None when it has no file and
+        create is false. A Feed not held may be evicted once it is let go: hold=True holds it
+        until release(feed) (using does both).
 
         create=True makes an in-memory feed only: its file appears with its first event. A feed
         that purge removed numbers on from where it ended.
         """
         key = (owner, project)
+        with self._lock:
+            feed = self._feeds.get(key)
+            if feed is None:
+                feed = self._make(key, create)
+            else:
+                self._feeds.move_to_end(key)
+            if feed is not None and hold:
+                feed.users += 1
+            return feed
+
+    def release(self, feed):
+        """Let go of a Feed that feed(hold=True) held."""
+        with self._lock:
+            feed.users -= 1
+            if not feed.users:
+                self._let_go.notify()
+
+    @contextlib.contextmanager
+    def using(self, owner, project, create=False):
+        """The Feed of (owner, project) (or None, as feed()), held for the block."""
+        feed = self.feed(owner, project, create, hold=True)
+        try:
+            yield feed
+        finally:
+            if feed is not None:
+                self.release(feed)
+
+    def _make(self, key, create):
+        """A new Feed for key, room made for it (lock held), or the one made while this waited
+        for room; None when it has no file and create is false."""
+        path = self.layout.feed_path(*key)
+        # (lexists: a link is a feed the load refuses, not a feed that is not there)
+        if not (create or os.path.lexists(path)):
+            return None
+        deadline = None
+        while len(self._feeds) >= self.max_open and key not in self._feeds:
+            idle = next((old for old in self._feeds.items() if not old[1].users), None)
+            if idle is not None:
+                self._evict(*idle)
+                continue
+            deadline = deadline or time.monotonic() + FEED_ROOM_SECONDS
+            if not self._let_go.wait(deadline - time.monotonic()) and (
+                    time.monotonic() >= deadline):
+                raise StorageError("all %d open feeds are in use" % self.max_open)
         feed = self._feeds.get(key)
         if feed is not None:
             return feed
-        path = self.layout.feed_path(owner, project)
-        with self._lock:
-            feed = self._feeds.get(key)
-            # (lexists: a link is a feed the load refuses, not a feed that is not there)
-            if feed is None and (create or os.path.lexists(path)):
-                self._read_numbering()
-                # Pulls waiting for this feed to exist now wait on it, for its first event: not
-                # woken now. A new feed numbers on after a purged one of its name, and after the
-                # last restore's jump.
-                start = max(self._purged.get(purged_key(owner, project), 0), self._floor)
-                feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()),
-                                               start=start, clock=self.clock,
-                                               metrics=self.metrics, owner=owner)
-            return feed
+        self._read_numbering()
+        # Pulls waiting for this feed to exist now wait on it, for its first event: not woken now.
+        # A new feed numbers on after a purged one of its name, and after the last restore's jump.
+        start = max(self._purged.get(purged_key(*key), 0), self._floor)
+        feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()), start=start,
+                                       clock=self.clock, metrics=self.metrics, owner=key[0])
+        feed.damage = self._damaged.get(key)
+        return feed
+
+    def _evict(self, key, feed):
+        """Close an idle Feed's file and forget it (lock held); its parked pulls wait aside."""
+        del self._feeds[key]
+        with feed.lock:
+            parked, feed.parked = feed.parked, set()
+            fds, feed.fd = [feed.fd] + feed._retired, None
+            feed._retired = []
+        if parked:
+            self._unborn.setdefault(key, set()).update(parked)
+        if feed.damage is not None:
+            self._damaged[key] = feed.damage
+        self._evicted_counts[0] += feed.fsynced_pushes
+        self._evicted_counts[1] += feed.fsyncs
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
     def highest_number(self):
         """The highest number any feed has used, purged ones and the last restore's jump too (a
@@ -3927,9 +4036,9 @@ class FeedStore:
         highest = 0
         for owner, project, _ in self.layout.all_feeds():
             if owner is not None:
-                feed = self.feed(owner, project)
-                feed.ensure_loaded()
-                highest = max(highest, feed.index.end)
+                with self.using(owner, project) as feed:
+                    feed.ensure_loaded()
+                    highest = max(highest, feed.index.end)
         with self._lock:
             self._read_numbering()
             return max([highest, self._floor] + list(self._purged.values()))
@@ -3942,7 +4051,8 @@ class FeedStore:
         jumped = 0
         for owner, project, _ in self.layout.all_feeds():
             if owner is not None:
-                jumped += self.feed(owner, project).keep_number(floor)
+                with self.using(owner, project) as feed:
+                    jumped += feed.keep_number(floor)
         if read_feed_floor(self.layout) < floor:
             make_dirs(self.layout.feeds)
             write_atomically(self.layout.feed_floor, encode_json({"floor": floor}),
@@ -3964,9 +4074,14 @@ class FeedStore:
             self._purged = purged
 
     def feeds(self):
-        """The Feeds made so far."""
+        """The Feeds in memory."""
         with self._lock:
             return list(self._feeds.values())
+
+    def loaded(self):
+        """The (owner, project) of the Feeds in memory whose index is loaded."""
+        with self._lock:
+            return [key for key, feed in self._feeds.items() if feed.loaded]
 
     def push(self, owner, project, records, sessions):
         """Append a validated push; (cursor, accepted) once durable. A push that adds nothing
@@ -3976,47 +4091,55 @@ class FeedStore:
         if records or not all(entry.deleted for entry in sessions):
             self.limits.check(owner[1] if owner[0] == "u" else None,
                               push_bytes(records, sessions))
-        feed = self.feed(owner, project, create=bool(records or sessions))
+        feed = self.feed(owner, project, create=bool(records or sessions), hold=True)
         if feed is None:
             return 0, 0
-        return feed.append(records, sessions)
+        try:  # (not `using`: a push's every microsecond counts)
+            return feed.append(records, sessions)
+        finally:
+            self.release(feed)
 
     def pull(self, owner, project, since, limit):
         """The Page of at most limit events after since. A pull never creates a feed."""
-        feed = self.feed(owner, project)
+        feed = self.feed(owner, project, hold=True)
         if feed is None:
             return Page(since)
-        return feed.read(since, limit)
+        try:
+            return feed.read(since, limit)
+        finally:
+            self.release(feed)
 
     def wait(self, owner, project, since, timeout, on_event=None):
         """Wait up to timeout seconds for (owner, project) to have an event after since; True once
         it has, or once the store is stopping. on_event: called by the thread that wakes this wait,
-        before it does (see wake).
+        before it does (see wake_pulls).
 
-        A project without a feed gets no Feed object (long-polls on made-up names leave nothing
-        behind): its pulls wait aside, and the Feed made for it takes them over, parked.
+        A project without a Feed in memory (no feed, or an evicted one) gets none for this: its
+        pulls wait aside, and the Feed made for it takes them over, parked. (Long-polls on made-up
+        names leave nothing behind.)
         """
-        feed = self.feed(owner, project)
-        if feed is not None:
-            return feed.wait(since, timeout, self.stopping, on_event)
         key, pull = (owner, project), ParkedPull(on_event)
-        with pull.woken:  # (as in Feed.wait)
-            with self._lock:
-                feed = self._feeds.get(key)
+        # Held until the wait lets it go: a flush that takes this pull cannot notify it before.
+        with pull.woken:
+            with self.using(owner, project) as feed:
+                if feed is not None and feed.park(pull, since, self.stopping):
+                    return True
                 if feed is None:
-                    if self.stopping.is_set():
-                        return True
-                    self._unborn.setdefault(key, set()).add(pull)
-            if feed is not None:  # made meanwhile
-                return feed.wait(since, timeout, self.stopping, on_event)
+                    with self._lock:
+                        if self.stopping.is_set():
+                            return True
+                        feed = self._feeds.get(key)
+                        if feed is None:
+                            self._unborn.setdefault(key, set()).add(pull)
+                    if feed is not None:  # made meanwhile (its file too): not held, but looked at
+                        return self.wait(owner, project, since, timeout, on_event)
             if not pull.woken.wait(timeout):
                 self._unpark(key, pull)
-        feed = self._feeds.get(key)
+        feed = self._feeds.get(key)  # (only looked at: one evicted meanwhile says no)
         return self.stopping.is_set() or (feed is not None and feed.index.last_event > since)
 
     def _unpark(self, key, pull):
-        """Forget a pull whose wait for key's first event is over: aside, or on the Feed made
-        since."""
+        """Forget a pull whose wait is over: aside, or on the Feed made since."""
         with self._lock:
             waiting = self._unborn.get(key)
             if waiting is not None and pull in waiting:
@@ -4035,18 +4158,19 @@ class FeedStore:
         names = []
         for project, entry in self.layout.owner_feeds(owner):
             feed = self._feeds.get((owner, project))
-            if feed is None or not feed.loaded:
-                if has_event(entry.path):
-                    names.append(project)
-                    continue
-                feed = self.feed(owner, project)
+            if (feed is None or not feed.loaded) and has_event(entry.path):
+                names.append(project)
+                continue
+            with self.using(owner, project) as feed:
+                if feed is None:
+                    continue  # removed meanwhile
                 try:
                     feed.ensure_loaded()
                 except (FeedDamaged, StorageError):
                     names.append(project)  # it holds something: its pulls say what is wrong
                     continue
-            if feed.index.events:
-                names.append(project)
+                if feed.index.events:
+                    names.append(project)
         return sorted(names)
 
     def count_bytes(self):
@@ -4063,12 +4187,17 @@ class FeedStore:
 
     def damaged(self):
         """Feeds refused for a damaged line."""
-        return sum(1 for feed in self.feeds() if feed.damage is not None)
+        with self._lock:
+            return len(set(self._damaged).union(
+                key for key, feed in self._feeds.items() if feed.damage is not None))
 
     def commit_counts(self):
         """(pushes made durable, fsyncs that did it) since start: group commit at work."""
-        feeds = self.feeds()
-        return sum(feed.fsynced_pushes for feed in feeds), sum(feed.fsyncs for feed in feeds)
+        with self._lock:
+            feeds = list(self._feeds.values())
+            pushes, fsyncs = self._evicted_counts
+        return (pushes + sum(feed.fsynced_pushes for feed in feeds),
+                fsyncs + sum(feed.fsyncs for feed in feeds))
 
     def stop(self):
         """Wake every parked pull to answer now (shutdown)."""
@@ -4084,7 +4213,7 @@ class FeedStore:
 
 class Compactor:
     """Compacts feeds in use in the background: every COMPACT_CHECK_SECONDS it looks at the
-    feeds loaded since start, and compacts, one at a time, each whose droppable bytes are at least
+    feeds loaded in memory, and compacts, one at a time, each whose droppable bytes are at least
     half its file and at least COMPACT_MIN_BYTES, when the disk has room for the new file.
 
     What a feed can drop is known without reading it while it is only superseded metadata; a
@@ -4097,7 +4226,7 @@ class Compactor:
         self.retain_ms = retain_days * DAY_MS
         self.log = log
         self.clock = clock
-        self._looked = {}                      # Feed -> its size when last counted by a reading
+        self._looked = {}                      # a feed's path -> its size when last counted
         self._stopped = threading.Event()
         self._thread = None
 
@@ -4129,11 +4258,15 @@ class Compactor:
 
     def run_once(self):
         """Look at every feed in use once; compact those worth it."""
-        for feed in self.store.feeds():
+        for owner, project in self.store.loaded():
             if self._stopped.is_set():
                 return
-            if feed.loaded and feed.damage is None and feed.fd is not None:
-                self._consider(feed)
+            with self.store.using(owner, project) as feed:  # (not evicted while compacted)
+                if (feed is not None and feed.loaded and feed.damage is None
+                        and feed.fd is not None):
+                    self._consider(feed)
+        for path in set(self._looked) - {feed.path for feed in self.store.feeds()}:
+            del self._looked[path]
 
     def _consider(self, feed):
         size, now_ms = feed.index.offsets[-1], int(self.clock() * 1000)
@@ -4144,8 +4277,9 @@ class Compactor:
         aged = [session_id for session_id, (_, _, deleted, stored) in list(feed.winners.items())
                 if deleted and stored is not None and now_ms - stored >= self.retain_ms
                 and session_id not in feed.erased]
-        if droppable < floor and aged and size - self._looked.get(feed, 0) >= COMPACT_MIN_BYTES:
-            self._looked[feed] = size
+        if (droppable < floor and aged
+                and size - self._looked.get(feed.path, 0) >= COMPACT_MIN_BYTES):
+            self._looked[feed.path] = size
             plan = plan_compaction(summarize_feed(feed.path, size, pause=self.pause), now_ms,
                                    self.retain_ms)
             droppable = plan.summary.size - plan.outcome(feed.path, self.pause)[0]
@@ -4164,7 +4298,7 @@ class Compactor:
             self.log("compaction of %s failed, the feed is as it was: %s"
                      % (feed.path, reason(exc)))
             return
-        self._looked.pop(feed, None)
+        self._looked.pop(feed.path, None)
         self.store.metrics.add("compactions")
         self.log("compacted %s: %s -> %s (%s erased) in %.1f s" % (
             feed.path, format_bytes(before), format_bytes(after), plural(erased, "record"),
@@ -6425,8 +6559,10 @@ def reload_files(server, metrics_token_file=None):
         done.append("reloaded the token file %s (%s)"
                     % (local.tokens.path, plural(local.reload(), "token")))
     except (OSError, ValueError) as exc:
-        done.append("kept the tokens in force: cannot read the token file %s: %s"
-                    % (local.tokens.path, reason(exc)))
+        done.append("%s: cannot read the token file %s: %s" % (
+            "local tokens answered 503 until it is read"
+            if isinstance(exc, OSError) and out_of_fds(exc) else "kept the tokens in force",
+            local.tokens.path, reason(exc)))
     principals = server.app.auth.principals
     if principals is not None:
         try:

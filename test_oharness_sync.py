@@ -822,6 +822,36 @@ class LocalTokenTest(unittest.TestCase):
         verifier._checked = float("-inf")
         self.assertEqual(verifier.verify(other).principal, "bob")
 
+    def test_a_changed_file_out_of_file_descriptors_answers_503_until_read_not_the_old_set(self):
+        """A revoke the server cannot read for want of an fd must not leave the token working."""
+        token, record_ = self.store.issue("alice")
+        other, _ = self.store.issue("bob")
+        log_lines = []
+        verifier = sync.LocalTokenVerifier(self.store, log=log_lines.append)
+        self.assertEqual(verifier.verify(token).principal, "alice")
+        self.store.revoke(record_["id"])
+        no_fd = OSError(errno.EMFILE, "Too many open files")
+        for _ in range(3):  # a look a second: logged once
+            verifier._checked = float("-inf")
+            with mock.patch.object(sync, "open_data_file", side_effect=no_fd):
+                for presented in (token, other):
+                    with self.assertRaisesRegex(sync.AuthUnavailable, "out of file descriptors"):
+                        verifier.verify(presented)
+        self.assertEqual(log_lines, ["cannot open the token file %s now (Too many open files): "
+                                     "local tokens are answered 503 until it is read"
+                                     % self.store.path])
+        no_fd = OSError(errno.ENFILE, "Too many open files in system")
+        with mock.patch.object(sync, "open_data_file", side_effect=no_fd):
+            with self.assertRaises(OSError):
+                verifier.reload()  # (SIGHUP)
+        with self.assertRaises(sync.AuthUnavailable):
+            verifier.verify(other)
+        verifier._checked = float("-inf")
+        with self.assertRaisesRegex(sync.AuthError, "revoked"):
+            verifier.verify(token)
+        self.assertEqual(verifier.verify(other).principal, "bob")
+        self.assertEqual(log_lines[1:], ["read the token file %s again" % self.store.path])
+
     def test_requests_arriving_while_the_file_is_read_wait_for_it(self):
         """A new server's first requests come at once: none may see the token set before it is loaded."""
         token, _ = self.store.issue("alice")
@@ -2385,6 +2415,17 @@ class PrincipalsFileTest(unittest.TestCase):
         self.assertEqual(principals.quotas, {"bob": 1 << 30})
 
 
+def open_feed_files(data_dir):
+    """How many of this process's fds are open on data_dir's feed files."""
+    feeds, count = os.path.join(data_dir, "feeds"), 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink("/proc/self/fd/" + fd).startswith(feeds)
+        except OSError:
+            pass  # (the listing's own fd, closed since)
+    return count
+
+
 def validated(records=(), sessions=()):
     push = sync.validate_push({"project": "p", "records": list(records), "sessions": list(sessions)})
     return push.records, push.sessions
@@ -2467,6 +2508,71 @@ class FeedStoreTest(unittest.TestCase):
         waiter.join(5)
         self.assertEqual(woken, [True])
         self.assertLess(time.monotonic() - started, 5)
+
+    def test_feeds_in_memory_stay_within_max_open_and_an_evicted_one_loads_the_same(self):
+        store = self.store = sync.FeedStore(self.data_dir, self.log_lines.append, max_open=4)
+        self.assertEqual(store.bytes_on_disk(), 0)  # (the walk a server makes as it starts)
+        for i in range(30):
+            self.assertEqual(store.push(self.owner, "p%d" % i, *validated(
+                [record("s", "a"), record("s", "b")], [meta("s", 2, 20)])), (3, 3))
+            self.assertLessEqual((len(store.feeds()), open_feed_files(self.data_dir)), (4, 4))
+        self.assertEqual(sorted(store.loaded()), [(self.owner, "p%d" % i) for i in range(26, 30)])
+        # p0 was evicted: its dedupe keys, metadata winners and numbers come back from its file.
+        self.assertEqual(store.push(self.owner, "p0", *validated(
+            [record("s", "b")], [meta("s", 1, 99), meta("s", 2, 20)])), (3, 0))
+        self.assertEqual(store.push(self.owner, "p0", *validated([record("s", "c")])), (4, 1))
+        page = store.pull(self.owner, "p0", 0, 500)
+        self.assertEqual((page.cursor, [json.loads(r)["id"] for r in page.records], page.more),
+                         (4, ["a", "b", "c"], False))
+        self.assertEqual(store.projects(self.owner), sorted("p%d" % i for i in range(30)))
+        self.assertLessEqual((len(store.feeds()), open_feed_files(self.data_dir)), (4, 4))
+        # What evicted feeds counted is kept.
+        self.assertEqual(store.commit_counts(), (31, 31))  # (the push that added nothing: none)
+        self.assertEqual(store.bytes_on_disk(), sum(
+            os.path.getsize(os.path.join(root, name))
+            for root, _, names in os.walk(os.path.join(self.data_dir, "feeds")) for name in names))
+
+    def test_a_pull_parked_on_an_evicted_feed_is_woken_by_the_push_that_loads_it_again(self):
+        store = self.store = sync.FeedStore(self.data_dir, self.log_lines.append, max_open=2)
+        store.push(self.owner, "p", *validated([record("s", "a")]))
+        thread, results = self.wait_in_thread("p", 1)
+        while not store._feeds[(self.owner, "p")].parked:
+            time.sleep(0.005)
+        for project in ("q", "r"):
+            store.push(self.owner, project, *validated([record()]))
+        self.assertNotIn((self.owner, "p"), store._feeds)
+        self.assertEqual(len(self.waiting_aside("p")), 1)
+        self.assertEqual(store.push(self.owner, "p", *validated([record("s", "b")])), (2, 1))
+        thread.join(5)
+        self.assertEqual((results, store._unborn), ([True], {}))
+
+    def test_a_held_feed_is_never_evicted_and_a_new_one_waits_for_room(self):
+        store = self.store = sync.FeedStore(self.data_dir, self.log_lines.append, max_open=1)
+        store.push(self.owner, "p", *validated([record()]))
+        results = []
+        with store.using(self.owner, "p") as held:
+            pusher = threading.Thread(target=lambda: results.append(
+                store.push(self.owner, "q", *validated([record()]))))
+            pusher.start()
+            pusher.join(0.3)
+            self.assertEqual((pusher.is_alive(), list(store._feeds.values())), (True, [held]))
+            self.assertEqual(held.fd is not None, True)
+        pusher.join(5)
+        self.assertEqual((results, list(store._feeds)), ([(1, 1)], [(self.owner, "q")]))
+
+    def test_a_damaged_feed_evicted_is_still_refused_and_counted_and_logged_once(self):
+        store = self.store = sync.FeedStore(self.data_dir, self.log_lines.append, max_open=1)
+        store.push(self.owner, "p", *validated([record("s", "a"), record("s", "b")]))
+        store.push(self.owner, "q", *validated([record()]))
+        with open(self.path(), "r+b") as f:
+            f.write(b"X")  # the first of its two lines
+        for _ in range(2):
+            with self.assertRaises(sync.FeedDamaged):
+                store.pull(self.owner, "p", 0, 500)
+            self.assertEqual(store.damaged(), 1)
+            store.pull(self.owner, "q", 0, 500)
+            self.assertEqual(store.damaged(), 1)
+        self.assertEqual(sum("a damaged feed" in line for line in self.log_lines), 1)
 
     def wait_in_thread(self, project, since, timeout=10, on_event=None):
         results = []
@@ -5812,6 +5918,22 @@ class PushPullTest(ServerCase):
                 break
         self.assertEqual((pulled, sessions, since, pages),
                          (["r%02d" % i for i in range(40)], [meta()], 41, 40))
+
+    def test_one_token_pushing_to_many_projects_keeps_few_feed_files_open(self):
+        self.server.app.feeds.max_open = 8  # (a quarter of the open-file limit, at most 512)
+        for i in range(40):
+            self.assertAnswer(self.push(self.alice, "p%d" % i, [record()]), 200,
+                              {"cursor": 1, "accepted": 1})
+            self.assertLessEqual(open_feed_files(self.data_dir), 8)
+        self.assertAnswer(self.push(self.bob, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
+        self.assertEqual(self.pull(self.bob).json["records"], [record()])
+        for i in range(40):  # every one evicted and loaded again, in turn
+            self.assertAnswer(self.pull(self.alice, "p%d" % i), 200,
+                              {"cursor": 1, "records": [record()], "sessions": [], "more": False})
+        self.assertLessEqual(open_feed_files(self.data_dir), 8)
+        projects = self.request("GET", "/v1/projects", token=self.alice).json["projects"]
+        self.assertEqual(sorted(projects), sorted("p%d" % i for i in range(40)))
 
     def test_dedupe_across_and_within_requests(self):
         answer = self.push(self.alice, records=[record(record_id="a"), record(record_id="a", seq=2),
