@@ -2505,7 +2505,11 @@ class DataDir:
 
     Ids are written with encode_name: reversibly, and safely on case-insensitive disks. An owner is
     ("u", principal) or ("t", team): two namespaces, so a principal and a team with one id never
-    meet.
+    meet. An id whose name would pass NAME_MAX (255 bytes, with the longest suffix the layout adds
+    to it) is named by its first 64 encoded characters, a dot and a hash of it (long_name:
+    encode_name never writes a dot), and its full form kept beside it in NAME.id (e.g.
+    feeds/u-<long>.id, feeds/u-x/p-<long>.id): a name with a dot is read from there, never
+    guessed.
     """
 
     def __init__(self, path):
@@ -2523,10 +2527,27 @@ class DataDir:
 
     def owner_dir(self, owner):
         kind, owner_id = owner
-        return os.path.join(self.feeds, "%s-%s" % (kind, encode_name(owner_id)))
+        return os.path.join(self.feeds, "%s-%s" % (kind, id_name(owner_id, DIR_PREFIX)))
 
     def feed_path(self, owner, project):
-        return os.path.join(self.owner_dir(owner), "p-%s.jsonl" % encode_name(project))
+        return os.path.join(self.owner_dir(owner), "p-%s.jsonl" % id_name(project, FEED_SUFFIXES))
+
+    def feed_names(self, owner, project):
+        """[(path, id)] of the name files a feed of long ids needs (see long_name)."""
+        kind, owner_id = owner
+        return [(os.path.join(parent, prefix + name + ".id"), value)
+                for parent, prefix, name, value in (
+                    (self.feeds, kind + "-", id_name(owner_id, DIR_PREFIX), owner_id),
+                    (self.owner_dir(owner), "p-", id_name(project, FEED_SUFFIXES), project))
+                if "." in name]
+
+    def scope_names(self, principal, scope):
+        """[(path, id)] of the name files a memory scope of long ids needs."""
+        named = [(self.memory, "u-", principal)]
+        if scope.project is not None:
+            named.append((self.memory_dir(principal), "p-", scope.project))
+        return [(os.path.join(parent, prefix + id_name(value, DIR_PREFIX) + ".id"), value)
+                for parent, prefix, value in named if "." in id_name(value, DIR_PREFIX)]
 
     def owner_feeds(self, owner):
         """[(project, os.DirEntry)] of owner's feed files, in no order."""
@@ -2536,46 +2557,79 @@ class DataDir:
             entries = list(os.scandir(self.owner_dir(owner)))
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return [(decode_name(entry.name[2:-6]), entry) for entry in entries
-                if _is_feed_name(entry.name) and not entry.is_symlink()]
+        found = []
+        for entry in entries:
+            if _is_feed_name(entry.name) and not entry.is_symlink():
+                project = id_of_name(self.owner_dir(owner), "p-", entry.name[2:-6])
+                if project is not None:
+                    found.append((project, entry))
+        return found
 
     def all_feeds(self):
         """(owner, project, os.DirEntry) of every file under DIR/feeds/u-*|t-*, sorted by path;
         owner and project are None for a file that is no feed. Links are left out (links())."""
         for owner_entry in _sorted_dirs(self.feeds, ("u-", "t-")):
-            owner = (owner_entry.name[0], decode_name(owner_entry.name[2:]))
+            owner_id = id_of_name(self.feeds, owner_entry.name[:2], owner_entry.name[2:])
             for entry in sorted(os.scandir(owner_entry.path), key=lambda entry: entry.name):
-                if entry.is_symlink():
+                if entry.is_symlink() or _is_name_file(entry.name):
                     continue
-                if _is_feed_name(entry.name):
-                    yield owner, decode_name(entry.name[2:-6]), entry
+                project = (id_of_name(owner_entry.path, "p-", entry.name[2:-6])
+                           if _is_feed_name(entry.name) and owner_id is not None else None)
+                if project is not None:
+                    yield (owner_entry.name[0], owner_id), project, entry
                 else:
                     yield None, None, entry
 
     def memory_dir(self, principal):
-        return os.path.join(self.memory, "u-" + encode_name(principal))
+        return os.path.join(self.memory, "u-" + id_name(principal, DIR_PREFIX))
 
     def scope_files(self, principal, scope):
         return ScopeFiles(os.path.join(self.memory_dir(principal),
                                        "user" if scope.project is None
-                                       else "p-" + encode_name(scope.project)))
+                                       else "p-" + id_name(scope.project, DIR_PREFIX)))
 
     def memory_dirs(self):
         """(principal, path) of every principal's directory under DIR/memory."""
         for entry in _sorted_dirs(self.memory, ("u-",)):
-            yield decode_name(entry.name[2:]), entry.path
+            principal = id_of_name(self.memory, "u-", entry.name[2:])
+            if principal is not None:
+                yield principal, entry.path
 
     def all_scopes(self):
         """(principal, MemoryScope, ScopeFiles) of every scope directory, sorted by path (those
         whose names are no valid ids are not scopes of this server's making, and are left out)."""
-        for principal_entry in _sorted_dirs(self.memory, ("u-",)):
-            principal = decode_name(principal_entry.name[2:])
-            for scope_entry in _sorted_dirs(principal_entry.path, ("p-", "user")):
+        for principal, principal_path in self.memory_dirs():
+            for scope_entry in _sorted_dirs(principal_path, ("p-", "user")):
                 name = scope_entry.name
-                scope = USER_SCOPE if name == "user" else MemoryScope(decode_name(name[2:]))
-                if (is_valid_id(principal)
-                        and (scope.project is None or is_valid_id(scope.project))):
+                project = None if name == "user" else id_of_name(principal_path, "p-", name[2:])
+                if (is_valid_id(principal) and (name == "user" or is_valid_id(project))):
+                    scope = USER_SCOPE if project is None else MemoryScope(project)
                     yield principal, scope, self.scope_files(principal, scope)
+
+    def purge_aside(self, directory, principal):
+        """Where purge moves a principal's feeds or memory directory (directory: DIR/feeds or
+        DIR/memory) before it removes what is in it: a name no walk takes for an owner's, which a
+        second purge of the principal finds to finish what a crash interrupted."""
+        return os.path.join(directory, PURGING_PREFIX + hashlib.sha256(
+            principal.encode("utf-8")).hexdigest()[:32])
+
+    def purge_leftovers(self):
+        """The directories interrupted purges left in DIR/feeds and DIR/memory, sorted."""
+        return sorted(entry.path for directory in (self.feeds, self.memory)
+                      for entry in _sorted_dirs(directory, (PURGING_PREFIX,)))
+
+    def name_files(self):
+        """The path of every long id's name file (see long_name), sorted."""
+        found = []
+        for directory in [self.feeds, self.memory] + [
+                entry.path for entry in _sorted_dirs(self.feeds, ("u-", "t-"))
+                + _sorted_dirs(self.memory, ("u-",))]:
+            try:
+                found.extend(entry.path for entry in os.scandir(directory)
+                             if _is_name_file(entry.name) and not entry.is_symlink())
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        return sorted(found)
 
     def links(self):
         """The path of every link in the data dir, sorted (the layout has none: each is refused,
@@ -2652,6 +2706,52 @@ def open_data_file(path, flags=os.O_RDONLY, mode=0o600):
 
 def _is_feed_name(name):
     return name.startswith("p-") and name.endswith(".jsonl")
+
+
+def _is_name_file(name):
+    return name.endswith(".id") and name[:2] in ("u-", "t-", "p-")
+
+
+NAME_MAX = 255
+PURGING_PREFIX = "purging-"
+DIR_PREFIX = len("u-")                  # what the layout adds to an id in a directory's name
+FEED_SUFFIXES = len("p-.jsonl.compact")  # the most it adds to a project's in a feed file's
+
+
+def id_name(value, room):
+    """The name an id has in the data dir, where room characters go around it: encode_name's
+    (as ever), or long_name's when that would make a name longer than NAME_MAX."""
+    name = encode_name(value)
+    return name if len(name) + room <= NAME_MAX else long_name(value)
+
+
+def long_name(value):
+    """A long id's name: its first 64 encoded characters, a dot, and 32 hex of its SHA-256 (the dot
+    says the full id is in a name file; encode_name never writes one)."""
+    return "%s.%s" % (encode_name(value)[:64],
+                      hashlib.sha256(value.encode("utf-8")).hexdigest()[:32])
+
+
+def id_of_name(directory, prefix, name):
+    """The id whose name (less prefix) is name in directory: decode_name's, or a long one's read
+    from its name file (prefix + name + ".id"); None when that is missing or does not match."""
+    if "." not in name:
+        return decode_name(name)
+    try:
+        with open_data_file(os.path.join(directory, prefix + name + ".id")) as f:
+            value = f.read(256).decode("ascii")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return value if is_valid_id(value) and long_name(value) == name else None
+
+
+def write_name_files(names, owner=None):
+    """Write the name files [(path, id)] that are not there yet (DataDir.feed_names, scope_names),
+    durably, before the file or directory they name is made."""
+    for path, value in names:
+        if not os.path.lexists(path):
+            make_dirs(os.path.dirname(path))
+            write_atomically(path, value.encode("ascii"), owner)
 
 
 def _sorted_dirs(path, prefixes):
@@ -3353,11 +3453,13 @@ def compact_file(path, now_ms, retain_ms):
             out.flush()
             if kept == plan.summary.size and not erased:  # (records erased before, say)
                 _remove(aside)
+                sync_dir(os.path.dirname(path))
                 return kept, kept, 0
             sync_file(out.fileno())
         os.replace(aside, path)
     except BaseException:
-        _remove(aside)
+        if _remove(aside):
+            sync_dir(os.path.dirname(path))
         raise
     sync_dir(os.path.dirname(path))
     return plan.summary.size, kept, erased
@@ -3386,10 +3488,25 @@ def open_aside(path):
 
 
 def _remove(path):
+    """Unlink path (a link as itself); whether there was one."""
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass
+        return False
+    return True
+
+
+def remove_tree(path):
+    """Remove a directory and all it holds, durably: each directory is fsynced once its entries
+    are gone, and the parent once it is. No link is followed (one is removed as itself)."""
+    for entry in list(os.scandir(path)):
+        if entry.is_dir(follow_symlinks=False):
+            remove_tree(entry.path)
+        else:
+            os.unlink(entry.path)
+    sync_dir(path)
+    os.rmdir(path)
+    sync_dir(os.path.dirname(path))
 
 
 class StorageLimits:
@@ -3482,7 +3599,8 @@ class Feed:
         """Rebuild the index from the file. It is built aside and kept only when the whole load
         succeeds, so a failure half-way (a read error, no file descriptor left) leaves nothing
         half-built. A compaction's file left aside by a crash is removed."""
-        _remove(self.path + COMPACT_SUFFIX)
+        if _remove(self.path + COMPACT_SUFFIX):
+            sync_dir(os.path.dirname(self.path))
         try:
             f = open_data_file(self.path)
         except FileNotFoundError:
@@ -4005,6 +4123,11 @@ class FeedStore:
         if feed is not None:
             return feed
         self._read_numbering()
+        if create:
+            try:  # (long ids only)
+                write_name_files(self.layout.feed_names(*key))
+            except OSError as exc:
+                raise StorageError("cannot name %s: %s" % (path, reason(exc))) from None
         # Pulls waiting for this feed to exist now wait on it, for its first event: not woken now.
         # A new feed numbers on after a purged one of its name, and after the last restore's jump.
         start = max(self._purged.get(purged_key(*key), 0), self._floor)
@@ -4610,6 +4733,10 @@ class MemoryStore:
             except (MemoryApiError, QuotaReached):
                 self.metrics.add("memory_commits", "quota")
                 raise
+            try:  # (long ids only)
+                write_name_files(self.layout.scope_names(principal, scope))
+            except OSError as exc:
+                raise self._sync_failed(files, exc) from None
             self._publish(principal, files, data, objects)
             self.metrics.add("memory_commits", "ok")
             self._cache.put(files.root, new)
@@ -4857,6 +4984,11 @@ class MemoryStore:
                 pass
             except OSError as exc:
                 self.log("memory: cannot remove %s: %s" % (path, exc))
+        if removed:  # (a deleted note's object stays gone after a crash)
+            try:
+                sync_dir(files.objects)
+            except OSError as exc:
+                self.log("memory: cannot sync %s: %s" % (files.objects, exc))
         return removed
 
 
@@ -7093,6 +7225,9 @@ class DataDirCheck:
 
     def run(self):
         self.check_links()
+        for path in self.layout.purge_leftovers():
+            self.leftover(path, "what a purge a crash interrupted left (purge --principal ID "
+                                "again finishes it too)")
         self.check_feeds()
         self.check_memory()
         self.check_tokens()
@@ -7141,7 +7276,11 @@ class DataDirCheck:
     def leftover(self, path, what):
         """A harmless file that --repair removes."""
         if self.repair:
-            _remove(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                remove_tree(path)  # (synced)
+            else:
+                _remove(path)
+                sync_dir(os.path.dirname(path))
             self.repaired.append("%s: removed %s" % (path, what))
         else:
             self.repairable = True
@@ -7249,6 +7388,7 @@ class DataDirCheck:
         if unreferenced and self.repair:
             for name in unreferenced:
                 os.unlink(os.path.join(objects, name))
+            sync_dir(objects)
             self.repaired.append("%s: removed %s" % (
                 objects, plural(len(unreferenced), "unreferenced revision object")))
         elif unreferenced:
@@ -9173,6 +9313,22 @@ def purge_command(argv):
             lock.release()
 
 
+def erase_dir(path, aside):
+    """Remove the directory path and all it holds (and its name file, path.id), durably, whole or
+    not at all: it is renamed to aside in one step and the parent fsynced before what it holds is
+    removed; a crash before the end leaves aside, which purge finishes."""
+    parent = os.path.dirname(path)
+    if os.path.isdir(aside):  # (an interrupted purge's, before the name was used again)
+        remove_tree(aside)
+    if os.path.isdir(path):
+        os.rename(path, aside)
+        sync_dir(parent)
+    if _remove(path + ".id"):  # (after: should this be lost, the directory is gone already)
+        sync_dir(parent)
+    if os.path.isdir(aside):
+        remove_tree(aside)
+
+
 def purge(layout, principal, dry_run, lock):
     """Erase principal from the data dir at layout (or with dry_run, say what would go); lock: the
     StoppedServerLock held, None on a dry run while a server holds the dir."""
@@ -9191,7 +9347,13 @@ def purge(layout, principal, dry_run, lock):
                              "nothing (fsck --repair removes the link, never its target)" % path)
     feeds = sorted(layout.owner_feeds(owner), key=lambda item: item[0])
     scopes = [(scope, files) for who, scope, files in layout.all_scopes() if who == principal]
-    if not (records or feeds or scopes):
+    # Their directories (what is in them goes whole: each is moved aside at once), and what a
+    # purge a crash interrupted left (finished now).
+    theirs = [path for path in theirs if os.path.isdir(path) or os.path.lexists(path + ".id")]
+    left = [aside for aside in (layout.purge_aside(layout.feeds, principal),
+                                layout.purge_aside(layout.memory, principal))
+            if os.path.isdir(aside)]
+    if not (records or feeds or scopes or theirs or left):
         raise UsageError("no principal %s in %s: no token, feed or memory scope of theirs"
                          % (principal, layout.path))
     ends, lines = {}, []
@@ -9225,22 +9387,15 @@ def purge(layout, principal, dry_run, lock):
         purged.update(ends)
         write_atomically(layout.purged, encode_json(purged), dir_owner(layout.path))
     for record in records:
-        tokens.revoke(record["id"])
-    for _, entry in feeds:
-        os.unlink(entry.path)
-    if feeds:
-        sync_dir(layout.owner_dir(owner))
-        try:
-            os.rmdir(layout.owner_dir(owner))
-        except OSError:
-            pass  # something else is in it: left alone
-    for scope, files in scopes:
-        shutil.rmtree(files.root)
-    try:
-        os.rmdir(os.path.dirname(layout.scope_files(principal, USER_SCOPE).root))
-    except OSError:
-        pass
-    for line in lines:  # (said once it is done)
+        tokens.revoke(record["id"])  # (each write fsynced)
+    for path in theirs:
+        erase_dir(path, layout.purge_aside(os.path.dirname(path), principal))
+    for aside in left:
+        if os.path.isdir(aside):
+            remove_tree(aside)
+    if left:
+        lines.append("data an interrupted purge left (%s)" % ", ".join(left))
+    for line in lines:  # (said once it is done, and durable)
         print("purge: removed %s's %s" % (principal, line))
     if teams:
         print("purge: team feeds stay (they belong to the team): %s" % ", ".join(teams))
@@ -9400,7 +9555,7 @@ class DataDirCopy:
                 self.counts["tokens"] = len(decode_json(tokens)["tokens"])
             except (ValueError, KeyError, TypeError):
                 pass  # copied as it is: fsck says what is wrong with it
-        for path in (layout.purged, layout.feed_floor):
+        for path in [layout.purged, layout.feed_floor] + layout.name_files():
             self.copy_small(path)
         for path in layout.links():  # (the walks below leave links out)
             self.skip_link(path, LinkRefused(path))

@@ -5038,6 +5038,75 @@ class PurgeCommandTest(DataDirToolCase):
         # Another project of the same owner starts at 1.
         self.assertEqual(store.push(self.ALICE, "proj-y", *validated([new])), (1, 1))
 
+    def test_every_directory_purge_changed_is_fsynced_after_the_change_and_before_it_says_so(self):
+        # Else a power cut after "erased" brings the person's notes back (the directory entries
+        # removed were never made durable).
+        report, events = self.purge_report("removed"), []
+        real = {name: getattr(os, name) for name in ("unlink", "rmdir", "rename", "replace")}
+        real_sync_dir = sync.sync_dir
+
+        def changing(name):
+            def change(*paths, **kwargs):
+                real[name](*paths, **kwargs)
+                events.extend(("changed", os.path.dirname(path)) for path in paths)
+            return change
+
+        def sync_dir(path):
+            events.append(("synced", path))
+            real_sync_dir(path)
+
+        def said(*args, **kwargs):
+            events.append(("said", args[0]))
+
+        with mock.patch.object(sync.os, "unlink", changing("unlink")), \
+                mock.patch.object(sync.os, "rmdir", changing("rmdir")), \
+                mock.patch.object(sync.os, "rename", changing("rename")), \
+                mock.patch.object(sync.os, "replace", changing("replace")), \
+                mock.patch.object(sync, "sync_dir", sync_dir), \
+                mock.patch.object(sync, "print", said, create=True):
+            self.assertEqual(self.run_tool("purge", "--data", self.data_dir,
+                                           "--principal", "alice")[0], 0)
+        first_said = events.index(("said", report[0]))
+        changed = {path for kind, path in events if kind == "changed"}
+        self.assertIn(os.path.join(self.layout.memory), changed)
+        self.assertIn(os.path.join(self.layout.memory, "purging-" + hashlib.sha256(
+            b"alice").hexdigest()[:32], "p-proj-x", "objects"), changed)
+        for i, (kind, path) in enumerate(events):
+            if kind == "changed":
+                self.assertIn(("synced", path), events[i + 1:first_said], path)
+        self.assertEqual([kind for kind, _ in events[first_said:]], ["said"] * 7)
+
+    def test_a_purge_a_crash_interrupted_leaves_the_person_gone_and_a_second_one_finishes(self):
+        real_remove_tree = sync.remove_tree
+        aside = os.path.join(self.layout.memory,
+                             "purging-" + hashlib.sha256(b"alice").hexdigest()[:32])
+
+        def crash(path):
+            if path == aside:
+                raise OSError(errno.EIO, "power cut")
+            real_remove_tree(path)
+
+        with mock.patch.object(sync, "remove_tree", crash):
+            with self.assertRaises(OSError):
+                self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")
+        self.assertFalse(os.path.exists(os.path.join(self.layout.memory, "u-alice")))
+        self.assertTrue(os.path.isdir(aside))
+        code, out, err = self.usage("--json")
+        self.assertEqual([row["principal"] for row in json.loads(out)["memory"]], ["bob"])
+        memory = sync.MemoryStore(self.data_dir)
+        self.assertEqual(as_doc(memory.snapshot("alice", sync.USER_SCOPE))["entries"], [])
+        code, out, err = self.run_tool("fsck", "--data", self.data_dir)
+        self.assertIn("note: %s: what a purge a crash interrupted left (purge --principal ID "
+                      "again finishes it too) (harmless; --repair removes it)" % aside,
+                      out.splitlines())
+        code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")
+        self.assertEqual((code, out.splitlines(), err), (0, [
+            "purge: removed alice's data an interrupted purge left (%s)" % aside,
+            "purge: alice is erased (0 tokens, 0 feeds, 0 memory scopes)"], ""))
+        self.assertEqual(sorted(os.listdir(self.layout.memory)), ["u-bob"])
+        self.assertEqual(sorted(os.listdir(self.layout.feeds)),
+                         ["purged.json", "t-platform", "u-bob"])
+
     def test_a_principal_with_only_a_token_or_only_memory_is_purged_too(self):
         _, carol = sync.TokenStore(self.data_dir).issue("carol")
         memory = sync.MemoryStore(self.data_dir)
@@ -6169,6 +6238,103 @@ def push_head(token, length=None, chunked=False, path="/v1/push"):
     if chunked:
         lines.append("Transfer-Encoding: chunked")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class LongIdsTest(ServerCase):
+    """Every id the contract allows works, the longest too: 128 characters whose encoded names
+    would pass 255 bytes are stored under a hash of them, their full form in a name file."""
+
+    PRINCIPAL, TEAM, PROJECT = "P_" * 64, "T_" * 64, "Q" * 128
+
+    def setUp(self):
+        super().setUp()
+        self.token = self.issue(self.PRINCIPAL, [self.TEAM])
+
+    def run_tool(self, *argv):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sync.main(list(argv))
+        return code, out.getvalue(), err.getvalue()
+
+    def use_every_route(self):
+        for team in (None, self.TEAM):
+            self.assertAnswer(self.push(self.token, self.PROJECT, [record()], [meta()], team=team),
+                              200, {"cursor": 2, "accepted": 2})
+        for _ in range(2):  # and again, after a restart: read back from the disk
+            for team in (None, self.TEAM):
+                query = "?team=" + team if team else ""
+                self.assertAnswer(self.request("GET", "/v1/projects" + query, token=self.token),
+                                  200, {"projects": [self.PROJECT]})
+                answer = self.pull(self.token, self.PROJECT, **({"team": team} if team else {}))
+                self.assertAnswer(answer, 200)
+                self.assertEqual((answer.json["cursor"], answer.json["records"]), (2, [record()]))
+            self.restart_server()
+        etags = {}
+        for project, scope in ((self.PROJECT, {}), (None, {"scope": "user"})):
+            answer = wire_commit(self, [memory_put("n1")], token=self.token,
+                                 principal=self.PRINCIPAL, project=project, **scope)
+            etags[project] = wire_assert_ok(self, answer, entries=[wire_entry("n1")],
+                                            principal=self.PRINCIPAL)
+        self.restart_server()
+        for project, scope in ((self.PROJECT, {}), (None, {"scope": "user"})):
+            wire_assert_ok(self, wire_snapshot(self, self.token, self.PRINCIPAL, project,
+                                               **scope),
+                           etags[project], [wire_entry("n1")], principal=self.PRINCIPAL)
+
+    def test_push_pull_projects_commit_and_snapshot_answer_200_and_names_stay_short(self):
+        self.use_every_route()
+        names = {}
+        for top, dirs, files in os.walk(self.data_dir):
+            for name in dirs + files:
+                self.assertLessEqual(len(name.encode()), 255 - len(".compact"), name)
+                if name.endswith(".id"):
+                    with open(os.path.join(top, name), "rb") as f:
+                        names[os.path.relpath(os.path.join(top, name), self.data_dir)] = f.read()
+        person, team = "u-" + sync.long_name(self.PRINCIPAL), "t-" + sync.long_name(self.TEAM)
+        project = "p-%s.id" % sync.long_name(self.PROJECT)
+        self.assertEqual(names, {
+            os.path.join("feeds", person + ".id"): self.PRINCIPAL.encode(),
+            os.path.join("feeds", person, project): self.PROJECT.encode(),
+            os.path.join("feeds", team + ".id"): self.TEAM.encode(),
+            os.path.join("feeds", team, project): self.PROJECT.encode(),
+            os.path.join("memory", person + ".id"): self.PRINCIPAL.encode(),
+            os.path.join("memory", person, project): self.PROJECT.encode()})
+        # A short id keeps its name as ever, and so does one of 128 lower-case letters.
+        layout = sync.DataDir(self.data_dir)
+        self.assertEqual(layout.feed_path(("u", "alice"), "proj"),
+                         os.path.join(self.data_dir, "feeds", "u-alice", "p-proj.jsonl"))
+        self.assertEqual(layout.scope_files("q" * 128, sync.MemoryScope("Q" * 126)).root,
+                         os.path.join(self.data_dir, "memory", "u-" + "q" * 128,
+                                      "p-" + "_q" * 126))
+
+    def test_usage_fsck_and_purge_name_the_long_ids(self):
+        self.use_every_route()
+        self.stop_server(self.server, self.server_thread)
+        code, out, err = self.run_tool("usage", "--data", self.data_dir, "--json")
+        self.assertEqual((code, err), (0, ""))
+        report = json.loads(out)
+        self.assertEqual(sorted((row["owner"], row["team"], row["project"], row["events"])
+                                for row in report["feeds"]),
+                         [(self.PRINCIPAL, False, self.PROJECT, 2),
+                          (self.TEAM, True, self.PROJECT, 2)])
+        self.assertEqual([(row["principal"], row["scope"], row["notes"])
+                          for row in report["memory"]],
+                         [(self.PRINCIPAL, "project/" + self.PROJECT, 1),
+                          (self.PRINCIPAL, "user", 1)])
+        code, out, err = self.run_tool("fsck", "--data", self.data_dir)
+        self.assertEqual((code, out), (0, "fsck %s: 2 feeds with 4 events, 2 memory scopes with 2 "
+                                          "live notes, 3 tokens: 0 problems\n" % self.data_dir))
+        code, out, err = self.run_tool("purge", "--data", self.data_dir,
+                                       "--principal", self.PRINCIPAL)
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(out.splitlines()[-1], "purge: %s is erased (1 token, 1 feed, 2 memory "
+                                               "scopes)" % self.PRINCIPAL)
+        left = [os.path.relpath(os.path.join(top, name), self.data_dir)
+                for top, dirs, files in os.walk(self.data_dir) for name in dirs + files]
+        self.assertEqual([path for path in left if sync.long_name(self.PRINCIPAL) in path], [])
+        code, out, err = self.run_tool("usage", "--data", self.data_dir, "--json")
+        self.assertEqual([(row["owner"], row["project"]) for row in json.loads(out)["feeds"]],
+                         [(self.TEAM, self.PROJECT)])
 
 
 class SessionWireMixin:
