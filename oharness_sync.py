@@ -188,6 +188,11 @@ LOCAL_TOKEN_PREFIX = "ohs_"
 # Sharing the server
 MAX_PRINCIPALS_FILE_BYTES = 1024 * 1024  # a larger --principals-file is refused
 FEED_LINE_FRAMING = 96                   # a feed line's bytes around its event, at most
+# --reserve-disk's default: the larger of these
+DEFAULT_RESERVE_BYTES = 256 * 1024 * 1024
+DEFAULT_RESERVE_SHARE = 0.02                # ... and this share of the file system
+DISK_CHECK_SECONDS = 1.0                    # how often a write asks the disk's free space at most
+DISK_FULL_RETRY_SECONDS = 60                # the Retry-After of a write refused at the reserve
 
 # Memory sync
 MEMORY_QUOTA = {"maxNotes": 5000, "maxChanges": 500, "maxNoteBytes": 131072, "tombstoneDays": 90}
@@ -320,6 +325,16 @@ class LinkRefused(OSError):
     def __init__(self, path):
         super().__init__(errno.ELOOP, "a link, refused: nothing in a data dir is ever followed "
                                       "through a link (fsck --repair removes it)", path)
+
+
+class DiskLow(Exception):
+    """A push or memory commit would leave the data dir's disk less free space than its reserve;
+    nothing of it was stored."""
+
+    def __init__(self, free, reserve):
+        super().__init__("the server's disk is almost full (%s free, %s kept in reserve); nothing "
+                         "was stored: try again later" % (format_bytes(max(free, 0)),
+                                                         format_size(reserve)))
 
 
 class CompactionStopped(Exception):
@@ -3511,23 +3526,90 @@ def remove_tree(path):
 
 class StorageLimits:
     """What a write may not pass: its principal's storage quota (in a PrincipalList, swapped on
-    SIGHUP), against what they store (the Metrics count it by owner). FeedStore.push and
-    MemoryStore.commit ask check() before they write anything."""
+    SIGHUP), against what they store (the Metrics count it by owner), and the disk's reserve (a
+    DiskReserve). FeedStore.push and MemoryStore.commit ask check() before they write anything."""
 
-    def __init__(self, metrics, principals=None):
+    def __init__(self, metrics, principals=None, disk=None):
         self.metrics = metrics
         self.principals = principals
+        self.disk = disk
 
-    def check(self, principal, adding):
-        """QuotaReached when principal (None: a team, no quota) would pass their quota by adding
-        bytes. A write that adds nothing (adding <= 0) always passes."""
-        if principal is None or self.principals is None or adding <= 0:
+    def check(self, principal, adding, writing=None):
+        """QuotaReached when principal (None: no quota applies) would pass their quota by adding
+        bytes (a write that adds nothing passes); DiskLow when writing bytes (default: adding)
+        would leave the disk less than its reserve."""
+        if principal is not None and self.principals is not None and adding > 0:
+            quota = self.principals.quotas.get(principal)
+            if quota is not None:
+                stored = self.metrics.stored(principal)
+                if stored + adding > quota:
+                    raise QuotaReached(quota, stored)
+        if self.disk is not None:
+            self.disk.check(adding if writing is None else writing)
+
+
+def disk_free(path):
+    """The bytes an unprivileged writer may still use on path's file system (one statvfs)."""
+    return shutil.disk_usage(path).free
+
+
+def default_reserve(path):
+    """--reserve-disk's default for path's file system: the larger of 256 MiB and 2% of it."""
+    return max(DEFAULT_RESERVE_BYTES, int(shutil.disk_usage(path).total * DEFAULT_RESERVE_SHARE))
+
+
+class DiskReserve:
+    """--reserve-disk: the free bytes a write must leave on the data dir's disk, so that a full
+    card never takes the OS down with it.
+
+    free() (a statvfs, about 2 us) is asked at most once every DISK_CHECK_SECONDS; between two
+    looks, what was let in since is taken off its answer, so a burst of pushes cannot run past the
+    reserve on a stale figure. The first refusal is logged, and so is the look that finds room
+    for any push again (MAX_PUSH_BYTES above the reserve); `low` says which holds, for /metrics.
+    """
+
+    def __init__(self, path, reserve, log=None, free=None, clock=time.monotonic):
+        self.path = path
+        self.reserve = reserve
+        self.log = log or (lambda message: None)
+        self.free = free or (lambda: disk_free(path))
+        self.clock = clock
+        self.low = False
+        self._lock = threading.Lock()
+        self._looked = None                    # when free() was asked last
+        self._room = 0                         # its answer, less what was let in since
+
+    def check(self, writing):
+        """Let writing bytes in, or DiskLow when they would leave less than the reserve."""
+        with self._lock:
+            self._look()
+            if self._room - writing < self.reserve:
+                if not self.low:
+                    self.low = True
+                    self.log("the disk of %s is down to its reserve (%s free, %s kept): pushes "
+                             "and memory commits are refused until there is room; reads and "
+                             "compaction go on" % (self.path, format_bytes(max(self._room, 0)),
+                                                   format_size(self.reserve)))
+                raise DiskLow(self._room, self.reserve)
+            self._room -= max(writing, 0)
+
+    def is_low(self):
+        """Whether writes are being refused (looked at again if it is time): a gauge."""
+        with self._lock:
+            self._look()
+            return int(self.low)
+
+    def _look(self):
+        """Ask free() again once DISK_CHECK_SECONDS have passed (lock held)."""
+        now = self.clock()
+        if self._looked is not None and now - self._looked < DISK_CHECK_SECONDS:
             return
-        quota = self.principals.quotas.get(principal)
-        if quota is not None:
-            stored = self.metrics.stored(principal)
-            if stored + adding > quota:
-                raise QuotaReached(quota, stored)
+        self._looked, self._room = now, self.free()
+        if self.low and self._room >= self.reserve + MAX_PUSH_BYTES:
+            self.low = False
+            self.log("the disk of %s has room again (%s free, %s kept): pushes and memory "
+                     "commits go ahead" % (self.path, format_bytes(self._room),
+                                           format_size(self.reserve)))
 
 
 def push_bytes(records, sessions):
@@ -4210,9 +4292,11 @@ class FeedStore:
         """Append a validated push; (cursor, accepted) once durable. A push that adds nothing
         creates nothing (an empty push to a project without a feed leaves no Feed behind
         either). Past the owner's quota (QuotaReached), only a push of session deletions alone
-        goes ahead: it is what frees room, once a compaction erases their records."""
-        if records or not all(entry.deleted for entry in sessions):
-            self.limits.check(owner[1] if owner[0] == "u" else None,
+        goes ahead: it is what frees room, once a compaction erases their records. Below the
+        disk's reserve (DiskLow), none does."""
+        if records or sessions:
+            deletions = not records and all(entry.deleted for entry in sessions)
+            self.limits.check(None if owner[0] != "u" or deletions else owner[1],
                               push_bytes(records, sessions))
         feed = self.feed(owner, project, create=bool(records or sessions), hold=True)
         if feed is None:
@@ -4728,8 +4812,8 @@ class MemoryStore:
             data = new.to_bytes()
             try:
                 self._check_quota(old, new)
-                self.limits.check(principal, len(data) - _file_size(files.manifest)
-                                  + sum(len(note) for _, note in objects))
+                writing = len(data) + sum(len(note) for _, note in objects)
+                self.limits.check(principal, writing - _file_size(files.manifest), writing)
             except (MemoryApiError, QuotaReached):
                 self.metrics.add("memory_commits", "quota")
                 raise
@@ -5319,7 +5403,8 @@ class SyncApp:
         except (AuthError, NotListed, AuthThrottled, AuthUnavailable, AuthNotConfigured) as exc:
             request.refusal = str(exc)  # (the texts never hold a token)
             return self.error_response(exc, request.path.startswith("/v1/memory/"))
-        except (ApiError, MemoryApiError, FeedDamaged, StorageError, QuotaReached) as exc:
+        except (ApiError, MemoryApiError, FeedDamaged, StorageError, QuotaReached,
+                DiskLow) as exc:
             return self.error_response(exc, request.path.startswith("/v1/memory/"))
 
     def error_response(self, exc, memory_route):
@@ -5335,6 +5420,10 @@ class SyncApp:
         if isinstance(exc, QuotaReached):
             return (json_response(413, {"code": "memory_quota_exceeded", "error": str(exc)})
                     if memory_route else json_response(507, {"error": str(exc)}))
+        if isinstance(exc, DiskLow):  # (memory: the contract has no code of its own for it)
+            body = {"code": "memory_sync_failed"} if memory_route else {}
+            body["error"] = str(exc)
+            return json_response(507, body, retry_after(DISK_FULL_RETRY_SECONDS))
         for kind, status, text, memory_status, code, memory_text in AUTH_FAILURES:
             if isinstance(exc, kind):
                 break
@@ -6304,10 +6393,11 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
                  supabase=None, memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None,
                  max_parked=DEFAULT_MAX_PARKED, request_seconds=DEFAULT_REQUEST_SECONDS,
                  idle_seconds=IDLE_SECONDS, metrics_token=None, principals=None,
-                 max_per_address=None, trusted_proxies=()):
+                 max_per_address=None, trusted_proxies=(), reserve_disk=0):
     """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business). With
     a metrics_token, GET /metrics answers whoever has it; with principals (a PrincipalList), only
-    those it lists are served. max_per_address and trusted_proxies: see SyncServer."""
+    those it lists are served; with reserve_disk (bytes), writes leave that much of the disk free.
+    max_per_address and trusted_proxies: see SyncServer."""
     log, metrics = log or Log(quiet=True), Metrics()
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode,
                          supabase, metrics=metrics, principals=principals)
@@ -6325,7 +6415,12 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
         raise UsageError("cannot start on the restored copy %s: %s" % (data_dir, what)) from None
     feeds.count_bytes()  # one walk of the disk, after the restore's: never at a scrape or a push
     memory.count_bytes()
-    feeds.limits = memory.limits = StorageLimits(metrics, principals)
+    disk = DiskReserve(data_dir, reserve_disk, log) if reserve_disk > 0 else None
+    if disk is not None and disk_free(data_dir) < reserve_disk:
+        log("warning: the disk of %s has %s free, less than --reserve-disk %s: pushes and memory "
+            "commits are refused until there is room" % (
+                data_dir, format_bytes(disk_free(data_dir)), format_size(reserve_disk)))
+    feeds.limits = memory.limits = StorageLimits(metrics, principals, disk)
     if metrics_token is not None:
         for name, text, read in (
                 ("oharness_sync_feed_bytes", "Bytes of the feeds on disk.", feeds.bytes_on_disk),
@@ -6333,6 +6428,10 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
                  memory.bytes_on_disk),
                 ("oharness_sync_disk_free_bytes", "Free bytes on the data dir's disk.",
                  lambda: shutil.disk_usage(data_dir).free),
+                ("oharness_sync_disk_reserve_bytes", "Free bytes pushes and memory commits must "
+                 "leave on the disk (--reserve-disk; 0: off).", lambda: reserve_disk),
+                ("oharness_sync_disk_reserve_reached", "1 while pushes and memory commits are "
+                 "refused at the disk's reserve.", disk.is_low if disk else lambda: 0),
                 ("oharness_sync_feeds_damaged", "Feeds refused for a damaged line.",
                  feeds.damaged)):
             metrics.gauge(name, text, read)
@@ -6604,6 +6703,9 @@ def serve_command(argv):
     parser.add_argument("--principals-file", metavar="FILE",
                         help="serve only the principals this file lists, one a line, each with "
                              "an optional storage quota (`bob 2GiB`); re-read on SIGHUP")
+    parser.add_argument("--reserve-disk", metavar="SIZE",
+                        help="free space pushes and memory commits must leave on the data dir's "
+                             "disk (default: the larger of 256MiB and 2%% of it; 0: off)")
     parser.add_argument("--quiet", action="store_true", help="no access log")
     parser.add_argument("--tls-cert", metavar="CERT.pem",
                         help="serve HTTPS with this certificate (chain)")
@@ -6632,6 +6734,10 @@ def serve_command(argv):
     metrics_token = (read_metrics_token(args.metrics_token_file)
                      if args.metrics_token_file else None)
     principals = principals_from_flag(args.principals_file)
+    try:
+        reserve = None if args.reserve_disk is None else parse_size(args.reserve_disk)
+    except ValueError as exc:
+        raise UsageError("--reserve-disk: %s" % exc) from None
     log = Log(quiet=args.quiet)
     jwt, supabase = auth_from_flags(args, log)
     tls = tls_from_flags(args)
@@ -6649,7 +6755,9 @@ def serve_command(argv):
                                   max_parked=args.max_parked, request_seconds=args.request_timeout,
                                   metrics_token=metrics_token, principals=principals,
                                   max_per_address=args.max_connections_per_address,
-                                  trusted_proxies=trusted_proxies)
+                                  trusted_proxies=trusted_proxies,
+                                  reserve_disk=(default_reserve(data_dir) if reserve is None
+                                                else reserve))
         except OSError as exc:
             raise UsageError("cannot listen on %s:%d: %s"
                              % (args.host, args.port, reason(exc))) from None

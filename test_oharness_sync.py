@@ -2415,6 +2415,61 @@ class PrincipalsFileTest(unittest.TestCase):
         self.assertEqual(principals.quotas, {"bob": 1 << 30})
 
 
+class DiskReserveTest(unittest.TestCase):
+    """--reserve-disk's DiskReserve: a write that would leave less than the reserve free is refused; the disk is
+    asked at most once a second, what was let in since taken off its answer; the first refusal and the return of
+    room are logged once each."""
+
+    MiB = 1 << 20
+
+    def setUp(self):
+        self.free = [100 * self.MiB]
+        self.asked = []
+        self.clock = FakeClock(1000.0)
+        self.lines = []
+
+        def free():
+            self.asked.append(self.clock())
+            return self.free[0]
+        self.reserve = sync.DiskReserve("/data", 16 * self.MiB, log=self.lines.append, free=free, clock=self.clock)
+
+    def test_writes_go_ahead_until_one_would_pass_the_reserve(self):
+        self.reserve.check(80 * self.MiB)
+        self.reserve.check(4 * self.MiB)  # 16 MiB left: exactly the reserve
+        with self.assertRaises(sync.DiskLow) as caught:
+            self.reserve.check(1)
+        self.assertEqual(str(caught.exception), "the server's disk is almost full (16.0 MiB free, 16 MiB kept in "
+                                                "reserve); nothing was stored: try again later")
+        self.assertEqual(self.asked, [1000.0])  # one look: what was let in since is taken off it
+
+    def test_the_disk_is_asked_again_after_a_second_and_room_returns_by_itself(self):
+        self.free[0] = 20 * self.MiB
+        with self.assertRaises(sync.DiskLow):
+            self.reserve.check(5 * self.MiB)
+        with self.assertRaises(sync.DiskLow):
+            self.reserve.check(5 * self.MiB)
+        self.assertEqual((self.reserve.is_low(), len(self.lines)), (1, 1))
+        self.assertEqual(self.lines[0], "the disk of /data is down to its reserve (20.0 MiB free, 16 MiB kept): "
+                                        "pushes and memory commits are refused until there is room; reads and "
+                                        "compaction go on")
+        self.reserve.check(1 * self.MiB)  # a small write still fits
+        self.free[0] = 22 * self.MiB  # room for some pushes, not yet for any
+        self.clock.advance(1.0)
+        self.reserve.check(5 * self.MiB)
+        self.assertEqual((self.reserve.is_low(), len(self.lines)), (1, 1))
+        self.free[0] = 16 * self.MiB + sync.MAX_PUSH_BYTES
+        self.clock.advance(1.0)
+        self.assertEqual(self.reserve.is_low(), 0)
+        self.assertEqual(self.lines[1:], ["the disk of /data has room again (24.0 MiB free, 16 MiB kept): pushes "
+                                          "and memory commits go ahead"])
+        self.assertEqual(self.asked, [1000.0, 1001.0, 1002.0])
+
+    def test_the_default_is_the_larger_of_256_mib_and_2_percent(self):
+        for total, reserve in ((1 << 30, 256 * self.MiB), (100 << 30, 2 << 30)):
+            with mock.patch.object(sync.shutil, "disk_usage", return_value=mock.Mock(total=total)):
+                self.assertEqual(sync.default_reserve("/data"), reserve)
+
+
 def open_feed_files(data_dir):
     """How many of this process's fds are open on data_dir's feed files."""
     feeds, count = os.path.join(data_dir, "feeds"), 0
@@ -7649,6 +7704,8 @@ EXPECTED_FAMILIES = {
     "oharness_sync_feed_bytes": "gauge",
     "oharness_sync_memory_bytes": "gauge",
     "oharness_sync_disk_free_bytes": "gauge",
+    "oharness_sync_disk_reserve_bytes": "gauge",
+    "oharness_sync_disk_reserve_reached": "gauge",
     "oharness_sync_feeds_damaged": "gauge",
     "oharness_sync_long_polls_parked": "gauge",
     "oharness_sync_connections_open": "gauge",
@@ -8680,6 +8737,65 @@ class QuotaOnTheWireTest(ServerCase):
         self.assertAnswer(self.push(self.alice, "p", [record("s2", "r", body="x" * 1024)]), 507,
                           {"error": self.refusal()})
         self.assertEqual(self.server.app.metrics.stored("alice"), self.stored())
+
+
+class DiskReserveOnTheWireTest(ServerCase):
+    """Below --reserve-disk a push and a memory commit answer 507, whole; reads go on, /metrics shows it, and
+    pushes go ahead by themselves once there is room (the disk's free space is a stand-in here)."""
+
+    server_options = {"reserve_disk": 16 << 20, "metrics_token": METRICS_TOKEN}
+
+    def setUp(self):
+        super().setUp()
+        self.free = [1 << 30]
+        self.clock = FakeClock(1000.0)
+        disk = self.server.app.feeds.limits.disk
+        disk.free, disk.clock = (lambda: self.free[0]), self.clock
+
+    def reached(self):
+        text = self.request("GET", "/metrics", token=METRICS_TOKEN).raw.decode("utf-8")
+        families = parse_exposition(text)
+        return (metric_value(families, "oharness_sync_disk_reserve_reached"),
+                metric_value(families, "oharness_sync_disk_reserve_bytes"))
+
+    def test_below_the_reserve_writes_are_507_reads_go_on_and_room_lets_them_in_again(self):
+        self.assertAnswer(self.push(self.alice, "p", [record("s1", "r1")]), 200, {"cursor": 1, "accepted": 1})
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=self.alice, principal="alice"),
+                              entries=[wire_entry("n1")], principal="alice")
+        self.assertEqual(self.reached(), (0, 16 << 20))
+        self.free[0] = (16 << 20) - 1000
+        self.clock.advance(1.0)
+        feed = self.server.app.feeds.layout.feed_path(("u", "alice"), "p")
+        size = os.path.getsize(feed)
+        full = ("the server's disk is almost full (%s free, 16 MiB kept in reserve); nothing was stored: try again "
+                "later" % sync.format_bytes((16 << 20) - 1000))
+        answer = self.push(self.alice, "p", [record("s1", "r2", body="x" * 2000)])
+        self.assertAnswer(answer, 507, {"error": full})
+        self.assertEqual(answer.headers.get("retry-after"), "60")
+        self.assertAnswer(self.push(self.bob, "p", [record()]), 507)
+        self.assertAnswer(self.push(self.alice, "p", [record()], team="platform"), 507)
+        answer = wire_commit(self, [memory_put("n2")], etag=etag, token=self.alice, principal="alice")
+        self.assertAnswer(answer, 507, {"code": "memory_sync_failed", "error": full})
+        self.assertEqual(os.path.getsize(feed), size)
+        self.assertEqual([r["id"] for r in self.pull(self.alice, "p").json["records"]], ["r1"])
+        wire_assert_ok(self, wire_snapshot(self, self.alice, "alice"), etag, [wire_entry("n1")], principal="alice")
+        self.assertEqual(self.reached(), (1, 16 << 20))
+        self.free[0] = 1 << 30
+        self.clock.advance(1.0)
+        self.assertAnswer(self.push(self.alice, "p", [record("s1", "r2", body="x" * 2000)]), 200,
+                          {"cursor": 2, "accepted": 1})
+        self.assertEqual(self.reached(), (0, 16 << 20))
+        self.assertEqual([line for line in self.log_lines if line.startswith("the disk of ")], [
+            "the disk of %s is down to its reserve (%s free, 16 MiB kept): pushes and memory commits are refused "
+            "until there is room; reads and compaction go on" % (self.data_dir, sync.format_bytes((16 << 20) - 1000)),
+            "the disk of %s has room again (1.0 GiB free, 16 MiB kept): pushes and memory commits go ahead"
+            % self.data_dir])
+
+    def test_off_with_0(self):
+        wire_restart(self, reserve_disk=0, metrics_token=METRICS_TOKEN)
+        self.assertIsNone(self.server.app.feeds.limits.disk)
+        self.assertEqual(self.reached(), (0, 0))
+        self.assertAnswer(self.push(self.alice, "p", [record()]), 200)
 
 
 class ForgedTokenOnTheWireTest(ServerCase):
@@ -11476,6 +11592,17 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(self.main("--data", self.data_dir, "--principals-file", path + ".missing"),
                          (2, "", "oharness-sync: error: cannot use the principals file %s.missing: No such file or "
                                  "directory\n" % path))
+
+    def test_reserve_disk_takes_a_size_and_a_start_below_it_says_so(self):
+        self.assertEqual(self.main("--data", self.data_dir, "--reserve-disk", "lots"),
+                         (2, "", "oharness-sync: error: --reserve-disk: 'lots' is not a size (such as 500MiB, 2GiB or "
+                                 "1TB)\n"))
+        lines = []
+        with mock.patch.object(sync.shutil, "disk_usage", return_value=mock.Mock(free=200 << 20)):
+            server = sync.build_server(self.data_dir, port=0, log=CapturingLog(lines), reserve_disk=256 << 20)
+        server.server_close()
+        self.assertEqual(lines, ["warning: the disk of %s has 200.0 MiB free, less than --reserve-disk 256 MiB: "
+                                 "pushes and memory commits are refused until there is room" % self.data_dir])
 
     def test_a_data_dir_of_another_user_names_the_user_to_run_as(self):
         real_open = os.open
