@@ -1483,12 +1483,14 @@ class LocalTokenVerifier:
         self._bad_version = None   # the stamp of the damaged file last logged
         self._out_of_fds = False   # the file changed, and could not be opened for want of an fd
         self._records = {}
+        self.generation = 0        # token sets installed: it changes when the tokens in force do
         # Read now, not at the first request: if the file breaks before that, the set in force from
         # the start is the last good one. (The first request still looks at the file again, as
         # ever.)
         self._reload()
 
-    def _refresh(self):
+    def refresh(self):
+        """Look at the token file, if the last look is a second old or more."""
         now = time.monotonic()
         if now - self._checked < TOKEN_RELOAD_SECONDS:
             return  # the file was looked at less than a second ago, and what it held is in force
@@ -1539,6 +1541,7 @@ class LocalTokenVerifier:
                                                          record.get("teams", ())))
                          for record in records}
         self._version = version
+        self.generation += 1
 
     def reload(self):
         """Read the token file now, whatever its stamp (SIGHUP); the number of tokens in force.
@@ -1564,7 +1567,7 @@ class LocalTokenVerifier:
         token_id = split_local_token(token)
         if token_id is None:
             raise AuthError("unknown token")
-        self._refresh()
+        self.refresh()
         if self._out_of_fds:
             raise AuthUnavailable("the token file cannot be opened now: out of file descriptors")
         record, identity = self._records.get(token_id, (None, None))
@@ -3300,11 +3303,13 @@ class _Batch:
 
 class ParkedPull:
     """A long-poll waiting for its feed's next durable event: the Condition it waits on, and what
-    the thread that wakes it calls first (on_event, or None)."""
+    the thread that wakes it calls first (on_event, or None). One may serve several waits in turn;
+    its Condition's lock is reentrant, so that its caller may hold it across a wait (SyncApp.park:
+    what it looks at before the wait cannot change unseen before the wait begins)."""
     __slots__ = ("woken", "on_event")
 
     def __init__(self, on_event=None):
-        self.woken = threading.Condition(threading.Lock())
+        self.woken = threading.Condition(threading.RLock())
         self.on_event = on_event
 
 
@@ -4316,16 +4321,19 @@ class FeedStore:
         finally:
             self.release(feed)
 
-    def wait(self, owner, project, since, timeout, on_event=None):
+    def wait(self, owner, project, since, timeout, pull=None):
         """Wait up to timeout seconds for (owner, project) to have an event after since; True once
-        it has, or once the store is stopping. on_event: called by the thread that wakes this wait,
-        before it does (see wake_pulls).
+        it has, or once the store is stopping. pull: the ParkedPull to wait as (its on_event is
+        called by the thread that wakes this wait, before it does: see wake_pulls); None: a new
+        one.
 
         A project without a Feed in memory (no feed, or an evicted one) gets none for this: its
         pulls wait aside, and the Feed made for it takes them over, parked. (Long-polls on made-up
         names leave nothing behind.)
         """
-        key, pull = (owner, project), ParkedPull(on_event)
+        key = (owner, project)
+        if pull is None:
+            pull = ParkedPull()
         # Held until the wait lets it go: a flush that takes this pull cannot notify it before.
         with pull.woken:
             with self.using(owner, project) as feed:
@@ -4339,7 +4347,7 @@ class FeedStore:
                         if feed is None:
                             self._unborn.setdefault(key, set()).add(pull)
                     if feed is not None:  # made meanwhile (its file too): not held, but looked at
-                        return self.wait(owner, project, since, timeout, on_event)
+                        return self.wait(owner, project, since, timeout, pull)
             if not pull.woken.wait(timeout):
                 self._unpark(key, pull)
         feed = self._feeds.get(key)  # (only looked at: one evicted meanwhile says no)
@@ -5345,6 +5353,7 @@ AUTH_FAILURES = (  # (exception, session status and text, memory status, code an
      502, "auth_unavailable", "%s"),
     (AuthNotConfigured, 503, "%s", 503, "auth_not_configured", "%s"),
 )
+AUTH_REFUSALS = tuple(failure[0] for failure in AUTH_FAILURES)  # what a token's check may raise
 
 
 class SyncApp:
@@ -5366,9 +5375,10 @@ class SyncApp:
         for route, methods in self.routes.items():
             for method in methods:
                 self.metrics.expect(route, method)
-        self.parked = set()               # the requests of long-polls waiting now
+        self.parked = {}                  # the requests of long-polls waiting now -> ParkedPull
         self._parked_by = {}              # principal -> the requests of its long-polls parked now
         self._parked_lock = threading.Lock()
+        self._watching = False            # whether watch_tokens runs
         self.metrics.gauge("oharness_sync_long_polls_parked", "Long-polls parked now.",
                            lambda: len(self.parked))
         # (principal, body) -> MemoryRequest, for small snapshot bodies
@@ -5400,7 +5410,7 @@ class SyncApp:
             return json_response(405, body, [("Allow", ", ".join(allowed))])
         try:
             return getattr(self, handler)(request)
-        except (AuthError, NotListed, AuthThrottled, AuthUnavailable, AuthNotConfigured) as exc:
+        except AUTH_REFUSALS as exc:
             request.refusal = str(exc)  # (the texts never hold a token)
             return self.error_response(exc, request.path.startswith("/v1/memory/"))
         except (ApiError, MemoryApiError, FeedDamaged, StorageError, QuotaReached,
@@ -5515,47 +5525,71 @@ class SyncApp:
         page = self.feeds.pull(owner, project, since, limit)
         if page.records or page.sessions or wait == 0:
             return Response(200, page.to_json())
-        return self.park(request, owner, project, since, seconds=wait,
-                         make_response=lambda: Response(
-                             200, self.feeds.pull(owner, project, since, limit).to_json()))
+
+        def answer():  # (maybe in the thread of the push that woke the pull: see park)
+            refused = self.refusal_now(request)
+            if refused is not None:
+                return refused
+            return Response(200, self.feeds.pull(owner, project, since, limit).to_json())
+
+        return self.park(request, owner, project, since, seconds=wait, make_response=answer)
+
+    def refusal_now(self, request):
+        """The answer refusing the request's token now, or None while it is still good: a parked
+        pull's token may have been revoked (or have expired) while it waited, and what was pushed
+        since is not for it."""
+        try:
+            self.session_identity(request)
+        except AUTH_REFUSALS as exc:
+            request.refusal = str(exc)
+            return self.error_response(exc, memory_route=False)
+        return None
 
     def park(self, request, owner, project, since, seconds, make_response):
         """Hold a pull until its feed has an event after since, its wait is over, the server stops,
         or its client closes its side (looked at every PARKED_CHECK_SECONDS, so an abandoned pull
         gives its place back soon; one that only half-closed still reads its response); then
         make_response(). Past max_parked, or past half of it for the request's principal (so that
-        one principal's devices cannot take every place): make_response() at once.
+        one principal's devices cannot take every place): make_response() at once. A pull whose
+        token watch_tokens finds refused is woken too (its request.refusal set).
 
         The thread that wakes the pull sends its response (on_event, see wake_pulls); Feed.read
         builds one Page for all the pulls a push wakes."""
-        principal = request.principal
+        principal, handler = request.principal, request.handler
+
+        def on_event():  # in the thread that wakes the pull
+            handler.respond_early(request, make_response)
+
+        pull = ParkedPull(on_event)
         with self._parked_lock:  # (the counts and the adds, together)
             if (len(self.parked) >= self.max_parked
                     or len(self._parked_by.get(principal, ())) >= max(1, self.max_parked // 2)):
                 return make_response()
             mine = self._parked_by.setdefault(principal, set())
-            self.parked.add(request)
+            self.parked[request] = pull
             mine.add(request)
-        handler = request.handler
+            if not self._watching:
+                self._watching = True
+                threading.Thread(target=self.watch_tokens, name="parked-tokens",
+                                 daemon=True).start()
         handler.hold(request)
         try:
             deadline = time.monotonic() + seconds
-
-            def on_event():  # in the thread that wakes the pull
-                handler.respond_early(request, make_response)
-
             while True:
                 left = deadline - time.monotonic()
-                if (left <= 0
-                        or self.feeds.wait(owner, project, since, min(left, PARKED_CHECK_SECONDS),
-                                           on_event=on_event)):
-                    break
+                # Held from the look at request.refusal into the wait: watch_tokens sets it under
+                # the same lock, so its wake cannot come between the two and be lost.
+                with pull.woken:
+                    if (left <= 0 or request.refusal is not None
+                            or self.feeds.wait(owner, project, since,
+                                               min(left, PARKED_CHECK_SECONDS), pull)):
+                        break
                 if handler.client_gone():
                     break
         finally:
             # No lock: the pulls one push woke would all queue for it; only a principal's last
             # pull takes it, to forget the principal.
-            self.parked.discard(request)
+            self.parked.pop(request, None)
             mine.discard(request)
             if not mine:
                 with self._parked_lock:
@@ -5563,6 +5597,46 @@ class SyncApp:
                         del self._parked_by[principal]
             early = handler.release()
         return early if early is not None else make_response()
+
+    def watch_tokens(self):
+        """While pulls are parked: look at the token file every TOKEN_RELOAD_SECONDS, and check
+        again the token of each pull parked since the last look, or of every parked pull when the
+        tokens in force changed; wake one that is refused now, to answer its refusal. So a revoked
+        token's long-poll answers 401 within a second or two of the revoke, as its other requests
+        do. Ends when no pull is parked."""
+        local = self.auth.local
+        generation, checked = local.generation, set()
+        try:
+            while True:
+                time.sleep(TOKEN_RELOAD_SECONDS)
+                with self._parked_lock:
+                    if not self.parked:
+                        self._watching = False
+                        return
+                    parked = list(self.parked.items())
+                local.refresh()
+                if local.generation != generation:
+                    generation, checked = local.generation, set()
+                for request, pull in parked:
+                    if request not in checked:
+                        self._check_parked(request, pull)
+                checked = {request for request, _ in parked}
+        except Exception as exc:  # (the next pull to park starts it again)
+            self.log("checking parked pulls' tokens: %s: %s" % (type(exc).__name__, exc))
+            with self._parked_lock:
+                self._watching = False
+
+    def _check_parked(self, request, pull):
+        """Wake a parked pull whose token is refused now (one that cannot be checked now waits
+        on: its answer checks it again)."""
+        try:
+            self.auth.identify(request.headers.get("authorization"), request.client)
+        except (AuthError, NotListed) as exc:
+            with pull.woken:
+                request.refusal = str(exc)
+                pull.woken.notify()
+        except (AuthThrottled, AuthUnavailable):
+            pass
 
     # -- memory sync -------------------------------------------------------
 

@@ -2632,7 +2632,7 @@ class FeedStoreTest(unittest.TestCase):
     def wait_in_thread(self, project, since, timeout=10, on_event=None):
         results = []
         thread = threading.Thread(target=lambda: results.append(
-            self.store.wait(self.owner, project, since, timeout, on_event)))
+            self.store.wait(self.owner, project, since, timeout, sync.ParkedPull(on_event))))
         thread.start()
         self.addCleanup(thread.join, 15)
         return thread, results
@@ -8447,6 +8447,69 @@ class ParkedShareTest(ServerCase):
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
         self.assertEqual(self.server.app._parked_by, {})
+
+
+class RevokedParkedPullTest(ServerCase):
+    """A long-poll parked before its token was revoked answers 401 as soon as the revoke takes
+    effect, and never hands out what was pushed after."""
+
+    def park(self, token, results, project="proj"):
+        def run():
+            answer = self.pull(token, project, wait=30)
+            results.append((answer, time.monotonic()))
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.addCleanup(thread.join, 35)
+        return thread
+
+    def wait_parked(self, count):
+        deadline = time.monotonic() + 5
+        while len(self.server.app.parked) < count:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+
+    def revoke(self, token):
+        self.assertTrue(self.tokens.revoke(token.split("_")[1]))
+        return time.monotonic()
+
+    def assertRevoked(self, answer):
+        self.assertAnswer(answer, 401, {"error": "unknown or revoked token"})
+        self.assertEqual(answer.headers["www-authenticate"], "Bearer")
+        self.assertEqual(answer.headers["cache-control"], "no-store")
+
+    def test_a_revoked_tokens_parked_pull_answers_401_within_3_s_and_others_wait_on(self):
+        alice_answers, bob_answers = [], []
+        alice_thread = self.park(self.alice, alice_answers)
+        self.park(self.bob, bob_answers)
+        self.wait_parked(2)
+        revoked = self.revoke(self.alice)
+        alice_thread.join(5)
+        answer, answered = alice_answers[0]
+        self.assertRevoked(answer)
+        self.assertLess(answered - revoked, 3.0)
+        self.assertIn("127.0.0.1 GET /v1/pull 401", "\n".join(self.log_lines))
+        self.assertEqual((bob_answers, len(self.server.app.parked)), ([], 1))
+        self.assertAnswer(self.push(self.bob, records=[record(record_id="for-bob")]), 200)
+        deadline = time.monotonic() + 5
+        while not bob_answers:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        self.assertEqual([r["id"] for r in bob_answers[0][0].json["records"]], ["for-bob"])
+
+    def test_an_event_pushed_after_the_revoke_is_not_handed_out(self):
+        other_device = self.issue("alice")
+        answers = []
+        # Without the watch on the token file: only the answer's own check stands in the way.
+        with mock.patch.object(sync.SyncApp, "_check_parked"):
+            thread = self.park(self.alice, answers)
+            self.wait_parked(1)
+            self.revoke(self.alice)
+            self.server.app.auth.local._checked = float("-inf")  # (in effect now, not in a second)
+            self.assertRevoked(self.request("GET", "/v1/projects", token=self.alice))
+            self.assertAnswer(self.push(other_device, records=[record(record_id="after")]), 200)
+            thread.join(5)
+        self.assertRevoked(answers[0][0])
+        self.assertEqual(len(self.pull(other_device).json["records"]), 1)  # stored, all the same
 
 
 class FeedFaultsOnTheWireTest(ServerCase):
