@@ -5844,13 +5844,16 @@ class BackupUnderLoadTest(ServerCase):
             self.addCleanup(shutil.rmtree, os.path.dirname(dest), True)
             with contextlib.redirect_stdout(io.StringIO()) as out:
                 self.assertEqual(sync.main(["backup", "--data", self.data_dir, "--to", dest]), 0)
-            time.sleep(0.1)
+            ended = time.monotonic()
+            deadline = ended + 10
+            while not any(push[2] > ended for push in answered) and time.monotonic() < deadline:
+                time.sleep(0.01)  # (pushes go on after it too)
         finally:
             stop.set()
             for thread in clients:
                 thread.join(30)
         self.assertIn(" to %s " % dest, out.getvalue())
-        self.assertGreater(len([push for push in answered if push[2] > began]), 0)  # (pushes went on meanwhile)
+        self.assertGreater(len([push for push in answered if push[2] > ended]), 0)
         with contextlib.redirect_stdout(io.StringIO()) as out:
             self.assertEqual(sync.main(["fsck", "--data", dest]), 0, out.getvalue())
         copy = sync.FeedStore(dest)
