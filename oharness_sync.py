@@ -6960,11 +6960,30 @@ def run_until_signalled(server, ready, metrics_token_file=None):
 # The protocol client
 # -------------------------------------------------------------------------------------------------
 
-CHECK_TIMEOUT = 15  # seconds for one request; a long-poll gets its wait on top
+CHECK_TIMEOUT = 15  # seconds for one whole request, its answer read; a long-poll's wait on top
+# The most an answer may hold, head and body, in bytes. A pull page (this server's pages stop
+# before 8 MiB of events, which JSON's escapes can at most triple), a project list, a memory
+# snapshot or commit (16 MiB at most here) get the large limit; a push, health or identity answer,
+# the small one.
+LARGE_ANSWER_BYTES = 64 * 1024 * 1024
+SMALL_ANSWER_BYTES = 1024 * 1024
 
 
 class BadResponse(Exception):
     """A response of a shape the protocol does not allow: the message says what is wrong."""
+
+
+class AnswerStopped(http.client.HTTPException):
+    """An answer the client stopped reading (AnswerTimedOut, AnswerTooLarge); the message says
+    which request, and why, in one line."""
+
+
+class AnswerTimedOut(AnswerStopped):
+    """The request and its whole answer took longer than the request's time."""
+
+
+class AnswerTooLarge(AnswerStopped):
+    """The answer passed the byte limit of its request."""
 
 
 class ConnectFailed(Exception):
@@ -6987,6 +7006,11 @@ _CERTIFICATE_FAULTS = {
         "server's) with --ca-file",
     10: "it has expired: the server needs a new one",
 }
+
+
+# What a TLS server answers to a name it has no certificate for: Caddy, internal_error; others,
+# unrecognized_name.
+_NO_CERTIFICATE_ALERTS = ("TLSV1_ALERT_INTERNAL_ERROR", "TLSV1_UNRECOGNIZED_NAME")
 
 
 def token_from_flags(token, path, flag, command, required=False):
@@ -7026,6 +7050,10 @@ def connect_failure(url, exc, ca_file=None):
     if isinstance(exc, ssl.SSLError) and exc.reason == "WRONG_VERSION_NUMBER":
         return ("the TLS handshake with %s failed: what answers there is not TLS (plain HTTP?): "
                 "try http://" % url)
+    if isinstance(exc, ssl.SSLError) and exc.reason in _NO_CERTIFICATE_ALERTS:
+        return ("the TLS handshake with %s failed (%s): the server has no certificate for %s: use "
+                "in the URL the name its certificate is for" % (
+                    url, exc.reason, urllib.parse.urlsplit(url).hostname or "that name"))
     if isinstance(exc, ssl.SSLError):
         return "the TLS handshake with %s failed: %s" % (url, exc.reason or reason(exc))
     if isinstance(exc, ConnectionRefusedError):
@@ -7045,6 +7073,14 @@ def excerpt(value, limit=200):
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def escaped(text):
+    """text with each character that is not printable (a control character, a line separator, a
+    direction override) as its Python escape: what a server sent never steers the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def parse_base_url(url, flag="--url"):
     """(https?, host, port) of http(s)://host[:port], with no path, query or credentials; else
     UsageError naming flag."""
@@ -7062,10 +7098,137 @@ def parse_base_url(url, flag="--url"):
     return https, parts.hostname, port if port is not None else (443 if https else 80)
 
 
+def is_loopback_host(host):
+    """True for a loopback address (127.0.0.0/8, ::1), and for localhost when every address it
+    resolves to is one; never for another name, whatever it starts with or resolves to now (a
+    name's answer may change before the connection is made)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if host.lower().rstrip(".") != "localhost":
+        return False
+    try:
+        found = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    return bool(found) and all(
+        ipaddress.ip_address(address[4][0].split("%", 1)[0]).is_loopback for address in found)
+
+
+def server_addresses(host, port):
+    """The set of (address, port) that host:port resolves to; {(host, port)} when it does not."""
+    try:
+        found = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return {(host.lower(), port)}
+    return {(address[4][0], address[4][1]) for address in found}
+
+
+class BoundedSocket:
+    """A connection's socket as SyncClient uses it: each request gets a deadline for all of it
+    (sending, waiting, every read of its answer together, not each read on its own) and a limit on
+    the bytes of its answer, head and body, chunk lines included. Past either, AnswerStopped: so
+    neither a body dripped a byte at a time nor one that never ends holds a tool up or fills its
+    memory. The rest of what http.client asks of a socket is the socket's own."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.what = ""        # "METHOD /path to URL", for the messages
+        self.seconds = 0.0
+        self.deadline = self.limit = None
+        self.received = 0
+        self.readers = 0      # answers being read: closing waits for them, as a socket's does
+        self.closing = False
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+    def begin(self, what, deadline, seconds, limit):
+        """Bound the next request and its answer: by deadline (time.monotonic()) and limit
+        bytes."""
+        self.what, self.deadline, self.seconds = what, deadline, seconds
+        self.limit, self.received = limit, 0
+
+    def time_left(self):
+        """Set the socket's time-out to what is left of the deadline; AnswerTimedOut when none
+        is."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.timed_out()
+        self.sock.settimeout(left)
+
+    def timed_out(self):
+        return AnswerTimedOut("%s: no whole answer within %g s (a server that answers too slowly, "
+                              "or never ends its answer)" % (self.what, self.seconds))
+
+    def sendall(self, data):
+        view = memoryview(data).cast("B")
+        while view:
+            self.time_left()
+            try:
+                sent = self.sock.send(view)
+            except socket.timeout:
+                raise self.timed_out() from None
+            view = view[sent:]
+
+    def recv_into(self, buffer):
+        self.time_left()
+        try:
+            count = self.sock.recv_into(buffer)
+        except socket.timeout:
+            raise self.timed_out() from None
+        self.received += count
+        if self.received > self.limit:
+            raise self.too_large()
+        return count
+
+    def too_large(self):
+        return AnswerTooLarge("%s: the answer passed %s, the most taken for it (a server that "
+                              "never ends its answer?)" % (self.what, format_bytes(self.limit)))
+
+    def makefile(self, mode="rb", *args, **kwargs):
+        """A buffered reader of an answer (http.client reads each answer through one)."""
+        if mode != "rb":
+            raise ValueError("a BoundedSocket only reads")
+        return io.BufferedReader(AnswerReader(self))
+
+    def close(self):
+        self.closing = True
+        if not self.readers:
+            self.sock.close()
+
+
+class AnswerReader(io.RawIOBase):
+    """The raw reader under a BoundedSocket's makefile(): each read is the socket's recv_into."""
+
+    def __init__(self, bounded):
+        io.RawIOBase.__init__(self)
+        self.bounded = bounded
+        bounded.readers += 1
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        return self.bounded.recv_into(buffer)
+
+    def close(self):
+        if not self.closed:
+            self.bounded.readers -= 1
+            if self.bounded.closing:
+                self.bounded.close()
+        io.RawIOBase.close(self)
+
+
 class SyncClient:
     """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token,
     and the protocol's requests (push, pull, projects, memory). Each returns (status, headers,
     document) whatever the status; the functions after this class check a 200's document.
+
+    Every request is bounded (BoundedSocket): timeout seconds for all of it, connection included,
+    and LARGE_ANSWER_BYTES for the answers that carry data (pull, projects, memory snapshot and
+    commit), SMALL_ANSWER_BYTES for the others.
 
     exchange() sends one request on a connection of its own, or with keep_alive on the connection
     the previous keep_alive request left open; when that one turns out closed by the server (an
@@ -7082,29 +7245,63 @@ class SyncClient:
         self.timeout = timeout
         self._kept = None
 
-    def connect(self, timeout):
-        """A new connection, made (for https, its TLS handshake done); else ConnectFailed."""
-        if self.https:
-            context = self.context or ssl.create_default_context()
-            conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                               context=context)
-        else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+    def connect(self, deadline):
+        """A new connection, made by deadline (for https, its TLS handshake done); else
+        ConnectFailed."""
         try:
-            conn.connect()
-        except OSError as exc:  # refused, no such host, an untrusted certificate: likely for good
-            conn.close()
+            sock = socket.create_connection((self.host, self.port),
+                                            max(0.001, deadline - time.monotonic()))
+        except OSError as exc:  # refused, no such host: likely for good
             raise ConnectFailed(self.url, exc) from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as http.client does
+            if self.https:
+                if self.context is None:  # the system's trusted certificates, loaded once
+                    self.context = ssl.create_default_context()
+                sock = self.handshake(sock, deadline)
+            conn = (http.client.HTTPSConnection(self.host, self.port, context=self.context)
+                    if self.https else http.client.HTTPConnection(self.host, self.port))
+        except OSError as exc:  # an untrusted certificate, no TLS there, a time-out
+            sock.close()
+            raise ConnectFailed(self.url, exc) from None
+        conn.sock = BoundedSocket(sock)
+        conn.auto_open = 0  # never a connection of http.client's own, which nothing would bound
         return conn
 
-    def call(self, method, path, body=None, token=None, timeout=None, keep_alive=False):
+    def handshake(self, sock, deadline):
+        """sock in TLS, its handshake done by deadline (socket.timeout when it is not): the
+        handshake's reads are OpenSSL's, so the socket does not block and the waits are ours."""
+        sock.setblocking(False)
+        tls = self.context.wrap_socket(sock, server_hostname=self.host,
+                                       do_handshake_on_connect=False)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                tls.close()
+                raise socket.timeout("timed out")
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                select.select([tls], [], [], left)
+            except ssl.SSLWantWriteError:
+                select.select([], [tls], [], left)
+            except OSError:
+                tls.close()
+                raise
+        tls.setblocking(True)
+        return tls
+
+    def call(self, method, path, body=None, token=None, timeout=None, keep_alive=False,
+             limit=SMALL_ANSWER_BYTES):
         """(status, headers with lower-case names, document) of one request. body: a JSON document
         or its bytes (None: no body); token None sends ours, "" sends none. The document is the
         body's JSON, else its first bytes as text (None for an empty body). Raises ConnectFailed,
-        else OSError or http.client.HTTPException when the request fails."""
+        else OSError or http.client.HTTPException (AnswerStopped past the time or the byte limit)
+        when the request fails."""
         data = body if body is None or isinstance(body, bytes) else encode_json(body)
         status, headers, raw = self.exchange(method, path, data, token=token, timeout=timeout,
-                                             keep_alive=keep_alive)
+                                             keep_alive=keep_alive, limit=limit)
         try:
             document = decode_json(raw, max_depth=None) if raw else None
         except ValueError:
@@ -7122,36 +7319,42 @@ class SyncClient:
         if team is not None:
             query["team"] = team
         return self.call("GET", "/v1/pull?" + urllib.parse.urlencode(query), token=token,
-                         timeout=self.timeout + params.get("wait", 0), keep_alive=keep_alive)
+                         timeout=self.timeout + params.get("wait", 0), keep_alive=keep_alive,
+                         limit=LARGE_ANSWER_BYTES)
 
     def projects(self, team=None, token=None, keep_alive=False):
         """The list of projects with a feed (team None: personal feeds)."""
         query = "" if team is None else "?" + urllib.parse.urlencode({"team": team})
-        return self.call("GET", "/v1/projects" + query, token=token, keep_alive=keep_alive)
+        return self.call("GET", "/v1/projects" + query, token=token, keep_alive=keep_alive,
+                         limit=LARGE_ANSWER_BYTES)
 
     def memory(self, route, body, token=None, keep_alive=False):
         """A memory request: route is identity, snapshot or commit."""
-        return self.call("POST", "/v1/memory/" + route, body, token, keep_alive=keep_alive)
+        return self.call("POST", "/v1/memory/" + route, body, token, keep_alive=keep_alive,
+                         limit=SMALL_ANSWER_BYTES if route == "identity" else LARGE_ANSWER_BYTES)
 
-    def exchange(self, method, path, data=None, token=None, timeout=None, keep_alive=False):
+    def exchange(self, method, path, data=None, token=None, timeout=None, keep_alive=False,
+                 limit=SMALL_ANSWER_BYTES):
         """(status, headers with lower-case names, body bytes) of one request; data is a JSON body
-        as bytes. token None sends ours; "" sends none. Raises ConnectFailed, OSError or
+        as bytes. token None sends ours; "" sends none. All of it within timeout seconds (None:
+        the client's), the answer within limit bytes. Raises ConnectFailed, OSError or
         http.client.HTTPException."""
         timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        bounds = dict(token=token, deadline=deadline, seconds=timeout, limit=limit)
         if not keep_alive:
-            conn = self.connect(timeout)
+            conn = self.connect(deadline)
             try:
-                return self.send(conn, method, path, data, token=token)
+                return self.send(conn, method, path, data, **bounds)
             finally:
                 conn.close()
-        reused = self._kept is not None
+        reused = self._kept is not None and self._kept.sock is not None
         for attempt in (1, 2):
-            if self._kept is None:
-                self._kept = self.connect(timeout)
-            elif self._kept.sock is not None:
-                self._kept.sock.settimeout(timeout)
+            if self._kept is None or self._kept.sock is None:
+                self.close()
+                self._kept = self.connect(deadline)
             try:
-                return self.send(self._kept, method, path, data, token=token)
+                return self.send(self._kept, method, path, data, **bounds)
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
                 if (attempt == 2 or not reused
@@ -7159,8 +7362,13 @@ class SyncClient:
                     raise
         raise AssertionError("not reached")
 
-    def send(self, conn, method, path, data=None, token=None):
-        """One request on conn: (status, headers with lower-case names, body bytes)."""
+    def send(self, conn, method, path, data=None, token=None, deadline=None, seconds=None,
+             limit=SMALL_ANSWER_BYTES):
+        """One request on conn, bounded by deadline (seconds after its start) and limit:
+        (status, headers with lower-case names, body bytes)."""
+        bounded = conn.sock
+        bounded.begin("%s %s of %s" % (method, path.split("?", 1)[0], self.url), deadline,
+                      seconds, limit)
         headers = {}
         token = self.token if token is None else token
         if token:
@@ -7169,7 +7377,22 @@ class SyncClient:
             headers["Content-Type"] = "application/json"
         conn.request(method, path, data, headers)
         response = conn.getresponse()
-        raw = response.read()
+        try:
+            if response.length is not None and response.length > limit:
+                raise bounded.too_large()
+            if response.length is not None:
+                raw = response.read()
+            else:  # chunked, or up to the end of the connection: the socket's limit ends it
+                parts = []
+                while True:
+                    part = response.read(65536)
+                    if not part:
+                        break
+                    parts.append(part)
+                raw = b"".join(parts)
+        except BaseException:
+            response.close()  # and with the connection, the socket: nothing more is read
+            raise
         return response.status, {name.lower(): value for name, value in response.getheaders()}, raw
 
     def close(self):
@@ -7198,7 +7421,9 @@ def push_counts(document):
 
 def pull_page(document, since):
     """(cursor, records, sessions, more) of the response to a pull from since: {cursor (a safe
-    integer, not below since), records and sessions (lists of objects), more (true or false)}."""
+    integer, not below since), records and sessions (lists of objects), more (true or false)}; a
+    page with events has a cursor past since, and more: true comes with events (else a client
+    pulling on would loop for ever)."""
     if not isinstance(document, dict):
         raise bad_response("a pull", "is not an object", document)
     cursor = as_safe_int(document.get("cursor"))
@@ -7212,6 +7437,15 @@ def pull_page(document, since):
             raise bad_response("a pull", "has %s that are not a list of objects" % name, document)
     if not isinstance(document.get("more"), bool):
         raise bad_response("a pull", "has no more (true or false)", document)
+    events = len(document["records"]) + len(document["sessions"])
+    if document["more"] and cursor == since:
+        raise bad_response("a pull", "repeats cursor %d with more: true (pulling on would never "
+                                     "end)" % since, document)
+    if document["more"] and not events:
+        raise bad_response("a pull", "has more: true and no event", document)
+    if events and cursor == since:
+        raise bad_response("a pull", "has events and a cursor still at since (%d)" % since,
+                           document)
     return cursor, document["records"], document["sessions"], document["more"]
 
 
@@ -7777,7 +8011,10 @@ class CheckStopped(Exception):
 def redirect_stop(url, location):
     """Why check stops at a redirect from url to location: the address to give as --url (a base
     URL has no path: https://pi/v1/health gives https://pi), else where it points."""
-    target = urllib.parse.urlsplit(location or "")
+    try:
+        target = urllib.parse.urlsplit(location or "")
+    except ValueError:  # "Invalid IPv6 URL": a bracket out of place
+        target = urllib.parse.urlsplit("")
     if target.scheme in ("http", "https") and target.netloc:
         return ("%s redirects to %s: give --url %s://%s (with --ca-file for a private CA)"
                 % (url, location, target.scheme, target.netloc))
@@ -7803,7 +8040,7 @@ class ConformanceCheck:
     def __init__(self, url, token, other_token=None, team=None, principal=None, out=None,
                  ca_file=None, err=None):
         self.url = url
-        self.client = SyncClient(url, token)
+        self.client = SyncClient(url, token, timeout=CHECK_TIMEOUT)
         self.ca_file = ca_file
         if ca_file is not None and not self.client.https:
             raise UsageError("--ca-file goes with an https:// URL")
@@ -7872,7 +8109,7 @@ class ConformanceCheck:
             try:
                 check()
             except CheckStopped as exc:
-                print("check stopped: %s" % self.redacted(str(exc)), file=self.out,
+                print("check stopped: %s" % escaped(self.redacted(str(exc))), file=self.out,
                       flush=True)
                 return False
             except (CheckFailed, BadResponse) as exc:
@@ -7887,7 +8124,8 @@ class ConformanceCheck:
                 count[0] += 1
                 continue
             count[1] += 1
-            print("FAIL %s: %s" % (name, self.redacted(reason)), file=self.out, flush=True)
+            print("FAIL %s: %s" % (name, escaped(self.redacted(reason))), file=self.out,
+                  flush=True)
         print("check: %d passed, %d failed" % tuple(count), file=self.out, flush=True)
         return not count[1]
 
@@ -7907,6 +8145,8 @@ class ConformanceCheck:
             status, headers, document = send()
         except ConnectFailed as exc:  # refused, no such host, an untrusted certificate
             raise CheckStopped(connect_failure(exc.url, exc.error, self.ca_file)) from None
+        except AnswerStopped as exc:  # every further request would likely end the same way
+            raise CheckStopped(str(exc)) from None
         except (OSError, http.client.HTTPException) as exc:
             if self.responded:
                 raise
@@ -8269,7 +8509,7 @@ def check_command(argv):
     check = ConformanceCheck(args.url, token, other_token=other, team=args.team,
                              principal=args.principal, out=sys.stdout, ca_file=args.ca_file,
                              err=sys.stderr)
-    if not check.client.https and not is_loopback(check.client.host):
+    if not check.client.https and not is_loopback_host(check.client.host):
         print("check: warning: the token goes to %s in plain http, readable on the way" % args.url,
               file=sys.stderr, flush=True)
     return 0 if check.run() else 1
@@ -8305,7 +8545,11 @@ class ReplicateFatal(Exception):
 
 
 class ReplicateTransient(Exception):
-    """A network error, a 5xx or a 429: worth trying again later."""
+    """A network error, a 5xx or a 429 from side (a ReplicateSide): worth trying again later."""
+
+    def __init__(self, side, message):
+        Exception.__init__(self, message)
+        self.side = side
 
 
 class ReplicateRefused(Exception):
@@ -8543,6 +8787,10 @@ class ReplicateSide:
         self.context = context
         self.principal = principal
         self.quota = dict(MEMORY_QUOTA)
+        self.flag = "--from" if role == "source" else "--to"
+        # --follow: requests failing now (each said once, when the first one began), and since when
+        self.failing = 0
+        self.failing_since = None
 
     def client(self):
         return SyncClient(self.url, self.token, self.context, REPLICATE_TIMEOUT)
@@ -8568,6 +8816,7 @@ class Replicator:
         self.failed = False
         self.fatal = None       # the line a 401 or 403 ended the run with
         self.totals = collections.Counter()
+        self.scopes = {}        # {memory scope looked at: True once the source had notes there}
         self._lock = threading.Lock()
         self._busy = 0          # pushes and commits in flight: a stop lets them finish
         self._idle = threading.Condition(self._lock)
@@ -8580,7 +8829,7 @@ class Replicator:
                 message = message.replace(secret, "<token>")
             with self._lock:
                 try:
-                    print("replicate: %s" % message, file=self.out, flush=True)
+                    print("replicate: %s" % escaped(message), file=self.out, flush=True)
                 except (OSError, ValueError):
                     pass
 
@@ -8607,32 +8856,55 @@ class Replicator:
                    t["created"], t["updated"], t["deleted"], plural(t["conflicts"], "conflict"),
                    seconds))
 
+    def memory_summary(self, most=10):
+        """The line that names the memory scopes looked at (the first most of them), and says when
+        none held a note how a project's scope is found; None when memory was not looked at."""
+        with self._lock:
+            names, found = list(self.scopes), any(self.scopes.values())
+        if not names:
+            return None
+        shown = ", ".join(names[:most]) + (" and %d more" % (len(names) - most)
+                                           if len(names) > most else "")
+        if found:
+            return "memory: looked at %s: %s" % (plural(len(names), "scope"), shown)
+        return ("memory: no notes in the %s looked at (%s); the memory of a project with no "
+                "session feed is found only when named with --project ID"
+                % (plural(len(names), "scope"), shown))
+
     # -- requests --------------------------------------------------------------
 
     def call(self, side, what, send, statuses=(200,)):
         """(status, document) of send(), a function that sends one request with a client of side
         (what: "METHOD /path", for messages); ReplicateFatal for 401 and 403, ReplicateTransient
-        for a network error, 429 or 5xx, ReplicateRefused for any other status not in
-        statuses."""
+        for a network error (an answer not whole in time included), 429 or 5xx, ReplicateRefused
+        for an answer past its byte limit and for any other status not in statuses."""
         try:
             status, _, document = send()
+        except AnswerTooLarge as exc:  # the same answer again would be as large
+            raise ReplicateRefused("%s: %s" % (side.role, exc)) from None
         except (ConnectFailed, OSError, http.client.HTTPException) as exc:
             error = exc.error if isinstance(exc, ConnectFailed) else exc
             if isinstance(error, ssl.SSLCertVerificationError):  # trying again changes nothing
                 raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a "
                                      "self-signed one, give it with --ca-file"
                                      % (side.role, side.url, error.verify_message)) from None
-            raise ReplicateTransient("%s: %s of %s: network error: %s" % (
+            raise ReplicateTransient(side, "%s: %s of %s: network error: %s" % (
                 side.role, what, side.url, str(error) or type(error).__name__)) from None
+        code = document.get("code") if isinstance(document, dict) else None
+        if status == 403 and code == "account_mismatch":  # the principal expected, not the token
+            raise ReplicateFatal(
+                "%s-principal %s is not the principal of the %s token: the %s %s answered %s with "
+                "403 %s; give %s-principal the principal the token was issued to (or --no-memory)"
+                % (side.flag, side.principal, side.flag, side.role, side.url, what,
+                   excerpt(document), side.flag))
         if status in (401, 403) and status not in statuses:
             raise ReplicateFatal("the %s %s refuses its token: %s answered %d %s" % (
                 side.role, side.url, what, status, excerpt(document)))
-        code = document.get("code") if isinstance(document, dict) else None
         if status == 503 and code == "auth_not_configured":
             raise ReplicateRefused("the %s has memory sync turned off: %s answered %d %s" % (
                 side.role, what, status, excerpt(document)))
         if status == 429 or status >= 500:
-            raise ReplicateTransient("%s: %s answered %d %s"
+            raise ReplicateTransient(side, "%s: %s answered %d %s"
                                      % (side.role, what, status, excerpt(document)))
         if status not in statuses:
             raise ReplicateRefused("the %s answered %s with %d %s"
@@ -8650,21 +8922,50 @@ class Replicator:
 
     def retrying(self, action, what, follow):
         """action(), and again after transient faults, waiting 1 s doubling to 60 s: for ever with
-        follow, else REPLICATE_ATTEMPTS tries (then ReplicateRefused). A stop ends the waiting
-        (ReplicateStopped)."""
-        delay, attempt = REPLICATE_BACKOFF[0], 0
-        while True:
-            try:
-                return action()
-            except ReplicateTransient as exc:
-                attempt += 1
-                if not follow and attempt >= REPLICATE_ATTEMPTS:
-                    raise ReplicateRefused("%s (gave up after %d tries)"
-                                           % (exc, attempt)) from None
-                self.say("%s: %s; trying again in %g s" % (what, exc, delay), error=True)
-                if self.stopping.wait(delay):
-                    raise ReplicateStopped() from None
-                delay = min(delay * 2, REPLICATE_BACKOFF[1])
+        follow, else REPLICATE_ATTEMPTS tries (then ReplicateRefused), each fault said. With
+        follow, a side's faults are said once, when it starts failing, and once more when it is
+        back (outage()). A stop ends the waiting (ReplicateStopped)."""
+        delay, attempt, failing = REPLICATE_BACKOFF[0], 0, None
+        try:
+            while True:
+                try:
+                    return action()
+                except ReplicateTransient as exc:
+                    attempt += 1
+                    if not follow and attempt >= REPLICATE_ATTEMPTS:
+                        raise ReplicateRefused("%s (gave up after %d tries)"
+                                               % (exc, attempt)) from None
+                    if not follow:
+                        self.say("%s: %s; trying again in %g s" % (what, exc, delay), error=True)
+                    elif failing is None:
+                        failing = exc.side
+                        self.outage(failing, 1, "%s: %s" % (what, exc))
+                    if self.stopping.wait(delay):
+                        raise ReplicateStopped() from None
+                    delay = min(delay * 2, REPLICATE_BACKOFF[1])
+        finally:
+            if failing is not None:
+                self.outage(failing, -1)
+
+    def outage(self, side, change, fault=None):
+        """Count a request of side's that starts failing (change 1, fault: the first error) or
+        ends (-1): the first says the side is failing, the last that it is back."""
+        with self._lock:
+            side.failing += change
+            began = side.failing == 1 and change > 0
+            if began:
+                side.failing_since = time.monotonic()
+            ended = side.failing == 0 and side.failing_since is not None
+            seconds = time.monotonic() - (side.failing_since or 0)
+            if ended:
+                side.failing_since = None
+        if began:
+            self.say("the %s %s is failing: %s; trying again (after %g s, doubling up to %g s) "
+                     "until it is back, which is said"
+                     % ((side.role, side.url, fault) + tuple(REPLICATE_BACKOFF)), error=True)
+        elif ended and not self.stopping.is_set():
+            self.say("the %s %s is back, after %.0f s" % (side.role, side.url, seconds),
+                     error=True)
 
     def begin_work(self):
         """False once stopping; else a push (and the state write after it) or a commit may start
@@ -8945,6 +9246,9 @@ class Replicator:
             if known:
                 fields["knownEtag"] = known_etag
             _, theirs = self.memory_call(self.source, source, "snapshot", fields, follow=follow)
+            found = theirs.get("unchanged") is True or bool(base or theirs["_entries"])
+            with self._lock:  # unchanged: there were notes at the previous pass
+                self.scopes[name] = self.scopes.get(name, False) or found
             if theirs.get("unchanged") is True:
                 return  # the source did not change since the previous pass: nothing to do
             entries = theirs["_entries"]
@@ -9119,12 +9423,16 @@ def replicate_command(argv):
     ends = []
     for flag, url in (("--from", args.source), ("--to", args.target)):
         https, host, port = parse_base_url(url, flag)
-        if not https and not is_loopback(host) and not args.allow_plain_http:
-            raise UsageError("%s is plain http to %s: the token would cross the network in clear "
-                             "(use https, or --allow-plain-http)" % (flag, host))
+        if not https and not is_loopback_host(host) and not args.allow_plain_http:
+            raise UsageError("%s is plain http to %s, not a loopback address: the token would "
+                             "cross the network in clear (use https, or --allow-plain-http)"
+                             % (flag, host))
         ends.append(("https" if https else "http", host.lower(), port))
-    if ends[0] == ends[1]:
+    if ends[0][1:] == ends[1][1:]:
         raise UsageError("--from and --to name the same server")
+    if server_addresses(*ends[0][1:]) & server_addresses(*ends[1][1:]):
+        raise UsageError("--from and --to name the same server (%s port %d and %s port %d are "
+                         "one address and port)" % (ends[0][1:] + ends[1][1:]))
     for flag, ids in (("--team", args.team), ("--project", args.project),
                       ("--from-principal",
                        [args.from_principal] if args.from_principal is not None else []),
@@ -9178,6 +9486,8 @@ def replicate_command(argv):
     if not args.quiet:
         print("replicate: %s" % replicator.summary(time.monotonic() - started), file=sys.stdout,
               flush=True)
+        if replicator.memory_summary():
+            print("replicate: %s" % replicator.memory_summary(), file=sys.stdout, flush=True)
     return code
 
 

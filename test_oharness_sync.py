@@ -12403,6 +12403,14 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
                                          int(query.get("wait", 0)))
             feed = list(self.server.feeds.get(key, []))
         events = feed[since:since + limit]
+        if self.server.fault in ("repeat-cursor", "backward-cursor"):
+            # a source that loops: a first page of one event and more, then the same cursor again,
+            # or one before it, with more: true
+            if since == 0:
+                return self.answer(200, {"cursor": 1, "records": [feed[0][1]], "sessions": [],
+                                         "more": True})
+            cursor = since if self.server.fault == "repeat-cursor" else since - 1
+            return self.answer(200, {"cursor": cursor, "records": [], "sessions": [], "more": True})
         self.answer(200, {"cursor": since + len(events), "records": [e for k, e in events if k == "r"],
                           "sessions": [e for k, e in events if k == "s"], "more": len(feed) > since + len(events)})
 
@@ -12429,17 +12437,70 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
         self.answer(200, {"cursor": len(feed) + len(new), "accepted": len(new)})
 
 
+def start_faulty_server(case, fault, feeds=None):
+    """A FaultySyncHandler server with this fault and these feeds, stopped at case's cleanup: its
+    URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FaultySyncHandler)
+    server.fault, server.feeds, server.changed = fault, dict(feeds or {}), threading.Condition()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    thread.start()
+    case.addCleanup(server.server_close)
+    case.addCleanup(server.shutdown)
+    return "http://127.0.0.1:%d" % server.server_address[1]
+
+
+class RawAnswerServer:
+    """A TCP server on loopback that reads each request's head and then leaves the connection to
+    answer(server, sock, head), a test's own (an answer dripped, endless, malformed); sent counts
+    the bytes that answer() managed to send, and ended is set when one returns."""
+
+    def __init__(self, case, answer):
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.url = "http://127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.answer, self.sent, self.ended = answer, 0, threading.Event()
+        self.stopped = threading.Event()
+        threading.Thread(target=self.serve, daemon=True).start()
+        case.addCleanup(self.stop)
+
+    def serve(self):
+        while not self.stopped.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.connection, args=(sock,), daemon=True).start()
+
+    def connection(self, sock):
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = sock.recv(65536)
+                if not data:
+                    return
+                head += data
+            self.answer(self, sock, head)
+        except OSError:
+            pass  # the client hung up: what it was sent is counted
+        finally:
+            self.ended.set()
+            sock.close()
+
+    def send(self, sock, data):
+        sock.sendall(data)
+        self.sent += len(data)
+
+    def stop(self):
+        self.stopped.set()
+        self.listener.close()
+
+
 class CheckCatchesFaultsTest(unittest.TestCase):
     """The checks fail on servers that break the protocol, and only where they break it."""
 
     def start_faulty_server(self, fault):
-        server = ThreadingHTTPServer(("127.0.0.1", 0), FaultySyncHandler)
-        server.fault, server.feeds, server.changed = fault, {}, threading.Condition()
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
-        thread.start()
-        self.addCleanup(server.server_close)
-        self.addCleanup(server.shutdown)
-        return "http://127.0.0.1:%d" % server.server_address[1]
+        return start_faulty_server(self, fault)
 
     def failed_checks(self, fault, *flags):
         """Run the check command against a faulty server: (exit code, names of the failed checks, stdout)."""
@@ -12519,6 +12580,136 @@ class CheckCatchesFaultsTest(unittest.TestCase):
         code, failed, out = self.failed_checks(None, "--other-token", "token-c")
         self.assertEqual((code, failed), (1, ["isolation"]), out)
         self.assertNotIn("check stopped", out)
+
+
+def answer_head(status="200 OK", *fields):
+    return ("HTTP/1.1 %s\r\n%s\r\n" % (status, "".join(f + "\r\n" for f in fields))).encode("latin-1")
+
+
+def endless_chunks(server, sock, head=b""):
+    """An answer whose chunked body never ends."""
+    server.send(sock, answer_head("200 OK", "Content-Type: application/json",
+                                  "Transfer-Encoding: chunked"))
+    chunk = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
+    while not server.stopped.is_set():
+        server.send(sock, chunk)
+
+
+class CheckBoundsTest(unittest.TestCase):
+    """check against a hostile server: every answer is bounded in time (all of it, not each read)
+    and in bytes, and what the server sends is printed escaped."""
+
+    def check(self, url, *flags):
+        """The check command with a 1 s time-out: (exit code, stdout, stderr, seconds taken)."""
+        started = time.monotonic()
+        with mock.patch.object(sync, "CHECK_TIMEOUT", 1):
+            code, out, err = run_check_command("--url", url, "--token", "t0ken", *flags)
+        return code, out, err, time.monotonic() - started
+
+    def test_an_answer_dripped_a_byte_at_a_time_stops_within_twice_the_time_out(self):
+        # Before, the time-out was per read: a byte every 0.2 s kept check waiting for ever.
+        def drip_body(server, sock, head):
+            server.send(sock, answer_head("200 OK", "Content-Length: 100"))
+            for _ in range(100):
+                server.send(sock, b" ")
+                time.sleep(0.2)
+
+        def drip_head(server, sock, head):
+            for byte in answer_head("200 OK", "Content-Length: 0"):
+                server.send(sock, bytes([byte]))
+                time.sleep(0.2)
+        for drip in (drip_body, drip_head):
+            with self.subTest(drip=drip.__name__):
+                server = RawAnswerServer(self, drip)
+                code, out, err, seconds = self.check(server.url)
+                self.assertEqual((code, out, err), (1, (
+                    "check stopped: GET /v1/health of %s: no whole answer within 1 s (a server "
+                    "that answers too slowly, or never ends its answer)\n" % server.url), ""))
+                self.assertLess(seconds, 2)
+
+    def test_a_tls_handshake_never_answered_stops_within_the_time_out(self):
+        server = RawAnswerServer(self, lambda *args: None)  # a ClientHello is never a head
+        url = server.url.replace("http:", "https:")
+        code, out, err, seconds = self.check(url)
+        self.assertEqual((code, out), (1, "check stopped: cannot connect to %s: timed out (is it "
+                                          "serving HTTPS on that port?)\n" % url))
+        self.assertLess(seconds, 2)
+
+    def test_an_endless_chunked_body_stops_at_the_byte_limit(self):
+        # Before, check grew to 3 GB in 8 s reading one.
+        server = RawAnswerServer(self, endless_chunks)
+        code, out, err, _ = self.check(server.url)
+        self.assertEqual((code, out, err), (1, (
+            "check stopped: GET /v1/health of %s: the answer passed 1.0 MiB, the most taken for "
+            "it (a server that never ends its answer?)\n" % server.url), ""))
+        self.assertTrue(server.ended.wait(10))  # the client hung up: the server could send no more
+        self.assertLess(server.sent, sync.SMALL_ANSWER_BYTES + 16 * 1024 * 1024)  # + buffers
+
+    def test_a_length_past_the_limit_is_refused_before_its_body_is_read(self):
+        server = RawAnswerServer(self, lambda server, sock, head: server.send(
+            sock, answer_head("200 OK", "Content-Length: %d" % 10 ** 12)))
+        client = sync.SyncClient(server.url, "t0ken")
+        with self.assertRaisesRegex(sync.AnswerTooLarge, r"^GET /v1/pull of %s: the answer passed "
+                                    r"64\.0 MiB, " % re.escape(server.url)):
+            client.pull("proj", 0)
+
+    def test_what_the_server_sends_is_printed_escaped(self):
+        # Before, a status line's escape sequences reached the terminal as they were.
+        status = b"\x1b]0;owned\x07\x9b2J HTTP/1.1 200 OK\r\n\r\n"
+        server = RawAnswerServer(self, lambda server, sock, head: server.send(sock, status))
+        code, out, err, _ = self.check(server.url)
+        self.assertEqual(code, 1)
+        self.assertEqual(out, "check stopped: no HTTP response from %s to a first request "
+                              "(\\x1b]0;owned\\x07\\x9b2J HTTP/1.1 200 OK\\r\\n): if it serves "
+                              "HTTPS, give an https:// URL\n" % server.url)
+        redirect = answer_head("308 Permanent Redirect", "Location: https://pi\x1b[2J\u009b/",
+                               "Content-Length: 0")
+        server = RawAnswerServer(self, lambda server, sock, head: server.send(sock, redirect))
+        code, out, err, _ = self.check(server.url)
+        self.assertEqual(out, "check stopped: %s redirects to https://pi\\x1b[2J\\x9b/: give the "
+                              "address it points to as --url\n" % server.url)
+        self.assertEqual(sync.escaped("caf\u00e9 \u202e\t\x7f"), "caf\u00e9 \\u202e\\t\\x7f")
+
+    def test_plain_http_to_a_name_that_starts_with_127_is_warned_of(self):
+        code, out, err, _ = self.check("http://127.attacker.example:1")
+        self.assertEqual(err.splitlines()[0], "check: warning: the token goes to "
+                                              "http://127.attacker.example:1 in plain http, "
+                                              "readable on the way")
+
+    def test_loopback_is_an_address_or_localhost_never_a_name_that_looks_like_one(self):
+        for host in ("127.0.0.1", "127.1.2.3", "::1", "localhost", "LocalHost"):
+            self.assertTrue(sync.is_loopback_host(host), host)
+        for host in ("127.attacker.example", "127.0.0.1.nip.io", "localhost.attacker.example",
+                     "0.0.0.0", "192.0.2.1", "::ffff:192.0.2.1"):
+            self.assertFalse(sync.is_loopback_host(host), host)
+
+    def test_a_tls_server_without_a_certificate_for_the_name_says_so(self):
+        # Caddy reached by a name it has no certificate for answers the handshake internal_error.
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(os.path.join(TLS_DATA, "cert.pem"), os.path.join(TLS_DATA, "key.pem"))
+        context.sni_callback = lambda sock, name, ctx: ssl.ALERT_DESCRIPTION_INTERNAL_ERROR
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        self.addCleanup(listener.close)
+
+        def serve():
+            while True:
+                try:
+                    sock, _ = listener.accept()
+                except OSError:
+                    return
+                try:
+                    context.wrap_socket(sock, server_side=True).close()
+                except (OSError, ssl.SSLError):
+                    sock.close()
+        threading.Thread(target=serve, daemon=True).start()
+        url = "https://localhost:%d" % listener.getsockname()[1]
+        code, out, err, _ = self.check(url, "--ca-file", os.path.join(TLS_DATA, "cert.pem"))
+        self.assertEqual((code, out, err), (1, (
+            "check stopped: the TLS handshake with %s failed (TLSV1_ALERT_INTERNAL_ERROR): the "
+            "server has no certificate for localhost: use in the URL the name its certificate is "
+            "for\n" % url), ""))
 
 
 class CheckTlsTest(ServerCase):
@@ -13279,6 +13470,7 @@ class ReplicateCase(ServerCase):
         thread.start()
         self.addCleanup(self.stop_server, self.target, thread)
         self.target_url = self.target.url  # where replicate copies to
+        self.source_url = None  # where it copies from, when not the source server (self.url)
         self.files = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, self.files, True)
         self.from_token = self.token_file("from.token", self.alice)
@@ -13299,7 +13491,7 @@ class ReplicateCase(ServerCase):
         return path
 
     def argv(self, *extra, memory=True):
-        argv = ["replicate", "--from", self.url, "--from-token-file", self.from_token, "--to", self.target_url,
+        argv = ["replicate", "--from", self.source_url or self.url, "--from-token-file", self.from_token, "--to", self.target_url,
                 "--to-token-file", self.to_token]
         if memory:
             argv += ["--from-principal", "alice", "--to-principal", "alice"]
@@ -13340,9 +13532,11 @@ class ReplicateCase(ServerCase):
                                            updated, deleted, sync.plural(conflicts, "conflict")))
 
     def assertSummary(self, out, *counts, **named):
-        self.assertEqual(len(out.splitlines()), 1, out)
-        self.assertTrue(out.startswith(self.summary(*counts, **named)), out)
-        self.assertRegex(out, r"; [0-9]+\.[0-9] s\n$")
+        """out is the summary of these counts, and the memory line when memory was looked at."""
+        summary, _, memory = out.partition("\n")
+        self.assertTrue(summary.startswith(self.summary(*counts, **named)), out)
+        self.assertRegex(summary, r"; [0-9]+\.[0-9] s$")
+        self.assertRegex(memory, r"^(replicate: memory: [^\n]+\n)?$")
 
 
 class ReplicateFeedsTest(ReplicateCase):
@@ -13576,6 +13770,33 @@ class ReplicateMemoryTest(ReplicateCase):
         self.assertEqual(self.notes(self.target.url, self.target_alice), {})
 
 
+    def test_the_memory_scopes_looked_at_are_named_and_a_scope_without_a_feed_needs_project(self):
+        self.commit(self.url, self.alice, [replicate_put("n1")], scope="lonely")  # no session feed
+        code, out, err = self.replicate(memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 0, 0)
+        self.assertEqual(out.splitlines()[1], "replicate: memory: no notes in the 1 scope looked at (user); "
+                                              "the memory of a project with no session feed is found only "
+                                              "when named with --project ID")
+        code, out, err = self.replicate("--project", "lonely", memory=True)
+        self.assertEqual((code, err), (0, ""))
+        self.assertSummary(out, 1, 0, created=1)
+        self.assertEqual(out.splitlines()[1], "replicate: memory: looked at 2 scopes: user, project/lonely")
+        self.assertEqual(self.notes(self.target.url, self.target_alice, "lonely"), {"n1": replicate_note("n1")})
+
+    def test_a_principal_the_token_is_not_for_is_named_as_the_flag_s_mistake(self):
+        # Before: "the source ... refuses its token", when the token was right and the flag wrong.
+        out, err = io.StringIO(), io.StringIO()
+        argv = self.argv(memory=False)[:-1] + ["--from-principal", "bob", "--to-principal", "alice"]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            self.assertEqual(sync.main(argv), 1)
+        self.assertEqual(err.getvalue(), (
+            "replicate: --from-principal bob is not the principal of the --from token: the source %s "
+            'answered POST /v1/memory/identity with 403 {"code": "account_mismatch", "error": "the token '
+            'belongs to another account"}; give --from-principal the principal the token was issued to '
+            "(or --no-memory)\n" % self.url))
+
+
 class ReplicateFollowTest(ReplicateCase):
     """replicate --follow: a live mirror, stopped by SIGTERM; and what ends a run at once."""
 
@@ -13591,17 +13812,30 @@ class ReplicateFollowTest(ReplicateCase):
         self.addCleanup(process.kill)
         return process
 
-    def test_follow_outlasts_more_faults_than_a_run_tries(self):
+    def test_follow_outlasts_more_faults_than_a_run_tries_and_says_an_outage_twice(self):
+        # Before, each feed said each of its retries: a line per feed per retry during an outage.
         self.push(self.alice, "proj", [record()])
         picky = self.picky(unavailable=sync.REPLICATE_ATTEMPTS + 3)
-        process = self.follow(memory=False)
-        self.wait_for(lambda: picky.pushes == [[record()]])
+        process = self.follow("--state", self.state_path, memory=False)
+        self.wait_for(lambda: picky.pushes == [[record()]] and self.state_feeds() == {"personal/proj": 1})
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=15)
         self.assertEqual(process.returncode, 0, err)
-        self.assertEqual(err.count("POST /v1/push answered 503"), sync.REPLICATE_ATTEMPTS + 3, err)
-        self.assertNotIn("gave up", err)
+        self.assertEqual(picky.unavailable, 0)  # each of the 503s was answered
+        self.assertRegex(err, r"^replicate: the target %s is failing: personal/proj: push: target: "
+                              r'POST /v1/push answered 503 \{"error": "busy"\}; trying again \(after '
+                              r"0\.01 s, doubling up to 0\.02 s\) until it is back, which is said\n"
+                              r"replicate: the target %s is back, after [0-9]+ s\n$"
+                         % (re.escape(picky.url), re.escape(picky.url)))
         self.assertRegex(out, r"^replicate: 1 feed, 1 event copied, ")
+
+    def state_feeds(self):
+        """The feeds' cursors in the state file, or None."""
+        try:
+            with open(self.state_path) as f:
+                return json.load(f)["feeds"]
+        except (OSError, ValueError):
+            return None
 
     def wait_for(self, condition, seconds=10):
         deadline = time.monotonic() + seconds
@@ -13767,6 +14001,56 @@ class ReplicateRefusalsTest(ReplicateCase):
                               'answered 503 {"error": "busy"} (gave up after 5 tries); this feed stops\n')
 
 
+    def test_a_source_that_repeats_its_cursor_or_moves_it_back_stops_the_feed(self):
+        # Before, a source that answered one cursor with more: true was pulled 137,000 times in 30 s.
+        feeds = {("token-a", "proj"): [("r", record("s1", "r%d" % i)) for i in range(3)]}
+        self.from_token = self.token_file("from.token", "token-a")
+        for fault, cursor, wrong in (
+                ("repeat-cursor", 1, "repeats cursor 1 with more: true (pulling on would never end)"),
+                ("backward-cursor", 0, "has a cursor below since (1)")):
+            with self.subTest(fault=fault):
+                self.source_url = start_faulty_server(self, fault, feeds)
+                started = time.monotonic()
+                code, out, err = self.replicate()
+                self.assertLess(time.monotonic() - started, 10)
+                self.assertEqual((code, err), (1, (
+                    'replicate: personal/proj: source: the response to a pull %s: {"cursor": %d, '
+                    '"records": [], "sessions": [], "more": true}; this feed stops\n' % (wrong, cursor))))
+                self.assertEqual(self.target_pull()["records"], [record("s1", "r0")])  # its first page
+
+    def test_an_endless_pull_answer_stops_its_feed_at_the_byte_limit(self):
+        pulled = threading.Event()
+
+        def source(server, sock, head):
+            if not head.startswith(b"GET /v1/pull"):
+                body = b'{"projects": ["proj"]}'
+                return server.send(sock, answer_head("200 OK", "Content-Length: %d" % len(body),
+                                                     "Connection: close") + body)
+            try:
+                endless_chunks(server, sock)
+            finally:
+                pulled.set()
+        server = RawAnswerServer(self, source)
+        self.source_url = server.url
+        code, out, err = self.replicate()
+        self.assertEqual((code, err), (1, (
+            "replicate: personal/proj: source: GET /v1/pull of %s: the answer passed 64.0 MiB, the most "
+            "taken for it (a server that never ends its answer?); this feed stops\n" % server.url)))
+        self.assertTrue(pulled.wait(10))  # the client hung up: the server could send no more
+        self.assertLess(server.sent, sync.LARGE_ANSWER_BYTES + 16 * 1024 * 1024)  # + socket buffers
+
+    def test_what_a_source_sends_is_printed_escaped(self):
+        status = b"\x1b]0;owned\x07 HTTP/1.1 200 OK\r\n\r\n"
+        self.source_url = RawAnswerServer(self, lambda server, sock, head: server.send(sock, status)).url
+        with mock.patch.object(sync, "REPLICATE_BACKOFF", (0.001, 0.001)):
+            code, out, err = self.replicate()
+        self.assertEqual(code, 1)
+        self.assertEqual(err.splitlines()[-1], (
+            "replicate: source: GET /v1/projects of %s: network error: \\x1b]0;owned\\x07 HTTP/1.1 200 "
+            "OK\\r\\n (gave up after 5 tries)" % self.source_url))
+        self.assertEqual(len(err.splitlines()), 5)
+
+
 class ReplicateUsageTest(ReplicateCase):
     """replicate's command line: what is refused with exit 2 before anything is copied."""
 
@@ -13791,8 +14075,8 @@ class ReplicateUsageTest(ReplicateCase):
         self.assertUsage([self.url + "/" if a == self.target_url else a for a in argv],
                          "--from and --to name the same server")
         self.assertUsage([a.replace("127.0.0.1", "192.0.2.1") if a == self.target_url else a for a in argv],
-                         "--to is plain http to 192.0.2.1: the token would cross the network in clear "
-                         "(use https, or --allow-plain-http)")
+                         "--to is plain http to 192.0.2.1, not a loopback address: the token would cross "
+                         "the network in clear (use https, or --allow-plain-http)")
         self.assertUsage(self.argv()[:9] + ["--no-memory", "--project", "a/b"],
                          "--project must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
         self.assertUsage(self.argv(memory=False)[:-1],
@@ -13806,6 +14090,18 @@ class ReplicateUsageTest(ReplicateCase):
                          "cannot use the state file %s: No such file or directory" % unwritable)
         self.assertUsage(["replicate", "--from", self.url], "the following arguments are required: "
                          "--from-token-file, --to, --to-token-file")
+        self.assertEqual(self.target_pull()["cursor"], 0)
+
+    def test_a_name_that_starts_with_127_is_not_loopback_and_one_server_by_two_names_is_one(self):
+        argv = self.argv()
+        self.assertUsage([a.replace("127.0.0.1", "127.attacker.example") if a == self.url else a for a in argv],
+                         "--from is plain http to 127.attacker.example, not a loopback address: the token "
+                         "would cross the network in clear (use https, or --allow-plain-http)")
+        port = self.target.server_address[1]
+        self.assertUsage([self.target_url.replace("127.0.0.1", "localhost") if a == self.url else a
+                          for a in argv],
+                         "--from and --to name the same server (localhost port %d and 127.0.0.1 port %d "
+                         "are one address and port)" % (port, port))
         self.assertEqual(self.target_pull()["cursor"], 0)
 
     def test_a_self_signed_certificate_needs_ca_file(self):
