@@ -8706,6 +8706,31 @@ class PrincipalsOnTheWireTest(ServerCase):
         self.assertAnswer(self.push(carol, "p", [record("s2")]), 200, {"cursor": 2, "accepted": 1})
         self.assertAnswer(self.push(self.bob, "p", [record()]), 403)
 
+    def test_sighup_rereads_the_file_and_keeps_the_list_when_it_is_broken(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        tokens = sync.TokenStore(data_dir)
+        alice, carol = tokens.issue("alice")[0], tokens.issue("carol")[0]
+        server = SubprocessServer(data_dir, "--principals-file", self.principals_path)
+        try:
+            def pushed(token, name):
+                return http_request(server.url, "POST", "/v1/push", {"project": "p", "records": [
+                    record(record_id=name)]}, token).status
+            self.assertEqual((pushed(alice, "a1"), pushed(carol, "c1")), (200, 403))
+            self.write_principals("alice\ncarol\n")
+            server.process.send_signal(signal.SIGHUP)
+            self.assertIn("; reloaded the principals file %s (2 principals)" % self.principals_path,
+                          server.next_log_line())
+            self.assertEqual(pushed(carol, "c2"), 200)
+            self.write_principals("carol\nbob 2 parsecs\n")
+            server.process.send_signal(signal.SIGHUP)
+            self.assertIn("; kept the principals in force: cannot use the principals file %s: line 2: '2 parsecs' "
+                          "is not a size" % self.principals_path, server.next_log_line())
+            self.assertEqual((pushed(alice, "a3"), pushed(carol, "c3")), (200, 200))
+        finally:
+            code, _ = server.stop()
+        self.assertEqual(code, 0)
+
     def test_an_anonymous_jwt_gets_401_on_every_route_file_or_no_file(self):
         for with_file in (True, False):
             if not with_file:
@@ -8796,6 +8821,25 @@ class QuotaOnTheWireTest(ServerCase):
         self.assertLess(after, before)
         self.assertAnswer(self.push(self.alice, "p", [record("s2", "after", body="x" * 1024)]), 200)
         self.assertEqual(self.server.app.metrics.stored("alice"), self.stored())
+
+    def test_stored_bytes_follow_pushes_evictions_reloads_and_compactions(self):
+        data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, data_dir, True)
+        metrics = sync.Metrics()
+        store = sync.FeedStore(data_dir, metrics=metrics, max_open=2)  # 5 feeds: each evicted and loaded again
+        store.push(("u", "alice"), "p0", *validated([record("s0", "first")]))
+        store = sync.FeedStore(data_dir, metrics=sync.Metrics(), max_open=2)  # a start on what is there
+        store.count_bytes()
+        for round_number in range(3):
+            for i in range(5):
+                store.push(("u", "alice"), "p%d" % i, *validated(
+                    [record("s%d" % i, "r%d" % round_number, body="x" * 100)], [meta("s%d" % i, gen=round_number)]))
+            store.push(("t", "platform"), "p", *validated([record("t", "r%d" % round_number)]))
+        store.push(("u", "alice"), "p1", *validated([], [meta("s1", gen=9, deleted=True)]))
+        store.feed(("u", "alice"), "p1").compact(int(time.time() * 1000), retain_ms=0)
+        feeds = os.path.join(data_dir, "feeds")
+        self.assertEqual(store.metrics.stored("alice"), disk_bytes(os.path.join(feeds, "u-alice")))
+        self.assertEqual(store.bytes_on_disk(), disk_bytes(feeds))
 
     def test_what_is_stored_before_a_start_counts(self):
         self.fill()
