@@ -173,6 +173,7 @@ DEFAULT_MAX_PARKED = 1500           # long-polls held at once; past it a pull an
 # one principal's long-polls half of --max-parked): no one takes every place from the others.
 PER_ADDRESS_SHARE = 4
 LISTEN_BACKLOG = 512
+MAX_LOGGED_READ_FAILURES = 1024     # distinct read failures logged once each (then forgotten)
 MAX_HEAD_BYTES = 65536              # the request line and every header line together
 SWEEP_SECONDS = 0.25                # how often the watchdog looks at the connections' deadlines
 # After a last response, what the client still sends is dropped this long.
@@ -2649,6 +2650,32 @@ class DataDir:
                 pass
         return sorted(found)
 
+    def walk(self, deep=True):
+        """(path, lstat result, written) of the data dir and of each file and directory of its
+        layout that is there, a directory before what it holds (listed only once the caller has
+        had it): written, whether a file is changed in place (a feed, a lock), not replaced by a
+        file made aside. deep: feeds/ and memory/ and all under them too. A link is never
+        followed."""
+        yield self.path, os.stat(self.path), False
+        for path, written in ((self.lock, True), (self.tokens, False), (self.tokens_lock, True),
+                              (self.feeds, None), (self.memory, None)):
+            if written is None and not deep:
+                continue
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            yield path, info, bool(written)
+            if stat.S_ISDIR(info.st_mode):
+                yield from self._walk_under(path)
+
+    def _walk_under(self, directory):
+        for entry in sorted(os.scandir(directory), key=lambda entry: entry.name):
+            info = entry.stat(follow_symlinks=False)
+            yield entry.path, info, _is_feed_name(entry.name)
+            if stat.S_ISDIR(info.st_mode):
+                yield from self._walk_under(entry.path)
+
     def links(self):
         """The path of every link in the data dir, sorted (the layout has none: each is refused,
         never followed), found without following any."""
@@ -2841,17 +2868,16 @@ def write_all(fd, data):
         view = view[written:]
 
 
-def write_atomically(path, data, owner=None):
+def write_atomically(path, data, mode=None):
     """Replace path with data: temporary file, fsync, rename, fsync of the directory.
-    owner: (uid, gid, mode) the new file gets before it replaces the old one (else the caller's,
-    0600)."""
+    mode: the new file's mode (else 0600)."""
     directory = os.path.dirname(path)
     temporary = "%s.tmp-%s" % (path, secrets.token_hex(4))
     fd = open_in_data_dir(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         try:
-            if owner is not None:
-                give_file(fd, owner)
+            if mode is not None:
+                keep_mode(fd, mode)
             write_all(fd, data)
             sync_file(fd)
         finally:
@@ -2866,25 +2892,10 @@ def write_atomically(path, data, owner=None):
     sync_dir(directory)
 
 
-def give_file(fd, owner):
-    """Give an open file the owner, group and mode of owner = (uid, gid, mode), changing only what
-    differs."""
-    uid, gid, mode = owner
-    info = os.fstat(fd)
-    if (info.st_uid, info.st_gid) != (uid, gid):
-        os.fchown(fd, uid, gid)
-    if (info.st_mode & 0o7777) != mode:
+def keep_mode(fd, mode):
+    """Give an open file the mode of the file it replaces (not this process's umask's)."""
+    if (os.fstat(fd).st_mode & 0o7777) != mode:
         os.fchmod(fd, mode)
-
-
-def dir_owner(path):
-    """(uid, gid, 0o600): what a file a command makes in the directory path gets, so that a server
-    run as the directory's owner can open it when the command ran as root; None where files have
-    no owner to give (Windows)."""
-    if not hasattr(os, "fchown"):
-        return None
-    info = os.stat(path)
-    return info.st_uid, info.st_gid, 0o600
 
 
 def user_name(uid):
@@ -2893,6 +2904,90 @@ def user_name(uid):
         return pwd.getpwuid(uid).pw_name
     except (AttributeError, KeyError):  # no pwd module (Windows), or no such user
         return "uid %d" % uid
+
+
+def act_as_data_dir_owner(path, log):
+    """When root runs this on a data dir (path) that another user owns, become that user for good:
+    their groups, then their group, then their uid, in that order; log says so in one line. Every
+    file a command makes is then the owner's, and no link planted in the dir can make root write
+    where its owner may not. A no-op for any other user, for a dir root owns or that is not there
+    yet (root makes it, and it stays root's), and where there are no users (Windows). Called once
+    what only root may read is read, and (the server) its port bound."""
+    if not hasattr(os, "setuid") or os.geteuid() != 0:
+        return
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UsageError("cannot use data dir %s: %s" % (path, reason(exc))) from None
+    if info.st_uid == 0:
+        return
+    try:
+        account = pwd.getpwuid(info.st_uid)
+        name, gid = account.pw_name, account.pw_gid
+    except KeyError:  # a uid with no name: the dir's group, alone
+        name, gid = None, info.st_gid
+    try:
+        if name is None:
+            os.setgroups([gid])
+        else:
+            os.initgroups(name, gid)
+        os.setgid(gid)
+        os.setuid(info.st_uid)
+    except OSError as exc:
+        raise UsageError("cannot run as uid %d, the owner of %s: %s"
+                         % (info.st_uid, path, reason(exc))) from None
+    log("running as %s (uid %d), the owner of %s"
+        % (name or "uid %d" % info.st_uid, info.st_uid, path))
+
+
+def ownership_fix(data_dir):
+    """What to do when this process cannot use a file of data_dir: run as the dir's owner, or
+    (run as them already) give them back what is not theirs."""
+    try:
+        owner = os.stat(data_dir).st_uid
+    except OSError:
+        owner = os.geteuid()
+    name = user_name(owner)
+    if owner != os.geteuid():
+        return ("run this as %s, the data dir's owner: sudo -u %s python3 oharness_sync.py ..."
+                % (name, name))
+    return "give its owner back what is in it: sudo chown -R %s: %s" % (name, data_dir)
+
+
+def reason_and_fix(exc, data_dir):
+    """The reason of an OSError met in data_dir, and the fix when it is a permission's."""
+    if isinstance(exc, PermissionError):
+        return "%s; %s" % (reason(exc), ownership_fix(data_dir))
+    return reason(exc)
+
+
+def check_data_dir_access(layout, write=True, deep=True):
+    """UsageError naming the first file or directory of the data dir at layout this process cannot
+    read (or, with write, change: a directory's entries, a file changed in place) by its mode, and
+    the fix; before anything is made. One lstat a file (DataDir.walk); nothing to check for
+    root."""
+    if not hasattr(os, "geteuid") or os.geteuid() == 0:
+        return
+    uid, groups = os.geteuid(), set(os.getgroups()) | {os.getegid()}
+    try:
+        for path, info, written in layout.walk(deep):
+            if stat.S_ISLNK(info.st_mode):
+                continue
+            changed = write and (written or stat.S_ISDIR(info.st_mode))
+            need = (0o5 if stat.S_ISDIR(info.st_mode) else 0o4) | (0o2 if changed else 0)
+            shift = 6 if info.st_uid == uid else 3 if info.st_gid in groups else 0
+            lacks = need & ~(info.st_mode >> shift)
+            if lacks:
+                raise UsageError("cannot %s %s: it is %s's, mode %04o; %s" % (
+                    " or ".join(verb for bits, verb in ((0o5, "read"), (0o2, "write"))
+                                if lacks & bits),
+                    path, user_name(info.st_uid), info.st_mode & 0o7777,
+                    ownership_fix(layout.path)))
+    except OSError as exc:  # (an ACL said no where the mode did not)
+        raise UsageError("cannot read %s: %s" % (exc.filename or layout.path,
+                                                 reason_and_fix(exc, layout.path))) from None
 
 
 def lock_exclusively(fd):
@@ -2917,7 +3012,11 @@ class DataDirLock:
         self.fd = None
 
     def acquire(self):
-        fd = open_in_data_dir(self.path, os.O_RDWR | os.O_CREAT)
+        try:
+            fd = open_in_data_dir(self.path, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            raise UsageError("cannot open %s: %s" % (
+                self.path, reason_and_fix(exc, os.path.dirname(self.path)))) from None
         if not lock_exclusively(fd):
             os.close(fd)
             raise UsageError("another oharness-sync server is already using %s"
@@ -2938,8 +3037,8 @@ class TokenStore:
     Each record: id (12 hex, not secret), hash, principal, teams, name, created
     and expires (Unix ms or null). The file is replaced atomically; the command
     line serialises its read-modify-write with DIR/tokens.lock. A new file keeps
-    the old one's owner, group and mode (a token issued as root must stay
-    readable by the server's user); a first one gets the data dir's owner.
+    the old one's mode; it is made by the data dir's owner (root works as them:
+    act_as_data_dir_owner), so their server can read it.
     """
 
     def __init__(self, data_dir, clock=time.time):
@@ -2984,12 +3083,10 @@ class TokenStore:
                 and all(record.get(stamp) is None or as_safe_int(record[stamp]) is not None
                         for stamp in ("created", "expires")))
 
-    def owner(self):
-        """(uid, gid, mode) the token file must have: the present file's, else the data dir's owner
-        and group with mode 0600; None where files have no owners (Windows). UsageError, naming the
-        user to run as, when this process cannot give a file that owner."""
-        if not hasattr(os, "fchown"):
-            return None
+    def mode(self):
+        """The mode the token file keeps: the present file's, else 0600. UsageError, naming the
+        user to run as, when this process is not the file's owner (or the data dir's, before
+        there is one): the file it made would be its own, not theirs."""
         try:
             info, whose = os.lstat(self.path), self.path
             if stat.S_ISLNK(info.st_mode):
@@ -2998,32 +3095,27 @@ class TokenStore:
         except FileNotFoundError:
             whose = os.path.dirname(self.path)
             info, mode = os.stat(whose), 0o600
-        if os.geteuid() != 0 and (info.st_uid != os.geteuid()
-                                  or info.st_gid not in os.getgroups() + [os.getegid()]):
-            name = user_name(info.st_uid)
-            raise UsageError("%s belongs to %s: run token commands as that user, e.g. sudo -u %s "
-                             "python3 oharness_sync.py token ..." % (whose, name, name))
-        return info.st_uid, info.st_gid, mode
+        if hasattr(os, "geteuid") and os.geteuid() not in (0, info.st_uid):
+            raise UsageError("%s belongs to %s: %s" % (whose, user_name(info.st_uid),
+                                                      ownership_fix(os.path.dirname(self.path))))
+        return mode
 
     def _update(self, change):
         """Apply change(records) under the command-line lock and write the file atomically, keeping
-        its owner."""
-        owner = self.owner()  # refused before anything is written
+        its mode."""
+        self.mode()  # refused before anything is written
         try:
-            fd, created = open_in_data_dir(self.lock_path,
-                                           os.O_RDWR | os.O_CREAT | os.O_EXCL), True
-        except FileExistsError:
-            fd, created = open_in_data_dir(self.lock_path, os.O_RDWR), False
+            fd = open_in_data_dir(self.lock_path, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            raise UsageError("cannot open %s: %s" % (
+                self.lock_path, reason_and_fix(exc, os.path.dirname(self.path)))) from None
         try:
-            # The token file's owner's too, or they are locked out of it.
-            if created and owner is not None:
-                give_file(fd, owner[:2] + (0o600,))
             while not lock_exclusively(fd):
                 time.sleep(0.05)
             records = self.read()
             result = change(records)
             write_atomically(self.path, encode_json({"version": 1, "tokens": records}) + b"\n",
-                             self.owner())
+                             self.mode())
             return result
         finally:
             os.close(fd)
@@ -3487,10 +3579,9 @@ def compact_file(path, now_ms, retain_ms):
 
 def open_aside(path):
     """The file a rewrite of the feed file path is written to (path + COMPACT_SUFFIX) until it
-    replaces it, made afresh with path's owner, group and mode, not this process's umask's: a feed
-    stays unreadable to other users (0600, as the server makes it), and its server's when the
-    rewrite runs as root. A new file, never one found there (a link, say): one a crash left is
-    removed first."""
+    replaces it, made afresh with path's mode, not this process's umask's: a feed stays unreadable
+    to other users (0600, as the server makes it). (It is the data dir owner's: root works as
+    them.) A new file, never one found there (a link, say): one a crash left is removed first."""
     fd = open_in_data_dir(path, os.O_RDONLY)
     try:
         info = os.fstat(fd)
@@ -3499,8 +3590,7 @@ def open_aside(path):
     _remove(path + COMPACT_SUFFIX)
     fd = open_in_data_dir(path + COMPACT_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        if hasattr(os, "fchown"):
-            give_file(fd, (info.st_uid, info.st_gid, info.st_mode & 0o7777))
+        keep_mode(fd, info.st_mode & 0o7777)
         return os.fdopen(fd, "wb")
     except BaseException:
         os.close(fd)
@@ -3678,7 +3768,8 @@ class Feed:
                         self._load()
                     except OSError as exc:
                         # E.g. out of file descriptors: try again on the next request.
-                        raise StorageError("cannot read %s: %s" % (self.path, exc)) from None
+                        raise StorageError("cannot read %s: %s"
+                                           % (self.path, reason(exc))) from None
         if self.damage is not None:
             raise FeedDamaged(self.damage)
 
@@ -4101,6 +4192,18 @@ def read_feed_floor(layout):
     return floor
 
 
+def is_there(path):
+    """Whether there is a file at path; StorageError when that cannot be told (a directory on its
+    way this process may not search): never a feed taken for missing, its pull for empty."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise StorageError("cannot read %s: %s" % (path, reason(exc))) from None
+    return True
+
+
 def has_event(path):
     """Whether a feed file's first line is an event (the usual case; else it takes a load to
     tell)."""
@@ -4193,8 +4296,8 @@ class FeedStore:
         """A new Feed for key, room made for it (lock held), or the one made while this waited
         for room; None when it has no file and create is false."""
         path = self.layout.feed_path(*key)
-        # (lexists: a link is a feed the load refuses, not a feed that is not there)
-        if not (create or os.path.lexists(path)):
+        # (lstat: a link is a feed the load refuses, not a feed that is not there)
+        if not (create or is_there(path)):
             return None
         deadline = None
         while len(self._feeds) >= self.max_open and key not in self._feeds:
@@ -4265,8 +4368,7 @@ class FeedStore:
                     jumped += feed.keep_number(floor)
         if read_feed_floor(self.layout) < floor:
             make_dirs(self.layout.feeds)
-            write_atomically(self.layout.feed_floor, encode_json({"floor": floor}),
-                             dir_owner(self.layout.path))
+            write_atomically(self.layout.feed_floor, encode_json({"floor": floor}))
         with self._lock:
             self._floor = floor
         return jumped
@@ -4371,7 +4473,11 @@ class FeedStore:
         in use counts its events (its file may hold a first push still being fsynced, or being
         undone); another is listed when its first line is an event, else once it is loaded."""
         names = []
-        for project, entry in self.layout.owner_feeds(owner):
+        try:
+            feeds = self.layout.owner_feeds(owner)
+        except OSError as exc:
+            raise StorageError("cannot read %s: %s" % (exc.filename, reason(exc))) from None
+        for project, entry in feeds:
             feed = self._feeds.get((owner, project))
             if (feed is None or not feed.loaded) and has_event(entry.path):
                 names.append(project)
@@ -4943,8 +5049,7 @@ class MemoryStore:
                 if manifest is NO_MANIFEST:
                     continue
                 new = Manifest(secrets.token_hex(16), manifest.entries)
-                # (the data dir's owner's, should this run as root)
-                write_atomically(files.manifest, new.to_bytes(), dir_owner(self.layout.path))
+                write_atomically(files.manifest, new.to_bytes())
                 self._cache.put(files.root, new)
             changed += 1
         return changed, damaged
@@ -5147,7 +5252,7 @@ def apply_restore(feeds, memory, log, clock=time.time):
     if "floor" not in mark:
         mark["floor"] = restore_floor(feeds.highest_number(), mark["taken"],
                                       int(clock() * 1000))
-        write_atomically(layout.restore_mark, encode_json(mark), dir_owner(layout.path))
+        write_atomically(layout.restore_mark, encode_json(mark))
     jumped = feeds.number_on_from(mark["floor"])
     scopes, damaged = memory.change_etags()
     os.unlink(layout.restore_mark)
@@ -5383,6 +5488,7 @@ class SyncApp:
                            lambda: len(self.parked))
         # (principal, body) -> MemoryRequest, for small snapshot bodies
         self._checked_snapshots = {}
+        self._read_failures = set()       # the texts of the StorageErrors of reads logged so far
 
     ROUTES = {
         "/": {"GET": "front_page"},
@@ -5415,16 +5521,27 @@ class SyncApp:
             return self.error_response(exc, request.path.startswith("/v1/memory/"))
         except (ApiError, MemoryApiError, FeedDamaged, StorageError, QuotaReached,
                 DiskLow) as exc:
-            return self.error_response(exc, request.path.startswith("/v1/memory/"))
+            return self.error_response(exc, request.path.startswith("/v1/memory/"),
+                                       stores=request.path == "/v1/push")
 
-    def error_response(self, exc, memory_route):
-        """The response to an expected failure: the one place that turns an exception into one."""
+    def error_response(self, exc, memory_route, stores=False):
+        """The response to an expected failure: the one place that turns an exception into one.
+        stores: the request would have stored something."""
         if isinstance(exc, FeedDamaged):  # (logged once, when the feed was read)
             return json_response(500, {"error": "this feed is damaged; the server log names the "
                                                 "file and line"})
         if isinstance(exc, StorageError):
-            self.log("storage failure: %s" % exc)
-            return json_response(500, {"error": "storage failure; nothing was stored"})
+            if stores:
+                self.log("storage failure: %s" % exc)
+                return json_response(500, {"error": "storage failure; nothing was stored"})
+            # A read fails again at every poll of every device: logged once.
+            if str(exc) not in self._read_failures:
+                if len(self._read_failures) >= MAX_LOGGED_READ_FAILURES:
+                    self._read_failures.clear()
+                self._read_failures.add(str(exc))
+                self.log("storage failure: %s" % exc)
+            return json_response(500, {"error": "storage failure: the server cannot read what "
+                                                "was asked for; its log names the file"})
         if isinstance(exc, (ApiError, MemoryApiError)):
             return json_response(exc.status, exc.payload(), exc.headers)
         if isinstance(exc, QuotaReached):
@@ -6230,7 +6347,8 @@ class SyncServer(http.server.ThreadingHTTPServer):
 
     def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None,
                  access_log=None, tls=None, request_seconds=DEFAULT_REQUEST_SECONDS,
-                 idle_seconds=IDLE_SECONDS, max_per_address=None, trusted_proxies=()):
+                 idle_seconds=IDLE_SECONDS, max_per_address=None, trusted_proxies=(),
+                 listener=None):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.app = app
@@ -6256,7 +6374,17 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self.metrics.gauge("oharness_sync_connections_open", "Connections open now.",
                            lambda: self.connections)
         self.watchdog = Watchdog(self.log)     # before binding: a failed bind calls server_close
+        self.listener = listener               # bound already (bind_listener), or None
         super().__init__(address, SyncRequestHandler)
+
+    def server_bind(self):
+        if self.listener is None:
+            super().server_bind()
+            return
+        self.socket.close()  # socketserver's own, unbound: the listener serves instead
+        self.socket = self.listener
+        self.server_address = self.socket.getsockname()
+        self.server_name, self.server_port = self.server_address[:2]
 
     @property
     def url(self):
@@ -6462,15 +6590,31 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def bind_listener(host, port):
+    """A socket listening on host:port, for build_server: bound before root works as the data
+    dir's owner (act_as_data_dir_owner), so that a port below 1024 (443) needs no proxy. OSError
+    when it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
                  max_connections=DEFAULT_MAX_CONNECTIONS, log=None, jwt=None, memory_mode="local",
                  supabase=None, memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None,
                  max_parked=DEFAULT_MAX_PARKED, request_seconds=DEFAULT_REQUEST_SECONDS,
                  idle_seconds=IDLE_SECONDS, metrics_token=None, principals=None,
-                 max_per_address=None, trusted_proxies=(), reserve_disk=0):
-    """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business). With
-    a metrics_token, GET /metrics answers whoever has it; with principals (a PrincipalList), only
-    those it lists are served; with reserve_disk (bytes), writes leave that much of the disk free.
+                 max_per_address=None, trusted_proxies=(), reserve_disk=0, listener=None):
+    """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business): on
+    listener (bind_listener), else on host:port. With a metrics_token, GET /metrics answers
+    whoever has it; with principals (a PrincipalList), only those it lists are served; with
+    reserve_disk (bytes), writes leave that much of the disk free.
     max_per_address and trusted_proxies: see SyncServer."""
     log, metrics = log or Log(quiet=True), Metrics()
     auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode,
@@ -6516,7 +6660,7 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
     return SyncServer((host, port), app, max_connections=max_connections, log=log,
                       access_log=access_log, tls=tls, request_seconds=request_seconds,
                       idle_seconds=idle_seconds, max_per_address=max_per_address,
-                      trusted_proxies=trusted_proxies)
+                      trusted_proxies=trusted_proxies, listener=listener)
 
 
 def add_auth_flags(parser):
@@ -6672,15 +6816,17 @@ def is_loopback(host):
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def open_data_dir(path, create=True):
+def open_data_dir(path, create=True, deep=True):
     """(absolute path, the directories made for it, outermost first) of a usable data dir;
-    UsageError when it cannot be used. A data dir is an existing directory: only the server and
-    `token issue` (create) make a missing one, so a mistyped --data is not made by the other
-    commands."""
+    UsageError when it cannot be used (check_data_dir_access, deep or not). A data dir is an
+    existing directory: only the server and `token issue` (create) make a missing one, so a
+    mistyped --data is not made by the other commands."""
     data_dir = os.path.abspath(path)
     if not create and not os.path.isdir(data_dir):
         raise UsageError("%s is not a data dir: %s" % (
             data_dir, "not a directory" if os.path.exists(data_dir) else "no such directory"))
+    if os.path.isdir(data_dir):
+        check_data_dir_access(DataDir(data_dir), deep=deep)
     try:
         created = make_dirs(data_dir)
         probe = os.path.join(data_dir, ".write-test")
@@ -6745,7 +6891,9 @@ def serve_command(argv):
                                 for name, summary in COMMAND_SUMMARIES))
     parser.add_argument("--version", action="version", version="oharness-sync %s" % __version__)
     parser.add_argument("--data", required=True, metavar="DIR",
-                        help="data directory (created if missing)")
+                        help="data directory (created if missing). Started by root on a dir "
+                             "another user owns, the server binds its port and reads its key and "
+                             "token files, then runs as that user (a dir root owns stays root's)")
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help="address to listen on (default %s)" % DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -6805,6 +6953,8 @@ def serve_command(argv):
         raise UsageError("--memory-rate-limit must be 0 or more")
     if args.retain_deleted_days < 0:
         raise UsageError("--retain-deleted-days must be 0 or more")
+    # What only root may read is read, and the port bound, before root works as the data dir's
+    # owner (SIGHUP's re-reads are the owner's).
     metrics_token = (read_metrics_token(args.metrics_token_file)
                      if args.metrics_token_file else None)
     principals = principals_from_flag(args.principals_file)
@@ -6815,30 +6965,39 @@ def serve_command(argv):
     log = Log(quiet=args.quiet)
     jwt, supabase = auth_from_flags(args, log)
     tls = tls_from_flags(args)
-    data_dir, created = open_data_dir(args.data)
-    lock = DataDirLock(data_dir)
     try:
+        listener = bind_listener(args.host, args.port)
+    except OSError as exc:
+        raise UsageError("cannot listen on %s:%d: %s"
+                         % (args.host, args.port, reason(exc))) from None
+    created, lock = [], None
+    try:
+        act_as_data_dir_owner(os.path.abspath(args.data), log)
+        data_dir, created = open_data_dir(args.data)
+        lock = DataDirLock(data_dir)
         lock.acquire()
         raise_open_file_limit()
         threading.stack_size(THREAD_STACK_BYTES)
         try:
-            server = build_server(data_dir, args.host, args.port,
-                                  max_connections=args.max_connections, log=log, jwt=jwt,
-                                  memory_mode=args.memory_auth, supabase=supabase,
+            server = build_server(data_dir, max_connections=args.max_connections, log=log,
+                                  jwt=jwt, memory_mode=args.memory_auth, supabase=supabase,
                                   memory_rate_limit=args.memory_rate_limit, tls=tls,
                                   max_parked=args.max_parked, request_seconds=args.request_timeout,
                                   metrics_token=metrics_token, principals=principals,
                                   max_per_address=args.max_connections_per_address,
                                   trusted_proxies=trusted_proxies,
                                   reserve_disk=(default_reserve(data_dir) if reserve is None
-                                                else reserve))
+                                                else reserve), listener=listener)
         except OSError as exc:
-            raise UsageError("cannot listen on %s:%d: %s"
-                             % (args.host, args.port, reason(exc))) from None
+            raise UsageError("cannot start the server on %s: %s%s" % (
+                data_dir, "" if exc.filename is None else "%s: " % exc.filename,
+                reason(exc))) from None
     except UsageError:
+        listener.close()
         if created:  # a start that failed leaves no new directory behind
             remove_new_data_dir(created, lock.path)
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise
     if tls is None and not is_loopback(args.host):
         log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for "
@@ -7500,7 +7659,7 @@ def token_command(argv):
         description="Issue a local bearer token: the token alone on stdout, its id and principal "
                     "on stderr. A running server takes it within a second or two.")
     issue.add_argument("--data", required=True, metavar="DIR",
-                       help="the server's data directory (made if missing)")
+                       help="the server's data directory (made if missing); " + AS_OWNER_NOTE)
     issue.add_argument("--principal", required=True, metavar="ID",
                        help="whose token it is: the owner of their personal feeds and memory")
     issue.add_argument("--team", action="append", default=[], metavar="ID",
@@ -7517,12 +7676,12 @@ def token_command(argv):
                                   description="List tokens: id, principal, teams, label, created, "
                                               "expires. Never the tokens themselves.")
     listing.add_argument("--data", required=True, metavar="DIR",
-                         help="the server's data directory")
+                         help="the server's data directory; " + AS_OWNER_NOTE)
     revoke = commands.add_parser("revoke", help="revoke a token by its id (or the whole token)",
                                  description="Revoke a token; a running server refuses it within "
                                              "a second or two.")
     revoke.add_argument("--data", required=True, metavar="DIR",
-                        help="the server's data directory")
+                        help="the server's data directory; " + AS_OWNER_NOTE)
     revoke.add_argument("token_id", metavar="TOKEN_ID",
                         help="the id token list shows, or the whole token")
     for sub in (issue, listing, revoke):
@@ -7532,7 +7691,8 @@ def token_command(argv):
         check_issue_flags(args)
     elif args.action == "revoke":
         token_id, hashed = revoked_token(args.token_id)
-    data_dir, _ = open_data_dir(args.data, create=args.action == "issue")
+    act_as_data_dir_owner(os.path.abspath(args.data), print_on_stderr)
+    data_dir, _ = open_data_dir(args.data, create=args.action == "issue", deep=False)
     tokens = TokenStore(data_dir)
     try:
         if args.action == "issue":
@@ -7852,14 +8012,12 @@ class DataDirCheck:
 def fsck_command(argv):
     parser = ArgumentParser(prog="oharness_sync.py fsck",
                             description="Check a data dir for damage.")
-    parser.add_argument("--data", required=True, metavar="DIR")
+    data_dir_flag(parser)
     parser.add_argument("--repair", action="store_true",
                         help="cut torn last lines and remove unreferenced memory objects "
                              "(server stopped)")
     args = parser.parse_args(argv)
-    data_dir = os.path.abspath(args.data)
-    if not os.path.isdir(data_dir):
-        raise UsageError("%s is not a directory" % data_dir)
+    data_dir = existing_data_dir(args.data, write=args.repair)
     lock = None
     if args.repair:  # a repair must not race the server's own appends
         lock = DataDirLock(data_dir)
@@ -9495,8 +9653,13 @@ def replicate_command(argv):
 # usage: what each owner stores
 # -------------------------------------------------------------------------------------------------
 
+# What --data's help says of root (act_as_data_dir_owner).
+AS_OWNER_NOTE = "run by root on a dir another user owns, this works as that user"
+
+
 def data_dir_flag(parser):
-    parser.add_argument("--data", required=True, metavar="DIR", help="the server's data directory")
+    parser.add_argument("--data", required=True, metavar="DIR",
+                        help="the server's data directory; " + AS_OWNER_NOTE)
 
 
 def retain_flag(parser):
@@ -9506,12 +9669,20 @@ def retain_flag(parser):
                              "(default %d, as the server's)" % DEFAULT_RETAIN_DELETED_DAYS)
 
 
-def existing_data_dir(path):
-    """The absolute path of an existing data dir; UsageError otherwise (nothing is created)."""
+def existing_data_dir(path, write=True):
+    """The absolute path of an existing data dir this command may read (and with write, change),
+    worked on as its owner when root runs it (act_as_data_dir_owner); UsageError otherwise
+    (nothing is created)."""
     data_dir = os.path.abspath(path)
     if not os.path.isdir(data_dir):
         raise UsageError("%s is not a directory" % data_dir)
+    act_as_data_dir_owner(data_dir, print_on_stderr)
+    check_data_dir_access(DataDir(data_dir), write=write)
     return data_dir
+
+
+def print_on_stderr(line):
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_retain(days):
@@ -9547,8 +9718,6 @@ class StoppedServerLock:
         if not lock_exclusively(fd):
             os.close(fd)
             raise self._busy()
-        if flags & os.O_CREAT and dir_owner(self.data_dir) is not None:
-            give_file(fd, dir_owner(self.data_dir))
         self.fd = fd
 
     def _busy(self):
@@ -9711,8 +9880,8 @@ def usage_command(argv):
     args = parser.parse_args(argv)
     retain_ms = check_retain(args.retain_deleted_days)
     principals = principals_from_flag(args.principals_file)
-    report = usage_report(existing_data_dir(args.data), int(time.time() * 1000), retain_ms,
-                          quotas=principals and principals.quotas)
+    report = usage_report(existing_data_dir(args.data, write=False), int(time.time() * 1000),
+                          retain_ms, quotas=principals and principals.quotas)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
@@ -9791,7 +9960,7 @@ def purge_command(argv):
     args = parser.parse_args(argv)
     if not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
-    data_dir = existing_data_dir(args.data)
+    data_dir = existing_data_dir(args.data, write=not args.dry_run)
     try:
         lock = StoppedServerLock(data_dir, "purge")
     except UsageError:
@@ -9877,7 +10046,7 @@ def purge(layout, principal, dry_run, lock):
     lock.change()  # (only now: a dry run or a refusal leaves the dir as it was)
     if ends:  # first: should anything fail after, the numbering is kept
         purged.update(ends)
-        write_atomically(layout.purged, encode_json(purged), dir_owner(layout.path))
+        write_atomically(layout.purged, encode_json(purged))
     for record in records:
         tokens.revoke(record["id"])  # (each write fsynced)
     for path in theirs:
@@ -9922,7 +10091,7 @@ def backup_command(argv):
     where.add_argument("--mark-restored", action="store_true",
                        help="mark DIR, restored some other way, as a copy (server stopped)")
     args = parser.parse_args(argv)
-    data_dir = existing_data_dir(args.data)
+    data_dir = existing_data_dir(args.data, write=args.mark_restored)
     if args.mark_restored:
         return mark_restored(data_dir)
     if args.tar == "-":
@@ -9935,7 +10104,7 @@ def backup_command(argv):
         sink, where, report = BackupTar.to_file(dest), dest, sys.stdout
     else:
         dest = backup_destination(data_dir, args.to, "--to")
-        sink, where, report = BackupDir(dest, dir_owner(data_dir)), dest, sys.stdout
+        sink, where, report = BackupDir(dest), dest, sys.stdout
     copy = DataDirCopy(data_dir, sink, BackupProgress(sys.stderr))
     try:
         copy.run()
@@ -10181,15 +10350,14 @@ class BackupProgress:
 
 class BackupDir:
     """A backup written as a data dir: into DEST.partial-XXXX beside DEST, each file fsynced, then
-    each directory, then renamed to DEST, so a backup stopped at any moment leaves no DEST. owner:
-    (uid, gid, mode) the files get when run as root (the data dir's), so that its server can use
-    the copy."""
+    each directory, then renamed to DEST, so a backup stopped at any moment leaves no DEST. (Run
+    by root, it works as the data dir's owner: the copy is theirs, so that its server can use it.)
+    """
 
     streamed = False
 
-    def __init__(self, dest, owner=None):
+    def __init__(self, dest):
         self.dest = dest
-        self.owner = owner if owner is not None and os.geteuid() == 0 else None
         self.root = "%s.partial-%s" % (dest, secrets.token_hex(4))
         os.mkdir(self.root, 0o700)
         self.dirs = [self.root]
@@ -10200,8 +10368,6 @@ class BackupDir:
             self.dirs.extend(make_dirs(os.path.dirname(path)))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            if self.owner is not None:
-                give_file(fd, self.owner)
             while True:
                 chunk = stream.read(BACKUP_CHUNK_BYTES)
                 if not chunk:
@@ -10312,8 +10478,7 @@ def mark_restored(data_dir):
         taken = int(min(max(times, default=time.time()), time.time()) * 1000)
         lock.change()
         write_atomically(layout.restore_mark, encode_json(
-            {"version": 1, "taken": taken, "by": "backup --mark-restored"}),
-            dir_owner(layout.path))
+            {"version": 1, "taken": taken, "by": "backup --mark-restored"}))
     finally:
         lock.release()
     print("backup: marked %s as a copy taken by %s: its next start makes every feed number on "
@@ -11414,6 +11579,10 @@ def main(argv=None):
         return serve_command(argv)
     except UsageError as exc:
         print("oharness-sync: error: %s" % exc, file=sys.stderr)
+        return 2
+    except PermissionError as exc:  # what check_data_dir_access could not see coming (an ACL)
+        print("oharness-sync: error: cannot use %s: %s" % (exc.filename, reason(exc)),
+              file=sys.stderr)
         return 2
 
 

@@ -4603,6 +4603,48 @@ class FsckTest(unittest.TestCase):
                                             "\rfsck: feeds 3/3, 3.0 GiB of 3.0 GiB in 2.5 s\n")
 
 
+def main_in_child(argv, uid, timeout=30):
+    """(exit code, stdout, stderr) of sync.main(argv) in a forked child of this process run as uid (and gid uid, no
+    other group); root only."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        pid = os.fork()
+        if pid == 0:  # (the child: never back into the test runner)
+            code = 70
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    code = sync.main(argv)
+            except BaseException as exc:
+                err.write("raised %s: %s\n" % (type(exc).__name__, exc))
+            finally:
+                out.flush()
+                err.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError("%s ran for more than %s s" % (argv, timeout))
+            time.sleep(0.02)
+        out.seek(0)
+        err.seek(0)
+        return os.waitstatus_to_exitcode(status), out.read(), err.read()
+
+
+def give_tree(path, uid):
+    """chown -R uid:uid path (root only)."""
+    os.chown(path, uid, uid)
+    for top, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.chown(os.path.join(top, name), uid, uid, follow_symlinks=False)
+
+
 class DataDirToolCase(unittest.TestCase):
     """usage, compact and purge on a copy of one data dir, built directly:
 
@@ -4671,6 +4713,20 @@ class DataDirToolCase(unittest.TestCase):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = sync.main(list(argv))
         return code, out.getvalue(), err.getvalue()
+
+    def run_tool_in_child(self, *argv, user=None):
+        """(exit code, stdout, stderr) of the command line in a process of its own: one that may give up root
+        (a tool run by root on another user's data dir works as them), or run as user (a uid)."""
+        result = subprocess.run([sys.executable, MODULE] + list(argv), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, universal_newlines=True, timeout=60,
+                                preexec_fn=None if user is None else lambda: (os.setgroups([]), os.setgid(user),
+                                                                              os.setuid(user)))
+        return result.returncode, result.stdout, result.stderr
+
+    def give_to_nobody(self):
+        """Make the data dir nobody's (uid and gid 65534), as a service user's is; root only."""
+        os.chmod(os.path.dirname(self.data_dir), 0o711)
+        give_tree(self.data_dir, 65534)
 
     def tree(self, path=None):
         """Every directory and file under path (the data dir): {relative path: (bytes or None, mtime in ns,
@@ -4960,13 +5016,12 @@ class CompactCommandTest(DataDirToolCase):
 
     def test_a_compaction_or_repair_keeps_the_feeds_mode_and_owner(self):
         # A feed is 0600 (its sessions are no other user's to read) and its server's: a rewrite keeps both, whatever
-        # the umask, and when it runs as root.
+        # the umask, and when it runs as root (which works as the data dir's owner: in a child process then).
         self.addCleanup(os.umask, os.umask(0o022))
-        owner = (os.getuid(), os.getgid())
+        owner, run_tool = (os.getuid(), os.getgid()), self.run_tool
         if os.geteuid() == 0:
-            owner = (65534, 65534)  # nobody: a service user's data dir, compacted with sudo
-            for path in (self.alice_feed, self.bob_feed):
-                os.chown(path, *owner)
+            owner, run_tool = (65534, 65534), self.run_tool_in_child  # a service user's data dir, with sudo
+            self.give_to_nobody()
         for path in (self.alice_feed, self.bob_feed):
             self.assertEqual(os.stat(path).st_mode & 0o7777, 0o600)
 
@@ -4974,20 +5029,21 @@ class CompactCommandTest(DataDirToolCase):
             info = os.stat(path)
             self.assertEqual((info.st_mode & 0o7777, info.st_uid, info.st_gid), (0o600,) + owner, what)
 
-        code, out, _ = self.run_tool("compact", "--data", self.data_dir)
+        code, out, _ = run_tool("compact", "--data", self.data_dir)
         self.assertIn(" freed, 2 records erased", out.splitlines()[0])
         assertKept(self.alice_feed, "compact")
         # The server's own compaction, in the background: "recent" deleted now, erased with a window of 0.
-        feed = sync.FeedStore(self.data_dir).feed(self.ALICE, "proj-x")
-        self.assertEqual(feed.compact(int(time.time() * 1000), 0)[2], 1)
-        assertKept(self.alice_feed, "Feed.compact")
         lines = self.lines_of(self.bob_feed)
         lines[1] = lines[1].replace(b'"laptop"', b'"laptoq"')
         with open(self.bob_feed, "wb") as f:
             f.write(b"".join(lines))
-        self.assertEqual(self.run_tool("fsck", "--data", self.data_dir, "--repair")[0], 0)
+        self.assertEqual(run_tool("fsck", "--data", self.data_dir, "--repair")[0], 0)
         self.assertEqual(len(self.lines_of(self.bob_feed)), 3)
         assertKept(self.bob_feed, "fsck --repair")
+        # (Run by root here, where the server would run as nobody: the mode is what is kept.)
+        feed = sync.FeedStore(self.data_dir).feed(self.ALICE, "proj-x")
+        self.assertEqual(feed.compact(int(time.time() * 1000), 0)[2], 1)
+        self.assertEqual(os.stat(self.alice_feed).st_mode & 0o7777, 0o600)
 
     def test_the_retention_window_is_the_flags(self):
         code, out, err = self.run_tool("compact", "--data", self.data_dir, "--retain-deleted-days", "0")
@@ -5063,17 +5119,15 @@ class PurgeCommandTest(DataDirToolCase):
 
     def test_purge_run_as_root_leaves_what_it_writes_to_the_data_dirs_owner(self):
         # Else the server, run as that owner, cannot read feeds/purged.json and answers every push 500.
-        owner = (os.getuid(), os.getgid())
+        owner, run_tool = (os.getuid(), os.getgid()), self.run_tool
         if os.geteuid() == 0:
-            owner = (65534, 65534)  # nobody: a service user's data dir, purged with sudo
-            for path in [self.data_dir] + [os.path.join(top, name) for top, dirs, files in os.walk(self.data_dir)
-                                           for name in dirs + files]:
-                os.chown(path, *owner)
-        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")[0], 0)
+            owner, run_tool = (65534, 65534), self.run_tool_in_child  # a service user's data dir, with sudo
+            self.give_to_nobody()
+        self.assertEqual(run_tool("purge", "--data", self.data_dir, "--principal", "alice")[0], 0)
         for path in (self.layout.purged, self.layout.lock):
             info = os.stat(path)
             self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), owner + (0o600,), path)
-        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "bob")[0], 0)
+        self.assertEqual(run_tool("purge", "--data", self.data_dir, "--principal", "bob")[0], 0)
         info = os.stat(self.layout.purged)  # rewritten: still theirs
         self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), owner + (0o600,))
 
@@ -11897,31 +11951,30 @@ class CommandLineTest(unittest.TestCase):
         before = sorted(os.listdir(self.data_dir))
         result = self.run_cli("--data", self.data_dir, "--port", port)
         self.assertEqual(result.returncode, 2)
-        self.assertEqual(sorted(os.listdir(self.data_dir)), sorted(before + ["server.lock"]))
+        self.assertEqual(sorted(os.listdir(self.data_dir)), before)  # (the port is bound first)
         self.assertEqual(sync.LocalTokenVerifier(sync.TokenStore(self.data_dir)).verify(token).principal, "alice")
 
     def test_token_commands_keep_the_token_file_owner_and_mode(self):
-        """Issued as root in a service user's data dir, tokens.json stays the service user's (issue 15.7)."""
+        """Issued as root in a service user's data dir, tokens.json stays the service user's (issue 15.7): root works
+        as them (a uid with no name: as it and the dir's group alone), and the file keeps its mode."""
         if os.geteuid() != 0:
             self.skipTest("needs root to give a file to another user")
-        path = os.path.join(self.data_dir, "tokens.json")
-        result = self.run_cli("token", "issue", "--data", self.data_dir, "--principal", "alice")
-        self.assertEqual(result.returncode, 0)
-        os.chown(path, 12345, 12346)
+        os.chmod(self.data_dir, 0o711)
+        data_dir = os.path.join(self.data_dir, "data")
+        os.mkdir(data_dir, 0o700)
+        os.chown(data_dir, 12345, 12346)
+        path = os.path.join(data_dir, "tokens.json")
+        result = self.run_cli("token", "issue", "--data", data_dir, "--principal", "alice")
+        self.assertEqual((result.returncode, result.stderr.splitlines()[0]),
+                         (0, "running as uid 12345 (uid 12345), the owner of %s" % data_dir))
         os.chmod(path, 0o640)
         for args in (["issue", "--principal", "bob"], ["revoke", result.stdout.strip()[4:16]]):
-            self.assertEqual(self.run_cli("token", args[0], "--data", self.data_dir, *args[1:]).returncode, 0, args)
+            self.assertEqual(self.run_cli("token", args[0], "--data", data_dir, *args[1:]).returncode, 0, args)
             info = os.stat(path)
             self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o640), args)
-        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
-        # A data dir the service user made, without a token file yet: the first one is the dir owner's.
-        fresh = os.path.join(self.data_dir, "fresh")
-        os.mkdir(fresh, 0o700)
-        os.chown(fresh, 12345, 12346)
-        self.assertEqual(self.run_cli("token", "issue", "--data", fresh, "--principal", "alice").returncode, 0)
-        for name in ("tokens.json", "tokens.lock"):
-            info = os.stat(os.path.join(fresh, name))
-            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o600), name)
+        self.assertEqual([r["principal"] for r in sync.TokenStore(data_dir).read()], ["bob"])
+        info = os.stat(os.path.join(data_dir, "tokens.lock"))
+        self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o600))
 
     def test_a_token_command_that_cannot_keep_the_owner_refuses_with_one_line(self):
         store = sync.TokenStore(self.data_dir)
@@ -11929,14 +11982,24 @@ class CommandLineTest(unittest.TestCase):
         with open(store.path, "rb") as f:
             before = f.read()
         owner = os.stat(store.path).st_uid
-        stderr = io.StringIO()
-        with mock.patch("os.geteuid", return_value=owner + 1), mock.patch("os.getegid", return_value=owner + 1), \
-                mock.patch("os.getgroups", return_value=[]), contextlib.redirect_stderr(stderr):
-            code = sync.main(["token", "issue", "--data", self.data_dir, "--principal", "bob"])
         name = sync.user_name(owner)
-        self.assertEqual((code, stderr.getvalue()), (2, "oharness-sync: error: %s belongs to %s: run token commands "
-                                                        "as that user, e.g. sudo -u %s python3 oharness_sync.py "
-                                                        "token ...\n" % (store.path, name, name)))
+        fix = "run this as %s, the data dir's owner: sudo -u %s python3 oharness_sync.py ..." % (name, name)
+
+        def as_another_user():
+            stderr = io.StringIO()
+            with mock.patch("os.geteuid", return_value=owner + 1), mock.patch("os.getegid", return_value=owner + 1), \
+                    mock.patch("os.getgroups", return_value=[]), contextlib.redirect_stderr(stderr):
+                code = sync.main(["token", "issue", "--data", self.data_dir, "--principal", "bob"])
+            return code, stderr.getvalue()
+
+        self.assertEqual(as_another_user(), (2, "oharness-sync: error: cannot read or write %s: it is %s's, mode 0700; "
+                                                "%s\n" % (self.data_dir, name, fix)))
+        # Where its mode lets anyone in, the token file it would make would be its own, not the owner's.
+        os.chmod(self.data_dir, 0o777)
+        for path in (store.path, store.lock_path):
+            os.chmod(path, 0o666)
+        self.assertEqual(as_another_user(),
+                         (2, "oharness-sync: error: %s belongs to %s: %s\n" % (store.path, name, fix)))
         with open(store.path, "rb") as f:
             self.assertEqual(f.read(), before)
         self.assertEqual(sorted(os.listdir(self.data_dir)), ["tokens.json", "tokens.lock"])
@@ -12033,6 +12096,154 @@ class CommandLineTest(unittest.TestCase):
                                                 stderr).groups())
         self.assertEqual(pushes, 9)
         self.assertTrue(2 <= fsyncs <= 9, fsyncs)
+
+
+class RunningAsTheOwnerTest(unittest.TestCase):
+    """Root works as the data dir's owner (issue 31.1), and an ownership mistake is one line and exit 2 (31.4). As
+    root, on a data dir of nobody's (uid 65534); each command runs in a process of its own."""
+
+    NOBODY = 65534
+
+    def setUp(self):
+        if os.geteuid() != 0:
+            self.skipTest("needs root: a data dir of another user's, and commands run as them")
+        top = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, top, True)
+        os.chmod(top, 0o711)  # nobody may pass through to the data dir
+        self.data_dir = os.path.join(top, "data")
+        os.mkdir(self.data_dir, 0o700)
+        self.layout = sync.DataDir(self.data_dir)
+        self.token, _ = sync.TokenStore(self.data_dir).issue("alice")
+        feeds = sync.FeedStore(self.data_dir)
+        feeds.push(("u", "alice"), "proj", *validated([record()], [meta()]))
+        feeds.push(("u", "alice"), "other", *validated([record()]))
+        feeds.push(("u", "bob"), "proj", *validated([record()]))
+        feeds.stop()
+        memory = sync.MemoryStore(self.data_dir)
+        memory.commit("bob", sync.USER_SCOPE, None, memory_changes_of(memory_put("n")))
+        give_tree(self.data_dir, self.NOBODY)
+
+    def run_command(self, *argv, user=None):
+        """(exit code, stdout, stderr) of the command line in a child process, run as root or as user (a uid: a
+        forked child of this process then, as the interpreter may be in a directory only root may enter)."""
+        if user is None:
+            result = subprocess.run([sys.executable, MODULE] + list(argv), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+            return result.returncode, result.stdout, result.stderr
+        return main_in_child(list(argv), user)
+
+    def owners(self):
+        """{path relative to the data dir: (uid, gid)} of everything in it."""
+        found = {}
+        for top, dirs, files in os.walk(self.data_dir):
+            for name in dirs + files:
+                info = os.lstat(os.path.join(top, name))
+                found[os.path.relpath(os.path.join(top, name), self.data_dir)] = (info.st_uid, info.st_gid)
+        return found
+
+    def running_as(self, data_dir=None):
+        return "running as nobody (uid 65534), the owner of %s" % (data_dir or self.data_dir)
+
+    def test_a_server_started_by_root_runs_as_the_owner_after_binding(self):
+        server = SubprocessServer(self.data_dir)
+        try:
+            self.assertEqual(server.next_log_line(), self.running_as())
+            with open("/proc/%d/status" % server.process.pid) as f:
+                status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+            self.assertEqual(status["Uid"].split(), ["65534"] * 4)
+            self.assertEqual(status["Gid"].split(), ["65534"] * 4)
+            self.assertNotIn("0", status["Groups"].split())
+            answer = http_request(server.url, "POST", "/v1/push", {"project": "new", "records": [record()]},
+                                  self.token)
+            self.assertEqual((answer.status, answer.json), (200, {"cursor": 1, "accepted": 1}))
+        finally:
+            code, stderr = server.stop()
+        self.assertEqual(code, 0, stderr)
+        self.assertEqual(set(self.owners().values()), {(self.NOBODY, self.NOBODY)})
+        self.assertTrue(os.path.exists(self.layout.feed_path(("u", "alice"), "new")))
+
+    def test_each_tool_run_by_root_works_as_the_owner(self):
+        for argv in (["token", "issue", "--principal", "carol"], ["token", "revoke", self.token[4:16]],
+                     ["usage"], ["fsck"], ["fsck", "--repair"], ["compact"], ["purge", "--principal", "bob"]):
+            code, _, stderr = self.run_command(*argv + ["--data", self.data_dir])
+            self.assertEqual((code, stderr.splitlines()[:1]), (0, [self.running_as()]), argv)
+            self.assertEqual(set(self.owners().values()), {(self.NOBODY, self.NOBODY)}, argv)
+        self.assertIn("feeds/purged.json", self.owners())  # (what purge wrote is nobody's too)
+
+    def test_a_data_dir_root_owns_stays_roots(self):
+        give_tree(self.data_dir, 0)
+        server = SubprocessServer(self.data_dir)
+        try:
+            with open("/proc/%d/status" % server.process.pid) as f:
+                self.assertIn("Uid:\t0\t0\t0\t0\n", f.read())
+        finally:
+            code, stderr = server.stop()
+        self.assertEqual((code, stderr), (0, "stopped: 0 pushes made durable with 0 fsyncs\n"))
+        for argv in (["token", "issue", "--principal", "carol"], ["usage"], ["compact"]):
+            code, _, stderr = self.run_command(*argv + ["--data", self.data_dir])
+            self.assertEqual(code, 0, argv)
+            self.assertNotIn("running as", stderr, argv)
+        self.assertEqual(set(self.owners().values()), {(0, 0)})
+
+    def test_files_root_left_in_the_owners_dir_are_one_line_and_exit_2_and_nothing_is_made(self):
+        # What a server run as root once made, before it worked as the owner: a lock, and new directories.
+        os.chown(self.data_dir, self.NOBODY, self.NOBODY)
+        with open(self.layout.lock, "w") as f:
+            f.write("1\n")
+        os.chmod(self.layout.lock, 0o600)
+        os.chown(self.layout.lock, 0, 0)
+        fix = "give its owner back what is in it: sudo chown -R nobody: %s" % self.data_dir
+        before = self.owners()
+        code, out, stderr = self.run_command("--data", self.data_dir, "--port", "0", user=self.NOBODY)
+        self.assertEqual((code, out, stderr), (2, "", "oharness-sync: error: cannot read or write %s: it is root's, "
+                                                      "mode 0600; %s\n" % (self.layout.lock, fix)))
+        os.chown(self.layout.lock, self.NOBODY, self.NOBODY)
+        os.chown(self.layout.feeds, 0, 0)  # 0700
+        for argv in (["--port", "0"], ["usage"], ["compact"]):
+            code, out, stderr = self.run_command(*argv + ["--data", self.data_dir], user=self.NOBODY)
+            self.assertEqual((code, out, stderr), (2, "", "oharness-sync: error: cannot read%s %s: it is root's, "
+                                                          "mode 0700; %s\n" % ("" if argv == ["usage"] else " or write",
+                                                                                self.layout.feeds, fix)), argv)
+        code, out, _ = self.run_command("token", "list", "--data", self.data_dir, user=self.NOBODY)
+        self.assertEqual((code, len(out.splitlines())), (0, 2))  # (the token commands look at no feed)
+        self.assertEqual(set(self.owners()), set(before))  # nothing made
+
+    def test_usage_and_fsck_by_a_user_who_cannot_read_the_dir_are_one_line_and_exit_2(self):
+        give_tree(self.data_dir, 0)  # 0700: a data dir of root's
+        fix = "run this as root, the data dir's owner: sudo -u root python3 oharness_sync.py ..."
+        for command in ("usage", "fsck"):
+            self.assertEqual(self.run_command(command, "--data", self.data_dir, user=self.NOBODY),
+                             (2, "", "oharness-sync: error: cannot read %s: it is root's, mode 0700; %s\n"
+                                     % (self.data_dir, fix)), command)
+
+    def test_a_feed_the_server_cannot_read_answers_500_never_an_empty_200(self):
+        server = SubprocessServer(self.data_dir)
+        try:
+            self.assertEqual(server.next_log_line(), self.running_as())
+
+            def pull(project):
+                return http_request(server.url, "GET", "/v1/pull?project=%s&since=0" % project, token=self.token)
+
+            self.assertEqual(len(pull("proj").json["records"]), 1)
+            # Made unreadable while it serves: a feed not loaded yet, and the directory of all of alice's feeds.
+            os.chmod(self.layout.feed_path(("u", "alice"), "other"), 0)
+            error = {"error": "storage failure: the server cannot read what was asked for; its log names the file"}
+            for _ in range(2):
+                answer = pull("other")
+                self.assertEqual((answer.status, answer.json), (500, error))
+            os.chmod(self.layout.owner_dir(("u", "alice")), 0)
+            for path in ("/v1/pull?project=never-pushed&since=0", "/v1/projects"):
+                answer = http_request(server.url, "GET", path, token=self.token)
+                self.assertEqual((answer.status, answer.json), (500, error), path)
+        finally:
+            code, stderr = server.stop()
+        self.assertEqual(code, 0)
+        # Each failure logged once, with its path.
+        alice = ("u", "alice")
+        self.assertEqual([line for line in stderr.splitlines() if line.startswith("storage failure")], [
+            "storage failure: cannot read %s: Permission denied" % path
+            for path in (self.layout.feed_path(alice, "other"), self.layout.feed_path(alice, "never-pushed"),
+                         self.layout.owner_dir(alice))])
 
 
 # ---------------------------------------------------------------------------
