@@ -8570,6 +8570,20 @@ class RevokedParkedPullTest(ServerCase):
 
 
 class FeedFaultsOnTheWireTest(ServerCase):
+    def test_a_feed_that_cannot_be_read_answers_500_saying_so_logged_once(self):
+        # Never "nothing was stored" for a pull, and never logged at every poll of every device.
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="a")]), 200, {"cursor": 1, "accepted": 1})
+        self.restart_server()  # (its feed not loaded yet)
+        path = self.feed_files()[0]
+        denied = PermissionError(errno.EACCES, "Permission denied", path)
+        with mock.patch.object(sync.Feed, "_load", side_effect=denied):
+            for _ in range(2):
+                self.assertAnswer(self.pull(self.alice), 500, {"error": "storage failure: the server cannot read what "
+                                                                        "was asked for; its log names the file"})
+        self.assertEqual([line for line in self.log_lines if not line.startswith("GET ")],
+                         ["storage failure: cannot read %s: Permission denied" % path])
+        self.assertEqual(self.pull(self.alice).json["cursor"], 1)  # read once it can be
+
     def test_enospc_and_eio_during_append_answer_500_and_change_nothing(self):
         self.assertAnswer(self.push(self.alice, records=[record(record_id="a")]), 200, {"cursor": 1, "accepted": 1})
         path = self.feed_files()[0]
