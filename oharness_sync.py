@@ -10381,8 +10381,6 @@ class BackupDir:
 
     def finish(self):
         for directory in reversed(self.dirs):
-            if self.owner is not None:
-                os.chown(directory, self.owner[0], self.owner[1])
             sync_dir(directory)
         os.rename(self.root, self.dest)  # (over an empty directory too)
         sync_dir(os.path.dirname(self.dest))
