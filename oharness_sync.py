@@ -2938,8 +2938,17 @@ def act_as_data_dir_owner(path, log):
     except OSError as exc:
         raise UsageError("cannot run as uid %d, the owner of %s: %s"
                          % (info.st_uid, path, reason(exc))) from None
-    log("running as %s (uid %d), the owner of %s"
-        % (name or "uid %d" % info.st_uid, info.st_uid, path))
+    name = name or "uid %d" % info.st_uid
+    log("running as %s (uid %d), the owner of %s" % (name, info.st_uid, path))
+    above = os.sep
+    for part in path.split(os.sep)[1:]:  # (a dir under /root, say, is closed to its owner)
+        try:
+            os.stat(os.path.join(above, part))
+        except PermissionError:
+            raise UsageError("%s, the owner of %s, cannot reach it: %s does not let them in "
+                             "(chmod o+x %s, or move the data dir)"
+                             % (name, path, above, above)) from None
+        above = os.path.join(above, part)
 
 
 def ownership_fix(data_dir):

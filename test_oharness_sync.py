@@ -4603,17 +4603,18 @@ class FsckTest(unittest.TestCase):
                                             "\rfsck: feeds 3/3, 3.0 GiB of 3.0 GiB in 2.5 s\n")
 
 
-def main_in_child(argv, uid, timeout=30):
-    """(exit code, stdout, stderr) of sync.main(argv) in a forked child of this process run as uid (and gid uid, no
-    other group); root only."""
+def main_in_child(argv, uid=None, timeout=30):
+    """(exit code, stdout, stderr) of sync.main(argv) in a forked child of this process (mocks and all), run as uid
+    (and gid uid, no other group; root only) when given."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         pid = os.fork()
         if pid == 0:  # (the child: never back into the test runner)
             code = 70
             try:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
+                if uid is not None:
+                    os.setgroups([])
+                    os.setgid(uid)
+                    os.setuid(uid)
                 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                     code = sync.main(argv)
             except BaseException as exc:
@@ -4708,7 +4709,11 @@ class DataDirToolCase(unittest.TestCase):
                 "purge: team feeds stay (they belong to the team): platform"]
 
     def run_tool(self, *argv):
-        """(exit code, stdout, stderr) of the command line, run in this process."""
+        """(exit code, stdout, stderr) of the command line, run in this process; in a forked child when root runs it
+        on another user's data dir (it works as them from then on: never this process)."""
+        data_dir = argv[argv.index("--data") + 1] if "--data" in argv else None
+        if os.geteuid() == 0 and data_dir is not None and os.path.isdir(data_dir) and os.stat(data_dir).st_uid:
+            return main_in_child(list(argv))
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = sync.main(list(argv))
@@ -5751,11 +5756,8 @@ class PlantedLinksTest(DataDirToolCase):
 
     def setUp(self):
         super().setUp()
-        if os.geteuid() == 0:  # a service user's data dir, tended by root as the README says
-            for top, dirs, files in os.walk(self.data_dir):
-                for name in dirs + files:
-                    os.chown(os.path.join(top, name), 65534, 65534)
-            os.chown(self.data_dir, 65534, 65534)
+        if os.geteuid() == 0:  # a service user's data dir, tended by root as the README says (working as nobody)
+            self.give_to_nobody()
         self.outside = outside_file(self)
         self.outside_before = file_state(self.outside)
 
@@ -5765,11 +5767,15 @@ class PlantedLinksTest(DataDirToolCase):
     def issue_carol(self):
         return self.run_tool("token", "issue", "--data", self.data_dir, "--principal", "carol")
 
+    def running_as(self):
+        """What a tool says first on stderr here: as root, that it works as nobody."""
+        return ("running as nobody (uid 65534), the owner of %s\n" % self.data_dir) if os.geteuid() == 0 else ""
+
     def test_compact_makes_its_aside_file_afresh_and_never_writes_through_a_link_there(self):
         aside = self.alice_feed + sync.COMPACT_SUFFIX
         os.symlink(self.outside, aside)
         code, out, err = self.run_tool("compact", "--data", self.data_dir)
-        self.assertEqual((code, err), (0, ""), out)
+        self.assertEqual((code, err), (0, self.running_as()), out)
         self.assertOutsideUnchanged()
         self.assertFalse(os.path.lexists(aside))
         with open(self.alice_feed, "rb") as f:
@@ -5818,14 +5824,14 @@ class PlantedLinksTest(DataDirToolCase):
         shutil.copytree(os.path.join(self.layout.memory, "u-bob"), target)
         inside = os.path.join(target, "user", "manifest.json")
         before = file_state(inside)
-        sync.TokenStore(self.data_dir).issue("carol")
+        self.issue_carol()
         for link in (os.path.join(self.layout.memory, "u-carol"),
                      os.path.join(self.layout.feeds, "u-carol")):
             os.symlink(target, link)
             tree = self.tree()
             code, out, err = self.run_tool("purge", "--data", self.data_dir,
                                            "--principal", "carol")
-            self.assertEqual((code, out, err), (2, "", (
+            self.assertEqual((code, out, err), (2, "", self.running_as() + (
                 "oharness-sync: error: %s is a link: purge removes nothing through a link, and "
                 "changed nothing (fsck --repair removes the link, never its target)\n" % link)))
             self.assertEqual(self.tree(), tree)
@@ -5840,7 +5846,7 @@ class PlantedLinksTest(DataDirToolCase):
         os.unlink(self.bob_feed)
         os.symlink(self.outside, self.bob_feed)
         code, out, err = self.usage("--json")
-        self.assertEqual((code, err), (0, ""))
+        self.assertEqual((code, err), (0, self.running_as()))
         self.assertEqual([row["owner"] for row in json.loads(out)["feeds"]], ["platform", "alice"])
         with self.assertRaises(sync.LinkRefused) as caught:
             sync.open_in_data_dir(self.bob_feed, os.O_RDONLY)
@@ -12221,6 +12227,13 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         code, out, _ = self.run_command("token", "list", "--data", self.data_dir, user=self.NOBODY)
         self.assertEqual((code, len(out.splitlines())), (0, 2))  # (the token commands look at no feed)
         self.assertEqual(set(self.owners()), set(before))  # nothing made
+
+    def test_a_data_dir_its_owner_cannot_reach_is_one_line_naming_the_closed_directory(self):
+        top = os.path.dirname(self.data_dir)
+        os.chmod(top, 0o700)  # (as a data dir under /root would be)
+        self.assertEqual(self.run_command("usage", "--data", self.data_dir), (
+            2, "", "%s\noharness-sync: error: nobody, the owner of %s, cannot reach it: %s does not let them in "
+                   "(chmod o+x %s, or move the data dir)\n" % (self.running_as(), self.data_dir, top, top)))
 
     def test_usage_and_fsck_by_a_user_who_cannot_read_the_dir_are_one_line_and_exit_2(self):
         give_tree(self.data_dir, 0)  # 0700: a data dir of root's
