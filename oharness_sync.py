@@ -8695,6 +8695,9 @@ REPLICATE_WAIT = 30              # a --follow long-poll's wait
 REPLICATE_RELIST_SECONDS = 60    # --follow: projects listed again this often
 REPLICATE_MEMORY_SECONDS = 60    # --follow: memory scopes looked at this often
 REPLICATE_BACKOFF = (1.0, 60.0)  # first and longest wait after a network error or a 5xx
+# --follow: a long-poll answered sooner with nothing (a server past its share of parked pulls, or
+# one that ignores wait) is made again this long after the previous one began, not at once.
+REPLICATE_EMPTY_POLL_SECONDS = 1.0
 # Without --follow: tries of one request before its feed or scope gives up.
 REPLICATE_ATTEMPTS = 5
 # Fresh snapshots after a 409 revision_conflict before a scope gives up.
@@ -9197,8 +9200,11 @@ class Replicator:
         copied = [0]
 
         def pull(since, wait):  # and the page's push body, made here too: it overlaps the pushes
+            started = time.monotonic()
             page = self.retrying(lambda: self.pull(source, team, project, since, wait=wait),
                                  "%s: pull" % name, follow)
+            if wait and not (page[1] or page[2]):
+                self.stopping.wait(REPLICATE_EMPTY_POLL_SECONDS - (time.monotonic() - started))
             return page + (push_page_body(project, team, page[1], page[2]),)
 
         def settle(keep):

@@ -12680,9 +12680,10 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
         if url.path == "/v1/projects":
             return self.answer(200, {"projects": sorted(p for o, p in self.server.feeds if o == owner)})
         key, since, limit = (owner, query["project"]), int(query["since"]), int(query.get("limit", 500))
+        wait = 0 if self.server.fault == "no-wait" else int(query.get("wait", 0))
         with self.server.changed:
-            self.server.changed.wait_for(lambda: len(self.server.feeds.get(key, [])) > since,
-                                         int(query.get("wait", 0)))
+            self.server.pulls += 1
+            self.server.changed.wait_for(lambda: len(self.server.feeds.get(key, [])) > since, wait)
             feed = list(self.server.feeds.get(key, []))
         events = feed[since:since + limit]
         if self.server.fault in ("repeat-cursor", "backward-cursor"):
@@ -12721,9 +12722,11 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
 
 def start_faulty_server(case, fault, feeds=None):
     """A FaultySyncHandler server with this fault and these feeds, stopped at case's cleanup: its
-    URL."""
+    URL (and the server, which counts its pulls, as case.faulty)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), FaultySyncHandler)
     server.fault, server.feeds, server.changed = fault, dict(feeds or {}), threading.Condition()
+    server.pulls = 0
+    case.faulty = server
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
     thread.start()
     case.addCleanup(server.server_close)
@@ -14187,6 +14190,24 @@ class ReplicateFollowTest(ReplicateCase):
         code, out, err = self.replicate("--team", "elsewhere")
         self.assertEqual(code, 1)
         self.assertRegex(err, r"^replicate: the source http://\S+ refuses its token: GET /v1/projects answered 403 ")
+
+
+    def test_a_long_poll_answered_at_once_with_nothing_is_not_made_again_at_once(self):
+        # A server past its share of parked pulls answers a long-poll at once, empty: asked again at
+        # once, a mirror would pull thousands of times a second.
+        url = start_faulty_server(self, "no-wait", {("token-a", "proj"): [("r", record())]})
+        source = sync.ReplicateSide("source", url, "token-a", None)
+        target = sync.ReplicateSide("target", self.target.url, self.target_alice, None)
+        replicator = sync.Replicator(source, target, sync.ReplicationState(None, url, self.target.url),
+                                     memory=False, out=io.StringIO())
+        thread = threading.Thread(target=replicator.follow, daemon=True)
+        thread.start()
+        self.wait_for(lambda: self.target_pull()["records"] == [record()])
+        time.sleep(1.5)
+        replicator.stop()
+        thread.join(10)
+        self.assertFalse(thread.is_alive())
+        self.assertLessEqual(self.faulty.pulls, 4)  # its first page, then a long-poll a second
 
 
 class PickyTarget:
