@@ -5694,12 +5694,11 @@ class SyncApp:
             mine = self._parked_by.setdefault(principal, set())
             self.parked[request] = pull
             mine.add(request)
-            if not self._watching:
-                self._watching = True
-                threading.Thread(target=self.watch_tokens, name="parked-tokens",
-                                 daemon=True).start()
+            watch, self._watching = not self._watching, True
         handler.hold(request)
         try:
+            if watch:
+                self.start_watching()
             deadline = time.monotonic() + seconds
             while True:
                 left = deadline - time.monotonic()
@@ -5723,6 +5722,15 @@ class SyncApp:
                         del self._parked_by[principal]
             early = handler.release()
         return early if early is not None else make_response()
+
+    def start_watching(self):
+        """Start watch_tokens in a thread of its own."""
+        try:
+            threading.Thread(target=self.watch_tokens, name="parked-tokens", daemon=True).start()
+        except RuntimeError as exc:  # no thread to spare: a pull's answer still checks its token
+            self.log("cannot watch the parked pulls' tokens: %s" % exc)
+            with self._parked_lock:
+                self._watching = False
 
     def watch_tokens(self):
         """While pulls are parked: look at the token file every TOKEN_RELOAD_SECONDS, and check

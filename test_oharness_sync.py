@@ -8574,6 +8574,31 @@ class RevokedParkedPullTest(ServerCase):
         self.assertRevoked(answers[0][0])
         self.assertEqual(len(self.pull(other_device).json["records"]), 1)  # stored, all the same
 
+    def test_without_a_thread_for_the_watch_a_pull_parks_and_is_answered_all_the_same(self):
+        real_start = threading.Thread.start
+
+        def start(thread):
+            if thread.name == "parked-tokens":
+                raise RuntimeError("can't start new thread")
+            real_start(thread)
+
+        answers = []
+        with mock.patch.object(threading.Thread, "start", start):
+            thread = self.park(self.bob, answers)
+            self.wait_parked(1)
+        self.assertIn("cannot watch the parked pulls' tokens: can't start new thread", self.log_lines)
+        self.assertAnswer(self.push(self.bob, records=[record()]), 200)
+        thread.join(5)
+        self.assertEqual(len(answers[0][0].json["records"]), 1)
+        self.assertEqual(len(self.server.app.parked), 0)
+        # The next pull to park starts the watch: a revoke still ends it within 3 s.
+        thread = self.park(self.alice, answers)
+        self.wait_parked(1)
+        revoked = self.revoke(self.alice)
+        thread.join(5)
+        self.assertRevoked(answers[1][0])
+        self.assertLess(answers[1][1] - revoked, 3.0)
+
 
 class FeedFaultsOnTheWireTest(ServerCase):
     def test_a_feed_that_cannot_be_read_answers_500_saying_so_logged_once(self):
