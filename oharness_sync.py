@@ -19,7 +19,7 @@ Usage:
                                    [--team ID] [--memory --principal ID] [--ca-file CA.pem]
     python3 oharness_sync.py replicate --from URL --from-token-file FILE --to URL
                                        --to-token-file FILE [--follow] [--state FILE] ...
-    python3 oharness_sync.py usage   --data DIR [--json]
+    python3 oharness_sync.py usage   --data DIR [--json] [--principals-file FILE]
     python3 oharness_sync.py compact --data DIR [--retain-deleted-days N]
     python3 oharness_sync.py purge   --data DIR --principal ID [--dry-run]
     python3 oharness_sync.py backup  --data DIR (--to DEST | --tar FILE|- | --mark-restored)
@@ -36,11 +36,14 @@ Part I, the server, is what `--data DIR` runs:
     Metrics             what the server counts, and its Prometheus exposition
     Authentication      one small verifier per token kind: local tokens, JWTs
                         (HS256, RS256, ES256), Supabase; the guard against
-                        forged ones; the Authenticator that picks
+                        forged ones; who may use the server (PrincipalList);
+                        the Authenticator that picks
     Storage             files, the data dir's layout (DataDir), the lock and
-                        the tokens; session feeds (one scanner of a feed file,
-                        group commit, long-poll waits, compaction); memory
-                        manifests; a restored copy's first start
+                        the tokens; what a write may not pass (StorageLimits:
+                        quotas, the DiskReserve); session feeds (one scanner of
+                        a feed file, group commit, long-poll waits,
+                        compaction); memory manifests; a restored copy's first
+                        start
     HTTP                the protocol's routes and thin handlers (SyncApp), the
                         strict reading of a request, the transport on
                         http.server (SyncRequestHandler, SyncServer)
