@@ -9600,8 +9600,8 @@ def replicate_command(argv):
     parser.add_argument("--ca-file", metavar="FILE",
                         help="trust the certificates in this file for https")
     parser.add_argument("--allow-plain-http", action="store_true",
-                        help="allow http:// to a host that is not this machine (tokens cross the "
-                             "network in clear)")
+                        help="allow http:// to a host other than a loopback address "
+                             "(127.0.0.0/8, ::1, localhost): tokens cross the network in clear")
     parser.add_argument("--quiet", action="store_true", help="print errors only")
     args = parser.parse_args(argv)
     ends = []
