@@ -4260,6 +4260,7 @@ class FeedStore:
         self._feeds = OrderedDict()            # (owner, project) -> Feed, least recently used 1st
         self._lock = threading.Lock()
         self._let_go = threading.Condition(self._lock)  # a held Feed was let go
+        self._waiting = 0                      # requests waiting for it (_make)
         # (owner, project) without a Feed (none yet, or evicted) -> ParkedPulls waiting for one
         self._unborn = {}
         self._purged = None                    # read_purged, when a new feed is first made
@@ -4291,7 +4292,7 @@ class FeedStore:
         """Let go of a Feed that feed(hold=True) held."""
         with self._lock:
             feed.users -= 1
-            if not feed.users:
+            if not feed.users and self._waiting:
                 self._let_go.notify()
 
     @contextlib.contextmanager
@@ -4318,8 +4319,12 @@ class FeedStore:
                 self._evict(*idle)
                 continue
             deadline = deadline or time.monotonic() + FEED_ROOM_SECONDS
-            if not self._let_go.wait(deadline - time.monotonic()) and (
-                    time.monotonic() >= deadline):
+            self._waiting += 1
+            try:
+                woken = self._let_go.wait(deadline - time.monotonic())
+            finally:
+                self._waiting -= 1
+            if not woken and time.monotonic() >= deadline:
                 raise StorageError("all %d open feeds are in use" % self.max_open)
         feed = self._feeds.get(key)
         if feed is not None:
