@@ -2847,18 +2847,23 @@ def sync_dir(path):
 
 def make_dirs(path):
     """Create path and its missing parents, syncing each parent so the new entries survive a crash.
-    Returns the directories it created, outermost first."""
+    Returns the directories it created, outermost first. LinkRefused when it would create one
+    through a link (the directory they go in is one) or one is a link already: a path with links
+    of the admin's making is given resolved (os.path.realpath)."""
     missing = []
     # A relative path's dirname ends at "", which is never a directory.
     path = os.path.abspath(path)
     while not os.path.isdir(path):
         missing.append(path)
         path = os.path.dirname(path)
+    if missing and os.path.islink(path):
+        raise LinkRefused(path)
     for directory in reversed(missing):
         try:
             os.mkdir(directory, 0o700)
         except FileExistsError:
-            pass
+            if os.path.islink(directory):
+                raise LinkRefused(directory) from None
         sync_dir(os.path.dirname(directory))
     return missing[::-1]
 
@@ -6853,7 +6858,7 @@ def open_data_dir(path, create=True, deep=True):
     if os.path.isdir(data_dir):
         check_data_dir_access(DataDir(data_dir), deep=deep)
     try:
-        created = make_dirs(data_dir)
+        created = make_dirs(os.path.realpath(data_dir))
         probe = os.path.join(data_dir, ".write-test")
         _remove(probe)  # (one a crash left, or a link: never followed)
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))

@@ -2498,6 +2498,19 @@ class MakeDirsTest(unittest.TestCase):
         self.assertTrue(os.path.isdir(os.path.join(base, "a", "b")))
         self.assertEqual(sync.make_dirs("a"), [])
 
+    def test_no_directory_is_made_through_a_link_or_where_a_link_is(self):
+        base, elsewhere = (tempfile.mkdtemp(prefix="ohs-test-") for _ in range(2))
+        for directory in (base, elsewhere):
+            self.addCleanup(shutil.rmtree, directory, True)
+        os.symlink(elsewhere, os.path.join(base, "linked"))
+        os.symlink(os.path.join(elsewhere, "none"), os.path.join(base, "dangling"))
+        for path, link in ((os.path.join(base, "linked", "a", "b"), "linked"),
+                           (os.path.join(base, "dangling", "a"), "dangling")):
+            with self.assertRaises(sync.LinkRefused) as caught:
+                sync.make_dirs(path)
+            self.assertEqual(caught.exception.filename, os.path.join(base, link))
+        self.assertEqual(os.listdir(elsewhere), [])
+
 
 class FeedStoreTest(unittest.TestCase):
     owner = ("u", "alice")
@@ -6454,6 +6467,19 @@ class LongIdsTest(ServerCase):
         self.assertEqual([(row["owner"], row["project"]) for row in json.loads(out)["feeds"]],
                          [(self.TEAM, self.PROJECT)])
 
+    def test_a_backup_copies_the_name_files_and_its_copy_names_the_long_ids(self):
+        self.use_every_route()
+        copy = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "copy")
+        self.addCleanup(shutil.rmtree, os.path.dirname(copy), True)
+        code, out, err = self.run_tool("backup", "--data", self.data_dir, "--to", copy)
+        self.assertEqual((code, err), (0, ""))
+        code, out, err = self.run_tool("usage", "--data", copy, "--json")
+        report = json.loads(out)
+        self.assertEqual(sorted((row["owner"], row["project"]) for row in report["feeds"]),
+                         [(self.PRINCIPAL, self.PROJECT), (self.TEAM, self.PROJECT)])
+        self.assertEqual([(row["principal"], row["scope"]) for row in report["memory"]],
+                         [(self.PRINCIPAL, "project/" + self.PROJECT), (self.PRINCIPAL, "user")])
+
 
 class SessionWireMixin:
     """Assertions shared by the wire-level session tests (used with ServerCase)."""
@@ -8696,6 +8722,45 @@ class LinkedFeedOnTheWireTest(ServerCase):
         self.assertEqual(file_state(moved), before)
         self.assertIn("a link in the data dir: %s: a link, refused" % owner_dir,
                       "\n".join(self.log_lines))
+
+
+class LinkedMemoryOnTheWireTest(ServerCase):
+    """A link where a memory directory or manifest should be: refused, never read or written
+    through."""
+
+    def tree_state(self, top):
+        return {os.path.relpath(os.path.join(root, name), top):
+                file_state(os.path.join(root, name))
+                for root, _, files in os.walk(top) for name in files}
+
+    def test_a_linked_principal_dir_or_manifest_answers_502_and_nothing_is_made_through_it(self):
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        elsewhere = tempfile.mkdtemp(prefix="ohs-elsewhere-")
+        self.addCleanup(shutil.rmtree, elsewhere, True)
+        principal_dir = os.path.join(self.data_dir, "memory", "u-alice")
+        os.rename(principal_dir, os.path.join(elsewhere, "u-alice"))
+        os.symlink(os.path.join(elsewhere, "u-alice"), principal_dir)
+        before = self.tree_state(elsewhere)
+        self.restart_server()
+        wire_assert_code(self, wire_snapshot(self), 502, "invalid_manifest")
+        wire_assert_code(self, wire_commit(self, [memory_put("n2")]), 502, "invalid_manifest")
+        wire_assert_code(self, wire_commit(self, [memory_put("n2")], project="new"), 502,
+                         "invalid_manifest")
+        self.assertEqual(self.tree_state(elsewhere), before)
+        self.assertEqual(sorted(os.listdir(os.path.join(elsewhere, "u-alice"))), ["p-proj"])
+        os.unlink(principal_dir)
+        os.rename(os.path.join(elsewhere, "u-alice"), principal_dir)
+        manifest = os.path.join(principal_dir, "p-proj", "manifest.json")
+        outside = outside_file(self)
+        shutil.copy(manifest, outside)
+        os.unlink(manifest)
+        os.symlink(outside, manifest)
+        state = file_state(outside)
+        self.restart_server()
+        wire_assert_code(self, wire_snapshot(self), 502, "invalid_manifest")
+        wire_assert_code(self, wire_commit(self, [memory_put("n2")]), 502, "invalid_manifest")
+        self.assertEqual(file_state(outside), state)
+        self.assertTrue(os.path.islink(manifest))
 
 
 class JwtOnTheWireTest(ServerCase):
@@ -13968,6 +14033,36 @@ class ReplicateFeedsTest(ReplicateCase):
         self.assertEqual(sorted(r["id"] for r in target[0]), sorted(r["id"] for r in source[0]))
         with open(self.state_path) as f:
             self.assertEqual(json.load(f)["feeds"], {"personal/proj": 2500})
+
+
+class ReplicateLongIdsTest(ReplicateCase):
+    """replicate copies the feeds and notes of 128-character ids (stored under a hash on disk)."""
+
+    def test_a_long_principal_team_project_and_scope_are_copied(self):
+        principal, team, project = LongIdsTest.PRINCIPAL, LongIdsTest.TEAM, LongIdsTest.PROJECT
+        source = self.issue(principal, [team])
+        target, _ = sync.TokenStore(self.target_dir).issue(principal, [team])
+        self.target.app.auth.local._checked = float("-inf")
+        for on_team in (None, team):
+            self.assertAnswer(self.push(source, project, [record()], [meta()], team=on_team), 200)
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=source,
+                                         principal=principal, project=project),
+                       entries=[wire_entry("n1")], principal=principal)
+        argv = ["replicate", "--from", self.url, "--from-token-file",
+                self.token_file("long-from", source), "--to", self.target_url,
+                "--to-token-file", self.token_file("long-to", target), "--team", team,
+                "--from-principal", principal, "--to-principal", principal]
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sync.main(argv)
+        self.assertEqual((code, err.getvalue()), (0, ""), out.getvalue())
+        for on_team in ("", "&team=" + team):
+            query = "/v1/pull?project=%s&since=0%s" % (project, on_team)
+            self.assertEqual(http_request(self.target_url, "GET", query, token=target).json,
+                             http_request(self.url, "GET", query, token=source).json)
+        answer = http_request(self.target_url, "POST", "/v1/memory/snapshot",
+                              wire_scope_body(principal, project, {}), target)
+        wire_assert_ok(self, answer, entries=[wire_entry("n1")], principal=principal)
 
 
 class ReplicateMemoryTest(ReplicateCase):
