@@ -316,7 +316,7 @@ class QuotaReached(Exception):
 
     def __init__(self, quota, stored):
         super().__init__("storage quota of %s reached (%s stored); nothing was stored: delete "
-                         "sessions to make room, or ask the server's operator for more"
+                         "sessions or notes to make room, or ask the server's operator for more"
                          % (format_size(quota), format_bytes(stored)))
         self.quota = quota
         self.stored = stored

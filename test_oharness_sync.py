@@ -8931,7 +8931,7 @@ class QuotaOnTheWireTest(ServerCase):
         return sum(disk_bytes(os.path.join(self.data_dir, top, "u-alice")) for top in ("feeds", "memory"))
 
     def refusal(self):
-        return ("storage quota of 8 KiB reached (%s stored); nothing was stored: delete sessions to make room, or "
+        return ("storage quota of 8 KiB reached (%s stored); nothing was stored: delete sessions or notes to make room, or "
                 "ask the server's operator for more" % sync.format_bytes(self.stored()))
 
     def fill(self):
