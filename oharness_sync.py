@@ -9079,6 +9079,8 @@ class Replicator:
                 raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a "
                                      "self-signed one, give it with --ca-file"
                                      % (side.role, side.url, error.verify_message)) from None
+            if isinstance(exc, ConnectFailed):  # its cause in words (connect_failure)
+                raise ReplicateTransient(side, "%s: %s: %s" % (side.role, what, exc)) from None
             raise ReplicateTransient(side, "%s: %s of %s: network error: %s" % (
                 side.role, what, side.url, str(error) or type(error).__name__)) from None
         code = document.get("code") if isinstance(document, dict) else None

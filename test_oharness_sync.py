@@ -14462,6 +14462,15 @@ class ReplicateRefusalsTest(ReplicateCase):
         self.assertTrue(pulled.wait(10))  # the client hung up: the server could send no more
         self.assertLess(server.sent, sync.LARGE_ANSWER_BYTES + 16 * 1024 * 1024)  # + socket buffers
 
+    def test_a_connection_that_fails_says_its_cause_in_words(self):
+        self.source_url = "http://127.0.0.1:%d" % closed_port()
+        with mock.patch.object(sync, "REPLICATE_BACKOFF", (0.001, 0.001)):
+            code, out, err = self.replicate()
+        self.assertEqual(code, 1)
+        self.assertEqual(err.splitlines()[-1], (
+            "replicate: source: GET /v1/projects: cannot connect to %s: connection refused (is the "
+            "server running, on that port?) (gave up after 5 tries)" % self.source_url))
+
     def test_what_a_source_sends_is_printed_escaped(self):
         status = b"\x1b]0;owned\x07 HTTP/1.1 200 OK\r\n\r\n"
         self.source_url = RawAnswerServer(self, lambda server, sock, head: server.send(sock, status)).url
