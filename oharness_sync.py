@@ -84,7 +84,6 @@ import shlex
 import shutil
 import signal
 import socket
-import socketserver
 import ssl
 import stat
 import subprocess
@@ -10527,229 +10526,152 @@ def mark_restored(data_dir):
 # bench: how fast is this box?
 # -------------------------------------------------------------------------------------------------
 
-# Every figure is printed with the reference it should be read against, both measured in the same
-# run: ratios, not absolute numbers, because a small machine's speed swings with everything else it
-# does. bench judges no figure against an aim (our development aims are in the README's
-# performance table): it exits 1 only when the install is broken. That is an answer it did not
-# expect (it stops there), an acknowledged push missing from its feed or stored twice, a catch-up
-# pull that does not give back exactly the records pushed, or one client's pushes far below what
-# this machine's own disk and CPU allow (PUSH_FLOOR_SHARE). Its last lines say in plain words what
-# the figures mean for this machine (bench_summary).
-
-# The floor of one client's pushes a second, as a share of the bare server's (ReferenceServer) in
-# the same run: its one client pays the same round trip and the same append+fsync on the same disk,
-# and nothing else, so it is what this machine's disk and CPU allow a push from one device. This
-# server adds its checks and its feed line: 0.46x to 0.77x of the bare server on the 2-core test
-# VM, 0.73x on a RAM disk, and near 0.9x where syncs are slow (2 ms each, as on an SD card), so a
-# tenth leaves it a margin of four and more. The disk's own serial fsync rate would not do: a disk
-# whose syncs are almost free (a RAM disk, a drive that caches them) makes a million a second,
-# which no server behind HTTP comes near. Under the floor something else holds each push back: a
-# second sync, a sleep, a lock held too long. With --url there is no bare server (it would measure
-# this machine): no floor then.
+# bench answers an owner's questions: how fast is this box, and is this install healthy? A figure
+# is printed beside a reference measured in the same run where there is one (a small machine's
+# speed swings with all else it does: ratios are what to read). It exits 1 only for an answer it
+# did not expect, a record lost or stored twice, or one client's pushes under the floor: a share of
+# the bare server's (ReferenceServer), whose one client pays the same round trip and append+fsync
+# on the same disk and nothing else. This server reaches 0.46x to 0.77x of it on the 2-core test
+# VM, near 0.9x where syncs take 2 ms: a tenth leaves a margin of four and more. (Not the disk's
+# own sync rate: a RAM disk makes a million a second.)
 PUSH_FLOOR_SHARE = 0.1
 
-
-def push_floor(bare_rate):
-    """The floor of one client's pushes a second (PUSH_FLOOR_SHARE of bare_rate, the bare server's
-    in the same run); None without it."""
-    return PUSH_FLOOR_SHARE * bare_rate if bare_rate else None
-
-
-def canned_response(body):
-    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body))
+BENCH_RESULT_WAIT = 60  # seconds to wait for a process to be ready, or for a result past its phase
+BENCH_RUN = secrets.token_hex(4)  # in the name of every project this run writes to
+_BENCH_PUSH = (b'{"project":"%s","records":[{"session":"w%d","id":"r%d","seq":%d,'
+               b'"device":"bench","at":1,"body":{"text":"' + b"x" * 150 + b'"}}]}')
 
 
 class ReferenceHandler(http.server.BaseHTTPRequestHandler):
-    """The reference's requests: health and a push are answered with fixed bytes (a push's body is
-    appended to the server's file and fsynced first, when it has one); a pull waits on a Condition
-    of its own until a push notifies them all, then gets a fixed one-record page."""
+    """The bare server's answers, fixed bytes: health; a push once appended to a file, synced."""
 
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
-    HEALTH = canned_response(b'{"ok":true}')
-    PUSHED = canned_response(b'{"cursor":1,"accepted":1}')
-    PAGE = canned_response(b'{"cursor":1,"records":[{"session":"s","id":"wake","seq":1,'
-                           b'"device":"bench","at":1,"body":null}],"sessions":[],"more":false}')
+    HEALTH, PUSHED = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (len(body), body) for body in (b'{"ok":true}', b'{"cursor":1,"accepted":1}'))
 
     def do_GET(self):
-        if not self.path.startswith("/v1/pull"):
-            self.wfile.write(self.HEALTH)
-            return
-        server, woken = self.server, threading.Condition(threading.Lock())
-        with woken:
-            with server.lock:
-                waits = not server.pushed
-                if waits:
-                    server.parked.add(woken)
-            if waits:
-                woken.wait(MAX_WAIT_SECONDS)
-        self.wfile.write(self.PAGE)
+        self.wfile.write(self.HEALTH)
 
     def do_POST(self):
-        server, body = self.server, self.rfile.read(int(self.headers["Content-Length"]))
-        if server.fd is not None:
-            os.write(server.fd, body + b"\n")
-            getattr(os, "fdatasync", os.fsync)(server.fd)
-        if not server.pushed:
-            with server.lock:
-                server.pushed = True
-                parked, server.parked = server.parked, set()
-            for woken in parked:
-                with woken:
-                    woken.notify()
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        os.write(self.server.fd, body + b"\n")
+        sync_file(self.server.fd)
         self.wfile.write(self.PUSHED)
 
     def log_message(self, *args):
         pass
 
 
-class ReferenceServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    """What bench measures this server against: a bare http.server (ReferenceHandler) that does
-    nothing of the protocol's work (no parsing, no checks, no group commit), in a process of its
-    own. What it reaches is about the most any Python server with a thread per connection can on
-    the machine."""
+class ReferenceServer(http.server.ThreadingHTTPServer):
+    """A bare http.server that does none of the protocol's work (ReferenceHandler), in a process
+    of its own: about the most a Python server with a thread per connection reaches here."""
 
-    daemon_threads = True
     request_queue_size = 2048
 
-    def __init__(self, push_file=None):
-        super().__init__(("127.0.0.1", 0), ReferenceHandler)
-        self.fd = (None if push_file is None
-                   else os.open(push_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
-        self.lock, self.parked, self.pushed = threading.Lock(), set(), False
-
     @classmethod
-    def start(cls, push_file=None):
-        """(process, URL) of a reference server started in a process of its own."""
+    @contextlib.contextmanager
+    def running(cls, push_file):
+        """Its URL while the with block runs."""
         context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
         ready = context.Queue()
         process = context.Process(target=cls.serve, args=(push_file, ready), daemon=True)
         process.start()
         try:
-            return process, ready.get(timeout=BENCH_RESULT_WAIT)
-        except queue.Empty:
-            process.kill()
-            raise UsageError("could not start the reference server") from None
+            yield ready.get(timeout=BENCH_RESULT_WAIT)
+        finally:
+            process.terminate()
+            process.join()
 
     @classmethod
     def serve(cls, push_file, ready):
         threading.stack_size(THREAD_STACK_BYTES)
-        server = cls(push_file)
+        server = cls(("127.0.0.1", 0), ReferenceHandler)
+        server.fd = os.open(push_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         ready.put("http://127.0.0.1:%d" % server.server_address[1])
         server.serve_forever()
 
 
 class BenchRefused(RuntimeError):
-    """A bench request was answered with another status than 200."""
+    """A bench request answered other than 200: its body shown as JSON, else as text (status 0:
+    no answer, and body says why)."""
 
-    def __init__(self, what, status, body=b""):
-        try:
-            shown = excerpt(json.loads(body))
-        except ValueError:
-            shown = excerpt(body.decode("utf-8", "replace"))
-        if status == 0:  # no response at all: body says why, in words
-            RuntimeError.__init__(self, "%s got no response: %s"
-                                  % (what, body.decode("utf-8", "replace")))
-        else:
-            RuntimeError.__init__(self, "%s was answered %d, not 200: %s" % (what, status, shown))
+    def __init__(self, what, status, body):
+        if isinstance(body, bytes):
+            try:
+                body = json.loads(body)
+            except ValueError:
+                body = body.decode("utf-8", "replace")
+        RuntimeError.__init__(self, "%s got no response: %s" % (what, body) if not status else
+                              "%s was answered %d, not 200: %s" % (what, status, excerpt(body)))
         self.status = status
 
 
-# Memory response statuses that mean "memory sync cannot be measured on this server with this
-# token" (not signed in, another account, rate-limited, no identity service, memory sync off): the
-# memory figures are skipped.
-MEMORY_NOT_MEASURABLE = (401, 403, 429, 502, 503)
-
-
 class BenchTarget:
-    """The server being measured: a URL, a token and its principal (None: unknown, no memory
-    figures), and (when bench started it) its process."""
+    """The server measured (a with block stops it when bench started it): URL, token, process."""
 
-    def __init__(self, url, token, principal=None, process=None, data_dir=None):
-        self.url = url
-        self.token = token
-        self.principal = principal
-        self.process = process
-        self.data_dir = data_dir
+    def __init__(self, url, token, process=None):
+        self.url, self.token, self.process = url, token, process
 
     @classmethod
-    def start(cls, data_dir, *flags, log=subprocess.DEVNULL):
-        """Our own server as a subprocess on data_dir, with a fresh token; its log lines go to
-        log."""
+    def start(cls, data_dir, log=subprocess.DEVNULL, polls=0):
+        """Our own server on data_dir (a subprocess, its log to log), with a fresh token; its
+        clients are one address and one principal: shares that leave room for polls parked."""
         make_dirs(data_dir)
         token, _ = TokenStore(data_dir).issue("bench", ["bench-team"], name="bench")
-        process, url = start_subprocess([sys.executable, os.path.abspath(__file__), "--data",
-                                         data_dir, "--port", "0", "--quiet"] + list(flags), log)
-        return cls(url, token, "bench", process, data_dir=data_dir)
+        command = [sys.executable, os.path.abspath(__file__), "--data", data_dir, "--port", "0",
+                   "--quiet", "--max-connections-per-address", str(DEFAULT_MAX_CONNECTIONS),
+                   "--max-parked", str(max(DEFAULT_MAX_PARKED, 2 * polls))]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log)
+        line = process.stdout.readline().decode()
+        if "listening on " not in line:
+            process.kill()
+            raise UsageError("could not start %s" % command[1])
+        return cls(line.split()[-1], token, process)
 
-    def rss_mib(self):
-        """The server's resident memory in MiB (Linux), or None."""
-        if self.process is None:
-            return None
-        try:
-            with open("/proc/%d/status" % self.process.pid) as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024.0
-        except OSError:
-            return None
-        return None
+    def __enter__(self):
+        return self
 
-    def stop(self):
+    def __exit__(self, *exc_info):
         if self.process is not None:
             self.process.terminate()
             try:
                 self.process.wait(15)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
 
 
-def start_subprocess(command, stderr=subprocess.DEVNULL):
-    """Start a server command; (process, URL) once it printed its listening line."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr)
-    line = process.stdout.readline().decode()
-    if "listening on " not in line:
-        process.kill()
-        raise UsageError("could not start %s" % command[1])
-    return process, line.split()[-1]
-
-
 class BenchClient:
-    """A lean keep-alive HTTP/1.1 client for the bench: each request leaves in one send.
-
-    (http.client sends headers and body separately, and its own cost would be measured
-    along with the server's: the clients share the machine's cores with it.)
-    """
+    """A lean keep-alive HTTP/1.1 client for the timed requests, each sent in one piece: clients
+    share the cores with the server, and SyncClient's cost (http.client's) would be measured."""
 
     def __init__(self, url, token=None, timeout=60):
         https, host, port = parse_base_url(url)
-        sock = socket.create_connection((host, port), timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if https:
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
-        self.sock = sock
-        self.reader = sock.makefile("rb")
-        self.prefix = b"Host: %s\r\n" % host.encode("ascii")
+            self.sock = ssl.create_default_context().wrap_socket(self.sock, server_hostname=host)
+        self.reader = self.sock.makefile("rb")
+        self.head = b"Host: %s\r\nContent-Type: application/json\r\n" % host.encode("ascii")
         if token:
-            self.prefix += b"Authorization: Bearer %s\r\n" % token.encode("ascii")
+            self.head += b"Authorization: Bearer %s\r\n" % token.encode("ascii")
 
-    def send(self, method, path, body=None):
-        """Send one request; body is a JSON value, or bytes already encoded."""
-        data = b"" if body is None else body if isinstance(body, bytes) else encode_json(body)
-        self.sock.sendall(b"%s %s HTTP/1.1\r\n%sContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s"
-                          % (method.encode("ascii"), path.encode("ascii"), self.prefix, len(data),
-                             data))
+    def send(self, method, path, body=b""):
+        """Send one request; body: its JSON bytes."""
+        self.sock.sendall(b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
+            method.encode("ascii"), path.encode("ascii"), self.head, len(body), body))
 
-    def call(self, method, path, body=None):
-        """(status, body bytes) of one request; body is a JSON value, or bytes already encoded."""
+    def call(self, method, path, body=b""):
         self.send(method, path, body)
-        status_line = self.reader.readline()
+        return self.response()
+
+    def response(self):
+        """(status, body bytes) of the next response."""
+        status_line, length = self.reader.readline(), None
         if not status_line:
             raise ConnectionError("the server closed the connection")
-        length = None
         while True:
             line = self.reader.readline()
             if line in (b"\r\n", b"\n", b""):
@@ -10764,95 +10686,53 @@ class BenchClient:
         self.reader.close()
         self.sock.close()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc_info):
-        self.close()
-
-
-_BENCH_PUSH = (b'{"project":"bench-push-%s","records":[{"session":"w%d","id":"r%d","seq":%d,'
-               b'"device":"bench","at":1,"body":{"text":"' + b"x" * 150 + b'"}}]}')
+def new_project(kind):
+    """A project new in every phase, bench-<kind>-<run>-<ms>: each phase's feed is its own."""
+    return "bench-%s-%s-%d" % (kind, BENCH_RUN, time.time() * 1000)
 
 
-def bench_request(kind, worker, number, extra):
-    """(method, path, body bytes) of a benchmark request: 'health', 'push' (a new record each time,
-    record r<number> of session w<worker> in the project bench-push-<extra>) or 'snapshot' (extra
-    is the whole body, encoded once). Bodies are filled into templates, not encoded from objects:
-    the clients share the cores with the server, and their cost is not its."""
-    if kind == "health":
-        return "GET", "/v1/health", None
-    if kind == "push":
-        return "POST", "/v1/push", _BENCH_PUSH % (extra.encode("ascii"), worker, number, number)
-    if kind == "snapshot":
-        return "POST", "/v1/memory/snapshot", extra
-    raise ValueError(kind)
-
-
-BENCH_RUN = secrets.token_hex(4)
-
-
-def bench_worker(url, token, kind, extra, worker, ready, go, window, results):
-    """One client process: connect, say so on ready, and once go is set send kind requests back to
-    back within the window (start, stop) the parent set; on results (worker, count, None), or
-    (worker, count, (status, body)) of the first response that was not 200, which ends its
-    requests."""
+def bench_worker(url, token, project, worker, ready, go, window, results):
+    """One client process: connect, say so on ready, and once go is set send requests back to back
+    within the window (start, stop) the parent set: health, or pushes of a new record to project (a
+    template filled in: the clients' cost is not the server's). On results (worker, count, None),
+    or (worker, count, (status, body)) of the first answer not 200, which ends them."""
+    count, refusal, client = 0, None, None
     try:
-        client, failure = BenchClient(url, token), None
+        client = BenchClient(url, token)
     except Exception as exc:  # the parent waits for a result from every worker: always one
-        client, failure = None, "could not connect: %s" % exc
+        refusal = (0, "could not connect: %s" % exc)
     ready.put(1)
     go.wait()
     start_at, stop_at = window[0], window[1]
-    if client is None:
-        results.put((worker, 0, (0, failure.encode("utf-8", "replace"))))
-        return
-    count, refused = 0, None
     time.sleep(max(0.0, start_at - time.time()))
     try:
-        while time.time() < stop_at:
-            method, path, body = bench_request(kind, worker, count, extra)
-            status, response_body = client.call(method, path, body)
+        while refusal is None and time.time() < stop_at:
+            if project is None:
+                status, body = client.call("GET", "/v1/health")
+            else:
+                status, body = client.call("POST", "/v1/push", _BENCH_PUSH % (
+                    project.encode("ascii"), worker, count, count))
             if status != 200:
-                refused = (status, response_body)
-                break
-            count += 1
+                refusal = (status, body)
+            else:
+                count += 1
     except Exception as exc:  # as above: always a result
-        refused = (0, str(exc).encode("utf-8", "replace"))
-    finally:
+        refusal = (0, str(exc))
+    if client is not None:
         client.close()
-    results.put((worker, count, refused))
+    results.put((worker, count, refusal))
 
 
-# seconds bench waits for a client process to be ready, or for its result past the window
-BENCH_RESULT_WAIT = 60
-
-
-def bench_rate(url, token, kind, clients, seconds, extra=None):
-    """Requests per second of kind from clients processes; BenchRefused if one was not answered
-    200. The timed window opens once every client is connected."""
-    if kind == "push" and extra is None:
-        extra = push_stamp()
-    counts = bench_counts(url, token, kind, clients, seconds=seconds, extra=extra)
-    return sum(counts) / float(seconds)
-
-
-def push_stamp():
-    """A stamp new in every push phase: its pushes go to a feed of its own, bench-push-<stamp>."""
-    return "%s-%d" % (BENCH_RUN, time.time() * 1000)
-
-
-def bench_counts(url, token, kind, clients, seconds, extra):
-    """The requests of kind each of clients processes had answered 200 within seconds (bench_rate);
-    BenchRefused if one was answered otherwise."""
+def bench_counts(url, token, clients, seconds, project=None):
+    """The requests each of clients processes (bench_worker) had answered 200 within seconds,
+    timed once every one is connected; BenchRefused if one was answered otherwise."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     ready, go, window, results = (context.Queue(), context.Event(), context.Array("d", 2),
                                   context.Queue())
-    processes = [context.Process(target=bench_worker,
-                                 kwargs={"url": url, "token": token, "kind": kind, "extra": extra,
-                                         "worker": i, "ready": ready, "go": go, "window": window,
-                                         "results": results})
-                 for i in range(clients)]
+    processes = [context.Process(target=bench_worker, kwargs={
+        "url": url, "token": token, "project": project, "worker": i, "ready": ready, "go": go,
+        "window": window, "results": results}) for i in range(clients)]
     for process in processes:
         process.start()
     try:
@@ -10861,92 +10741,91 @@ def bench_counts(url, token, kind, clients, seconds, extra):
         window[0] = time.time() + 0.02
         window[1] = window[0] + seconds
         go.set()
-        counts = [results.get(timeout=seconds + BENCH_RESULT_WAIT) for _ in processes]
+        counts = sorted(results.get(timeout=seconds + BENCH_RESULT_WAIT) for _ in processes)
     except BaseException:
-        # Those still waiting for go, or stuck in a request, would hold bench's exit
-        # (multiprocessing joins its children at exit): a stop after a minute would still be a
-        # hang.
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(5)
+        stop_processes(processes)
         raise
     for process in processes:
         process.join()
-    for _, _, refused in counts:
-        if refused is not None:
-            raise BenchRefused("a %s request" % kind, *refused)
-    return [count for _, count, _ in sorted(counts)]
+    for _, _, refusal in counts:
+        if refusal is not None:
+            raise BenchRefused("a %s request" % ("push" if project else "health"), *refusal)
+    return [count for _, count, _ in counts]
 
 
-def bench_reference(kind, client_counts, seconds, push_file=None):
-    """Rates of kind against a ReferenceServer (one per entry of client_counts)."""
-    process, url = ReferenceServer.start(push_file)
-    try:
-        return [bench_rate(url, None, kind, count, seconds=seconds) for count in client_counts]
-    finally:
+def stop_processes(processes):
+    """Stop client processes waiting or stuck in a request: they would hold bench's exit."""
+    for process in processes:
         process.terminate()
-        process.join()
+    for process in processes:
+        process.join(5)
+
+
+def bench_rate(url, token, clients, seconds, push=False):
+    """Health requests (or pushes, to a new feed) a second from clients processes."""
+    project = new_project("push") if push else None
+    return sum(bench_counts(url, token, clients, seconds, project=project)) / seconds
 
 
 def disk_fsync_rate(directory, seconds):
     """Serial append + fsync of 200-byte lines per second in directory: the disk's own ceiling."""
-    path = os.path.join(directory, "bench-fsync-%s.tmp" % secrets.token_hex(4))
+    path = os.path.join(directory, "bench-fsync.tmp")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    line, count = b"x" * 199 + b"\n", 0
+    count, stop_at = 0, time.monotonic() + seconds
     try:
-        stop_at = time.monotonic() + seconds
         while time.monotonic() < stop_at:
-            write_all(fd, line)
+            write_all(fd, b"x" * 199 + b"\n")
             sync_file(fd)
             count += 1
     finally:
         os.close(fd)
         os.unlink(path)
-    return count / float(seconds)
+    return count / seconds
 
 
 def push_phase(target, clients, seconds):
-    """(pushes a second, faults) of clients pushing to a new feed for seconds; faults (phrases,
-    none when all is well) say what the feed, pulled after, holds other than every acknowledged
-    push once."""
-    stamp = push_stamp()
-    counts = bench_counts(target.url, target.token, "push", clients, seconds=seconds, extra=stamp)
-    expected = {("w%d" % worker, "r%d" % number)
-                for worker, count in enumerate(counts) for number in range(count)}
-    seen = pulled_keys(target, "bench-push-" + stamp)
-    return (sum(counts) / float(seconds),
-            feed_faults("%d-client pushes" % clients, expected, seen))
-
-
-def pulled_keys(target, project):
-    """The (session, id) of every record of project's feed, pulled page by page."""
-    keys = []
-    with BenchClient(target.url, target.token) as client:
-        since = 0
-        while True:
-            status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d"
-                                       % (project, since, MAX_PULL_LIMIT))
+    """(pushes a second, the records pulled a second as a device catching up pulls them, their
+    count, faults) of clients pushing to a new feed for seconds; faults (phrases, none when all is
+    well) say what the feed, pulled after, holds other than each acknowledged push once."""
+    project = new_project("push")
+    counts = bench_counts(target.url, target.token, clients, seconds, project=project)
+    expected = {("w%d" % worker, "r%d" % n) for worker, count in enumerate(counts)
+                for n in range(count)}
+    client, records, since, started = SyncClient(target.url, target.token), [], 0, time.monotonic()
+    with contextlib.closing(client):
+        more = True
+        while more:
+            status, _, document = client.pull(project, since, limit=MAX_PULL_LIMIT,
+                                              keep_alive=True)
             if status != 200:
-                raise BenchRefused("a pull of the pushes", status, body)
-            page = json.loads(body)
-            keys.extend((record["session"], record["id"]) for record in page["records"])
-            since = page["cursor"]
-            if not page["more"]:
-                return keys
+                raise BenchRefused("a pull of the pushes", status, document)
+            since, page, _, more = pull_page(document, since)
+            records += [(record.get("session"), record.get("id")) for record in page]
+    return (sum(counts) / seconds, len(records) / (time.monotonic() - started), len(records),
+            feed_faults("%d-client pushes" % clients, records, expected))
 
 
-def feed_faults(what, expected, seen):
-    """What is wrong with a feed that should hold each key of the set expected once, seen its keys
-    as pulled: a phrase for the summary ("what: 1 of 600 acknowledged records missing"), or none
-    when nothing is."""
+def push_phase_counting_syncs(data_dir, clients, seconds):
+    """push_phase's figures and the pushes per fsync, on a server of its own: the line it logs when
+    it stops counts the pushes made durable and the fsyncs that did it."""
+    log_path = data_dir + ".log"
+    with open(log_path, "wb") as log, BenchTarget.start(data_dir, log=log) as target:
+        figures = push_phase(target, clients, seconds)
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        counts = re.search(r"stopped: (\d+) push(?:es)? made durable with (\d+) fsyncs?", f.read())
+    if counts is None or not int(counts.group(2)):
+        raise RuntimeError("the pushes' server left no stop line in %s" % log_path)
+    return figures, int(counts.group(1)) / int(counts.group(2))
+
+
+def feed_faults(what, seen, expected):
+    """What is wrong with a feed whose keys, as pulled, are seen, and should be each key of the set
+    expected once: a phrase ("what: 1 of 600 acknowledged records missing"), or none."""
     times = collections.Counter(seen)
     lost = sum(1 for key in expected if key not in times)
     twice = sum(n - 1 for key, n in times.items() if n > 1 and key in expected)
     foreign = sum(n for key, n in times.items() if key not in expected)
-    wrong = []
-    if lost:
-        wrong.append("%d of %d acknowledged records missing" % (lost, len(expected)))
+    wrong = ["%d of %d acknowledged records missing" % (lost, len(expected))] if lost else []
     if twice:
         wrong.append("%d record%s stored more than once" % (twice, "s" if twice > 1 else ""))
     if foreign:
@@ -10954,376 +10833,110 @@ def feed_faults(what, expected, seen):
     return ["%s: %s" % (what, ", ".join(wrong))] if wrong else []
 
 
-def group_commit(data_dir, clients, seconds):
-    """(pushes a second, pushes per fsync, faults as push_phase's) of clients pushing to one feed,
-    on a server of its own: the line it logs when it stops counts the pushes made durable and the
-    fsyncs that did it."""
-    make_dirs(data_dir)
-    log_path = os.path.join(data_dir, "server.log")
-    with open(log_path, "wb") as log:
-        target = BenchTarget.start(data_dir, "--memory-rate-limit", "0", log=log)
-        try:
-            rate, faults = push_phase(target, clients, seconds)
-        finally:
-            target.stop()
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        counts = re.search(r"stopped: (\d+) push(?:es)? made durable with (\d+) fsyncs?", f.read())
-    if counts is None or not int(counts.group(2)):
-        raise RuntimeError("the group-commit server's stop line is missing from %s" % log_path)
-    return rate, int(counts.group(1)) / int(counts.group(2)), faults
-
-
-def fill_feed(target, project, records, body_bytes=200):
-    """Push records records (about body_bytes each) into project, 500 a push."""
-    with BenchClient(target.url, target.token) as client:
-        text = "y" * (body_bytes - 60)
-        for start in range(0, records, MAX_PUSH_RECORDS):
-            batch = [{"session": "s%d" % (i // 1000), "id": "r%d" % i, "seq": i, "device": "bench",
-                      "at": i, "body": {"role": "assistant", "text": text}}
-                     for i in range(start, min(records, start + 500))]
-            status, body = client.call("POST", "/v1/push", {"project": project, "records": batch})
-            if status != 200:
-                raise BenchRefused("a push filling the catch-up feed", status, body)
-
-
-def catch_up(target, project, limit=MAX_PULL_LIMIT):
-    """Pull a whole feed page by page; (records, seconds, the records' ids)."""
-    with BenchClient(target.url, target.token) as client:
-        since, ids, started = 0, [], time.monotonic()
-        while True:
-            status, body = client.call("GET", "/v1/pull?project=%s&since=%d&limit=%d"
-                                       % (project, since, limit))
-            if status != 200:
-                raise BenchRefused("a catch-up pull", status, body)
-            page = json.loads(body)
-            ids.extend(record["id"] for record in page["records"])
-            since = page["cursor"]
-            if not page["more"]:
-                break
-    return len(ids), time.monotonic() - started, ids
-
-
-def park_worker(url, token, projects, ready, results, answered):
-    """One client process holding a long-poll per project, a connection each, all read by one
-    thread (a thread per poll would make the clients' own wake-up, a thousand threads taking turns,
-    part of the figure); reports (wall-clock time its response was whole, or None) each, and counts
-    responses in the shared answered value as they come."""
+def park_worker(url, token, project, polls, ready, results):
+    """One client process holding polls long-polls on project, a connection each, all read by one
+    thread (a thread each would make the clients' own wake-up, a thousand threads taking turns,
+    part of the figure); reports the wall-clock time each was answered with a record, or None."""
     clients, woke = {}, []
-    for project in projects:
+    for _ in range(polls):
         try:
-            client = BenchClient(url, token, timeout=60)
+            client = BenchClient(url, token)
             client.send("GET", "/v1/pull?project=%s&since=0&wait=30" % project)
-            clients[client.sock.fileno()] = (client, bytearray())
+            clients[client.sock.fileno()] = client
         except OSError:
             woke.append(None)
         ready.put(1)
     poller = select.poll()
     for fd in clients:
         poller.register(fd, select.POLLIN)
-    deadline = time.monotonic() + 40
+    deadline = time.monotonic() + MAX_WAIT_SECONDS + 10
     while clients and time.monotonic() < deadline:
         for fd, _ in poller.poll(1000):
-            client, buf = clients[fd]
-            try:
-                data = client.sock.recv(65536)
-            except OSError:
-                data = b""
-            buf += data
-            response = whole_response(buf)
-            if data and response is None:
-                continue
-            at = time.time()
             poller.unregister(fd)
-            del clients[fd]
+            client = clients.pop(fd)
+            try:
+                status, body = client.response()
+            except (OSError, ValueError):  # closed before its answer was whole
+                status, body = 0, b""
+            # answered with no record (as a server that cannot park does at once): not woken
+            woke.append(time.time() if status == 200 and b'"records":[]' not in body else None)
             client.close()
-            if response is None:  # closed before its response was whole
-                woke.append(None)
-                continue
-            status, body = response
-            # a 200 counts, an empty response too: a poll of another feed the push woke for nothing
-            # (a refusal is not counted; park_and_wake leaves out those before it)
-            if status == 200:
-                with answered.get_lock():
-                    answered.value += 1
-            woke.append(at if status == 200 and b'"records":[]' not in body else None)
-    woke += [None] * len(clients)
-    for client, _ in clients.values():
-        client.close()
-    results.put(woke)
+    results.put(woke + [None] * len(clients))  # (the process's exit closes those left)
 
 
-def whole_response(buf):
-    """(status, body) of the HTTP response at the start of buf once all of it is there, else
-    None."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        return None
-    head = bytes(buf[:end]).lower()
-    start = head.find(b"content-length:")
-    if start < 0:
-        return None
-    length = int(head[start + 15:].split(b"\r\n", 1)[0])
-    if len(buf) < end + 4 + length:
-        return None
-    return int(head.split(None, 2)[1]), bytes(buf[end + 4:end + 4 + length])
-
-
-def wake_projects(feeds, polls):
-    """The project of each of polls long-polls, spread over feeds new projects of this call's own
-    (a feed an earlier call pushed to would answer its polls at once, with that record)."""
-    # once: one push per feed wakes its polls
-    stamp = "bench-wake-%s-%d" % (BENCH_RUN, time.time() * 1000)
-    return ["%s-%d" % (stamp, i % feeds) for i in range(polls)]
-
-
-def park_and_wake(target, feeds, polls, processes=8):
-    """Park polls long-polls over feeds projects (clients in several processes), then push once to
-    each feed; (sorted wake latencies in s, failures, server RSS while parked, how many answered
-    within 0.5 s of the push to the first feed: with more than one feed, only its own should)."""
+def park_and_wake(target, polls, processes=8):
+    """Park polls long-polls on a new feed (clients in several processes), then push to it once;
+    (sorted wake latencies in s, how many polls that push did not wake)."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    ready, results, answered = context.Queue(), context.Queue(), context.Value("i", 0)
-    projects = wake_projects(feeds, polls)
-    workers = [context.Process(target=park_worker,
-                               kwargs={"url": target.url, "token": target.token,
-                                       "projects": projects[i::processes], "ready": ready,
-                                       "results": results, "answered": answered})
-               for i in range(min(processes, polls))]
+    ready, results, project = context.Queue(), context.Queue(), new_project("wake")
+    workers = [context.Process(target=park_worker, kwargs={
+        "url": target.url, "token": target.token, "project": project,
+        "polls": len(range(i, polls, processes)), "ready": ready, "results": results})
+        for i in range(min(processes, polls))]
     for worker in workers:
         worker.start()
-    for _ in projects:
-        ready.get(timeout=60)
-    time.sleep(min(2.0, 0.2 + polls / 500.0))  # let every request reach the server and park
-    rss_parked = target.rss_mib()
     try:
-        with BenchClient(target.url, target.token) as client:
-            # answered without a push: not counted
-            pushed, first_only, before = time.time(), None, answered.value
-            for project in sorted(set(projects)):
-                status, body = client.call("POST", "/v1/push", {"project": project, "records": [
-                    {"session": "s", "id": "wake", "seq": 1, "device": "bench", "at": 1,
-                     "body": None}]})
-                if status != 200:  # the parked polls would wait out their 30 s and look unanswered
-                    raise BenchRefused("a push waking long-polls", status, body)
-                if first_only is None:
-                    # the polls of other feeds must not wake: give them the time to show it
-                    if feeds > 1:
-                        time.sleep(0.5)
-                    first_only = answered.value - before
+        for _ in range(polls):
+            ready.get(timeout=BENCH_RESULT_WAIT)
+        time.sleep(min(2.0, 0.2 + polls / 500.0))  # let every request reach the server and park
+        client = BenchClient(target.url, target.token)
+        pushed = time.time()
+        status, body = client.call("POST", "/v1/push", _BENCH_PUSH % (project.encode(), 0, 0, 0))
+        client.close()
+        if status != 200:  # the parked polls would wait out their 30 s and look unanswered
+            raise BenchRefused("a push waking long-polls", status, body)
+        woke = [at for _ in workers for at in results.get(timeout=BENCH_RESULT_WAIT)]
     except BaseException:
-        for worker in workers:  # their polls would hold bench's exit for up to 30 s
-            worker.terminate()
-        for worker in workers:
-            worker.join(5)
+        stop_processes(workers)
         raise
-    woke = [at for _ in workers for at in results.get(timeout=60)]
     for worker in workers:
         worker.join()
     latencies = sorted(at - pushed for at in woke if at is not None)
-    return latencies, len(woke) - len(latencies), rss_parked, first_only
-
-
-def oversized_heads(target, connections=40, lines=100, line_bytes=65000):
-    """The server's peak RSS growth in MiB while connections clients each send a request line and
-    lines header lines of line_bytes bytes, with no end to the head (refused at MAX_HEAD_BYTES);
-    None without the server's RSS."""
-    before = target.rss_mib()
-    if before is None:
-        return None
-    parts = urllib.parse.urlsplit(target.url)
-    line = b"X-Pad: " + b"p" * (line_bytes - 9) + b"\r\n"
-
-    def flood():
-        try:
-            with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
-                sock.sendall(b"GET /v1/health HTTP/1.1\r\n")
-                for _ in range(lines):
-                    sock.sendall(line)
-        except OSError:  # refused with 431 and closed: what is left unsent goes nowhere
-            pass
-
-    senders = [threading.Thread(target=flood, daemon=True) for _ in range(connections)]
-    for sender in senders:
-        sender.start()
-    peak = before
-    while any(sender.is_alive() for sender in senders):
-        peak = max(peak, target.rss_mib() or 0.0)
-        time.sleep(0.02)
-    return max(peak, target.rss_mib() or 0.0) - before
-
-
-def bare_wake_p99(polls):
-    """The p99 wake latency in s of polls long-polls on a ReferenceServer, woken by one push."""
-    process, url = ReferenceServer.start()
-    try:
-        latencies, _, _, _ = park_and_wake(BenchTarget(url, None), 1, polls)
-    finally:
-        process.terminate()
-        process.join()
-    return percentile(latencies, 0.99)
+    return latencies, len(woke) - len(latencies)
 
 
 def percentile(values, fraction):
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, int(round(fraction * (len(values) - 1))))]
-
-
-def make_memory_scope(target, project, notes):
-    """Commit notes notes into project (a new one); its etag and the note hashes (for a full
-    `have`)."""
-    with BenchClient(target.url, target.token) as client:
-        etag, have = None, {}
-        for start in range(0, notes, 500):
-            changes = []
-            for i in range(start, min(notes, start + 500)):
-                note = {"id": "note-%d" % i, "summary": "note %d" % i,
-                        "body": "body of note %d " % i + "z" * 200, "tags": ["bench"],
-                        "createdAt": 1}
-                have[note["id"]] = note_hash(note)
-                changes.append({"id": note["id"], "hash": have[note["id"]], "note": note})
-            status, body = client.call("POST", "/v1/memory/commit", {
-                "expectedPrincipal": target.principal, "project": project, "etag": etag,
-                "changes": changes})
-            if status != 200:
-                raise BenchRefused("a memory commit", status, body)
-            etag = json.loads(body)["etag"]
-    return etag, have
-
-
-def snapshot_rate(target, project, have, seconds):
-    """Full snapshots per second of project with every note in `have` (one client)."""
-    with BenchClient(target.url, target.token) as client:
-        # Encoded once: the figure is the server's, not the bench client's JSON encoder's.
-        body = encode_json({"expectedPrincipal": target.principal, "project": project,
-                            "have": have})
-        count, stop_at = 0, time.monotonic() + seconds
-        while time.monotonic() < stop_at:
-            status, response_body = client.call("POST", "/v1/memory/snapshot", body)
-            if status != 200:
-                raise BenchRefused("a memory snapshot", status, response_body)
-            count += 1
-    return count / float(seconds)
-
-
-def bench_memory(report, target, args):
-    """The memory figures, on a new project of this run: snapshots answered `unchanged` against
-    health requests, and full snapshots of args.notes notes. Where the server cannot be measured so
-    (no principal given, a response in MEMORY_NOT_MEASURABLE), a note line says why and the rest is
-    left out."""
-    if target.principal is None:
-        report.note("no memory figures: give --principal (the token's principal) to measure them")
-        return
-    try:
-        measure_memory(report, target, args.clients, args.seconds, notes=args.notes)
-    except BenchRefused as exc:
-        if exc.status not in MEMORY_NOT_MEASURABLE:
-            raise
-        report.note("no more memory figures: %s" % exc)
-
-
-def measure_memory(report, target, clients, seconds, notes):
-    project = "bench-memory-" + BENCH_RUN
-    etag, have = make_memory_scope(target, project, notes)
-    unchanged_body = encode_json({"expectedPrincipal": target.principal, "project": project,
-                                  "knownEtag": etag})
-    # Health once more, in turns with the snapshots: the machine may have grown busier or calmer
-    # since the start, and taking turns lets any drift weigh on both alike.
-    health_now = unchanged = 0.0
-    for _ in range(2):
-        health_now += bench_rate(target.url, target.token, "health", clients,
-                                 seconds=seconds / 2) / 2
-        unchanged += bench_rate(target.url, target.token, "snapshot", clients,
-                                seconds=seconds / 2, extra=unchanged_body) / 2
-    report.add("memory snapshot 'unchanged', %d clients" % clients, unchanged, "req/s", health_now,
-               reference_name="health in turns", fact="unchanged")
-    report.add("memory snapshot, %d notes, full have" % notes,
-               snapshot_rate(target, project, have, seconds), "/s", fact="snapshot")
-
-
-def write_big_data_dir(data_dir, feeds, records_per_feed):
-    """Write feeds feed files of records_per_feed records each, straight to disk (as pushes
-    would)."""
-    body = encode_json({"role": "assistant", "text": "w" * 140})
-    layout = DataDir(data_dir)
-    make_dirs(layout.owner_dir(("u", "bench")))
-    for f in range(feeds):
-        with open(layout.feed_path(("u", "bench"), "big-%d" % f), "wb") as out:
-            lines = []
-            for i in range(records_per_feed):
-                event = (b'{"session":"s%d","id":"r%d","seq":%d,"device":"bench","at":%d,'
-                         b'"body":%s}' % (i // 1000, i, i, i, body))
-                lines.append(feed_line(i + 1, b"r", event,
-                                       record_key("s%d" % (i // 1000), "r%d" % i)))
-                if len(lines) == 10000:
-                    out.write(b"".join(lines))
-                    lines = []
-            out.write(b"".join(lines))
-
-
-def big_start(data_dir, feeds, records_per_feed):
-    """Start a server on a big data dir; (seconds from process start to the last page of every
-    feed, RSS)."""
-    started = time.monotonic()
-    target = BenchTarget.start(data_dir)
-    try:
-        with BenchClient(target.url, target.token) as client:
-            for f in range(feeds):
-                since = max(0, records_per_feed - MAX_PULL_LIMIT)
-                status, body = client.call("GET", "/v1/pull?project=big-%d&since=%d" % (f, since))
-                if status != 200 or len(json.loads(body)["records"]) != records_per_feed - since:
-                    raise RuntimeError("the big feed did not answer its last page")
-            elapsed = time.monotonic() - started
-        return elapsed, target.rss_mib()
-    finally:
-        target.stop()
-
-
-BENCH_NAME_WIDTH = 50  # the longest figure name with the default flags, and a little more
+    return (values[min(len(values) - 1, int(round(fraction * (len(values) - 1))))] if values
+            else float("nan"))
 
 
 class BenchReport:
-    """Figures with their references and ratios, printed as a table as they come, and what bench
-    found broken (faults: phrases); facts are the figures and counts bench_summary puts in words.
-    Optionally written as JSON."""
+    """Figures beside their references, printed as they come, and what bench found broken."""
+
+    NAME_WIDTH = 50  # the longest figure name with the default flags, and a little more
 
     def __init__(self, out=None):
         self.out = out or sys.stdout
-        self.figures = []
-        self.facts = {}
-        self.faults = []
+        self.figures, self.faults = [], []
 
-    def add(self, name, value, unit, reference=None, reference_name="", fact=None):
-        """Print a figure's line; fact: the name bench_summary knows its value by."""
+    def add(self, name, value, unit, reference=None, reference_name=""):
+        """Print a figure's line (a count is an integer); returns its value."""
         ratio = value / reference if reference else None
-        figure = {"name": name, "value": value if isinstance(value, int) else round(value, 2),
-                  "unit": unit, "reference": None if reference is None else round(reference, 2),
-                  "reference_name": reference_name,
-                  "ratio": None if ratio is None else round(ratio, 2)}
-        self.figures.append(figure)
-        if fact is not None:
-            self.facts[fact] = value
-        # a count is an integer
-        shown = "%12d" % value if isinstance(value, int) else "%12.1f" % value
-        if len(name) > BENCH_NAME_WIDTH:  # (a long --flag value): its figure under it, aligned
-            print(name, file=self.out)
+        self.figures.append({
+            "name": name, "value": value if isinstance(value, int) else round(value, 2),
+            "unit": unit, "reference": None if reference is None else round(reference, 2),
+            "reference_name": reference_name, "ratio": None if ratio is None else round(ratio, 2)})
+        if len(name) > self.NAME_WIDTH:  # (a long --flag value): its figure under it, aligned
+            self.note(name)
             name = ""
-        line = "%-*s %s %-10s" % (BENCH_NAME_WIDTH, name, shown, unit)
+        line = "%-*s %12s %-10s" % (self.NAME_WIDTH, name, value if isinstance(value, int)
+                                    else "%.1f" % value, unit)
         if reference is not None:
             line += "  vs %s %.1f: %.2fx" % (reference_name, reference, ratio)
-        print(line.rstrip(), file=self.out, flush=True)
-
-    def fault(self, faults):
-        self.faults.extend(faults)
+        self.note(line.rstrip())
+        return value
 
     def note(self, text):
         print(text, file=self.out, flush=True)
 
-    def write_json(self, path, summary):
-        doc = {"version": __version__, "python": sys.version.split()[0],
-               "machine": platform.machine(), "cpus": os.cpu_count(), "figures": self.figures,
-               "summary": summary, "broken": self.faults}
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=2)
+
+class BenchFacts:
+    """The run's settings and the figures bench_summary puts in words (None: not measured)."""
+
+    def __init__(self, own, clients, seconds, polls):
+        self.own, self.clients, self.seconds, self.polls = own, clients, seconds, polls
+        self.fsync = self.fsync_again = self.push_1 = self.floor = self.push_n = None
+        self.per_fsync = self.catch_up = self.wake_p99 = self.answered = None
 
 
 def rounded(number):
@@ -11351,52 +10964,33 @@ def disk_doubt(first, again, push_1):
 
 
 def bench_summary(facts, faults):
-    """The closing sentences, one a line: what the figures (facts, by BenchReport.add's fact names)
-    mean for this machine, then whether the install is broken (faults) or nothing is wrong."""
-    sentences, own = [], facts.get("own", True)
-    if "fsync again" in facts:
-        sentences.append(disk_doubt(facts["fsync"], facts["fsync again"], facts["push 1"]))
-    elif "fsync" in facts:
-        sentences.append(("Your disk makes %s syncs a second." if own else
-                          "This machine's disk makes %s syncs a second (the server's own only if "
-                          "it runs here).") % rounded(facts["fsync"]))
-    if "push 1" in facts and "push n" in facts:
-        shared = "" if "per fsync" not in facts else rounded(facts["per fsync"])
-        shared = ("" if not shared else " (each push with a sync of its own)" if shared == "1"
-                  else " (%s pushes share each sync)" % shared)
-        sentences.append("One client can push %s times a second; %d clients together %s%s."
-                         % (rounded(facts["push 1"]), facts["clients"], rounded(facts["push n"]),
-                            shared))
-    if "catch-up" in facts:
-        sentences.append("A device catching up pulls %s records a second."
-                         % rounded(facts["catch-up"]))
-    if "answered" in facts:
-        answered, polls = facts["answered"], facts["polls"]
-        if answered == 0:
-            sentences.append("A push woke none of %s waiting devices." % rounded(polls))
-        else:
-            sentences.append("A push wakes %s waiting devices within %s ms (p99)."
-                             % (rounded(polls) if answered == polls
-                                else "%s of %s" % (rounded(answered), rounded(polls)),
-                                rounded(facts["wake p99"])))
-    if "unchanged" in facts and "snapshot" in facts:
-        sentences.append("Memory sync answers %s \"nothing changed\" checks a second, and %s full "
-                         "snapshots of %s notes." % (rounded(facts["unchanged"]),
-                                                     rounded(facts["snapshot"]),
-                                                     rounded(facts["notes"])))
-    if "start-up" in facts:
-        sentences.append("With %s records in 10 feeds, the server starts and answers in %s s%s."
-                         % (rounded(facts["start-up records"]), rounded(facts["start-up"]),
-                            "" if "start-up memory" not in facts
-                            else ", in %s MiB" % rounded(facts["start-up memory"])))
+    """The closing sentences, one a line: what the figures (BenchFacts) mean for this machine,
+    then whether the install is broken (faults) or nothing is wrong."""
+    if facts.fsync_again is not None:
+        sentences = [disk_doubt(facts.fsync, facts.fsync_again, facts.push_1)]
+    else:
+        sentences = [("Your disk makes %s syncs a second." if facts.own else "This machine's disk "
+                      "makes %s syncs a second (the server's own only if it runs here).")
+                     % rounded(facts.fsync)]
+    shared = "" if facts.per_fsync is None else rounded(facts.per_fsync)
+    sentences.append("One client can push %s times a second; %d clients together %s%s." % (
+        rounded(facts.push_1), facts.clients, rounded(facts.push_n),
+        "" if not shared else " (each push with a sync of its own)" if shared == "1"
+        else " (%s pushes share each sync)" % shared))
+    sentences.append("A device catching up pulls %s records a second." % rounded(facts.catch_up))
+    if facts.answered == 0:
+        sentences.append("A push woke none of %s waiting devices." % rounded(facts.polls))
+    else:
+        sentences.append("A push wakes %s waiting devices within %s ms (p99)." % (
+            rounded(facts.polls) if facts.answered == facts.polls
+            else "%s of %s" % (rounded(facts.answered), rounded(facts.polls)),
+            rounded(facts.wake_p99)))
     if faults:
         sentences.append("This install is broken: %s." % "; ".join(faults))
-    elif own and "floor" in facts:
+    elif facts.own:
         sentences.append("Nothing is wrong with this install: every push was stored once, and one "
                          "client's pushes clear the floor of %s a second (a tenth of what a bare "
-                         "server reaches on this disk and CPU)." % rounded(facts["floor"]))
-    elif own:
-        sentences.append("Nothing is wrong with this install: every push was stored once.")
+                         "server reaches on this disk and CPU)." % rounded(facts.floor))
     else:
         sentences.append("Nothing is wrong that bench can see from here: every push was stored "
                          "once (with --url no floor is set for the pushes: the disk and CPU "
@@ -11405,37 +10999,23 @@ def bench_summary(facts, faults):
 
 
 def bench_command(argv):
-    parser = ArgumentParser(prog="oharness_sync.py bench",
-                            description="Measure a server's speed, and find out whether the "
-                                        "install is broken.")
-    parser.add_argument("--url",
-                        help="measure this server instead of starting one (needs --token-file)")
+    parser = ArgumentParser(prog="oharness_sync.py bench", description="Measure a server's "
+                            "speed, and find out whether the install is broken.")
+    parser.add_argument("--url", help="measure this server instead of starting one (needs "
+                                      "--token-file)")
     parser.add_argument("--token-file", metavar="FILE",
                         help="a token for --url, on the file's first line")
-    parser.add_argument("--token",
-                        help="a token for --url on the command line (other users see it in ps: "
-                             "use --token-file)")
-    parser.add_argument("--principal", metavar="ID",
-                        help="the token's principal, for the memory figures with --url "
-                             "(without it they are skipped)")
+    parser.add_argument("--token", help="a token for --url on the command line (other users see "
+                                        "it in ps: use --token-file)")
     parser.add_argument("--seconds", type=float, default=3.0,
                         help="length of each timed phase (default 3)")
     parser.add_argument("--clients", type=int, default=16,
                         help="concurrent client processes (default 16)")
     parser.add_argument("--polls", type=int, default=1000, help="parked long-polls (default 1000)")
-    parser.add_argument("--catchup-records", type=int, default=100000,
-                        help="records in the catch-up pull's feed (default 100,000)")
-    parser.add_argument("--notes", type=int, default=5000,
-                        help="notes in the memory scope (default 5,000)")
-    parser.add_argument("--big-records", type=int, default=1000000,
-                        help="records in the start-up test's 10 feeds "
-                             "(default 1,000,000; 0 skips it)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    # Kept for the scripts of the time when bench exited 1 on a missed development aim.
-    parser.add_argument("--no-fail", action="store_true",
-                        help="exit 0 even when the figures show the install broken (lost or "
-                             "duplicated records, pushes under the floor); an answer bench did "
-                             "not expect still stops it with exit code 1")
+    parser.add_argument("--no-fail", action="store_true",  # for scripts from when aims failed it
+                        help="exit 0 even when the install is broken (records lost or stored "
+                             "twice, pushes under the floor); an unexpected answer still exits 1")
     args = parser.parse_args(argv)
     if args.token is not None and args.token_file is not None:
         raise UsageError("give --token or --token-file, not both")
@@ -11443,150 +11023,103 @@ def bench_command(argv):
         raise UsageError("--url and --token-file (or --token) go together")
     if args.url:
         parse_base_url(args.url)
-    if args.principal is not None and (not args.url or not is_valid_id(args.principal)):
-        raise UsageError("--principal goes with --url, and must be an id")
-    if (args.seconds <= 0 or args.clients < 1 or args.polls < 1 or args.catchup_records < 1
-            or args.notes < 1 or args.big_records < 0):
-        raise UsageError("--seconds, --clients, --polls, --catchup-records and --notes must be "
-                         "positive")
+    if min(args.seconds, args.clients, args.polls) <= 0:
+        raise UsageError("--seconds, --clients and --polls must be positive")
     args.token = token_from_flags(args.token, args.token_file, "--token", "bench")
     raise_open_file_limit()
-    report = BenchReport()
+    report, facts = BenchReport(), BenchFacts(not args.url, args.clients, args.seconds, args.polls)
     scratch = tempfile.mkdtemp(prefix="oharness-bench-")
     try:
-        run_bench(report, args, scratch)
-    except (RuntimeError, OSError, ValueError, http.client.HTTPException) as exc:
-        print("oharness-sync bench: stopped: %s" % exc, file=sys.stderr)
-        return 1
-    except queue.Empty:
-        print("oharness-sync bench: stopped: a client process gave no result within a minute",
-              file=sys.stderr)
+        run_bench(report, facts, args, scratch)
+    except (RuntimeError, OSError, ValueError, http.client.HTTPException, BadResponse,
+            ConnectFailed, queue.Empty) as exc:  # (Empty says nothing: a process said nothing)
+        print("oharness-sync bench: stopped: %s" % (str(exc) or "a process gave no answer within "
+                                                    "a minute"), file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    summary = bench_summary(report.facts, report.faults)
-    report.note("")
-    for sentence in summary:
-        report.note(sentence)
+    summary = bench_summary(facts, report.faults)
+    for line in [""] + summary:
+        report.note(line)
     if args.json:
-        report.write_json(args.json, summary)
+        with open(args.json, "w") as f:
+            json.dump({"version": __version__, "python": sys.version.split()[0],
+                       "machine": platform.machine(), "cpus": os.cpu_count(),
+                       "figures": report.figures, "summary": summary, "broken": report.faults},
+                      f, indent=2)
     if report.faults:
         print("oharness-sync bench: this install is broken: %s" % "; ".join(report.faults),
               file=sys.stderr)
     return 1 if report.faults and not args.no_fail else 0
 
 
-def run_bench(report, args, scratch):
-    seconds, clients = args.seconds, args.clients
-    own = not args.url
-    report.facts.update(own=own, clients=clients, polls=args.polls, notes=args.notes)
-    if own:
-        # (its clients are one address and one principal: the shares that keep either from
-        # taking every place would refuse its polls)
-        target = BenchTarget.start(os.path.join(scratch, "data"), "--memory-rate-limit", "0",
-                                   "--max-connections-per-address", str(DEFAULT_MAX_CONNECTIONS),
-                                   "--max-parked", str(max(DEFAULT_MAX_PARKED, 2 * args.polls)))
-    else:
-        target = BenchTarget(args.url, args.token, args.principal)
+def run_bench(report, facts, args, scratch):
+    own, data_dir = facts.own, os.path.join(scratch, "data")
+    target = (BenchTarget.start(data_dir, polls=facts.polls) if own
+              else BenchTarget(args.url, args.token))
     report.note("oharness-sync bench: %s, %s; %d client processes, %g s a phase; Python %s on %s, "
-                "%d CPUs"
-                % ("a server started on a temporary data dir" if own else target.url,
-                   "writes bench data" if own else "WRITES test data to that server",
-                   clients, seconds, sys.version.split()[0],
-                   os.uname().machine if hasattr(os, "uname") else "?", os.cpu_count() or 0))
-    try:
-        rss_start = target.rss_mib()
-        reference = None
-        if own:
-            reference = bench_reference("health", [clients], seconds)[0]
-        health = bench_rate(target.url, target.token, "health", clients, seconds=seconds)
-        report.add("health, %d keep-alive clients" % clients, health, "req/s", reference,
-                   reference_name="bare http.server")
-        if not own:
-            report.note("  no reference with --url: a bare http.server started here would measure "
-                        "this machine, not the server's")
-        # With --url the disk measured is this machine's, which is the server's only if bench runs
-        # there.
-        fsync = disk_fsync_rate(os.path.join(scratch, "data") if own else scratch, seconds)
-        report.add("disk: serial append+fsync" if own
-                   else "this machine's disk: serial append+fsync", fsync, "/s", fact="fsync")
-        bare = [None, None]
-        if own:
-            bare = bench_reference("push", [1, clients], seconds,
-                                   os.path.join(scratch, "bare-pushes"))
-            report.add("1-record pushes to a bare http.server, 1 client", bare[0], "push/s")
-            report.add("  the same, %d clients" % clients, bare[1], "push/s")
-        push_1, faults = push_phase(target, 1, seconds)
-        report.add("1-record pushes, 1 client", push_1, "push/s", bare[0], reference_name="bare",
-                   fact="push 1")
-        report.fault(faults)
-        if own and fsync < push_1:
-            # One client's pushes each waited for a sync of their own, so the disk made more than
-            # the figure above: a momentary dip, or a rate that varies. Measured once more.
-            report.add("disk: serial append+fsync, again", disk_fsync_rate(
-                os.path.join(scratch, "data"), seconds), "/s", fact="fsync again")
-        floor = push_floor(bare[0])
-        if floor is not None:
-            report.add("  its floor: a tenth of the bare server's", floor, "push/s", fact="floor")
-            if push_1 < floor:
-                report.fault(["one client pushes only %s times a second, under the floor of %s "
-                              "(a tenth of the %s a bare server reaches on this disk and CPU)"
-                              % (rounded(push_1), rounded(floor), rounded(bare[0]))])
-        if own:
-            push_n, per_fsync, faults = group_commit(os.path.join(scratch, "group-commit"),
-                                                     clients, seconds)
-        else:
-            (push_n, faults), per_fsync = push_phase(target, clients, seconds), None
-        report.add("1-record pushes, %d clients, one feed" % clients, push_n, "push/s", bare[1],
-                   reference_name="bare", fact="push n")
-        report.fault(faults)
-        if per_fsync is not None:
-            report.add("  pushes per fsync, %d clients" % clients, per_fsync, "push/fsync",
-                       fact="per fsync")
-        project = "bench-catchup-" + BENCH_RUN
-        fill_feed(target, project, args.catchup_records)
-        records, elapsed, ids = catch_up(target, project)
-        report.add("catch-up pull of %d records, 500 a page" % args.catchup_records,
-                   records / elapsed, "records/s", fact="catch-up")
-        report.fault(feed_faults("the catch-up pull",
-                                 {"r%d" % i for i in range(args.catchup_records)}, ids))
-        rss_before = target.rss_mib()
-        latencies, failures, rss_parked, _ = park_and_wake(target, 1, args.polls)
-        report.add("long-poll wake p50, %d parked on one feed" % args.polls,
-                   percentile(latencies, 0.5) * 1000, "ms")
-        bare_p99 = bare_wake_p99(args.polls) * 1000 if own else None
-        report.add("long-poll wake p99, %d parked on one feed" % args.polls,
-                   percentile(latencies, 0.99) * 1000, "ms", bare_p99,
-                   reference_name="bare http.server + Condition", fact="wake p99")
-        report.add("long-polls answered", len(latencies), "of %d" % args.polls, fact="answered")
-        if rss_parked is not None and rss_before is not None:
-            report.add("server memory growth while parked", rss_parked - rss_before, "MiB")
-        _, _, _, first_only = park_and_wake(target, args.polls, args.polls)
-        report.add("polls answered by a push to 1 of %d feeds" % args.polls, first_only,
-                   "in 0.5 s")
-        growth = oversized_heads(target)
-        if growth is not None:
-            report.add("server memory growth, 40 heads of 6.5 MB each", growth, "MiB")
-        bench_memory(report, target, args)
-        rss_end = target.rss_mib()
-        if rss_end is not None:
-            report.add("server memory (start / end)", rss_end, "MiB", rss_start,
-                       reference_name="at start")
-    finally:
-        target.stop()
+                "%d CPUs" % ("a server started on a temporary data dir" if own else target.url,
+                             "writes bench data" if own else "WRITES test data to that server",
+                             facts.clients, facts.seconds, sys.version.split()[0],
+                             platform.machine() or "?", os.cpu_count() or 0))
     if not own:
-        report.note("not measured with --url: pushes to a bare http.server (so the push figures "
-                    "have no reference), pushes per fsync, the server's memory and its start-up "
-                    "(bench would have to start the server on its own machine)")
-    if own and args.big_records:
-        big_dir = os.path.join(scratch, "big")
-        write_big_data_dir(big_dir, 10, args.big_records // 10)
-        elapsed, rss = big_start(big_dir, 10, args.big_records // 10)
-        report.facts["start-up records"] = args.big_records
-        report.add("start-up: last page of 10 feeds, %d records" % args.big_records, elapsed, "s",
-                   fact="start-up")
-        if rss is not None:
-            report.add("server memory after that start-up", rss, "MiB", fact="start-up memory")
+        report.note("with --url, no bare http.server (started here it would measure this machine, "
+                    "not the server's): no references, no floor, no pushes per fsync")
+    with target:
+        bench_pushes(report, facts, target, scratch)
+        latencies, _ = park_and_wake(target, facts.polls)
+        report.add("long-poll wake p50, %d parked on one feed" % facts.polls,
+                   percentile(latencies, 0.5) * 1000, "ms")
+        facts.wake_p99 = report.add("long-poll wake p99, %d parked on one feed" % facts.polls,
+                                    percentile(latencies, 0.99) * 1000, "ms")
+        facts.answered = report.add("long-polls answered", len(latencies), "of %d" % facts.polls)
+
+
+def bench_pushes(report, facts, target, scratch):
+    """Health, the disk and pushes; with its own server, beside the bare server's figures
+    (measured in turns with them, so that a drift of the machine weighs on both alike)."""
+    own, seconds, clients, bare = facts.own, facts.seconds, facts.clients, [None] * 3
+    with (ReferenceServer.running(os.path.join(scratch, "bare-pushes")) if own
+          else contextlib.nullcontext()) as bare_url:
+        if own:
+            bare[0] = bench_rate(bare_url, None, clients, seconds)
+        report.add("health, %d keep-alive clients" % clients,
+                   bench_rate(target.url, target.token, clients, seconds), "req/s", bare[0],
+                   reference_name="bare http.server")
+        facts.fsync = report.add("disk: serial append+fsync" if own else
+                                 "this machine's disk: serial append+fsync",
+                                 disk_fsync_rate(scratch, seconds), "/s")
+        if own:
+            bare[1:] = [bench_rate(bare_url, None, n, seconds, push=True) for n in (1, clients)]
+            report.add("1-record pushes to a bare http.server, 1 client", bare[1], "push/s")
+            report.add("  the same, %d clients" % clients, bare[2], "push/s")
+    facts.push_1, _, _, faults = push_phase(target, 1, seconds)
+    report.add("1-record pushes, 1 client", facts.push_1, "push/s", bare[1], reference_name="bare")
+    report.faults += faults
+    if own and facts.fsync < facts.push_1:
+        # Each of one client's pushes waited for a sync of its own, so the disk made more than its
+        # figure: a momentary dip, or a rate that varies. Measured once more.
+        facts.fsync_again = report.add("disk: serial append+fsync, again",
+                                       disk_fsync_rate(scratch, seconds), "/s")
+    if own:
+        facts.floor = report.add("  its floor: a tenth of the bare server's",
+                                 PUSH_FLOOR_SHARE * bare[1], "push/s")
+        if facts.push_1 < facts.floor:
+            report.faults.append("one client pushes only %s times a second, under the floor of %s "
+                                 "(a tenth of the %s a bare server reaches on this disk and CPU)"
+                                 % (rounded(facts.push_1), rounded(facts.floor), rounded(bare[1])))
+        figures, facts.per_fsync = push_phase_counting_syncs(os.path.join(scratch, "sync-count"),
+                                                             clients, seconds)
+    else:
+        figures = push_phase(target, clients, seconds)
+    facts.push_n, facts.catch_up, records, faults = figures
+    report.add("1-record pushes, %d clients, one feed" % clients, facts.push_n, "push/s", bare[2],
+               reference_name="bare")
+    report.faults += faults
+    if own:
+        report.add("  pushes per fsync, %d clients" % clients, facts.per_fsync, "push/fsync")
+    report.add("catch-up pull of their %d records, 500 a page" % records, facts.catch_up,
+               "records/s")
 
 
 # -------------------------------------------------------------------------------------------------
