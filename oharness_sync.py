@@ -8746,6 +8746,10 @@ class ReplicateRefused(Exception):
     """Something the target (or the source) refuses for good: that feed or memory scope stops."""
 
 
+class ReplicateTooLarge(ReplicateRefused):
+    """An answer past its byte limit: the same request would bring it again."""
+
+
 class ReplicateStopped(Exception):
     """A stop came while a request waited to be tried again: what it was part of ends quietly."""
 
@@ -9071,7 +9075,7 @@ class Replicator:
         try:
             status, _, document = send()
         except AnswerTooLarge as exc:  # the same answer again would be as large
-            raise ReplicateRefused("%s: %s" % (side.role, exc)) from None
+            raise ReplicateTooLarge("%s: %s" % (side.role, exc)) from None
         except (ConnectFailed, OSError, http.client.HTTPException) as exc:
             error = exc.error if isinstance(exc, ConnectFailed) else exc
             if isinstance(error, ssl.SSLCertVerificationError):  # trying again changes nothing
@@ -9218,13 +9222,24 @@ class Replicator:
         cursor = self.state.cursor(name)  # after the last page pulled
         started = shown = time.monotonic()
         pushing = collections.deque()  # (a page's push, the cursor after that page), oldest first
+        limit = [MAX_PULL_LIMIT]       # events a pull asks for: halved for good past the limit
         saving = [None]                # the last state write, made while later pages are pushed
         copied = [0]
 
         def pull(since, wait):  # and the page's push body, made here too: it overlaps the pushes
             started = time.monotonic()
-            page = self.retrying(lambda: self.pull(source, team, project, since, wait=wait),
-                                 "%s: pull" % name, follow)
+            while True:
+                try:
+                    page = self.retrying(lambda: self.pull(source, team, project, since, wait=wait,
+                                                           limit=limit[0]),
+                                         "%s: pull" % name, follow)
+                    break
+                except ReplicateTooLarge:  # a server whose pages are not bounded in bytes
+                    if limit[0] == 1:
+                        raise
+                    limit[0] //= 2
+                    self.say("%s: a page passed %s: pulling %d events at a time" % (
+                        name, format_bytes(LARGE_ANSWER_BYTES), limit[0]))
             if wait and not (page[1] or page[2]):
                 self.stopping.wait(REPLICATE_EMPTY_POLL_SECONDS - (time.monotonic() - started))
             return page + (push_page_body(project, team, page[1], page[2]),)
@@ -9312,9 +9327,10 @@ class Replicator:
             except (OSError, ValueError):
                 pass
 
-    def pull(self, client, team, project, since, wait):
-        """(cursor, records, sessions, more) of one pull; ReplicateRefused when malformed."""
-        params = {"limit": MAX_PULL_LIMIT}
+    def pull(self, client, team, project, since, wait, limit=MAX_PULL_LIMIT):
+        """(cursor, records, sessions, more) of one pull of at most limit events;
+        ReplicateRefused when malformed."""
+        params = {"limit": limit}
         if wait:
             params["wait"] = wait
         _, document = self.call(self.source, "GET /v1/pull", lambda: client.pull(

@@ -14339,25 +14339,46 @@ class ReplicateRefusalsTest(ReplicateCase):
                 self.assertEqual(self.target_pull()["records"], [record("s1", "r0")])  # its first page
 
     def test_an_endless_pull_answer_stops_its_feed_at_the_byte_limit(self):
-        pulled = threading.Event()
+        limits, ended = [], []
 
         def source(server, sock, head):
             if not head.startswith(b"GET /v1/pull"):
                 body = b'{"projects": ["proj"]}'
                 return server.send(sock, answer_head("200 OK", "Content-Length: %d" % len(body),
                                                      "Connection: close") + body)
+            limits.append(int(re.search(rb"[?&]limit=([0-9]+)", head).group(1)))
             try:
                 endless_chunks(server, sock)
             finally:
-                pulled.set()
+                ended.append(True)  # the client hung up: the server could send no more
         server = RawAnswerServer(self, source)
         self.source_url = server.url
-        code, out, err = self.replicate()
-        self.assertEqual((code, err), (1, (
-            "replicate: personal/proj: source: GET /v1/pull of %s: the answer passed 64.0 MiB, the most "
-            "taken for it (a server that never ends its answer?); this feed stops\n" % server.url)))
-        self.assertTrue(pulled.wait(10))  # the client hung up: the server could send no more
-        self.assertLess(server.sent, sync.LARGE_ANSWER_BYTES + 16 * 1024 * 1024)  # + socket buffers
+        with mock.patch.object(sync, "LARGE_ANSWER_BYTES", 1024 * 1024):
+            code, out, err = self.replicate()
+        self.assertEqual(code, 1)
+        # Asked again for half as many events, down to one, each answer cut at 1 MiB; then it stops.
+        self.assertEqual(limits, [500, 250, 125, 62, 31, 15, 7, 3, 1])
+        self.assertEqual(err, "".join(
+            "replicate: personal/proj: a page passed 1.0 MiB: pulling %d events at a time\n" % limit
+            for limit in limits[1:]) + (
+            "replicate: personal/proj: source: GET /v1/pull of %s: the answer passed 1.0 MiB, the most "
+            "taken for it (a server that never ends its answer?); this feed stops\n" % server.url))
+        deadline = time.monotonic() + 10
+        while len(ended) < len(limits) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.assertEqual(len(ended), len(limits))
+
+    def test_a_page_past_the_byte_limit_is_pulled_again_in_smaller_pages(self):
+        records = [record("s1", "r%d" % i, i, body="x" * 20000) for i in range(40)]
+        self.push(self.alice, "proj", records)
+        with mock.patch.object(sync, "LARGE_ANSWER_BYTES", 256 * 1024):
+            code, out, err = self.replicate("--state", self.state_path)
+        self.assertEqual(code, 0, err)
+        # 15 records of 20 kB are past 256 KiB with their JSON; 7 are not.
+        self.assertEqual(err, "".join("replicate: personal/proj: a page passed 256.0 KiB: pulling %d "
+                                      "events at a time\n" % limit for limit in (250, 125, 62, 31, 15, 7)))
+        self.assertSummary(out, 1, 40)
+        self.assertEqual(self.target_pull()["records"], records)
 
     def test_a_connection_that_fails_says_its_cause_in_words(self):
         self.source_url = "http://127.0.0.1:%d" % closed_port()
