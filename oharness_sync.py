@@ -385,6 +385,22 @@ def reason(exc):
     return getattr(exc, "strerror", None) or exc
 
 
+class LogOnce:
+    """A log that writes each distinct line once: a read that fails fails again at every poll of
+    every device. Past MAX_LOGGED_READ_FAILURES lines it forgets them all."""
+
+    def __init__(self, log):
+        self.log = log
+        self.said = set()
+
+    def __call__(self, line):
+        if line not in self.said:
+            if len(self.said) >= MAX_LOGGED_READ_FAILURES:
+                self.said.clear()
+            self.said.add(line)
+            self.log(line)
+
+
 def plural(count, noun):
     """The count and the noun, plural unless the count is 1 ("1 token", "2 tokens")."""
     return "%d %s%s" % (count, noun, "" if count == 1 else "es" if noun.endswith("sh") else "s")
@@ -4852,6 +4868,7 @@ class MemoryStore:
         self.layout = DataDir(data_dir)
         self.clock = clock
         self.log = log or (lambda message: None)
+        self.log_once = LogOnce(self.log)  # what fails a read
         self.metrics = metrics or Metrics()
         self.limits = StorageLimits(self.metrics)
         self.quota = dict(MEMORY_QUOTA)              # enforced and advertised; tests may lower it
@@ -4994,7 +5011,7 @@ class MemoryStore:
         except FileNotFoundError:
             manifest = NO_MANIFEST
         except OSError as exc:
-            self.log("memory: cannot read %s: %s" % (files.manifest, exc))
+            self.log_once("memory: cannot read %s: %s" % (files.manifest, reason(exc)))
             raise MemoryApiError(502, "invalid_manifest",
                                  "the memory manifest cannot be read") from None
         else:
@@ -5039,7 +5056,7 @@ class MemoryStore:
             with open_data_file(path) as stream:
                 data = stream.read()
         except OSError as exc:
-            self.log("memory: cannot read note %s at %s: %s" % (note_id, path, exc))
+            self.log_once("memory: cannot read note %s at %s: %s" % (note_id, path, reason(exc)))
             raise MemoryApiError(502, "missing_memory_object",
                                  "a memory note object is missing") from None
         try:
@@ -5509,7 +5526,7 @@ class SyncApp:
                            lambda: len(self.parked))
         # (principal, body) -> MemoryRequest, for small snapshot bodies
         self._checked_snapshots = {}
-        self._read_failures = set()       # the texts of the StorageErrors of reads logged so far
+        self.log_once = LogOnce(self.log)  # what fails a read
 
     ROUTES = {
         "/": {"GET": "front_page"},
@@ -5555,12 +5572,7 @@ class SyncApp:
             if stores:
                 self.log("storage failure: %s" % exc)
                 return json_response(500, {"error": "storage failure; nothing was stored"})
-            # A read fails again at every poll of every device: logged once.
-            if str(exc) not in self._read_failures:
-                if len(self._read_failures) >= MAX_LOGGED_READ_FAILURES:
-                    self._read_failures.clear()
-                self._read_failures.add(str(exc))
-                self.log("storage failure: %s" % exc)
+            self.log_once("storage failure: %s" % exc)
             return json_response(500, {"error": "storage failure: the server cannot read what "
                                                 "was asked for; its log names the file"})
         if isinstance(exc, (ApiError, MemoryApiError)):

@@ -10792,6 +10792,17 @@ class MemoryWireErrorsTest(ServerCase):
                           {"principal": "alice", "quota": WIRE_QUOTA})
         wire_assert_ok(self, wire_commit(self, [memory_put("n1")], project="other"), entries=[wire_entry("n1")])
 
+    def test_a_manifest_that_cannot_be_read_is_invalid_manifest_logged_once(self):
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        manifest = os.path.join(wire_scope_dir(self), "manifest.json")
+        wire_restart(self)  # a cold cache
+        denied = PermissionError(errno.EACCES, "Permission denied", manifest)
+        with mock.patch.object(sync, "open_data_file", side_effect=denied):
+            for _ in range(2):  # never an empty scope
+                wire_assert_code(self, wire_snapshot(self), 502, "invalid_manifest")
+        self.assertEqual([line for line in self.log_lines if line.startswith("memory: ")],
+                         ["memory: cannot read %s: Permission denied" % manifest])
+
     def test_memory_sync_failed_keeps_the_previous_manifest(self):
         full = OSError(errno.ENOSPC, "No space left on device")
         with mock.patch.object(sync, "write_atomically", side_effect=full):
@@ -12280,6 +12291,29 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         self.assertEqual(code, 0, stderr)
         self.assertEqual(set(self.owners().values()), {(self.NOBODY, self.NOBODY)})
         self.assertTrue(os.path.exists(self.layout.feed_path(("u", "alice"), "new")))
+
+    def test_root_only_files_are_read_before_and_a_sighup_as_the_owner_keeps_them(self):
+        # Port, TLS key and metrics token are root's to take; a SIGHUP re-reads as the owner, who may not.
+        root_only = tempfile.mkdtemp(prefix="ohs-test-")  # 0700
+        self.addCleanup(shutil.rmtree, root_only, True)
+        cert, key, token = (os.path.join(root_only, name) for name in ("cert.pem", "key.pem", "metrics.token"))
+        shutil.copy(os.path.join(TLS_DATA, "cert.pem"), cert)
+        shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)
+        with open(token, "w") as f:
+            f.write("a-metrics-token-of-some-length\n")
+        server = SubprocessServer(self.data_dir, "--tls-cert", cert, "--tls-key", key, "--metrics-token-file", token)
+        try:
+            self.assertEqual(server.next_log_line(), self.running_as())
+            self.assertEqual(https_health(server.url)[0], 200)
+            server.process.send_signal(signal.SIGHUP)
+            line = server.next_log_line()
+            self.assertIn("; kept the TLS certificate in force: cannot read the TLS certificate %s: Permission denied"
+                          % cert, line)
+            self.assertIn("; kept the metrics token in force: ", line)
+            self.assertEqual(https_health(server.url)[0], 200)  # the certificate in use stays
+        finally:
+            code, _ = server.stop()
+        self.assertEqual(code, 0)
 
     def test_each_tool_run_by_root_works_as_the_owner(self):
         for argv in (["token", "issue", "--principal", "carol"], ["token", "revoke", self.token[4:16]],
