@@ -2655,6 +2655,24 @@ class DataDir:
         return sorted(entry.path for directory in (self.feeds, self.memory)
                       for entry in _sorted_dirs(directory, (PURGING_PREFIX,)))
 
+    def unnamed(self):
+        """(path, its name file) of each file or directory named for a long id whose name file is
+        missing or does not match (its contents are then never listed), sorted."""
+        found = []
+        for directory, prefixes in ((self.feeds, ("u-", "t-")), (self.memory, ("u-",))):
+            for entry in _sorted_dirs(directory, prefixes):
+                names = [(directory, entry.name[:2], entry.name[2:], entry.path)]
+                if id_of_name(directory, entry.name[:2], entry.name[2:]) is not None:
+                    children = ([(e.name[2:-6], e.path) for e in os.scandir(entry.path)
+                                 if _is_feed_name(e.name)] if directory == self.feeds
+                                else [(e.name[2:], e.path) for e in _sorted_dirs(entry.path,
+                                                                                  ("p-",))])
+                    names = [(entry.path, "p-", name, path) for name, path in children]
+                for parent, prefix, name, path in names:
+                    if "." in name and id_of_name(parent, prefix, name) is None:
+                        found.append((path, os.path.join(parent, prefix + name + ".id")))
+        return sorted(found)
+
     def name_files(self):
         """The path of every long id's name file (see long_name), sorted."""
         found = []
@@ -2745,6 +2763,18 @@ def open_in_data_dir(path, flags, mode=0o600):
     except BaseException:
         os.close(fd)
         raise
+
+
+def list_data_dir(path):
+    """The names in a data-dir directory, listed without following a link to it or on the way
+    (LinkRefused)."""
+    if not _CAN_WALK:
+        return os.listdir(path)
+    fd = open_in_data_dir(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_link(name, dir_fd):
@@ -5199,7 +5229,7 @@ class MemoryStore:
         oldest = self.clock() - self.garbage_age
         removed = 0
         try:
-            names = os.listdir(files.objects)
+            names = list_data_dir(files.objects)
         except FileNotFoundError:
             return 0
         except OSError as exc:
@@ -7842,6 +7872,10 @@ class DataDirCheck:
 
     def run(self):
         self.check_links()
+        for path, name_file in self.layout.unnamed():
+            self.problems.append("%s: named for a long id, but its name file %s is missing or "
+                                 "does not match: what it holds is never listed (restore that "
+                                 "file from a backup)" % (path, name_file))
         for path in self.layout.purge_leftovers():
             self.leftover(path, "what a purge a crash interrupted left (purge --principal ID "
                                 "again finishes it too)")
@@ -7997,8 +8031,8 @@ class DataDirCheck:
             self.check_object(manifest_path, note_id, entry,
                               files.object_path(entry["rev"]))
         try:
-            names = sorted(os.listdir(objects))
-        except FileNotFoundError:
+            names = sorted(list_data_dir(objects))
+        except (FileNotFoundError, LinkRefused):  # (a link: named by check_links)
             names = []
         unreferenced = [name for name in names
                         if name not in referenced and _OBJECT_NAME.fullmatch(name)]
@@ -9836,10 +9870,12 @@ def scope_usage(principal, scope, files):
     row["notes"] = manifest.live_count
     row["tombstones"] = len(manifest.entries) - manifest.live_count
     try:
-        row["bytes"] += sum(entry.stat(follow_symlinks=False).st_size
-                            for entry in os.scandir(files.objects))
+        row["bytes"] += sum(os.lstat(os.path.join(files.objects, name)).st_size
+                            for name in list_data_dir(files.objects))
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        row["problem"] = "%s: %s" % (files.objects, reason(exc))
     return row
 
 

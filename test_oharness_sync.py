@@ -5830,6 +5830,26 @@ class PlantedLinksTest(DataDirToolCase):
         self.assertOutsideUnchanged()
         self.assertEqual(self.run_tool("fsck", "--data", self.data_dir)[0], 0)
 
+    def test_a_linked_objects_dir_is_named_by_fsck_and_usage_and_repair_removes_the_link(self):
+        objects = self.layout.scope_files("bob", sync.USER_SCOPE).objects
+        target = os.path.join(os.path.dirname(self.outside), "objects")
+        shutil.copytree(objects, target)
+        shutil.rmtree(objects)
+        os.symlink(target, objects)
+        before = sorted(os.listdir(target))
+        code, out, err = self.run_tool("fsck", "--data", self.data_dir)
+        self.assertEqual(code, 1)
+        self.assertNotIn("Traceback", err)
+        self.assertIn("problem: %s: a link, refused by the server (never followed); --repair "
+                      "removes the link, never its target" % objects, out.splitlines())
+        code, out, err = self.usage("--json")
+        self.assertEqual([row.get("problem") for row in json.loads(out)["memory"]][-1],
+                         "%s: a link, refused: nothing in a data dir is ever followed through a "
+                         "link (fsck --repair removes it)" % objects)
+        code, out, err = self.run_tool("fsck", "--data", self.data_dir, "--repair")
+        self.assertFalse(os.path.lexists(objects))
+        self.assertEqual(sorted(os.listdir(target)), before)
+
     def test_purge_refuses_a_linked_memory_or_feed_dir_and_changes_nothing(self):
         elsewhere = tempfile.mkdtemp(prefix="ohs-elsewhere-")
         self.addCleanup(shutil.rmtree, elsewhere, True)
@@ -6466,6 +6486,20 @@ class LongIdsTest(ServerCase):
         code, out, err = self.run_tool("usage", "--data", self.data_dir, "--json")
         self.assertEqual([(row["owner"], row["project"]) for row in json.loads(out)["feeds"]],
                          [(self.TEAM, self.PROJECT)])
+
+    def test_fsck_names_a_long_name_whose_name_file_is_gone(self):
+        self.use_every_route()
+        feed_dir = os.path.join(self.data_dir, "feeds", "u-" + sync.long_name(self.PRINCIPAL))
+        scope = os.path.join(self.data_dir, "memory", "u-" + sync.long_name(self.PRINCIPAL),
+                             "p-" + sync.long_name(self.PROJECT))
+        for name_file in (feed_dir + ".id", scope + ".id"):
+            os.unlink(name_file)
+        code, out, err = self.run_tool("fsck", "--data", self.data_dir)
+        self.assertEqual(code, 1)
+        self.assertEqual([line for line in out.splitlines() if line.startswith("problem: ")], [
+            "problem: %s: named for a long id, but its name file %s.id is missing or does not "
+            "match: what it holds is never listed (restore that file from a backup)"
+            % (path, path) for path in (feed_dir, scope)])
 
     def test_a_backup_copies_the_name_files_and_its_copy_names_the_long_ids(self):
         self.use_every_route()
