@@ -38,8 +38,10 @@ Part I, the server, is what `--data DIR` runs:
                         (HS256, RS256, ES256), Supabase; the guard against
                         forged ones; who may use the server (PrincipalList);
                         the Authenticator that picks
-    Storage             files, the data dir's layout (DataDir), the lock and
-                        the tokens; what a write may not pass (StorageLimits:
+    Storage             files, the data dir's layout (DataDir: long ids under
+                        a hash, their full form in a name file), every open
+                        of a data-dir file without following a link
+                        (open_in_data_dir), the lock and the tokens; what a write may not pass (StorageLimits:
                         quotas, the DiskReserve); session feeds (one scanner of
                         a feed file, group commit, long-poll waits,
                         compaction); memory manifests; a restored copy's first
