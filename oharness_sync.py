@@ -4154,7 +4154,8 @@ class Feed:
                         break
                 time.sleep(0.001)  # a flush is writing to the old file: after it
         except BaseException:
-            _remove(aside)
+            if _remove(aside):
+                sync_dir(os.path.dirname(self.path))
             raise
         self._close_retired()  # (the old file goes as its last fd closes: not under the lock)
         self.metrics.add("feed_bytes", self.owner, amount=index.offsets[-1] - size)
