@@ -2532,7 +2532,8 @@ class Authenticator:
 class DataDir:
     """Where everything lives under a data dir: the one place that spells its paths.
 
-    DIR/server.lock                            held by the running server (DataDirLock)
+    DIR/server.lock                            held by the running server, or a tool that needs
+                                               the dir to itself (DataDirLock)
     DIR/tokens.json, DIR/tokens.lock           token hashes (TokenStore), and their writers' lock
     DIR/feeds/u-<principal>/p-<project>.jsonl  a personal feed
     DIR/feeds/t-<team>/p-<project>.jsonl       a team's feed
@@ -3069,25 +3070,61 @@ def lock_exclusively(fd):
 
 
 class DataDirLock:
-    """One server per data directory: an exclusive lock on DIR/server.lock, held while serving."""
+    """DIR/server.lock, held exclusively: one process at a time works on a data dir. Two modes.
+    The server's (tool None): acquire() makes the file and writes the process id in it, and holds
+    it while serving. A tool's that needs the dir to itself (tool: its name, as its refusal says
+    it): acquire() locks the file as it is, writing nothing, and makes none where there is none (no
+    server has run on the dir) until change(), called before the tool's first change, so that a
+    dry run or a refusal leaves the dir as it was. UsageError (exit 2) while another holds it."""
 
-    def __init__(self, data_dir):
+    def __init__(self, data_dir, tool=None):
+        self.data_dir, self.tool = data_dir, tool
         self.path = DataDir(data_dir).lock
         self.fd = None
 
     def acquire(self):
+        if self.tool is None:
+            self._take(os.O_RDWR | os.O_CREAT)
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, b"%d\n" % os.getpid())
+        else:
+            self._take(os.O_RDWR)
+
+    def change(self):
+        """A tool's lock before its first change: the lock file is made when there is none."""
+        if self.fd is None:
+            self._take(os.O_RDWR | os.O_CREAT | os.O_EXCL)
+
+    def _take(self, flags):
         try:
-            fd = open_in_data_dir(self.path, os.O_RDWR | os.O_CREAT)
+            fd = open_in_data_dir(self.path, flags)
+        except FileNotFoundError as exc:
+            if self.tool is None:
+                raise self._unusable(exc) from None
+            if not flags & os.O_CREAT:
+                return  # (no lock file: no server has run here)
+            raise UsageError("cannot lock %s: no such directory" % self.data_dir) from None
+        except FileExistsError:  # made since it was looked for: a server is starting
+            raise self._busy() from None
         except OSError as exc:
-            raise UsageError("cannot open %s: %s" % (
-                self.path, reason_and_fix(exc, os.path.dirname(self.path)))) from None
+            raise self._unusable(exc) from None
         if not lock_exclusively(fd):
             os.close(fd)
-            raise UsageError("another oharness-sync server is already using %s"
-                             % os.path.dirname(self.path))
-        os.ftruncate(fd, 0)
-        os.write(fd, b"%d\n" % os.getpid())
+            raise self._busy()
         self.fd = fd
+
+    def _unusable(self, exc):
+        if self.tool is None:
+            return UsageError("cannot open %s: %s" % (
+                self.path, reason_and_fix(exc, os.path.dirname(self.path))))
+        return UsageError("cannot lock %s: %s" % (self.data_dir, reason(exc)))
+
+    def _busy(self):
+        if self.tool is None:
+            return UsageError("another oharness-sync server is already using %s"
+                              % os.path.dirname(self.path))
+        return UsageError("a server is using %s: stop it first (%s needs the data dir to itself)"
+                          % (self.data_dir, self.tool))
 
     def release(self):
         if self.fd is not None:
@@ -8098,9 +8135,10 @@ def fsck_command(argv):
     data_dir = existing_data_dir(args.data, write=args.repair)
     lock = None
     if args.repair:  # a repair must not race the server's own appends
-        lock = DataDirLock(data_dir)
+        lock = DataDirLock(data_dir, tool="fsck --repair")
         try:
             lock.acquire()
+            lock.change()
         except UsageError:
             raise UsageError("stop the server using %s before --repair (a check without it is "
                              "safe while it runs)" % data_dir) from None
@@ -9793,50 +9831,6 @@ def check_retain(days):
     return days * DAY_MS
 
 
-class StoppedServerLock:
-    """The data dir's lock, for a command that needs its server stopped (what: its name), taken
-    without a change to the data dir, so that a dry run or a refusal leaves it as it was: the lock
-    file is locked as it is (no process id is written to it), and none is made where there is none
-    (no server has run on the dir) until change() is called, before the first change. UsageError
-    (exit 2) while a server holds the dir."""
-
-    def __init__(self, data_dir, what):
-        self.data_dir, self.what = data_dir, what
-        self.path = DataDir(data_dir).lock
-        self.fd = None
-        self._take(os.O_RDWR)
-
-    def _take(self, flags):
-        try:
-            fd = open_in_data_dir(self.path, flags)
-        except FileNotFoundError:
-            if flags & os.O_CREAT:
-                raise UsageError("cannot lock %s: no such directory" % self.data_dir) from None
-            return
-        except FileExistsError:  # made since it was looked for: a server is starting
-            raise self._busy() from None
-        except OSError as exc:
-            raise UsageError("cannot lock %s: %s" % (self.data_dir, reason(exc))) from None
-        if not lock_exclusively(fd):
-            os.close(fd)
-            raise self._busy()
-        self.fd = fd
-
-    def _busy(self):
-        return UsageError("a server is using %s: stop it first (%s needs the data dir to itself)"
-                          % (self.data_dir, self.what))
-
-    def change(self):
-        """Hold the lock before the first change: the lock file is made when there is none."""
-        if self.fd is None:
-            self._take(os.O_RDWR | os.O_CREAT | os.O_EXCL)
-
-    def release(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
 def feed_usage(owner, project, entry, now_ms, retain_ms):
     """What one feed file holds, as usage reports it (a damaged feed: with its problem)."""
     kind, owner_id = owner
@@ -10006,7 +10000,8 @@ def compact_command(argv):
     args = parser.parse_args(argv)
     retain_ms = check_retain(args.retain_deleted_days)
     data_dir = existing_data_dir(args.data)
-    lock = StoppedServerLock(data_dir, "compact")
+    lock = DataDirLock(data_dir, tool="compact")
+    lock.acquire()
     failed, freed, compacted, unchanged = 0, 0, 0, 0
     try:
         lock.change()
@@ -10065,8 +10060,9 @@ def purge_command(argv):
     if not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
     data_dir = existing_data_dir(args.data, write=not args.dry_run)
+    lock = DataDirLock(data_dir, tool="purge")
     try:
-        lock = StoppedServerLock(data_dir, "purge")
+        lock.acquire()
     except UsageError:
         if not args.dry_run:
             raise
@@ -10096,7 +10092,7 @@ def erase_dir(path, aside):
 
 def purge(layout, principal, dry_run, lock):
     """Erase principal from the data dir at layout (or with dry_run, say what would go); lock: the
-    StoppedServerLock held, None on a dry run while a server holds the dir."""
+    DataDirLock held (a tool's), None on a dry run while a server holds the dir."""
     tokens = TokenStore(layout.path)
     try:
         records = [record for record in tokens.read() if record["principal"] == principal]
@@ -10560,7 +10556,8 @@ def mark_restored(data_dir):
     copy, for its next start (apply_restore). Taken: its newest feed or manifest's time, which the
     copy can only be newer than (the older, the bigger the jump: the safe side)."""
     layout = DataDir(data_dir)
-    lock = StoppedServerLock(data_dir, "backup --mark-restored")
+    lock = DataDirLock(data_dir, tool="backup --mark-restored")
+    lock.acquire()
     try:
         try:
             mark = read_restore_mark(layout)
