@@ -6975,6 +6975,31 @@ def remove_new_data_dir(created, lock_path):
             return
 
 
+# What --data's help says of root (act_as_data_dir_owner), for the commands.
+AS_OWNER_NOTE = "run by root on a dir another user owns, this works as that user"
+
+
+def data_dir_flag(parser, note=AS_OWNER_NOTE):
+    """--data DIR, as every command takes it; note: what this command does with it."""
+    parser.add_argument("--data", required=True, metavar="DIR",
+                        help="the server's data directory; " + note)
+
+
+def retain_flag(parser):
+    """--retain-deleted-days N, as serve, usage and compact take it (check_retain checks it)."""
+    parser.add_argument("--retain-deleted-days", type=int, default=DEFAULT_RETAIN_DELETED_DAYS,
+                        metavar="N",
+                        help="a deleted session's records are erased by a compaction N days after "
+                             "the deletion was stored (default %d)" % DEFAULT_RETAIN_DELETED_DAYS)
+
+
+def check_retain(days):
+    """--retain-deleted-days in milliseconds; UsageError when it is below 0."""
+    if days < 0:
+        raise UsageError("--retain-deleted-days must be 0 or more")
+    return days * DAY_MS
+
+
 # The sub-commands, one line each, for --help (main's COMMANDS runs them).
 COMMAND_SUMMARIES = (
     ("token", "issue, list and revoke local bearer tokens"),
@@ -7001,10 +7026,9 @@ def serve_command(argv):
                     + "\n".join("  %s  %s" % (name.ljust(width), summary)
                                 for name, summary in COMMAND_SUMMARIES))
     parser.add_argument("--version", action="version", version="oharness-sync %s" % __version__)
-    parser.add_argument("--data", required=True, metavar="DIR",
-                        help="data directory (created if missing). Started by root on a dir "
-                             "another user owns, the server binds its port and reads its key and "
-                             "token files, then runs as that user (a dir root owns stays root's)")
+    data_dir_flag(parser, note="made if missing. Started by root on a dir another user owns, "
+                               "the server binds its port and reads its key and token files, then "
+                               "runs as that user (a dir root owns stays root's)")
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help="address to listen on (default %s)" % DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -7026,10 +7050,7 @@ def serve_command(argv):
                         metavar="SECONDS",
                         help="a request's headers and body must arrive within this, in total "
                              "(default %d)" % DEFAULT_REQUEST_SECONDS)
-    parser.add_argument("--retain-deleted-days", type=int, default=DEFAULT_RETAIN_DELETED_DAYS,
-                        metavar="N",
-                        help="a deleted session's records are erased by a compaction N days after "
-                             "the deletion was stored (default %d)" % DEFAULT_RETAIN_DELETED_DAYS)
+    retain_flag(parser)
     parser.add_argument("--metrics-token-file", metavar="FILE",
                         help="serve GET /metrics to whoever sends the token on this file's first "
                              "line (re-read on SIGHUP)")
@@ -7062,8 +7083,7 @@ def serve_command(argv):
         raise UsageError("--max-parked must be 0 or more")
     if args.memory_rate_limit < 0:
         raise UsageError("--memory-rate-limit must be 0 or more")
-    if args.retain_deleted_days < 0:
-        raise UsageError("--retain-deleted-days must be 0 or more")
+    check_retain(args.retain_deleted_days)
     # What only root may read is read, and the port bound, before root works as the data dir's
     # owner (SIGHUP's re-reads are the owner's).
     metrics_token = (read_metrics_token(args.metrics_token_file)
@@ -7769,8 +7789,7 @@ def token_command(argv):
         "issue", help="issue a token and print it on stdout",
         description="Issue a local bearer token: the token alone on stdout, its id and principal "
                     "on stderr. A running server takes it within a second or two.")
-    issue.add_argument("--data", required=True, metavar="DIR",
-                       help="the server's data directory (made if missing); " + AS_OWNER_NOTE)
+    data_dir_flag(issue, note="made if missing; " + AS_OWNER_NOTE)
     issue.add_argument("--principal", required=True, metavar="ID",
                        help="whose token it is: the owner of their personal feeds and memory")
     issue.add_argument("--team", action="append", default=[], metavar="ID",
@@ -7786,13 +7805,11 @@ def token_command(argv):
     listing = commands.add_parser("list", help="list tokens (never the tokens themselves)",
                                   description="List tokens: id, principal, teams, label, created, "
                                               "expires. Never the tokens themselves.")
-    listing.add_argument("--data", required=True, metavar="DIR",
-                         help="the server's data directory; " + AS_OWNER_NOTE)
+    data_dir_flag(listing)
     revoke = commands.add_parser("revoke", help="revoke a token by its id (or the whole token)",
                                  description="Revoke a token; a running server refuses it within "
                                              "a second or two.")
-    revoke.add_argument("--data", required=True, metavar="DIR",
-                        help="the server's data directory; " + AS_OWNER_NOTE)
+    data_dir_flag(revoke)
     revoke.add_argument("token_id", metavar="TOKEN_ID",
                         help="the id token list shows, or the whole token")
     for sub in (issue, listing, revoke):
@@ -9793,22 +9810,6 @@ def replicate_command(argv):
 # usage: what each owner stores
 # -------------------------------------------------------------------------------------------------
 
-# What --data's help says of root (act_as_data_dir_owner).
-AS_OWNER_NOTE = "run by root on a dir another user owns, this works as that user"
-
-
-def data_dir_flag(parser):
-    parser.add_argument("--data", required=True, metavar="DIR",
-                        help="the server's data directory; " + AS_OWNER_NOTE)
-
-
-def retain_flag(parser):
-    parser.add_argument("--retain-deleted-days", type=int, default=DEFAULT_RETAIN_DELETED_DAYS,
-                        metavar="N",
-                        help="a deleted session's records go N days after the deletion was stored "
-                             "(default %d, as the server's)" % DEFAULT_RETAIN_DELETED_DAYS)
-
-
 def existing_data_dir(path, write=True):
     """The absolute path of an existing data dir this command may read (and with write, change),
     worked on as its owner when root runs it (act_as_data_dir_owner); UsageError otherwise
@@ -9823,12 +9824,6 @@ def existing_data_dir(path, write=True):
 
 def print_on_stderr(line):
     print(line, file=sys.stderr, flush=True)
-
-
-def check_retain(days):
-    if days < 0:
-        raise UsageError("--retain-deleted-days must be 0 or more")
-    return days * DAY_MS
 
 
 def feed_usage(owner, project, entry, now_ms, retain_ms):
