@@ -41,21 +41,26 @@ Part I, the server, is what `--data DIR` runs:
     Storage             files, the data dir's layout (DataDir: long ids under
                         a hash, their full form in a name file), every open
                         of a data-dir file without following a link
-                        (open_in_data_dir), the lock and the tokens; what a write may not pass (StorageLimits:
-                        quotas, the DiskReserve); session feeds (one scanner of
-                        a feed file, group commit, long-poll waits,
-                        compaction); memory manifests; a restored copy's first
-                        start
+                        (open_in_data_dir), its lock (DataDirLock: the
+                        server's, or a tool's that needs the dir to itself)
+                        and the tokens; what a write may not pass
+                        (StorageLimits: quotas, the DiskReserve); session
+                        feeds (one scanner of a feed file, group commit,
+                        long-poll waits, compaction); memory manifests; a
+                        restored copy's first start
     HTTP                the protocol's routes and thin handlers (SyncApp), the
                         strict reading of a request, the transport on
                         http.server (SyncRequestHandler, SyncServer)
-    Serving             flags, build_server, signals
+    Serving             flags (--data and --retain-deleted-days as every
+                        command takes them), build_server, signals
 Storage knows nothing of HTTP, and the HTTP layer does no storage work.
 
 Part II, the tools, holds the clients of Part I: the protocol client first (check
 and replicate talk to a server through it), then token, fsck, note-hash,
-check, replicate, usage, compact, purge, backup and bench; main last. Part I names
-nothing of Part II.
+check, replicate, usage, compact, purge, backup and bench; last the command
+table (COMMANDS: each command's function, its summary for --help and its
+synopsis in the usage list above) and main, which runs it. Part I names nothing
+of Part II (serve's --help is given the table).
 """
 
 import argparse
@@ -7000,31 +7005,18 @@ def check_retain(days):
     return days * DAY_MS
 
 
-# The sub-commands, one line each, for --help (main's COMMANDS runs them).
-COMMAND_SUMMARIES = (
-    ("token", "issue, list and revoke local bearer tokens"),
-    ("fsck", "check a data dir for damage (--repair mends it)"),
-    ("note-hash", "print a memory note's hash, from a JSON file (or - for standard input)"),
-    ("check", "check that a server speaks protocol v1 (it writes test data)"),
-    ("replicate", "copy a principal's feeds and notes from one server to another "
-                  "(--follow: keep copying)"),
-    ("usage", "show what each owner stores (safe while a server runs)"),
-    ("compact", "compact every feed now, keeping every event number (server stopped)"),
-    ("purge", "erase a principal: tokens, own feeds, memory (server stopped)"),
-    ("backup", "copy a data dir, server running or not, to a new dir or a tar archive"),
-    ("bench", "measure how fast this machine serves, against a bare reference server"),
-)
-
-
-def serve_command(argv):
-    width = max(len(name) for name, _ in COMMAND_SUMMARIES)
+def serve_command(argv, commands=()):
+    """Serve (no COMMAND, or `serve`); commands: what its --help lists, each with a name and a
+    summary (main's table; serving itself has no summary)."""
+    listed = [command for command in commands if command.summary]
+    width = max((len(command.name) for command in listed), default=0)
     parser = ArgumentParser(
         prog="oharness_sync.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [--version] --data DIR [serving flags]\n"
               "       %(prog)s COMMAND [--help] ...",
         description="Serve OHarness session and memory sync (no COMMAND), or run a command:\n"
-                    + "\n".join("  %s  %s" % (name.ljust(width), summary)
-                                for name, summary in COMMAND_SUMMARIES))
+                    + "\n".join("  %s  %s" % (command.name.ljust(width), command.summary)
+                                for command in listed))
     parser.add_argument("--version", action="version", version="oharness-sync %s" % __version__)
     data_dir_flag(parser, note="made if missing. Started by root on a dir another user owns, "
                                "the server binds its port and reads its key and token files, then "
@@ -11185,26 +11177,69 @@ def bench_pushes(report, facts, target, scratch):
 # main
 # -------------------------------------------------------------------------------------------------
 
-COMMANDS = {"serve": serve_command, "token": token_command, "fsck": fsck_command,
-            "note-hash": note_hash_command, "check": check_command, "replicate": replicate_command,
-            "usage": usage_command, "compact": compact_command, "purge": purge_command,
-            "backup": backup_command, "bench": bench_command}
+# The commands, once: main runs them, serve's --help lists their summaries, and the module
+# docstring's usage list is their synopses (a test holds it to them). A synopsis is what follows
+# `python3 oharness_sync.py `; a line that begins with spaces goes on the line before's.
+Command = collections.namedtuple("Command", "name run summary synopsis")
+
+
+def serve(argv):
+    """Part I's server, its --help listing the commands."""
+    return serve_command(argv, commands=COMMANDS)
+
+
+COMMANDS = (
+    Command("serve", serve, None, ("--data DIR [--host 127.0.0.1] [--port 8787] ...",)),
+    Command("token", token_command, "issue, list and revoke local bearer tokens",
+            ("token issue  --data DIR --principal ID [--team ID]...",
+             "token list   --data DIR",
+             "token revoke --data DIR TOKEN_ID")),
+    Command("fsck", fsck_command, "check a data dir for damage (--repair mends it)",
+            ("fsck --data DIR [--repair]",)),
+    Command("note-hash", note_hash_command,
+            "print a memory note's hash, from a JSON file (or - for standard input)",
+            ("note-hash FILE",)),
+    Command("check", check_command,
+            "check that a server speaks protocol v1 (it writes test data)",
+            ("check --url URL --token-file FILE [--other-token-file FILE]",
+             "      [--team ID] [--memory --principal ID] [--ca-file CA.pem]")),
+    Command("replicate", replicate_command,
+            "copy a principal's feeds and notes from one server to another "
+            "(--follow: keep copying)",
+            ("replicate --from URL --from-token-file FILE --to URL",
+             "          --to-token-file FILE [--follow] [--state FILE] ...")),
+    Command("usage", usage_command, "show what each owner stores (safe while a server runs)",
+            ("usage   --data DIR [--json] [--principals-file FILE]",)),
+    Command("compact", compact_command,
+            "compact every feed now, keeping every event number (server stopped)",
+            ("compact --data DIR [--retain-deleted-days N]",)),
+    Command("purge", purge_command,
+            "erase a principal: tokens, own feeds, memory (server stopped)",
+            ("purge   --data DIR --principal ID [--dry-run]",)),
+    Command("backup", backup_command,
+            "copy a data dir, server running or not, to a new dir or a tar archive",
+            ("backup  --data DIR (--to DEST | --tar FILE|- | --mark-restored)",)),
+    Command("bench", bench_command,
+            "measure how fast this machine serves, against a bare reference server",
+            ("bench [--url URL --token-file FILE] [--seconds N] [--clients N]",)),
+)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    named = {command.name: command for command in COMMANDS}
+    listed = ", ".join(command.name for command in COMMANDS if command.summary)
     try:
-        if argv and argv[0] in COMMANDS:
-            return COMMANDS[argv[0]](argv[1:])
+        if argv and argv[0] in named:
+            return named[argv[0]].run(argv[1:])
         if not argv:
             raise UsageError("to serve, give --data DIR; or a command: %s (--help says more)"
-                             % ", ".join(name for name, _ in COMMAND_SUMMARIES))
+                             % listed)
         if not argv[0].startswith("-"):
-            near = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+            near = difflib.get_close_matches(argv[0], list(named), n=1)
             raise UsageError("%r is not a command%s; the commands: %s" % (
-                argv[0], " (did you mean %r?)" % near[0] if near else "",
-                ", ".join(name for name, _ in COMMAND_SUMMARIES)))
-        return serve_command(argv)
+                argv[0], " (did you mean %r?)" % near[0] if near else "", listed))
+        return serve(argv)
     except UsageError as exc:
         print("oharness-sync: error: %s" % exc, file=sys.stderr)
         return 2

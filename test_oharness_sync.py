@@ -11888,6 +11888,18 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(self.main("xyzzy")[2], "oharness-sync: error: 'xyzzy' is not a command; the "
                                                 "commands: %s\n" % commands)
 
+    def test_the_docstrings_usage_list_is_the_command_tables_synopses(self):
+        prog = "python3 oharness_sync.py "
+        usage = sync.__doc__.split("\nUsage:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        self.assertEqual(usage, ["    %s%s" % (" " * len(prog) if line[0] == " " else prog, line)
+                                 for command in sync.COMMANDS for line in command.synopsis])
+        with contextlib.redirect_stdout(io.StringIO()) as out, self.assertRaises(SystemExit):
+            sync.main(["--help"])
+        listed = out.getvalue().split("or run a command:\n", 1)[1].split("\n\n", 1)[0]
+        self.assertEqual([line.split(None, 1) for line in listed.splitlines()],
+                         [[command.name, command.summary] for command in sync.COMMANDS
+                          if command.name != "serve"])
+
     def test_token_issue_help_describes_every_flag(self):
         with contextlib.redirect_stdout(io.StringIO()) as out, self.assertRaises(SystemExit):
             sync.main(["token", "issue", "--help"])
