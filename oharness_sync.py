@@ -6535,7 +6535,7 @@ class SyncServer(http.server.ThreadingHTTPServer):
                 if key is not None:
                     self._per_address[key] = self._per_address.get(key, 0) + 1
         if refused is not None:
-            return self.refuse(request, refused)
+            return self.turn_away(request, refused)
         try:
             super().process_request(request, client_address)  # a thread for the connection
         except BaseException:
@@ -6596,7 +6596,7 @@ class SyncServer(http.server.ThreadingHTTPServer):
         self.log("a client spoke plain HTTP to this TLS port (%s): it needs https://; said once "
                  "a run, others are not logged" % address)
 
-    def refuse(self, sock, answer):
+    def turn_away(self, sock, answer):
         """Past a connection cap: a 503 JSON response (answer, its bytes) rather than a hang (with
         TLS: closed at once). The socket is closed LINGER_SECONDS later, so closing does not reset
         the response away."""
