@@ -8396,18 +8396,18 @@ class ConformanceCheck:
                       flush=True)
                 return False
             except (CheckFailed, BadResponse) as exc:
-                reason = str(exc)
+                failure = str(exc)
             except (OSError, http.client.HTTPException) as exc:
-                reason = "network error: %s" % (str(exc) or type(exc).__name__)
+                failure = "network error: %s" % (str(exc) or type(exc).__name__)
             except Exception as exc:
                 # a response of an unexpected shape, from a server we do not know
-                reason = "unexpected response (%s: %s)" % (type(exc).__name__, exc)
+                failure = "unexpected response (%s: %s)" % (type(exc).__name__, exc)
             else:
                 print("PASS %s" % name, file=self.out, flush=True)
                 count[0] += 1
                 continue
             count[1] += 1
-            print("FAIL %s: %s" % (name, escaped(self.redacted(reason))), file=self.out,
+            print("FAIL %s: %s" % (name, escaped(self.redacted(failure))), file=self.out,
                   flush=True)
         print("check: %d passed, %d failed" % tuple(count), file=self.out, flush=True)
         return not count[1]
