@@ -4561,7 +4561,7 @@ class FeedStore:
                         if feed is None:
                             self._unborn.setdefault(key, set()).add(pull)
                     if feed is not None:  # made meanwhile (its file too): not held, but looked at
-                        return self.wait(owner, project, since, timeout, pull)
+                        return self.wait(owner, project, since, timeout=timeout, pull=pull)
             if not pull.woken.wait(timeout):
                 self._unpark(key, pull)
         feed = self._feeds.get(key)  # (only looked at: one evicted meanwhile says no)
@@ -5805,8 +5805,8 @@ class SyncApp:
                 # the same lock, so its wake cannot come between the two and be lost.
                 with pull.woken:
                     if (left <= 0 or request.refusal is not None
-                            or self.feeds.wait(owner, project, since,
-                                               min(left, PARKED_CHECK_SECONDS), pull)):
+                            or self.feeds.wait(owner, project, since, pull=pull,
+                                               timeout=min(left, PARKED_CHECK_SECONDS))):
                         break
                 if handler.client_gone():
                     break
