@@ -2869,9 +2869,9 @@ def _sorted_dirs(path, prefixes):
 
 
 def _file_size(path):
-    """The size of the file at path; 0 when there is none."""
+    """The size of the file at path (a link's own, never its target's); 0 when there is none."""
     try:
-        return os.path.getsize(path)
+        return os.lstat(path).st_size
     except OSError:
         return 0
 
