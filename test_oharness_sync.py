@@ -12111,6 +12111,21 @@ class CommandLineTest(unittest.TestCase):
             info = os.stat(os.path.join(new, name))
             self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (os.geteuid(), os.getegid(), 0o600))
 
+    def test_an_error_while_building_the_server_is_reported_as_itself_not_as_a_listen_failure(self):
+        token_file = os.path.join(self.data_dir, "metrics.token")
+        with open(token_file, "w") as f:
+            f.write("a-metrics-token-of-some-length\n")
+        data_dir = os.path.join(self.data_dir, "data")
+        unreadable = os.path.join(data_dir, "feeds", "u-alice")
+        denied = PermissionError(errno.EACCES, "Permission denied", unreadable)
+        # (a server that started anyway would stop at once)
+        with mock.patch.object(sync.FeedStore, "count_bytes", side_effect=denied), \
+                mock.patch.object(sync, "run_until_signalled"):
+            code, out, err = self.main("--data", data_dir, "--port", "0", "--metrics-token-file", token_file)
+        self.assertEqual((code, out, err), (2, "", "oharness-sync: error: cannot start the server on %s: %s: "
+                                                   "Permission denied\n" % (data_dir, unreadable)))
+        self.assertFalse(os.path.exists(data_dir))  # (made by this start: removed)
+
     def test_a_server_that_cannot_start_leaves_no_new_directory(self):
         busy = socket.socket()
         self.addCleanup(busy.close)
