@@ -7505,7 +7505,7 @@ class AnswerReader(io.RawIOBase):
 
 class SyncClient:
     """A small HTTP(S) client of one sync server (check, replicate): JSON bodies, the bearer token,
-    and the protocol's requests (push, pull, projects, memory). Each returns (status, headers,
+    and the protocol's requests (push, pull, projects, post_memory). Each returns (status, headers,
     document) whatever the status; the functions after this class check a 200's document.
 
     Every request is bounded (BoundedSocket): timeout seconds for all of it, connection included,
@@ -7610,7 +7610,7 @@ class SyncClient:
         return self.call("GET", "/v1/projects" + query, token=token, keep_alive=keep_alive,
                          limit=LARGE_ANSWER_BYTES)
 
-    def memory(self, route, body, token=None, keep_alive=False):
+    def post_memory(self, route, body, token=None, keep_alive=False):
         """A memory request: route is identity, snapshot or commit."""
         return self.call("POST", "/v1/memory/" + route, body, token, keep_alive=keep_alive,
                          limit=SMALL_ANSWER_BYTES if route == "identity" else LARGE_ANSWER_BYTES)
@@ -8493,10 +8493,10 @@ class ConformanceCheck:
                                lambda: self.client.projects(team=team, token=token), token=token)
         return project_ids(document)
 
-    def memory(self, route, status=200, **fields):
+    def post_memory(self, route, status=200, **fields):
         body = dict(fields, expectedPrincipal=self.principal)
         document = self.expect("POST /v1/memory/" + route,
-                               lambda: self.client.memory(route, body), status)
+                               lambda: self.client.post_memory(route, body), status)
         if not isinstance(document, dict):
             raise CheckFailed("POST /v1/memory/%s answered %s, not an object"
                               % (route, excerpt(document)))
@@ -8705,14 +8705,14 @@ class ConformanceCheck:
     # -- memory sync -----------------------------------------------------------
 
     def check_memory_identity(self):
-        quota = self.memory("identity").get("quota")
+        quota = self.post_memory("identity").get("quota")
         if not (isinstance(quota, dict)
                 and all(as_safe_int(quota.get(key)) is not None for key in MEMORY_QUOTA)):
             raise CheckFailed("identity answered quota %s, expected the keys %s"
                               % (excerpt(quota), ", ".join(sorted(MEMORY_QUOTA))))
 
     def check_memory_empty_snapshot(self):
-        doc = self.memory("snapshot", project=self.project["memory"])
+        doc = self.post_memory("snapshot", project=self.project["memory"])
         if doc.get("etag") is not None or doc.get("entries") != []:
             raise CheckFailed("the snapshot of a new project is %s, expected etag null and no "
                               "entries" % excerpt(doc))
@@ -8721,11 +8721,11 @@ class ConformanceCheck:
         """Create one note; the response and the next snapshot hold it, under a new etag."""
         project, note = self.project["memory"], CHECK_NOTE
         entry = {"id": note["id"], "hash": note_hash(note), "note": note}
-        doc = self.memory("commit", project=project, etag=None, changes=[entry])
+        doc = self.post_memory("commit", project=project, etag=None, changes=[entry])
         if not isinstance(doc.get("etag"), str) or doc.get("entries") != [entry]:
             raise CheckFailed("the commit answered %s, expected an etag and the note"
                               % excerpt(doc))
-        snapshot = self.memory("snapshot", project=project)
+        snapshot = self.post_memory("snapshot", project=project)
         if snapshot.get("etag") != doc["etag"] or snapshot.get("entries") != [entry]:
             raise CheckFailed("the snapshot after the commit is %s" % excerpt(snapshot))
         self.memory_etag = doc["etag"]
@@ -8734,11 +8734,11 @@ class ConformanceCheck:
         """A commit from a stale etag is 409 revision_conflict and publishes nothing."""
         project, etag = self.project["memory"], self.needs_memory_commit()
         note = dict(CHECK_NOTE, id="ohs-check-stale")
-        doc = self.memory("commit", status=409, project=project, etag=None,
+        doc = self.post_memory("commit", status=409, project=project, etag=None,
                           changes=[{"id": note["id"], "hash": note_hash(note), "note": note}])
         if doc.get("code") != "revision_conflict":
             raise CheckFailed("the 409 is %s, expected code revision_conflict" % excerpt(doc))
-        snapshot = self.memory("snapshot", project=project)
+        snapshot = self.post_memory("snapshot", project=project)
         if snapshot.get("etag") != etag or len(snapshot.get("entries") or ()) != 1:
             raise CheckFailed("after the refused commit the snapshot is %s" % excerpt(snapshot))
 
@@ -8746,8 +8746,9 @@ class ConformanceCheck:
         """A delete leaves a tombstone {id, hash: null} in the next snapshot."""
         project, etag, note_id = (self.project["memory"], self.needs_memory_commit(),
                                   CHECK_NOTE["id"])
-        self.memory("commit", project=project, etag=etag, changes=[{"id": note_id, "hash": None}])
-        entries = self.memory("snapshot", project=project).get("entries")
+        self.post_memory("commit", project=project, etag=etag,
+                         changes=[{"id": note_id, "hash": None}])
+        entries = self.post_memory("snapshot", project=project).get("entries")
         if entries != [{"id": note_id, "hash": None}]:
             raise CheckFailed("the snapshot after the delete holds %s, expected only the tombstone"
                               % excerpt(entries))
@@ -9497,7 +9498,7 @@ class Replicator:
         try:
             _, document = self.retrying(
                 lambda: self.call(side, "POST /v1/memory/identity",
-                                  lambda: client.memory("identity", body, keep_alive=True)),
+                                  lambda: client.post_memory("identity", body, keep_alive=True)),
                 "%s memory identity" % side.role, follow)
         finally:
             client.close()
@@ -9538,7 +9539,7 @@ class Replicator:
             body["scope"] = "user"
         status, document = self.retrying(
             lambda: self.call(side, "POST /v1/memory/" + route,
-                              lambda: client.memory(route, body, keep_alive=True),
+                              lambda: client.post_memory(route, body, keep_alive=True),
                               statuses=statuses),
             "%s memory %s" % (side.role, route), follow)
         if status == 200 and not (isinstance(document, dict) and "unchanged" in document):
