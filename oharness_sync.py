@@ -52,7 +52,10 @@ Part I, the server, is what `--data DIR` runs:
                         strict reading of a request, the transport on
                         http.server (SyncRequestHandler, SyncServer)
     Serving             flags (--data and --retain-deleted-days as every
-                        command takes them), build_server, signals
+                        command takes them) made one ServerConfig
+                        (config_from_flags), build_server (every part given
+                        the one log and the one Metrics), signals;
+                        SyncServer.stop is the one way to stop
 Storage knows nothing of HTTP, and the HTTP layer does no storage work.
 
 Part II, the tools, holds the clients of Part I: the protocol client first (check
@@ -69,6 +72,7 @@ import base64
 import bisect
 import collections
 import contextlib
+import dataclasses
 import difflib
 import errno
 import hashlib
@@ -99,6 +103,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -192,6 +197,7 @@ PARKED_CHECK_SECONDS = 5.0          # how often a parked pull looks whether its 
 THREAD_STACK_BYTES = 512 * 1024
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
 SIGNAL_POLL_SECONDS = 0.1           # how soon the main loop acts on a signal (SIGHUP, SIGTERM)
+STOP_GRACE_SECONDS = 10.0           # a stop's wait for the requests being answered
 
 LOCAL_TOKEN_PREFIX = "ohs_"
 
@@ -1499,10 +1505,10 @@ class LocalTokenVerifier:
     revoked a token: until it is read, every local token is answered 503 (AuthUnavailable).
     """
 
-    def __init__(self, tokens, clock=time.time, log=None):
+    def __init__(self, tokens, log, clock=time.time):
         self.tokens = tokens
         self.clock = clock
-        self.log = log or (lambda message: None)
+        self.log = log
         self._lock = threading.Lock()
         self._checked = float("-inf")
         self._version = None
@@ -1904,14 +1910,14 @@ class JwksSource:
     the client's mirror for a token that may well be good.
     """
 
-    def __init__(self, path=None, url=None, timeout=5.0, clock=time.monotonic, log=None):
+    def __init__(self, log, path=None, url=None, timeout=5.0, clock=time.monotonic):
         if (path is None) == (url is None):
             raise ValueError("give exactly one of path and url")
         self.path = path
         self.url = url
         self.timeout = timeout
         self.clock = clock
-        self.log = log or (lambda message: None)
+        self.log = log
         self.keys = {}
         self._lock = threading.Lock()
         self._last_load = None     # clock() of the last fetch or file check, good or bad
@@ -2457,7 +2463,8 @@ class Authenticator:
     """Chooses the verifier for a bearer token by its kind and the route family.
 
     Session sync: local tokens start with `ohs_`; JWTs (three dot-separated parts)
-    go to the JWT verifier when one is configured. Memory sync (`memory_mode`):
+    go to the JWT verifier when one is configured (config: a ServerConfig, whose jwt, supabase,
+    memory_mode and principals it takes). Memory sync (`memory_mode`):
     "local" accepts the same tokens, "supabase" asks
     a Supabase-compatible auth service, "off" refuses every memory request.
     JWTs and Supabase tokens are checked behind a GuardedVerifier; `failures` counts
@@ -2466,18 +2473,18 @@ class Authenticator:
     (`principals`) a principal it does not list is too (NotListed).
     """
 
-    def __init__(self, local, jwt=None, memory_mode="local", supabase=None, failures=None,
-                 metrics=None, principals=None):
+    def __init__(self, local, config, metrics, failures=None):
         self.local = local
-        self.principals = principals
-        self.jwt = jwt
-        self.memory_mode = memory_mode
-        self.supabase = supabase
-        self.metrics = metrics or Metrics()
+        self.principals = config.principals
+        self.jwt = config.jwt
+        self.memory_mode = config.memory_mode
+        self.supabase = config.supabase
+        self.metrics = metrics
         self.failures = failures or RateLimiter(FAILED_CHECKS_PER_MINUTE, FAILED_CHECKS_BURST)
-        self._guarded_jwt = GuardedVerifier(jwt, self.failures) if jwt is not None else None
-        self._guarded_supabase = (GuardedVerifier(supabase, self.failures)
-                                  if supabase is not None else None)
+        self._guarded_jwt = (GuardedVerifier(self.jwt, self.failures)
+                             if self.jwt is not None else None)
+        self._guarded_supabase = (GuardedVerifier(self.supabase, self.failures)
+                                  if self.supabase is not None else None)
 
     def identify(self, header, client=None):
         """The Identity for an Authorization header; AuthError for any unusable token,
@@ -3769,10 +3776,10 @@ class DiskReserve:
     for any push again (MAX_PUSH_BYTES above the reserve); `low` says which holds, for /metrics.
     """
 
-    def __init__(self, path, reserve, log=None, free=None, clock=time.monotonic):
+    def __init__(self, path, reserve, log, free=None, clock=time.monotonic):
         self.path = path
         self.reserve = reserve
-        self.log = log or (lambda message: None)
+        self.log = log
         self.free = free or (lambda: disk_free(path))
         self.clock = clock
         self.low = False
@@ -3834,15 +3841,15 @@ class Feed:
     uses it and room is needed for another: a Feed made again for it loads all this from the file.
     """
 
-    def __init__(self, path, log, parked=(), start=0, clock=time.time, metrics=None, owner=None):
+    def __init__(self, path, owner, log, metrics, clock=time.time, start=0):
         self.path = path
         self.owner = owner                     # what its bytes are counted under in the Metrics
         self.log = log
         self.clock = clock                     # stamps session metadata with the time it is stored
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics
         self.bytes_at_load = 0                 # the file's size before it was loaded
         self.lock = threading.Lock()           # guards everything below
-        self.parked = set(parked)              # ParkedPulls waiting for the next durable event
+        self.parked = set()                    # ParkedPulls waiting for the next durable event
         self._load_lock = threading.Lock()
         self._flushing = False                 # a push is writing and fsyncing queued batches
         self.loaded = False
@@ -4344,11 +4351,11 @@ class FeedStore:
     request that needs another waits for one to be let go.
     """
 
-    def __init__(self, data_dir, log=None, clock=time.time, metrics=None, max_open=None):
+    def __init__(self, data_dir, log, metrics, clock=time.time, max_open=None):
         self.layout = DataDir(data_dir)
-        self.log = log or (lambda message: None)
+        self.log = log
         self.clock = clock
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics
         self.limits = StorageLimits(self.metrics)
         self.max_open = max_open or open_feeds_budget()
         self.stopping = threading.Event()
@@ -4433,8 +4440,9 @@ class FeedStore:
         # Pulls waiting for this feed to exist now wait on it, for its first event: not woken now.
         # A new feed numbers on after a purged one of its name, and after the last restore's jump.
         start = max(self._purged.get(purged_key(*key), 0), self._floor)
-        feed = self._feeds[key] = Feed(path, self.log, self._unborn.pop(key, ()), start=start,
-                                       clock=self.clock, metrics=self.metrics, owner=key[0])
+        feed = self._feeds[key] = Feed(path, key[0], self.log, self.metrics, clock=self.clock,
+                                       start=start)
+        feed.parked.update(self._unborn.pop(key, ()))
         feed.damage = self._damaged.get(key)
         return feed
 
@@ -4939,12 +4947,12 @@ class MemoryStore:
     about to open.
     """
 
-    def __init__(self, data_dir, clock=time.time, log=None, metrics=None):
+    def __init__(self, data_dir, log, metrics, clock=time.time):
         self.layout = DataDir(data_dir)
         self.clock = clock
-        self.log = log or (lambda message: None)
+        self.log = log
         self.log_once = LogOnce(self.log)  # what fails a read
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics
         self.limits = StorageLimits(self.metrics)
         self.quota = dict(MEMORY_QUOTA)              # enforced and advertised; tests may lower it
         self._quota_json = (None, b"")               # (the quota it was made from, its JSON)
@@ -5577,18 +5585,17 @@ AUTH_REFUSALS = tuple(failure[0] for failure in AUTH_FAILURES)  # what a token's
 class SyncApp:
     """The protocol: routes to thin handlers that parse, call storage and respond."""
 
-    def __init__(self, feeds, memory, auth, rate_limiter, log=None, max_parked=DEFAULT_MAX_PARKED,
-                 metrics=None, metrics_token=None):
+    def __init__(self, feeds, memory, auth, config, log, metrics):
         self.feeds = feeds
         self.memory = memory
         self.auth = auth
-        self.rate_limiter = rate_limiter
-        self.log = log or (lambda message: None)
-        self.max_parked = max_parked
-        self.metrics = metrics or Metrics()
-        self.metrics_token = metrics_token     # None: no /metrics route
+        self.rate_limiter = RateLimiter(config.memory_rate_limit)
+        self.log = log
+        self.max_parked = config.max_parked
+        self.metrics = metrics
+        self.metrics_token = config.metrics_token     # None: no /metrics route
         self.routes = dict(self.ROUTES)
-        if metrics_token is not None:
+        if self.metrics_token is not None:
             self.routes["/metrics"] = {"GET": "metrics_page"}
         for route, methods in self.routes.items():
             for method in methods:
@@ -6461,22 +6468,21 @@ class SyncServer(http.server.ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, address, app, max_connections=DEFAULT_MAX_CONNECTIONS, log=None,
-                 access_log=None, tls=None, request_seconds=DEFAULT_REQUEST_SECONDS,
-                 idle_seconds=IDLE_SECONDS, max_per_address=None, trusted_proxies=(),
-                 listener=None):
-        if ":" in address[0]:
+    def __init__(self, app, config, log, listener=None):
+        if ":" in config.host:
             self.address_family = socket.AF_INET6
         self.app = app
-        self.tls = tls                         # a TlsFiles, or None for plain HTTP
-        self.request_seconds = request_seconds
-        self.idle_seconds = idle_seconds
-        self.max_connections = max_connections
-        self.max_per_address = (max(1, max_connections // PER_ADDRESS_SHARE)
-                                if max_per_address is None else max_per_address)
-        self.trusted_proxies = tuple(trusted_proxies)
-        self.log = log or (lambda message: None)
-        self.access_log = access_log
+        self.config = config                   # what reload_files re-reads
+        self.tls = config.tls                  # a TlsFiles, or None for plain HTTP
+        self.request_seconds = config.request_seconds
+        self.idle_seconds = config.idle_seconds
+        self.max_connections = config.max_connections
+        self.max_per_address = (max(1, config.max_connections // PER_ADDRESS_SHARE)
+                                if config.max_per_address is None else config.max_per_address)
+        self.trusted_proxies = tuple(config.trusted_proxies)
+        self.log = log
+        # --quiet: no line is even formatted
+        self.access_log = None if getattr(log, "quiet", False) else log.access
         self.stopping = threading.Event()      # set: responses close their connections
         self.connections = 0                   # accepted, not yet closed (past the cap: refused)
         self._per_address = {}                 # client_key -> its connections, while it has one
@@ -6491,7 +6497,7 @@ class SyncServer(http.server.ThreadingHTTPServer):
                            lambda: self.connections)
         self.watchdog = Watchdog(self.log)     # before binding: a failed bind calls server_close
         self.listener = listener               # bound already (bind_listener), or None
-        super().__init__(address, SyncRequestHandler)
+        super().__init__((config.host, config.port), SyncRequestHandler)
 
     def server_bind(self):
         if self.listener is None:
@@ -6649,11 +6655,16 @@ class SyncServer(http.server.ThreadingHTTPServer):
 
     # -- stopping ------------------------------------------------------------
 
-    def stop_accepting(self):
-        """Accept no new connection; the open ones are served on. From another thread than
-        serve_forever's."""
-        self.shutdown()
+    def stop(self, grace):
+        """Stop gracefully, from another thread than serve_forever's (while it runs): accept no new
+        connection, answer parked long-polls at once, give the requests being answered up to grace
+        seconds (in-flight pushes finish), then end every connection."""
+        self.stopping.set()                    # responses close their connections
+        self.shutdown()                        # serve_forever returns: no new connection
         self.socket.close()
+        self.app.feeds.stop()
+        self.wait_idle(grace)
+        self.server_close()
 
     def wait_idle(self, seconds):
         """Wait until no request is being answered (in-flight pushes finish before exit); True if
@@ -6676,6 +6687,32 @@ class SyncServer(http.server.ThreadingHTTPServer):
 # -------------------------------------------------------------------------------------------------
 # Serving: the command line that runs the server, and its signals
 # -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ServerConfig:
+    """What the serving flags decide, read and checked by config_from_flags, and passed whole to
+    build_server; each default is its flag's."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # None: a PER_ADDRESS_SHARE-th of max_connections
+    max_per_address: typing.Optional[int] = None
+    trusted_proxies: tuple = ()            # ipaddress networks (trusted_proxy)
+    max_parked: int = DEFAULT_MAX_PARKED
+    request_seconds: float = DEFAULT_REQUEST_SECONDS
+    idle_seconds: float = IDLE_SECONDS
+    retain_deleted_days: int = DEFAULT_RETAIN_DELETED_DAYS
+    metrics_token: typing.Optional[str] = None          # None: no /metrics route
+    metrics_token_file: typing.Optional[str] = None     # re-read on SIGHUP
+    principals: typing.Optional["PrincipalList"] = None  # None: everyone with a token
+    reserve_disk: typing.Optional[int] = None  # bytes; None: default_reserve of the data dir
+    tls: typing.Optional["TlsFiles"] = None    # None: plain HTTP
+    jwt: typing.Optional["JwtVerifier"] = None
+    memory_mode: str = "local"
+    supabase: typing.Optional["SupabaseVerifier"] = None
+    memory_rate_limit: int = DEFAULT_MEMORY_RATE_LIMIT
+
 
 class Log:
     """Lines on stderr: events always, the access log unless --quiet. Never a token."""
@@ -6721,22 +6758,17 @@ def bind_listener(host, port):
     return sock
 
 
-def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
-                 max_connections=DEFAULT_MAX_CONNECTIONS, log=None, jwt=None, memory_mode="local",
-                 supabase=None, memory_rate_limit=DEFAULT_MEMORY_RATE_LIMIT, tls=None,
-                 max_parked=DEFAULT_MAX_PARKED, request_seconds=DEFAULT_REQUEST_SECONDS,
-                 idle_seconds=IDLE_SECONDS, metrics_token=None, principals=None,
-                 max_per_address=None, trusted_proxies=(), reserve_disk=0, listener=None):
-    """A ready, bound SyncServer for data_dir (the data-dir lock is the caller's business): on
-    listener (bind_listener), else on host:port. With a metrics_token, GET /metrics answers
-    whoever has it; with principals (a PrincipalList), only those it lists are served; with
-    reserve_disk (bytes), writes leave that much of the disk free.
-    max_per_address and trusted_proxies: see SyncServer."""
-    log, metrics = log or Log(quiet=True), Metrics()
-    auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log=log), jwt, memory_mode,
-                         supabase, metrics=metrics, principals=principals)
-    feeds = FeedStore(data_dir, log, metrics=metrics)
-    memory = MemoryStore(data_dir, log=log, metrics=metrics)
+def build_server(data_dir, config, log, listener=None):
+    """A ready, bound SyncServer for data_dir as config (a ServerConfig) says (the data-dir lock is
+    the caller's business): on listener (bind_listener), else on config's host and port. With a
+    metrics_token, GET /metrics answers whoever has it; with principals (a PrincipalList), only
+    those it lists are served; writes leave reserve_disk bytes of the disk free."""
+    metrics = Metrics()
+    reserve_disk = (default_reserve(data_dir) if config.reserve_disk is None
+                    else config.reserve_disk)
+    auth = Authenticator(LocalTokenVerifier(TokenStore(data_dir), log), config, metrics)
+    feeds = FeedStore(data_dir, log, metrics)
+    memory = MemoryStore(data_dir, log, metrics)
     try:  # before the server is bound: no request is served from the copy as it was
         apply_restore(feeds, memory, log)
     except FeedDamaged as exc:
@@ -6754,8 +6786,8 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
         log("warning: the disk of %s has %s free, less than --reserve-disk %s: pushes and memory "
             "commits are refused until there is room" % (
                 data_dir, format_bytes(disk_free(data_dir)), format_size(reserve_disk)))
-    feeds.limits = memory.limits = StorageLimits(metrics, principals, disk)
-    if metrics_token is not None:
+    feeds.limits = memory.limits = StorageLimits(metrics, config.principals, disk)
+    if config.metrics_token is not None:
         for name, text, read in (
                 ("oharness_sync_feed_bytes", "Bytes of the feeds on disk.", feeds.bytes_on_disk),
                 ("oharness_sync_memory_bytes", "Bytes of memory sync on disk.",
@@ -6769,14 +6801,8 @@ def build_server(data_dir, host=DEFAULT_HOST, port=DEFAULT_PORT,
                 ("oharness_sync_feeds_damaged", "Feeds refused for a damaged line.",
                  feeds.damaged)):
             metrics.gauge(name, text, read)
-    app = SyncApp(feeds, memory, auth, RateLimiter(memory_rate_limit), log=log,
-                  max_parked=max_parked, metrics=metrics, metrics_token=metrics_token)
-    # --quiet: no line is even formatted
-    access_log = None if getattr(log, "quiet", False) else log.access
-    return SyncServer((host, port), app, max_connections=max_connections, log=log,
-                      access_log=access_log, tls=tls, request_seconds=request_seconds,
-                      idle_seconds=idle_seconds, max_per_address=max_per_address,
-                      trusted_proxies=trusted_proxies, listener=listener)
+    app = SyncApp(feeds, memory, auth, config, log, metrics)
+    return SyncServer(app, config, log, listener)
 
 
 def add_auth_flags(parser):
@@ -6827,7 +6853,7 @@ def read_metrics_token(path):
     return token
 
 
-def auth_from_flags(args, log=None):
+def auth_from_flags(args, log):
     """(JwtVerifier or None, SupabaseVerifier or None) from the command line; UsageError when
     unusable. log: where a JWKS that cannot be fetched or re-read is reported."""
     path = None  # the file being read, named if it cannot be used
@@ -6835,7 +6861,7 @@ def auth_from_flags(args, log=None):
         path = args.jwt_secret_file
         secret = read_secret_file(path) if path else None
         path = args.jwks_file
-        jwks = JwksSource(path=path, log=log) if path else None
+        jwks = JwksSource(log, path=path) if path else None
         path = args.supabase_anon_key_file
         anon_key = read_secret_file(path).decode("utf-8").strip() if path else None
     except (OSError, ValueError) as exc:
@@ -6843,7 +6869,7 @@ def auth_from_flags(args, log=None):
     if args.jwks_url:
         if not args.jwks_url.startswith(("https://", "http://")):
             raise UsageError("--jwks-url must be an http(s) URL")
-        jwks = JwksSource(url=args.jwks_url, log=log)
+        jwks = JwksSource(log, url=args.jwks_url)
     if (args.jwt_issuer or args.jwt_audience) and secret is None and jwks is None:
         raise UsageError("--jwt-issuer and --jwt-audience need --jwt-secret-file, --jwks-url or "
                          "--jwks-file")
@@ -7059,40 +7085,13 @@ def serve_command(argv, commands=()):
                         help="and this private key; both are re-read on SIGHUP")
     add_auth_flags(parser)
     args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        raise UsageError("--port must be 0..65535")
-    if args.max_connections < 1:
-        raise UsageError("--max-connections must be at least 1")
-    if args.max_connections_per_address is not None and args.max_connections_per_address < 1:
-        raise UsageError("--max-connections-per-address must be at least 1")
-    try:
-        trusted_proxies = [trusted_proxy(text) for text in args.trusted_proxy]
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if not args.request_timeout > 0:
-        raise UsageError("--request-timeout must be positive")
-    if args.max_parked < 0:
-        raise UsageError("--max-parked must be 0 or more")
-    if args.memory_rate_limit < 0:
-        raise UsageError("--memory-rate-limit must be 0 or more")
-    check_retain(args.retain_deleted_days)
-    # What only root may read is read, and the port bound, before root works as the data dir's
-    # owner (SIGHUP's re-reads are the owner's).
-    metrics_token = (read_metrics_token(args.metrics_token_file)
-                     if args.metrics_token_file else None)
-    principals = principals_from_flag(args.principals_file)
-    try:
-        reserve = None if args.reserve_disk is None else parse_size(args.reserve_disk)
-    except ValueError as exc:
-        raise UsageError("--reserve-disk: %s" % exc) from None
     log = Log(quiet=args.quiet)
-    jwt, supabase = auth_from_flags(args, log)
-    tls = tls_from_flags(args)
+    config = config_from_flags(args, log)
     try:
-        listener = bind_listener(args.host, args.port)
+        listener = bind_listener(config.host, config.port)
     except OSError as exc:
         raise UsageError("cannot listen on %s:%d: %s"
-                         % (args.host, args.port, reason(exc))) from None
+                         % (config.host, config.port, reason(exc))) from None
     created, lock = [], None
     try:
         act_as_data_dir_owner(os.path.abspath(args.data), log)
@@ -7102,15 +7101,7 @@ def serve_command(argv, commands=()):
         raise_open_file_limit()
         threading.stack_size(THREAD_STACK_BYTES)
         try:
-            server = build_server(data_dir, max_connections=args.max_connections, log=log,
-                                  jwt=jwt, memory_mode=args.memory_auth, supabase=supabase,
-                                  memory_rate_limit=args.memory_rate_limit, tls=tls,
-                                  max_parked=args.max_parked, request_seconds=args.request_timeout,
-                                  metrics_token=metrics_token, principals=principals,
-                                  max_per_address=args.max_connections_per_address,
-                                  trusted_proxies=trusted_proxies,
-                                  reserve_disk=(default_reserve(data_dir) if reserve is None
-                                                else reserve), listener=listener)
+            server = build_server(data_dir, config, log, listener)
         except OSError as exc:
             raise UsageError("cannot start the server on %s: %s%s" % (
                 data_dir, "" if exc.filename is None else "%s: " % exc.filename,
@@ -7122,17 +7113,56 @@ def serve_command(argv, commands=()):
         if lock is not None:
             lock.release()
         raise
-    if tls is None and not is_loopback(args.host):
+    if config.tls is None and not is_loopback(config.host):
         log("warning: serving plain HTTP on %s; OHarness clients accept plain HTTP only for "
-            "localhost, 127.0.0.1 and [::1]: put TLS in front of this server" % args.host)
-    compactor = Compactor(server.app.feeds, args.retain_deleted_days, log)
+            "localhost, 127.0.0.1 and [::1]: put TLS in front of this server" % config.host)
+    compactor = Compactor(server.app.feeds, config.retain_deleted_days, log)
     compactor.start()
     run_until_signalled(server, lambda: print("oharness-sync listening on %s" % server.url,
-                                              flush=True),
-                        metrics_token_file=args.metrics_token_file)
+                                              flush=True))
     compactor.stop()
     lock.release()
     return 0
+
+
+def config_from_flags(args, log):
+    """The ServerConfig of serve's parsed flags, each checked, and the files they name read (what
+    only root may read is read before root works as the data dir's owner; SIGHUP's re-reads are
+    the owner's); UsageError naming the first flag that is wrong. log: where a JWKS that cannot
+    be fetched or re-read is reported."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError("--port must be 0..65535")
+    if args.max_connections < 1:
+        raise UsageError("--max-connections must be at least 1")
+    if args.max_connections_per_address is not None and args.max_connections_per_address < 1:
+        raise UsageError("--max-connections-per-address must be at least 1")
+    try:
+        trusted_proxies = tuple(trusted_proxy(text) for text in args.trusted_proxy)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not args.request_timeout > 0:
+        raise UsageError("--request-timeout must be positive")
+    if args.max_parked < 0:
+        raise UsageError("--max-parked must be 0 or more")
+    if args.memory_rate_limit < 0:
+        raise UsageError("--memory-rate-limit must be 0 or more")
+    check_retain(args.retain_deleted_days)
+    metrics_token = (read_metrics_token(args.metrics_token_file)
+                     if args.metrics_token_file else None)
+    principals = principals_from_flag(args.principals_file)
+    try:
+        reserve = None if args.reserve_disk is None else parse_size(args.reserve_disk)
+    except ValueError as exc:
+        raise UsageError("--reserve-disk: %s" % exc) from None
+    jwt, supabase = auth_from_flags(args, log)
+    return ServerConfig(
+        host=args.host, port=args.port, max_connections=args.max_connections,
+        max_per_address=args.max_connections_per_address, trusted_proxies=trusted_proxies,
+        max_parked=args.max_parked, request_seconds=args.request_timeout,
+        retain_deleted_days=args.retain_deleted_days, metrics_token=metrics_token,
+        metrics_token_file=args.metrics_token_file, principals=principals, reserve_disk=reserve,
+        tls=tls_from_flags(args), jwt=jwt, memory_mode=args.memory_auth, supabase=supabase,
+        memory_rate_limit=args.memory_rate_limit)
 
 
 def principals_from_flag(path):
@@ -7145,7 +7175,7 @@ def principals_from_flag(path):
         raise UsageError("cannot use the principals file %s: %s" % (path, reason(exc))) from None
 
 
-def reload_files(server, metrics_token_file=None):
+def reload_files(server):
     """What a SIGHUP does: read the token file, the principals file, a JWKS file, the TLS files and
     the metrics token file again, each keeping what it had when it cannot; then log one line saying
     what was reloaded (and what was kept, and why)."""
@@ -7187,6 +7217,7 @@ def reload_files(server, metrics_token_file=None):
         except (ssl.SSLError, OSError) as exc:  # changed again since it was checked
             done.append("kept the TLS certificate in force: cannot use %s: %s"
                         % (tls.cert_path, exc))
+    metrics_token_file = server.config.metrics_token_file
     if metrics_token_file is not None:
         try:
             server.app.metrics_token = read_metrics_token(metrics_token_file)
@@ -7196,7 +7227,7 @@ def reload_files(server, metrics_token_file=None):
     server.log("SIGHUP: " + "; ".join(done))
 
 
-def run_until_signalled(server, ready, metrics_token_file=None):
+def run_until_signalled(server, ready):
     """Serve until SIGTERM or SIGINT, then stop gracefully: parked long-polls answer at once,
     in-flight pushes finish, and the process exits 0. ready() runs once the signals are handled:
     from then on, a SIGTERM is a graceful stop. A SIGHUP never stops it: it runs reload_files."""
@@ -7217,13 +7248,8 @@ def run_until_signalled(server, ready, metrics_token_file=None):
             time.sleep(SIGNAL_POLL_SECONDS)
         if signalled.pop(0) != hangup:
             break
-        reload_files(server, metrics_token_file)
-    server.stopping.set()
-    server.stop_accepting()
-    server.app.feeds.stop()
-    server.wait_idle(10.0)
-    server.shutdown()
-    server.server_close()
+        reload_files(server)
+    server.stop(STOP_GRACE_SECONDS)
     pushes, fsyncs = server.app.feeds.commit_counts()
     server.log("stopped: %s made durable with %s"
                % (plural(pushes, "push"), plural(fsyncs, "fsync")))

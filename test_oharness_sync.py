@@ -142,8 +142,8 @@ class ServerCase(unittest.TestCase):
 
     def start_server(self):
         self.log_lines = []
-        self.server = sync.build_server(self.data_dir, port=0, log=CapturingLog(self.log_lines),
-                                        **self.server_options)
+        self.server = sync.build_server(self.data_dir, server_config(**self.server_options),
+                                        CapturingLog(self.log_lines))
         self.url = self.server.url
         thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
         thread.start()
@@ -157,10 +157,7 @@ class ServerCase(unittest.TestCase):
 
     @staticmethod
     def stop_server(server, thread):
-        server.stopping.set()
-        server.app.feeds.stop()
-        server.shutdown()
-        server.server_close()
+        server.stop(0)
         thread.join(5)
 
     def issue(self, principal, teams=(), **options):
@@ -198,6 +195,25 @@ class ServerCase(unittest.TestCase):
         for root, _, files in os.walk(os.path.join(self.data_dir, "feeds")):
             found.extend(os.path.join(root, name) for name in files)
         return sorted(found)
+
+
+def no_log(message):
+    """The log of a component whose lines a test does not read."""
+
+
+def feed_store(data_dir, log=no_log, **options):
+    """A FeedStore on data_dir with a Metrics of its own (options: clock, max_open)."""
+    return sync.FeedStore(data_dir, log, sync.Metrics(), **options)
+
+
+def memory_store(data_dir, log=no_log, **options):
+    """A MemoryStore on data_dir with a Metrics of its own (options: clock)."""
+    return sync.MemoryStore(data_dir, log, sync.Metrics(), **options)
+
+
+def server_config(**options):
+    """A test server's ServerConfig: port 0, no disk reserve, and options (its fields) as given."""
+    return sync.ServerConfig(**dict({"port": 0, "reserve_disk": 0}, **options))
 
 
 class CapturingLog(sync.Log):
@@ -745,7 +761,7 @@ class LocalTokenTest(unittest.TestCase):
         self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, self.data_dir, True)
         self.store = sync.TokenStore(self.data_dir)
-        self.verifier = sync.LocalTokenVerifier(self.store)
+        self.verifier = sync.LocalTokenVerifier(self.store, no_log)
 
     def reload(self):
         self.verifier._checked = float("-inf")  # skip the once-a-second wait
@@ -772,7 +788,7 @@ class LocalTokenTest(unittest.TestCase):
         with self.assertRaises(sync.AuthError):
             self.verifier.verify("not-a-token")
         now = [time.time()]
-        verifier = sync.LocalTokenVerifier(self.store, clock=lambda: now[0])
+        verifier = sync.LocalTokenVerifier(self.store, no_log, clock=lambda: now[0])
         expiring, _ = self.store.issue("bob", expires_days=1)
         self.assertEqual(verifier.verify(expiring).principal, "bob")
         now[0] += 86401
@@ -795,7 +811,7 @@ class LocalTokenTest(unittest.TestCase):
     def test_a_file_damaged_before_the_first_request_keeps_the_set_read_at_start(self):
         token, _ = self.store.issue("alice")
         log_lines = []
-        verifier = sync.LocalTokenVerifier(self.store, log=log_lines.append)  # a server starting
+        verifier = sync.LocalTokenVerifier(self.store, log_lines.append)  # a server starting
         with open(self.store.path, "w") as f:
             f.write("{not json")
         self.assertEqual(verifier.verify(token).principal, "alice")
@@ -807,7 +823,7 @@ class LocalTokenTest(unittest.TestCase):
     def test_a_damaged_file_is_logged_once_and_a_deeply_nested_one_is_damaged_too(self):
         token, _ = self.store.issue("alice")
         log_lines = []
-        verifier = sync.LocalTokenVerifier(self.store, log=log_lines.append)
+        verifier = sync.LocalTokenVerifier(self.store, log_lines.append)
         os.rename(self.store.path, self.store.path + ".good")
         with open(self.store.path + ".tmp", "w") as f:
             f.write("[" * 100000)  # RecursionError in json: before, every request that looked got a 500
@@ -827,7 +843,7 @@ class LocalTokenTest(unittest.TestCase):
         token, record_ = self.store.issue("alice")
         other, _ = self.store.issue("bob")
         log_lines = []
-        verifier = sync.LocalTokenVerifier(self.store, log=log_lines.append)
+        verifier = sync.LocalTokenVerifier(self.store, log_lines.append)
         self.assertEqual(verifier.verify(token).principal, "alice")
         self.store.revoke(record_["id"])
         no_fd = OSError(errno.EMFILE, "Too many open files")
@@ -875,7 +891,7 @@ class LocalTokenTest(unittest.TestCase):
     def test_reload_reads_the_file_at_once_and_a_failure_keeps_the_set_in_force_unlogged(self):
         token, _ = self.store.issue("alice")
         log_lines = []
-        verifier = sync.LocalTokenVerifier(self.store, log=log_lines.append)
+        verifier = sync.LocalTokenVerifier(self.store, log_lines.append)
         self.assertEqual(verifier.verify(token).principal, "alice")
         other, _ = self.store.issue("bob")
         with self.assertRaises(sync.AuthError):  # looked at less than a second ago
@@ -1276,19 +1292,19 @@ class JwksFileTest(unittest.TestCase):
 
     def test_missing_file_fails_at_start(self):
         with self.assertRaises(OSError):
-            JwksSource(path=self.path)
+            JwksSource(no_log, path=self.path)
 
     def test_unparsable_file_fails_at_start(self):
         self.write("{not json", 1)
         with self.assertRaises(ValueError):
-            JwksSource(path=self.path)
+            JwksSource(no_log, path=self.path)
         self.write({"nokeys": []}, 2)
         with self.assertRaises(ValueError):
-            JwksSource(path=self.path)
+            JwksSource(no_log, path=self.path)
 
     def test_reread_when_mtime_changes_looked_at_once_a_second_and_for_an_unknown_kid(self):
         self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
-        source = JwksSource(path=self.path, clock=self.clock)
+        source = JwksSource(no_log, path=self.path, clock=self.clock)
         self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
         with self.assertRaises(AuthError):  # the file was looked at for it: really unknown
             source.key("ec-p256", "ES256")
@@ -1306,7 +1322,7 @@ class JwksFileTest(unittest.TestCase):
     def test_reload_reads_the_file_at_once_and_raises_a_failure_unlogged(self):
         self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
         log_lines = []
-        source = JwksSource(path=self.path, clock=self.clock, log=log_lines.append)
+        source = JwksSource(log_lines.append, path=self.path, clock=self.clock)
         self.write({"keys": [jwk_by_kid("rsa-2048"), jwk_by_kid("ec-p256")]}, 100)
         self.assertEqual(source.reload(), 2)  # within the second, the mtime unchanged
         self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
@@ -1320,7 +1336,7 @@ class JwksFileTest(unittest.TestCase):
     def test_broken_rewrite_keeps_last_good_keys_and_is_logged_once(self):
         self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
         log_lines = []
-        source = JwksSource(path=self.path, clock=self.clock, log=log_lines.append)
+        source = JwksSource(log_lines.append, path=self.path, clock=self.clock)
         self.write("{broken", 200)
         self.clock.advance(2)
         self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
@@ -1343,7 +1359,7 @@ class JwksFileTest(unittest.TestCase):
         # before, the file was not read again, its new keys never came and unknown kids got 503 for good.
         self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
         log_lines = []
-        source = JwksSource(path=self.path, clock=self.clock, log=log_lines.append)
+        source = JwksSource(log_lines.append, path=self.path, clock=self.clock)
         self.write(JWKS, 200)
         with mock.patch.object(sync, "read_jwks_file", side_effect=PermissionError(13, "Permission denied")):
             self.clock.advance(2)
@@ -1368,7 +1384,7 @@ class JwksFileTest(unittest.TestCase):
         # size, (mtime, size) did not change, the new keys were never read and their tokens got 401 for good.
         old = dict(jwk_by_kid("rsa-2048"), kid="rsa-XXXX")
         self.write({"keys": [old]}, 1)
-        source = JwksSource(path=self.path, clock=self.clock)
+        source = JwksSource(no_log, path=self.path, clock=self.clock)
         new_path = os.path.join(self.dir, "new.json")
         with open(new_path, "w") as handle:
             handle.write(json.dumps({"keys": [jwk_by_kid("rsa-2048")]}))
@@ -1380,7 +1396,7 @@ class JwksFileTest(unittest.TestCase):
 
     def test_unknown_kids_do_not_read_an_unreadable_file_at_every_request(self):
         self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
-        source = JwksSource(path=self.path, clock=self.clock)
+        source = JwksSource(no_log, path=self.path, clock=self.clock)
         self.write("{broken", 200)
         self.clock.advance(2)
         with mock.patch.object(sync, "read_jwks_file", wraps=sync.read_jwks_file) as reads:
@@ -1396,13 +1412,13 @@ class JwksFileTest(unittest.TestCase):
     def test_a_deeply_nested_file_is_a_value_error(self):
         self.write("[" * 100000, 1)
         with self.assertRaises(ValueError):
-            JwksSource(path=self.path)
+            JwksSource(no_log, path=self.path)
 
     def test_exactly_one_of_path_and_url(self):
         with self.assertRaises(ValueError):
-            JwksSource()
+            JwksSource(no_log)
         with self.assertRaises(ValueError):
-            JwksSource(path=JWKS_PATH, url="http://127.0.0.1:1/")
+            JwksSource(no_log, path=JWKS_PATH, url="http://127.0.0.1:1/")
 
 
 class JwksUrlTest(unittest.TestCase):
@@ -1413,7 +1429,7 @@ class JwksUrlTest(unittest.TestCase):
         self.url = self.server.url + "/.well-known/jwks.json"
         self.clock = FakeClock(5000.0)
         self.log_lines = []
-        self.source = JwksSource(url=self.url, timeout=2.0, clock=self.clock, log=self.log_lines.append)
+        self.source = JwksSource(self.log_lines.append, url=self.url, timeout=2.0, clock=self.clock)
         self.verifier = JwtVerifier(jwks=self.source, clock=FakeClock(NOW))
 
     def tearDown(self):
@@ -1537,7 +1553,7 @@ class JwksUrlTest(unittest.TestCase):
         self.assertEqual(self.fetches(), 2)
 
     def test_unreachable_url(self):
-        source = JwksSource(url="http://127.0.0.1:%d/jwks" % closed_port(), timeout=1.0, clock=self.clock)
+        source = JwksSource(no_log, url="http://127.0.0.1:%d/jwks" % closed_port(), timeout=1.0, clock=self.clock)
         with self.assertRaises(AuthUnavailable):
             JwtVerifier(jwks=source, clock=FakeClock(NOW)).verify(TOKENS["rs256_2048_valid_no_exp"])
 
@@ -1547,7 +1563,7 @@ class JwksUrlTest(unittest.TestCase):
 # ---------------------------------------------------------------------------
 
 def fixture_verifier(issuer=None, audience=None, clock=None):
-    return JwtVerifier(secret=SECRET, jwks=JwksSource(path=JWKS_PATH), issuer=issuer, audience=audience,
+    return JwtVerifier(secret=SECRET, jwks=JwksSource(no_log, path=JWKS_PATH), issuer=issuer, audience=audience,
                        clock=clock or FakeClock(NOW))
 
 
@@ -1771,7 +1787,7 @@ class JwtRefuseTest(unittest.TestCase):
         self.assertRefused(TOKENS["hs256_signed_with_rsa_public_pem"])
 
     def test_algorithm_confusion_without_a_secret_configured(self):
-        verifier = JwtVerifier(jwks=JwksSource(path=JWKS_PATH), clock=FakeClock(NOW))
+        verifier = JwtVerifier(jwks=JwksSource(no_log, path=JWKS_PATH), clock=FakeClock(NOW))
         self.assertRefused(TOKENS["hs256_signed_with_rsa_public_pem"], verifier)
         self.assertRefused(TOKENS["hs256_valid_no_exp"], verifier)
 
@@ -1844,7 +1860,7 @@ class RfcVectorsThroughVerifierTest(unittest.TestCase):
         with open(path, "w") as handle:
             json.dump({"keys": [dict(RFC["a2_rs256"]["jwk"], kid="rfc-a2"),
                                 dict(RFC["a3_es256"]["jwk"], kid="rfc-a3")]}, handle)
-        self.jwks = JwksSource(path=path)
+        self.jwks = JwksSource(no_log, path=path)
         self.secret = b64url_decode(RFC["a1_hs256"]["jwk"]["k"])
 
     def tearDown(self):
@@ -2086,7 +2102,8 @@ class ForgedTokenTest(unittest.TestCase):
         self.auth = self.authenticator(fixture_verifier(clock=FakeClock(NOW)))
 
     def authenticator(self, jwt=None, local=None, **options):
-        return sync.Authenticator(local, jwt, failures=self.failures, **options)
+        return sync.Authenticator(local, server_config(jwt=jwt, **options), sync.Metrics(),
+                                  failures=self.failures)
 
     def refusal(self, token, client="198.51.100.7"):
         with self.assertRaises(AuthError) as caught:
@@ -2101,8 +2118,9 @@ class ForgedTokenTest(unittest.TestCase):
     def test_the_limits(self):
         self.assertEqual((sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST), (20, 10))
         self.assertEqual((sync.FAILED_TOKEN_SECONDS, sync.FAILED_TOKENS), (600, 10000))
-        self.assertEqual(sync.Authenticator(None, fixture_verifier())._guarded_jwt.refused.max_entries, 10000)
-        default = sync.Authenticator(None).failures
+        guarded = sync.Authenticator(None, server_config(jwt=fixture_verifier()), sync.Metrics())._guarded_jwt
+        self.assertEqual(guarded.refused.max_entries, 10000)
+        default = sync.Authenticator(None, server_config(), sync.Metrics()).failures
         self.assertEqual((default.rate, default.burst), (20 / 60.0, 10.0))
 
     def test_a_repeated_bad_token_is_refused_again_without_signature_math(self):
@@ -2160,7 +2178,7 @@ class ForgedTokenTest(unittest.TestCase):
         with open(path, "w") as handle:
             json.dump({"keys": [jwk_by_kid("ec-p256")]}, handle)
         jwks_clock = FakeClock(0.0)
-        jwks = JwksSource(path=path, clock=jwks_clock)
+        jwks = JwksSource(no_log, path=path, clock=jwks_clock)
         auth = self.authenticator(JwtVerifier(jwks=jwks, clock=FakeClock(NOW)))
         with open(path, "w") as handle:
             handle.write("{damaged")
@@ -2282,7 +2300,7 @@ class ForgedTokenTest(unittest.TestCase):
         data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, data_dir, True)
         store = sync.TokenStore(data_dir)
-        local = sync.LocalTokenVerifier(store)
+        local = sync.LocalTokenVerifier(store, no_log)
         auth = self.authenticator(fixture_verifier(), local)
         token, record = store.issue("alice")
         for _ in range(20):
@@ -2314,7 +2332,8 @@ class ForgedSupabaseTokenTest(unittest.TestCase):
         self.clock = FakeClock(1000.0)
         self.failures = sync.RateLimiter(sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST, self.clock)
         verifier = SupabaseVerifier(self.server.url, "anon-key-123", timeout=2.0, clock=self.clock)
-        self.auth = sync.Authenticator(None, memory_mode="supabase", supabase=verifier, failures=self.failures)
+        config = server_config(memory_mode="supabase", supabase=verifier)
+        self.auth = sync.Authenticator(None, config, sync.Metrics(), failures=self.failures)
 
     def identify(self, token, client="198.51.100.7"):
         return self.auth.identify_for_memory("Bearer " + token, client)
@@ -2431,7 +2450,7 @@ class DiskReserveTest(unittest.TestCase):
         def free():
             self.asked.append(self.clock())
             return self.free[0]
-        self.reserve = sync.DiskReserve("/data", 16 * self.MiB, log=self.lines.append, free=free, clock=self.clock)
+        self.reserve = sync.DiskReserve("/data", 16 * self.MiB, self.lines.append, free=free, clock=self.clock)
 
     def test_writes_go_ahead_until_one_would_pass_the_reserve(self):
         self.reserve.check(80 * self.MiB)
@@ -2519,10 +2538,10 @@ class FeedStoreTest(unittest.TestCase):
         self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, self.data_dir, True)
         self.log_lines = []
-        self.store = sync.FeedStore(self.data_dir, self.log_lines.append)
+        self.store = feed_store(self.data_dir, self.log_lines.append)
 
     def reopen(self):
-        self.store = sync.FeedStore(self.data_dir, self.log_lines.append)
+        self.store = feed_store(self.data_dir, self.log_lines.append)
         return self.store
 
     def path(self):
@@ -2578,7 +2597,7 @@ class FeedStoreTest(unittest.TestCase):
         self.assertLess(time.monotonic() - started, 5)
 
     def test_feeds_in_memory_stay_within_max_open_and_an_evicted_one_loads_the_same(self):
-        store = self.store = sync.FeedStore(self.data_dir, self.log_lines.append, max_open=4)
+        store = self.store = feed_store(self.data_dir, self.log_lines.append, max_open=4)
         self.assertEqual(store.bytes_on_disk(), 0)  # (the walk a server makes as it starts)
         for i in range(30):
             self.assertEqual(store.push(self.owner, "p%d" % i, *validated(
@@ -2601,7 +2620,7 @@ class FeedStoreTest(unittest.TestCase):
             for root, _, names in os.walk(os.path.join(self.data_dir, "feeds")) for name in names))
 
     def test_a_pull_parked_on_an_evicted_feed_is_woken_by_the_push_that_loads_it_again(self):
-        store = self.store = sync.FeedStore(self.data_dir, self.log_lines.append, max_open=2)
+        store = self.store = feed_store(self.data_dir, self.log_lines.append, max_open=2)
         store.push(self.owner, "p", *validated([record("s", "a")]))
         thread, results = self.wait_in_thread("p", 1)
         while not store._feeds[(self.owner, "p")].parked:
@@ -2615,7 +2634,7 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual((results, store._unborn), ([True], {}))
 
     def test_a_held_feed_is_never_evicted_and_a_new_one_waits_for_room(self):
-        store = self.store = sync.FeedStore(self.data_dir, self.log_lines.append, max_open=1)
+        store = self.store = feed_store(self.data_dir, self.log_lines.append, max_open=1)
         store.push(self.owner, "p", *validated([record()]))
         results = []
         with store.using(self.owner, "p") as held:
@@ -2629,7 +2648,7 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual((results, list(store._feeds)), ([(1, 1)], [(self.owner, "q")]))
 
     def test_a_damaged_feed_evicted_is_still_refused_and_counted_and_logged_once(self):
-        store = self.store = sync.FeedStore(self.data_dir, self.log_lines.append, max_open=1)
+        store = self.store = feed_store(self.data_dir, self.log_lines.append, max_open=1)
         store.push(self.owner, "p", *validated([record("s", "a"), record("s", "b")]))
         store.push(self.owner, "q", *validated([record()]))
         with open(self.path(), "r+b") as f:
@@ -3064,8 +3083,8 @@ class FeedCompactionTest(unittest.TestCase):
         now = [1800000000]  # the servers' clock, in whole seconds
         clock = lambda: float(now[0])
         ours_dir, reference_dir = self.make_dir(), self.make_dir()
-        store = sync.FeedStore(ours_dir, clock=clock)
-        reference = sync.FeedStore(reference_dir, clock=clock)
+        store = feed_store(ours_dir, clock=clock)
+        reference = feed_store(reference_dir, clock=clock)
         self.addCleanup(lambda: close_store(store))
         self.addCleanup(close_store, reference)
         path = sync.DataDir(ours_dir).feed_path(self.owner, "p")
@@ -3110,7 +3129,7 @@ class FeedCompactionTest(unittest.TestCase):
                     answer = sync.compact_file(path, now_ms, self.retain_ms)
                     self.assertFalse(os.path.exists(path + sync.COMPACT_SUFFIX))
                     close_store(store)
-                    store = sync.FeedStore(ours_dir, clock=clock)
+                    store = feed_store(ours_dir, clock=clock)
                 else:
                     done["online"] += 1
                     answer = store.feed(self.owner, "p").compact(now_ms, self.retain_ms)
@@ -3182,7 +3201,7 @@ class FeedCompactionTest(unittest.TestCase):
         return store.feed(self.owner, "p")
 
     def test_pushes_and_pulls_are_answered_while_a_compaction_runs_and_what_they_add_is_kept(self):
-        store = sync.FeedStore(self.make_dir())
+        store = feed_store(self.make_dir())
         self.addCleanup(close_store, store)
         feed = self.filled_feed(store)
         end = feed.index.end
@@ -3230,7 +3249,7 @@ class FeedCompactionTest(unittest.TestCase):
         self.assertFalse(os.path.exists(feed.path + sync.COMPACT_SUFFIX))
 
     def test_a_pull_reading_the_old_file_while_the_swap_happens_gets_its_page_whole(self):
-        store = sync.FeedStore(self.make_dir())
+        store = feed_store(self.make_dir())
         self.addCleanup(close_store, store)
         feed = self.filled_feed(store)
         # Records and metadata the compaction drops: read from the old file, at offsets the new one has not.
@@ -3275,7 +3294,7 @@ class FeedCompactionTest(unittest.TestCase):
         for failing in ("sync_dir", "open"):
             with self.subTest(failing=failing):
                 data_dir = self.make_dir()
-                store = sync.FeedStore(data_dir)
+                store = feed_store(data_dir)
                 self.addCleanup(close_store, store)
                 feed = self.filled_feed(store)
                 renamed = []
@@ -3303,7 +3322,7 @@ class FeedCompactionTest(unittest.TestCase):
                 self.assertEqual(renamed, [feed.path])
                 self.assertFalse(os.path.exists(feed.path + sync.COMPACT_SUFFIX))
                 self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="after")])), (2101, 1))
-                reopened = sync.FeedStore(data_dir)
+                reopened = feed_store(data_dir)
                 self.addCleanup(close_store, reopened)
                 page = reopened.pull(self.owner, "p", 2100, 500)
                 self.assertEqual(([json.loads(event)["id"] for event in page.records], page.cursor),
@@ -3319,7 +3338,7 @@ import oharness_sync as sync
 
 data_dir, step = sys.argv[2], sys.argv[3]
 owner = ("u", "alice")
-store = sync.FeedStore(data_dir)
+store = sync.FeedStore(data_dir, lambda message: None, sync.Metrics())
 said = threading.Lock()
 
 
@@ -3445,7 +3464,7 @@ class FeedCompactionCrashTest(unittest.TestCase):
                               if kind == b"s" and json.loads(event)["id"] == "m"]
                 self.assertEqual(len(superseded), 1 if swapped else 600)
 
-                store = sync.FeedStore(data_dir)
+                store = feed_store(data_dir)
                 self.addCleanup(close_store, store)
                 ids, live_gens, since, cursors = [], [], 0, []
                 while True:
@@ -3482,7 +3501,7 @@ class CompactorTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, self.data_dir, True)
         self.log_lines = []
         self.now = [1800000000.0]
-        self.store = sync.FeedStore(self.data_dir, self.log_lines.append, clock=lambda: self.now[0])
+        self.store = feed_store(self.data_dir, self.log_lines.append, clock=lambda: self.now[0])
         self.addCleanup(close_store, self.store)
         self.compactor = sync.Compactor(self.store, 90, self.log_lines.append, clock=lambda: self.now[0])
         self.gens, self.ids = {}, 0
@@ -3648,7 +3667,7 @@ class PurgedFeedNumberingTest(unittest.TestCase):
         owner = ("u", "alice")
         with open(layout.purged, "w") as f:
             json.dump({sync.purged_key(owner, "p"): 40}, f)
-        store = sync.FeedStore(data_dir)
+        store = feed_store(data_dir)
         self.addCleanup(close_store, store)
         self.assertEqual(store.pull(owner, "p", 0, 500).cursor, 0)  # (no feed yet)
         self.assertEqual(store.push(owner, "p", *validated([record(record_id="a")])), (41, 1))
@@ -3659,7 +3678,7 @@ class PurgedFeedNumberingTest(unittest.TestCase):
         self.assertEqual(list(store.pull(owner, "p", 41, 500).records), [])
         self.assertEqual(store.push(owner, "q", *validated([record()])), (1, 1))  # another name starts at 1
         self.assertEqual(store.push(("t", "alice"), "p", *validated([record()])), (1, 1))
-        reopened = sync.FeedStore(data_dir)
+        reopened = feed_store(data_dir)
         self.addCleanup(close_store, reopened)
         self.assertEqual(reopened.push(owner, "p", *validated([record(record_id="b")])), (42, 1))
         self.assertEqual(reopened.pull(owner, "p", 40, 500).cursor, 42)
@@ -3884,7 +3903,7 @@ class StoreTest(unittest.TestCase):
         self.store = self.open_store()
 
     def open_store(self):
-        return sync.MemoryStore(self.dir, clock=lambda: self.now)
+        return memory_store(self.dir, clock=lambda: self.now)
 
     def commit(self, docs, etag=None, scope=PROJECT, principal=P, have=None, store=None):
         return as_doc((store or self.store).commit(principal, scope, etag, memory_changes_of(*docs), have))
@@ -4296,7 +4315,7 @@ class FullScopeTest(unittest.TestCase):
         cls.dir = tempfile.mkdtemp(prefix="memory-test-")
         restore_fsync = no_fsync()
         try:
-            cls.store = sync.MemoryStore(cls.dir)
+            cls.store = memory_store(cls.dir)
             cls.etag, cls.have = None, {}
             for start in range(0, 5000, 500):
                 docs = [memory_put("n%04d" % i) for i in range(start, start + 500)]
@@ -4319,7 +4338,7 @@ class FullScopeTest(unittest.TestCase):
         self.assertTrue(as_doc(self.store.snapshot(P, PROJECT, known_etag=self.etag))["unchanged"])
 
     def test_full_have_snapshot_is_fast(self):
-        store = sync.MemoryStore(self.dir)
+        store = memory_store(self.dir)
         self.assertTrue(as_doc(store.snapshot(P, PROJECT, known_etag=self.etag))["unchanged"])  # loads the manifest
         best = float("inf")
         for _ in range(5):
@@ -4332,7 +4351,7 @@ class FullScopeTest(unittest.TestCase):
 
     def test_full_snapshot_reads_every_note(self):
         started = time.perf_counter()
-        answer = as_doc(sync.MemoryStore(self.dir).snapshot(P, PROJECT))
+        answer = as_doc(memory_store(self.dir).snapshot(P, PROJECT))
         elapsed = time.perf_counter() - started
         self.assertEqual(answer["entries"][1234]["note"], memory_note("n1234"))
         self.assertLess(elapsed, 2.0)
@@ -4355,10 +4374,10 @@ class FsckTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.healthy = tempfile.mkdtemp(prefix="ohs-test-")
-        feeds = sync.FeedStore(cls.healthy)
+        feeds = feed_store(cls.healthy)
         feeds.push(("u", "alice"), "p", *validated([record(record_id=str(i)) for i in range(5)], [meta()]))
         feeds.push(("t", "team"), "q", *validated([record()]))
-        memory = sync.MemoryStore(cls.healthy)
+        memory = memory_store(cls.healthy)
         memory.commit("alice", sync.MemoryScope("p"), None, memory_changes_of(memory_put("a"), memory_put("b")))
         memory.commit("alice", sync.USER_SCOPE, None, memory_changes_of(memory_put("u")))
         sync.TokenStore(cls.healthy).issue("alice")
@@ -4413,7 +4432,7 @@ class FsckTest(unittest.TestCase):
         self.assertIn("repaired: %s:3: dropped a damaged line (checksum mismatch)" % self.feed, lines)
         with open(self.feed, "rb") as f:  # one line lost, not the four after it; its number is a gap
             self.assertEqual(f.read(), b"".join(good[:2] + good[3:]))
-        store = sync.FeedStore(self.data_dir)
+        store = feed_store(self.data_dir)
         page = store.pull(("u", "alice"), "p", 0, 500)
         self.assertEqual(([json.loads(r)["id"] for r in page.records], page.cursor), (["0", "1", "3", "4"], 6))
         self.assertEqual(store.push(("u", "alice"), "p", *validated([record(record_id="2")])), (7, 1))
@@ -4677,16 +4696,16 @@ class DataDirToolCase(unittest.TestCase):
     def setUpClass(cls):
         cls.built = tempfile.mkdtemp(prefix="ohs-test-")
         past = time.time() - 100 * 86400
-        old = sync.FeedStore(cls.built, clock=lambda: past)
+        old = feed_store(cls.built, clock=lambda: past)
         old.push(cls.ALICE, "proj-x", *validated([record("gone", "g1"), record("gone", "g2", seq=2)], [meta("gone")]))
         old.push(cls.ALICE, "proj-x", *validated([], [meta("gone", gen=1, deleted=True)]))
-        feeds = sync.FeedStore(cls.built)
+        feeds = feed_store(cls.built)
         feeds.push(cls.ALICE, "proj-x", *validated([record("s1", "r1"), record("s1", "r2", seq=2)], [meta("s1")]))
         feeds.push(cls.ALICE, "proj-x", *validated([record("recent", "k1")], [meta("recent", deleted=True)]))
         feeds.push(cls.ALICE, "proj-x", *validated([], [meta("s1", gen=1)]))
         feeds.push(cls.TEAM, "proj-x", *validated([record("t1", "a")], [meta("t1")]))
         feeds.push(cls.BOB, "proj-b", *validated([record("b1", str(i), seq=i) for i in (1, 2, 3)], [meta("b1")]))
-        memory = sync.MemoryStore(cls.built)
+        memory = memory_store(cls.built)
         first = memory.commit("alice", sync.MemoryScope("proj-x"), None,
                               memory_changes_of(memory_put("a"), memory_put("b")))
         memory.commit("alice", sync.MemoryScope("proj-x"), as_doc(first)["etag"],
@@ -4819,7 +4838,7 @@ class DataDirToolCase(unittest.TestCase):
             return self.run_tool("usage", "--data", self.data_dir, *flags)
 
     def pull_all(self, owner, project, since, limit=500):
-        page = sync.FeedStore(self.data_dir).pull(owner, project, since, limit)
+        page = feed_store(self.data_dir).pull(owner, project, since, limit)
         return page.cursor, list(page.records), list(page.sessions), page.more
 
 
@@ -4884,7 +4903,7 @@ class UsageCommandTest(DataDirToolCase):
 
     def test_a_long_name_widens_its_column_and_a_count_of_one_is_singular(self):
         long_project = "ohs-check-3272a261-bodies-" + "x" * 10  # 36 characters
-        sync.FeedStore(self.data_dir).push(("u", "carol"), long_project, *validated([record("c1", "c")]))
+        feed_store(self.data_dir).push(("u", "carol"), long_project, *validated([record("c1", "c")]))
         table = sync.usage_table(sync.usage_report(self.data_dir, int(time.time() * 1000), 90 * sync.DAY_MS))
         self.assertEqual(table[1][:2 + 24 + 1 + 36 + 10], "  %-24s %-36s %9s" % ("owner", "project", "events"))
         row = [line for line in table if "carol" in line][0]
@@ -4892,10 +4911,10 @@ class UsageCommandTest(DataDirToolCase):
         self.assertEqual(table[7 + 1][:2 + 24 + 1 + 36 + 10], "  %-24s %-36s %9s" % ("principal", "scope", "notes"))
         shutil.rmtree(os.path.join(self.data_dir, "memory", "u-bob"))
         shutil.rmtree(os.path.join(self.data_dir, "memory", "u-alice"))
-        memory = sync.MemoryStore(self.data_dir)
+        memory = memory_store(self.data_dir)
         memory.commit("alice", sync.USER_SCOPE, None, memory_changes_of(memory_put("u")))
         shutil.rmtree(os.path.join(self.data_dir, "feeds"))
-        sync.FeedStore(self.data_dir).push(self.BOB, "proj-b", *validated([record("b1", "1")]))
+        feed_store(self.data_dir).push(self.BOB, "proj-b", *validated([record("b1", "1")]))
         total = sync.usage_table(sync.usage_report(self.data_dir, int(time.time() * 1000), 90 * sync.DAY_MS))[-1]
         self.assertTrue(total.startswith("in all: 1 feed with 1 event, "), total)
         self.assertIn("; 1 memory scope with 1 note, ", total)
@@ -5018,7 +5037,7 @@ class CompactCommandTest(DataDirToolCase):
                 break
         self.assertEqual(cursors, [4, 5, 6, 8, 9, 10])
         # The erased records are gone for good: pushed again, they are known (their keys stay); numbers go on.
-        store = sync.FeedStore(self.data_dir)
+        store = feed_store(self.data_dir)
         self.assertEqual(store.push(self.ALICE, "proj-x", *validated([record("gone", "g1")])), (10, 0))
         self.assertEqual(store.push(self.ALICE, "proj-x", *validated([record("s1", "r3", seq=3)])), (11, 1))
 
@@ -5059,7 +5078,7 @@ class CompactCommandTest(DataDirToolCase):
         self.assertEqual(len(self.lines_of(self.bob_feed)), 3)
         assertKept(self.bob_feed, "fsck --repair")
         # (Run by root here, where the server would run as nobody: the mode is what is kept.)
-        feed = sync.FeedStore(self.data_dir).feed(self.ALICE, "proj-x")
+        feed = feed_store(self.data_dir).feed(self.ALICE, "proj-x")
         self.assertEqual(feed.compact(int(time.time() * 1000), 0)[2], 1)
         self.assertEqual(os.stat(self.alice_feed).st_mode & 0o7777, 0o600)
 
@@ -5131,7 +5150,7 @@ class PurgeCommandTest(DataDirToolCase):
             self.assertNotIn(name, raw)
         # The team's feed is as it was, and so are bob's feed and memory.
         self.assertEqual(self.pull_all(self.TEAM, "proj-x", 0)[0], 2)
-        memory = sync.MemoryStore(self.data_dir)
+        memory = memory_store(self.data_dir)
         self.assertEqual([json.loads(e)["id"] for e in memory.snapshot("bob", sync.USER_SCOPE).entries], ["v"])
         self.assertEqual(as_doc(memory.snapshot("alice", sync.USER_SCOPE))["entries"], [])
 
@@ -5151,7 +5170,7 @@ class PurgeCommandTest(DataDirToolCase):
 
     def test_a_purged_feed_pushed_to_again_numbers_on_after_its_old_end(self):
         self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")[0], 0)
-        store = sync.FeedStore(self.data_dir)
+        store = feed_store(self.data_dir)
         self.assertEqual(store.projects(self.ALICE), [])
         self.assertEqual(self.pull_all(self.ALICE, "proj-x", 10), (10, [], [], False))
         new = record("s9", "n1")
@@ -5161,7 +5180,7 @@ class PurgeCommandTest(DataDirToolCase):
             cursor, records, sessions, more = self.pull_all(self.ALICE, "proj-x", since)
             self.assertEqual((cursor, [json.loads(r) for r in records], sessions, more), (11, [new], [], False))
         self.assertEqual(sync.parse_feed_line(self.lines_of(self.alice_feed)[0])[0], 11)
-        self.assertEqual(sync.FeedStore(self.data_dir).projects(self.ALICE), ["proj-x"])
+        self.assertEqual(feed_store(self.data_dir).projects(self.ALICE), ["proj-x"])
         # Another project of the same owner starts at 1.
         self.assertEqual(store.push(self.ALICE, "proj-y", *validated([new])), (1, 1))
 
@@ -5220,7 +5239,7 @@ class PurgeCommandTest(DataDirToolCase):
         self.assertTrue(os.path.isdir(aside))
         code, out, err = self.usage("--json")
         self.assertEqual([row["principal"] for row in json.loads(out)["memory"]], ["bob"])
-        memory = sync.MemoryStore(self.data_dir)
+        memory = memory_store(self.data_dir)
         self.assertEqual(as_doc(memory.snapshot("alice", sync.USER_SCOPE))["entries"], [])
         code, out, err = self.run_tool("fsck", "--data", self.data_dir)
         self.assertIn("note: %s: what a purge a crash interrupted left (purge --principal ID "
@@ -5236,7 +5255,7 @@ class PurgeCommandTest(DataDirToolCase):
 
     def test_a_principal_with_only_a_token_or_only_memory_is_purged_too(self):
         _, carol = sync.TokenStore(self.data_dir).issue("carol")
-        memory = sync.MemoryStore(self.data_dir)
+        memory = memory_store(self.data_dir)
         memory.commit("dave", sync.MemoryScope("proj-d"), None, memory_changes_of(memory_put("d")))
         code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "carol")
         self.assertEqual((code, out.splitlines(), err), (0, [
@@ -5340,7 +5359,7 @@ class BackupCommandTest(DataDirToolCase):
         os.mkdir(restored)
         self.assertEqual(subprocess.run(["tar", "-x", "-f", archive, "-C", restored]).returncode, 0)
         with self.assertRaises(sync.UsageError) as caught:
-            sync.build_server(restored, port=0, log=CapturingLog([]))
+            sync.build_server(restored, server_config(), CapturingLog([]))
         self.assertEqual(str(caught.exception), (
             "cannot start on the restored copy %s: the backup archive this copy came from was cut short (%s says "
             "so): restore a whole one" % (restored, os.path.join(restored, "restored-from-backup.json"))))
@@ -5478,7 +5497,7 @@ class BackupCommandTest(DataDirToolCase):
                          old)
 
     def test_a_scope_committed_to_while_it_is_read_is_read_again(self):
-        memory = sync.MemoryStore(self.data_dir)
+        memory = memory_store(self.data_dir)
         files = self.layout.scope_files("bob", sync.USER_SCOPE)
         real_read = sync.DataDirCopy.read_small
         committed = []
@@ -5495,7 +5514,7 @@ class BackupCommandTest(DataDirToolCase):
 
         with mock.patch.object(sync.DataDirCopy, "read_small", commit_once_the_manifest_is_read):
             self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)[0], 0)
-        copy = sync.MemoryStore(self.dest)
+        copy = memory_store(self.dest)
         self.assertEqual(as_doc(copy.snapshot("bob", sync.USER_SCOPE))["entries"],
                          [wire_entry("v", body="new")])
         self.assertEqual(self.run_tool("fsck", "--data", self.dest)[0], 0)
@@ -5540,7 +5559,7 @@ class RestoreMarkTest(DataDirToolCase):
             json.dump(doc, f)
 
     def apply(self, lines=None):
-        feeds, memory = sync.FeedStore(self.data_dir), sync.MemoryStore(self.data_dir)
+        feeds, memory = feed_store(self.data_dir), memory_store(self.data_dir)
         self.addCleanup(close_store, feeds)
         sync.apply_restore(feeds, memory, (lines if lines is not None else []).append, clock=lambda: self.NOW)
         return feeds, memory
@@ -5580,7 +5599,7 @@ class RestoreMarkTest(DataDirToolCase):
         self.assertEqual(feeds.push(self.BOB, "proj-new", *validated([new])), (floor + 1, 1))
         cursor, records, _, _ = self.pull_all(self.BOB, "proj-b", 6)
         self.assertEqual((cursor, [json.loads(r) for r in records]), (floor + 1, [new]))
-        self.assertEqual(sync.FeedStore(self.data_dir).push(self.ALICE, "other", *validated([new])), (floor + 1, 1))
+        self.assertEqual(feed_store(self.data_dir).push(self.ALICE, "other", *validated([new])), (floor + 1, 1))
         # A second start: nothing more.
         lines, etags = [], self.etags()
         self.apply(lines)
@@ -5650,7 +5669,7 @@ class RestoreMarkTest(DataDirToolCase):
             with open(self.layout.restore_mark, "w") as f:
                 f.write(mark)
             with self.assertRaises(sync.UsageError) as caught:
-                sync.build_server(self.data_dir, port=0, log=log)
+                sync.build_server(self.data_dir, server_config(), log)
             self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: %s" % (self.data_dir,
                                                                                                  message))
         elsewhere = os.path.join(os.path.dirname(self.data_dir), "mark")
@@ -5659,7 +5678,7 @@ class RestoreMarkTest(DataDirToolCase):
         os.unlink(self.layout.restore_mark)
         os.symlink(elsewhere, self.layout.restore_mark)  # never followed
         with self.assertRaises(sync.UsageError) as caught:
-            sync.build_server(self.data_dir, port=0, log=log)
+            sync.build_server(self.data_dir, server_config(), log)
         self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: %s: a link, refused: nothing "
                          "in a data dir is ever followed through a link (fsck --repair removes it)"
                          % (self.data_dir, self.layout.restore_mark))
@@ -5668,7 +5687,7 @@ class RestoreMarkTest(DataDirToolCase):
             json.dump({"floor": 2 ** 53 - 2 ** 32}, f)
         self.mark(int(time.time() * 1000))
         with self.assertRaises(sync.UsageError) as caught:
-            sync.build_server(self.data_dir, port=0, log=log)
+            sync.build_server(self.data_dir, server_config(), log)
         self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: feed numbers would pass 2**53 "
                          "(at %d): no room for another restore" % (self.data_dir, 2 ** 53 - 2 ** 32))
         self.assertEqual(log.lines, [])
@@ -5949,7 +5968,7 @@ class BackupUnderLoadTest(ServerCase):
         self.assertGreater(len([push for push in answered if push[2] > ended]), 0)
         with contextlib.redirect_stdout(io.StringIO()) as out:
             self.assertEqual(sync.main(["fsck", "--data", dest]), 0, out.getvalue())
-        copy = sync.FeedStore(dest)
+        copy = feed_store(dest)
         self.addCleanup(close_store, copy)
         held = set()
         for project in projects:
@@ -5958,7 +5977,7 @@ class BackupUnderLoadTest(ServerCase):
             held.update((project, json.loads(event)["id"]) for event in page.records)
         missing = [push for push in answered if push[2] < began and push[:2] not in held]
         self.assertEqual(missing, [])
-        snapshot = as_doc(sync.MemoryStore(dest).snapshot("alice", sync.MemoryScope("proj")))
+        snapshot = as_doc(memory_store(dest).snapshot("alice", sync.MemoryScope("proj")))
         ids = sorted(entry["id"] for entry in snapshot["entries"])
         self.assertTrue(all(set(before) <= set(ids) for before, when in notes if when < began), ids)
 
@@ -7850,7 +7869,7 @@ class MetricsTest(ServerCase):
 
     def setUp(self):
         self.server_options = {"metrics_token": METRICS_TOKEN,
-                               "jwt": JwtVerifier(SECRET, JwksSource(path=JWKS_PATH))}
+                               "jwt": JwtVerifier(SECRET, JwksSource(no_log, path=JWKS_PATH))}
         super().setUp()
         self.server.app.auth.failures.clock = FakeClock(1000.0)  # no failed check is forgiven meanwhile
 
@@ -8192,14 +8211,15 @@ class MetricsTest(ServerCase):
         path = os.path.join(self.data_dir, "metrics.token")
         with open(path, "w") as f:
             f.write("the-next-token-8Hq2\n")
-        sync.reload_files(self.server, path)
+        self.server.config.metrics_token_file = path  # as --metrics-token-file
+        sync.reload_files(self.server)
         self.assertIn("reloaded the metrics token file %s" % path, self.log_lines[-1])
         self.assertAnswer(self.request("GET", "/metrics", token=METRICS_TOKEN), 401)
         self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status, 200)
         for unusable in ("", "two words\n", "short-tok3n\n", "Bearer the-last-token-8Hq2\n"):
             with open(path, "w") as f:
                 f.write(unusable)
-            sync.reload_files(self.server, path)
+            sync.reload_files(self.server)
             self.assertIn("kept the metrics token in force", self.log_lines[-1])
             self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status, 200)
         hangups = [line for line in self.log_lines if line.startswith("SIGHUP: ")]
@@ -8211,7 +8231,7 @@ class MetricsTest(ServerCase):
             'holds the token alone ("Bearer " is added when it is sent)' % path), hangups[-1])
         self.assertAnswer(self.request("GET", "/metrics", token="short-tok3n"), 401)
         os.unlink(path)
-        sync.reload_files(self.server, path)
+        sync.reload_files(self.server)
         self.assertIn("kept the metrics token in force", self.log_lines[-1])
         self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status, 200)
         self.assertNotIn("the-next-token-8Hq2", "\n".join(self.log_lines))
@@ -8801,7 +8821,7 @@ class JwtOnTheWireTest(ServerCase):
     """Session sync with --jwt-secret-file and --jwks-file: the fixture tokens on a real server."""
 
     def setUp(self):
-        self.server_options = {"jwt": JwtVerifier(SECRET, JwksSource(path=JWKS_PATH))}
+        self.server_options = {"jwt": JwtVerifier(SECRET, JwksSource(no_log, path=JWKS_PATH))}
         super().setUp()
 
     def test_hs256_rs256_and_es256_tokens_are_accepted_with_their_principal(self):
@@ -8829,7 +8849,7 @@ class JwtOnTheWireTest(ServerCase):
     def test_a_jwks_url_that_cannot_be_fetched_gives_503_and_502_never_401(self):
         # A 401 would stop the client's mirror for a token that may be good: its keys just cannot be read.
         url = "http://127.0.0.1:%d/jwks.json" % closed_port()
-        source = JwksSource(url=url, timeout=1.0, log=lambda line: self.log_lines.append(line))
+        source = JwksSource(lambda line: self.log_lines.append(line), url=url, timeout=1.0)
         wire_restart(self, jwt=JwtVerifier(jwks=source))
         token = TOKENS["rs256_2048_valid_no_exp"]
         self.assertAnswer(self.push(token, "p", [record()]), 503, {
@@ -9024,9 +9044,9 @@ class QuotaOnTheWireTest(ServerCase):
         data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, data_dir, True)
         metrics = sync.Metrics()
-        store = sync.FeedStore(data_dir, metrics=metrics, max_open=2)  # 5 feeds: each evicted and loaded again
+        store = sync.FeedStore(data_dir, no_log, metrics, max_open=2)  # 5 feeds: each evicted and loaded again
         store.push(("u", "alice"), "p0", *validated([record("s0", "first")]))
-        store = sync.FeedStore(data_dir, metrics=sync.Metrics(), max_open=2)  # a start on what is there
+        store = feed_store(data_dir, max_open=2)  # a start on what is there
         store.count_bytes()
         for round_number in range(3):
             for i in range(5):
@@ -9112,7 +9132,7 @@ class ForgedTokenOnTheWireTest(ServerCase):
     THROTTLED = "too many tokens from this client failed verification lately"
 
     def setUp(self):
-        self.server_options = {"jwt": JwtVerifier(SECRET, JwksSource(path=JWKS_PATH))}
+        self.server_options = {"jwt": JwtVerifier(SECRET, JwksSource(no_log, path=JWKS_PATH))}
         super().setUp()
         self.clock = FakeClock(1000.0)
         self.server.app.auth.failures.clock = self.clock
@@ -9180,7 +9200,7 @@ class TrustedProxyTest(ServerCase):
     tokens count against it alone. From any other peer those headers are ignored."""
 
     def setUp(self):
-        self.server_options = {"jwt": JwtVerifier(SECRET, JwksSource(path=JWKS_PATH)),
+        self.server_options = {"jwt": JwtVerifier(SECRET, JwksSource(no_log, path=JWKS_PATH)),
                                "trusted_proxies": [sync.trusted_proxy("127.0.0.1")]}
         super().setUp()
         self.server.app.auth.failures.clock = FakeClock(1000.0)
@@ -10242,12 +10262,8 @@ def wire_assert_ok(case, answer, etag=None, entries=(), principal=P, quota=None)
 
 
 def wire_restart(case, **options):
-    """Stop the case's server and start a new one on the same data dir (options: build_server's)."""
-    old = case.server
-    old.stopping.set()
-    old.app.feeds.stop()
-    old.shutdown()
-    old.server_close()
+    """Stop the case's server and start a new one on the same data dir (options: ServerConfig's)."""
+    case.server.stop(0)
     if options:
         case.server_options = options
     case.start_server()
@@ -10995,7 +11011,7 @@ class MemoryAuthModesTest(ServerCase):
                                          "check: 9 passed, 5 failed\n"))
 
     def test_local_with_jwts(self):
-        wire_restart(self, jwt=JwtVerifier(SECRET, JwksSource(path=JWKS_PATH)))
+        wire_restart(self, jwt=JwtVerifier(SECRET, JwksSource(no_log, path=JWKS_PATH)))
         for name, sub in (("rs256_2048_valid_no_exp", "user_rsa2048"), ("es256_valid_exp_2100", "user_ec"),
                           ("hs256_valid_no_exp", "user_hs")):
             with self.subTest(token=name):
@@ -11939,7 +11955,7 @@ class CommandLineTest(unittest.TestCase):
                                  "1TB)\n"))
         lines = []
         with mock.patch.object(sync.shutil, "disk_usage", return_value=mock.Mock(free=200 << 20)):
-            server = sync.build_server(self.data_dir, port=0, log=CapturingLog(lines), reserve_disk=256 << 20)
+            server = sync.build_server(self.data_dir, server_config(reserve_disk=256 << 20), CapturingLog(lines))
         server.server_close()
         self.assertEqual(lines, ["warning: the disk of %s has 200.0 MiB free, less than --reserve-disk 256 MiB: "
                                  "pushes and memory commits are refused until there is room" % self.data_dir])
@@ -12143,7 +12159,7 @@ class CommandLineTest(unittest.TestCase):
         result = self.run_cli("--data", self.data_dir, "--port", port)
         self.assertEqual(result.returncode, 2)
         self.assertEqual(sorted(os.listdir(self.data_dir)), before)  # (the port is bound first)
-        self.assertEqual(sync.LocalTokenVerifier(sync.TokenStore(self.data_dir)).verify(token).principal, "alice")
+        self.assertEqual(sync.LocalTokenVerifier(sync.TokenStore(self.data_dir), no_log).verify(token).principal, "alice")
 
     def test_token_commands_keep_the_token_file_owner_and_mode(self):
         """Issued as root in a service user's data dir, tokens.json stays the service user's (issue 15.7): root works
@@ -12305,12 +12321,12 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         os.mkdir(self.data_dir, 0o700)
         self.layout = sync.DataDir(self.data_dir)
         self.token, _ = sync.TokenStore(self.data_dir).issue("alice")
-        feeds = sync.FeedStore(self.data_dir)
+        feeds = feed_store(self.data_dir)
         feeds.push(("u", "alice"), "proj", *validated([record()], [meta()]))
         feeds.push(("u", "alice"), "other", *validated([record()]))
         feeds.push(("u", "bob"), "proj", *validated([record()]))
         feeds.stop()
-        memory = sync.MemoryStore(self.data_dir)
+        memory = memory_store(self.data_dir)
         memory.commit("bob", sync.USER_SCOPE, None, memory_changes_of(memory_put("n")))
         give_tree(self.data_dir, self.NOBODY)
 
@@ -13235,10 +13251,9 @@ class CheckTlsTest(ServerCase):
                                  "(openssl verify -CAfile FILE CERTIFICATE tells)")
 
     def test_https_to_a_plain_http_server_says_to_try_http(self):
-        plain = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), port=0)
+        plain = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), server_config(), sync.Log(quiet=True))
         threading.Thread(target=plain.serve_forever, daemon=True).start()
-        self.addCleanup(plain.server_close)
-        self.addCleanup(plain.shutdown)
+        self.addCleanup(plain.stop, 0)
         url = plain.url.replace("http:", "https:")
         code, out, err = run_check_command("--url", url, "--token", self.alice)
         self.assertEqual((code, out), (1, "check stopped: the TLS handshake with %s failed: what answers there is "
@@ -13271,10 +13286,9 @@ class CheckTlsTest(ServerCase):
 
 class CheckUsageTest(unittest.TestCase):
     def test_a_token_on_the_command_line_works_with_a_warning_and_a_token_file_without(self):
-        server = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), port=0)
+        server = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), server_config(), sync.Log(quiet=True))
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        self.addCleanup(server.server_close)
-        self.addCleanup(server.shutdown)
+        self.addCleanup(server.stop, 0)
         token, _ = sync.TokenStore(server.app.feeds.layout.path).issue("alice")
         server.app.auth.local.reload()
         argv = ["check", "--url", server.url]
@@ -13831,8 +13845,8 @@ class ReplicateCase(ServerCase):
         self.addCleanup(shutil.rmtree, self.target_dir, True)
         self.target_alice, _ = sync.TokenStore(self.target_dir).issue("alice", ["platform"])
         self.target_log = []
-        self.target = sync.build_server(self.target_dir, port=0, log=CapturingLog(self.target_log),
-                                        **self.target_options)
+        self.target = sync.build_server(self.target_dir, server_config(**self.target_options),
+                                        CapturingLog(self.target_log))
         thread = threading.Thread(target=self.target.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
         thread.start()
         self.addCleanup(self.stop_server, self.target, thread)
