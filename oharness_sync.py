@@ -1141,9 +1141,6 @@ REQUEST_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 FSYNC_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                  0.5, 1)
 PUSHES_PER_COMMIT = (1, 2, 4, 8, 16, 32, 64, 128)
-METRIC_ROUTES = frozenset(["/", "/v1/health", "/v1/projects", "/v1/push", "/v1/pull",
-                           "/v1/memory/identity", "/v1/memory/snapshot", "/v1/memory/commit",
-                           "/metrics"])
 METRIC_METHODS = frozenset(["GET", "HEAD", "POST"])
 # The status classes a route's requests are counted under from the first scrape, at 0: a query or
 # an alert on one (an error ratio, say) then has its series before the first such request.
@@ -1188,12 +1185,14 @@ class Tally(dict):
     """Requests counted by one connection's own thread, without a lock: a row for each (route,
     method, status) met, of their durations' counts by bucket of REQUEST_SECONDS (then +Inf) and
     their sum (at _SUM, last). It remembers the row of the request before: a connection's next
-    request is mostly like its last, and then costs three comparisons and two additions."""
+    request is mostly like its last, and then costs three comparisons and two additions. routes:
+    the paths counted by name (the app's routes, Metrics.expect), any other as "other"."""
 
-    __slots__ = ("path", "method", "status", "last")
+    __slots__ = ("routes", "path", "method", "status", "last")
 
-    def __init__(self):
+    def __init__(self, routes=frozenset()):
         super().__init__()
+        self.routes = routes
         self.path = self.method = self.status = self.last = None
 
     def row(self, path, method, status):
@@ -1202,7 +1201,7 @@ class Tally(dict):
         no new series)."""
         row = self.get((path, method, status))
         if row is None:
-            key = (path if path in METRIC_ROUTES else "other",
+            key = (path if path in self.routes else "other",
                    method if method in METRIC_METHODS else "other", status)
             row = self.get(key)
             if row is None:
@@ -1243,6 +1242,7 @@ class Metrics:
         self.commits = Histogram(PUSHES_PER_COMMIT)
         self.gauges = []                       # (name, help, read), read at each scrape
         self.expected = set()                  # (route, method) counted at 0 before any request
+        self.routes = set()                    # the routes of expected: counted by name
 
     def gauge(self, name, text, read):
         """A gauge whose value read() gives at each scrape."""
@@ -1253,6 +1253,7 @@ class Metrics:
         each of EXPECTED_STATUS_CLASSES (Prometheus cannot tell an absent series from no data)."""
         with self.lock:
             self.expected.add((route, method))
+            self.routes.add(route)
 
     def add(self, name, label=None, amount=1):
         with self.lock:
@@ -1279,7 +1280,7 @@ class Metrics:
             self.counters["events", "session"] += sessions
 
     def open_tally(self):
-        tally = Tally()
+        tally = Tally(self.routes)
         with self.lock:
             self.tallies[id(tally)] = tally
         return tally
