@@ -250,48 +250,74 @@ FAILED_CHECKS_BURST = 10       # ... and in a burst; past it a new token is refu
 # Errors
 # -------------------------------------------------------------------------------------------------
 
-class ApiError(Exception):
-    """A response other than 200 for a session route: a status and a short text."""
+# One family, SyncError: what a request may fail with, each answered by error_response (the HTTP
+# layer's one place for it). An ApiError is refused by the HTTP layer or the pure rules and has
+# its status on its class; storage's errors say what went wrong in its own words (Conflict,
+# QuotaExceeded, ManifestDamaged, ...), and ERROR_ANSWERS gives each its status.
 
-    def __init__(self, status, text, headers=()):
+class SyncError(Exception):
+    """What a request may fail with (anything else is an internal error: 500)."""
+
+
+class ApiError(SyncError):
+    """A request refused by the HTTP layer or the pure rules: its status (on the class), a short
+    text and, for a memory route, the contract's code (the class's own unless given)."""
+
+    status = 400
+    code = None
+
+    def __init__(self, text, code=None, retry_after=None):
         super().__init__(text)
-        self.status = status
         self.text = text
-        self.headers = list(headers)
-
-    def payload(self):
-        return {"error": self.text}
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after  # whole seconds until it may be tried again, or None
 
 
 class BadRequest(ApiError):
-    def __init__(self, text):
-        super().__init__(400, text)
+    code = "invalid_body"
+
+
+class Forbidden(ApiError):
+    status = 403
 
 
 class TooLarge(ApiError):
-    def __init__(self, text):
-        super().__init__(413, text)
+    status = 413
+    code = "memory_quota_exceeded"
 
 
-class MemoryApiError(Exception):
-    """A response other than 200 for a memory route: a status and a stable machine-readable
-    code."""
-
-    def __init__(self, status, code, text=None, headers=()):
-        super().__init__(text or code)
-        self.status = status
-        self.code = code
-        self.text = text
-        self.headers = list(headers)
-
-    def payload(self):
-        body = {"code": self.code}
-        if self.text:
-            body["error"] = self.text
-        return body
+class UnsupportedType(ApiError):
+    status = 415
 
 
-class AuthError(Exception):
+class RateLimited(ApiError):
+    status = 429
+
+
+class HeadRefused(ApiError):
+    """A request head that breaks a rule (a malformed one: 400): answered, then the connection
+    closes."""
+
+
+class UriTooLong(HeadRefused):
+    status = 414
+
+
+class HeadTooLarge(HeadRefused):
+    status = 431
+
+
+class VersionRefused(HeadRefused):
+    status = 505
+
+
+class Busy(ApiError):
+    """A connection past a cap (SyncServer): answered by the accepting thread, then closed."""
+    status = 503
+
+
+class AuthError(SyncError):
     """The bearer token is missing, malformed, unknown, expired or badly signed (answers 401).
     lasting=False: the same token may pass later (it is not valid yet, or its key may yet be
     published), so the refusal is not remembered."""
@@ -301,15 +327,15 @@ class AuthError(Exception):
         self.lasting = lasting
 
 
-class NotListed(Exception):
+class NotListed(SyncError):
     """A valid token whose principal the principals file does not list (answers 403)."""
 
 
-class AuthUnavailable(Exception):
+class AuthUnavailable(SyncError):
     """The identity service could not be asked (answers 502 auth_unavailable)."""
 
 
-class AuthThrottled(Exception):
+class AuthThrottled(SyncError):
     """Too many tokens from this client failed verification lately: a new one is not checked
     (answers 429)."""
 
@@ -318,13 +344,17 @@ class AuthThrottled(Exception):
         self.retry_after = retry_after  # whole seconds until the next one is checked
 
 
-class StorageError(Exception):
+class StorageError(SyncError):
     """The disk refused a write; nothing of the request was kept."""
 
 
-class QuotaReached(Exception):
-    """A push or memory commit would take its principal past their storage quota; nothing of it
-    was stored."""
+class QuotaExceeded(SyncError):
+    """A push or memory commit would pass a quota (its principal's storage, or a memory scope's
+    notes or snapshot size); nothing of it was stored."""
+
+
+class StorageQuotaExceeded(QuotaExceeded):
+    """A push or memory commit would take its principal past their storage quota."""
 
     def __init__(self, quota, stored):
         super().__init__("storage quota of %s reached (%s stored); nothing was stored: delete "
@@ -343,7 +373,7 @@ class LinkRefused(OSError):
                                       "through a link (fsck --repair removes it)", path)
 
 
-class DiskLow(Exception):
+class DiskLow(SyncError):
     """A push or memory commit would leave the data dir's disk less free space than its reserve;
     nothing of it was stored."""
 
@@ -351,37 +381,52 @@ class DiskLow(Exception):
         super().__init__("the server's disk is almost full (%s free, %s kept in reserve); nothing "
                          "was stored: try again later" % (format_bytes(max(free, 0)),
                                                          format_size(reserve)))
+        self.retry_after = DISK_FULL_RETRY_SECONDS
 
 
 class CompactionStopped(Exception):
     """The server is stopping: a compaction under way ends, and leaves its feed as it was."""
 
 
-class FeedDamaged(Exception):
+class FeedDamaged(SyncError):
     """A feed file has a damaged line in the middle; the feed is refused until repaired."""
+
+
+class Conflict(SyncError):
+    """A memory commit's etag is no longer its scope's: nothing of it was stored."""
+
+
+class CaseConflict(SyncError):
+    """A memory commit would keep two live notes whose ids differ only in case."""
+
+
+class ManifestDamaged(SyncError):
+    """A memory scope's manifest cannot be read, or is damaged (logged)."""
+
+
+class NoteMissing(SyncError):
+    """A live note's object is not there (logged)."""
+
+
+class NoteDamaged(SyncError):
+    """A live note's object does not hash to its manifest's hash (logged)."""
+
+
+class CommitFailed(SyncError):
+    """A memory commit could not be stored (logged); its scope's manifest is as it was."""
 
 
 class InvalidNote(ValueError):
     """A note failed validation; the message is a short human reason."""
 
 
-class AuthNotConfigured(Exception):
+class AuthNotConfigured(SyncError):
     """Memory sync has no identity verifier (--memory-auth off)."""
 
 
 class ClientGone(Exception):
     """The client closed its connection, or broke the framing of its request: no response is
     sent."""
-
-
-class HeadRefused(Exception):
-    """A request head that breaks a rule: answered with status and text, then the connection
-    closes."""
-
-    def __init__(self, status, text):
-        super().__init__(text)
-        self.status = status
-        self.text = text
 
 
 class EncryptedKey(Exception):
@@ -894,13 +939,13 @@ _ID_LINES = re.compile(r"[A-Za-z0-9_-]{1,128}(?:\n[A-Za-z0-9_-]{1,128})*")
 def check_memory_envelope(kind, doc, principal):
     """The contract's checks 5 and 6: body shape, unknown fields anywhere, expectedPrincipal."""
     if not isinstance(doc, dict):
-        raise MemoryApiError(400, "invalid_body", "the body must be a JSON object")
+        raise BadRequest("the body must be a JSON object", "invalid_body")
     refuse_unknown_fields(doc, _REQUEST_FIELDS[kind])
     expected = doc.get("expectedPrincipal")
     if not is_valid_id(expected):
-        raise MemoryApiError(400, "invalid_body", "expectedPrincipal must be an id")
+        raise BadRequest("expectedPrincipal must be an id", "invalid_body")
     if expected != principal:
-        raise MemoryApiError(403, "account_mismatch", "the token belongs to another account")
+        raise Forbidden("the token belongs to another account", "account_mismatch")
 
 
 def memory_fields(kind, doc, quota=MEMORY_QUOTA):
@@ -914,8 +959,7 @@ def memory_fields(kind, doc, quota=MEMORY_QUOTA):
         request.known_etag = _optional_etag(doc, "knownEtag")
     else:
         if "etag" not in doc:
-            raise MemoryApiError(400, "invalid_body",
-                                 "etag is required (null when there is no manifest)")
+            raise BadRequest("etag is required (null when there is no manifest)", "invalid_body")
         request.etag = _optional_etag(doc, "etag")
     request.have = memory_have(doc, quota)
     if kind == "commit":
@@ -932,7 +976,7 @@ def refuse_unknown_fields(doc, allowed):
     """
     for name in doc:
         if name not in allowed:
-            raise MemoryApiError(400, "unknown_field", "unknown field in the request")
+            raise BadRequest("unknown field in the request", "unknown_field")
     changes = doc.get("changes")
     if not isinstance(changes, list):
         return
@@ -941,32 +985,32 @@ def refuse_unknown_fields(doc, allowed):
             continue
         for name in change:
             if name not in _CHANGE_FIELDS:
-                raise MemoryApiError(400, "unknown_field", "unknown field in a change")
+                raise BadRequest("unknown field in a change", "unknown_field")
         note = change.get("note")
         if isinstance(note, dict):
             for name in note:
                 if name not in NOTE_FIELDS:
-                    raise MemoryApiError(400, "unknown_field", "unknown field in a note")
+                    raise BadRequest("unknown field in a note", "unknown_field")
 
 
 def memory_scope(doc):
     """The MemoryScope of a request: project without scope, or scope "user" without project."""
     if ("project" in doc) == ("scope" in doc):
-        raise MemoryApiError(400, "invalid_scope", "give either project or scope \"user\"")
+        raise BadRequest("give either project or scope \"user\"", "invalid_scope")
     if "scope" in doc:
         if doc["scope"] != "user":
-            raise MemoryApiError(400, "invalid_scope", "the only scope is \"user\"")
+            raise BadRequest("the only scope is \"user\"", "invalid_scope")
         return USER_SCOPE
     project = doc["project"]
     if not is_valid_id(project):  # null included: a project that is present must be an id
-        raise MemoryApiError(400, "invalid_project", "project must be an id")
+        raise BadRequest("project must be an id", "invalid_project")
     return MemoryScope(project)
 
 
 def _optional_etag(doc, name):
     value = doc.get(name)
     if value is not None and not isinstance(value, str):
-        raise MemoryApiError(400, "invalid_body", "%s must be a string or null" % name)
+        raise BadRequest("%s must be a string or null" % name, "invalid_body")
     return value
 
 
@@ -976,10 +1020,9 @@ def memory_have(doc, quota=MEMORY_QUOTA):
         return None
     have = doc["have"]
     if not isinstance(have, dict):
-        raise MemoryApiError(400, "invalid_have",
-                             "have must be an object mapping note ids to hashes")
+        raise BadRequest("have must be an object mapping note ids to hashes", "invalid_have")
     if len(have) > quota["maxNotes"] * 2 + 1000:
-        raise MemoryApiError(400, "invalid_have", "have may hold at most maxNotes * 2 + 1000 ids")
+        raise BadRequest("have may hold at most maxNotes * 2 + 1000 ids", "invalid_have")
     # Checked as two joined strings rather than key by key: a full `have` has thousands of entries.
     values = list(have.values())
     try:
@@ -988,8 +1031,7 @@ def memory_have(doc, quota=MEMORY_QUOTA):
         joined = None
     if have and not (joined is not None and set(map(len, values)) == {64} and is_lower_hex(joined)
                      and _valid_id_run(have)):
-        raise MemoryApiError(400, "invalid_have",
-                             "have must map note ids to 64 lowercase hex hashes")
+        raise BadRequest("have must map note ids to 64 lowercase hex hashes", "invalid_have")
     return have
 
 
@@ -1017,8 +1059,7 @@ def memory_changes(changes, quota=MEMORY_QUOTA):
     (invalid_changes), then every note (invalid_note), then every hash (hash_mismatch).
     """
     if not isinstance(changes, list) or not 1 <= len(changes) <= quota["maxChanges"]:
-        raise MemoryApiError(400, "invalid_changes",
-                             "changes must be a list of 1..maxChanges entries")
+        raise BadRequest("changes must be a list of 1..maxChanges entries", "invalid_changes")
     seen = set()
     for change in changes:
         _check_change_shape(change, seen)
@@ -1030,12 +1071,12 @@ def memory_changes(changes, quota=MEMORY_QUOTA):
         try:
             notes.append(validate_note(change["note"], quota["maxNoteBytes"]))
         except InvalidNote as exc:
-            raise MemoryApiError(400, "invalid_note", str(exc)) from None
+            raise BadRequest(str(exc), "invalid_note") from None
     result = []
     for change, note in zip(changes, notes):
         # A hash that is not 64 lowercase hex never equals a computed one, so it is a mismatch too.
         if note is not None and note_hash(note) != change["hash"]:
-            raise MemoryApiError(400, "hash_mismatch", "hash is not the hash of the note")
+            raise BadRequest("hash is not the hash of the note", "hash_mismatch")
         result.append(MemoryChange(change["id"], change["hash"], note))
     return result
 
@@ -1044,7 +1085,7 @@ def _check_change_shape(change, seen):
     """400 invalid_changes unless change is {id, hash: string, note} or {id, hash: null}, with a
     new id."""
     def refuse(text):
-        raise MemoryApiError(400, "invalid_changes", text)
+        raise BadRequest(text, "invalid_changes")
 
     if not isinstance(change, dict):
         refuse("a change must be an object")
@@ -3744,15 +3785,15 @@ class StorageLimits:
         self.disk = disk
 
     def check(self, principal, adding, writing=None):
-        """QuotaReached when principal (None: no quota applies) would pass their quota by adding
-        bytes (a write that adds nothing passes); DiskLow when writing bytes (default: adding)
-        would leave the disk less than its reserve."""
+        """StorageQuotaExceeded when principal (None: no quota applies) would pass their quota by
+        adding bytes (a write that adds nothing passes); DiskLow when writing bytes (default:
+        adding) would leave the disk less than its reserve."""
         if principal is not None and self.principals is not None and adding > 0:
             quota = self.principals.quotas.get(principal)
             if quota is not None:
                 stored = self.metrics.stored(principal)
                 if stored + adding > quota:
-                    raise QuotaReached(quota, stored)
+                    raise StorageQuotaExceeded(quota, stored)
         if self.disk is not None:
             self.disk.check(adding if writing is None else writing)
 
@@ -4065,7 +4106,7 @@ class Feed:
                             for session_id, stamp in batch.skipped_meta))
 
     def _undo(self, batches):
-        """Forget queued batches whose write failed, newest first; they all answer 500."""
+        """Forget queued batches whose write failed, newest first; they all fail (StorageError)."""
         for queued in reversed(batches):
             for session_id, old in reversed(queued.undo_meta):
                 if old is None:
@@ -4519,8 +4560,8 @@ class FeedStore:
     def push(self, owner, project, records, sessions):
         """Append a validated push; (cursor, accepted) once durable. A push that adds nothing
         creates nothing (an empty push to a project without a feed leaves no Feed behind
-        either). Past the owner's quota (QuotaReached), only a push of session deletions alone
-        goes ahead: it is what frees room, once a compaction erases their records. Below the
+        either). Past the owner's quota (StorageQuotaExceeded), only a push of session deletions
+        alone goes ahead: it is what frees room, once a compaction erases their records. Below the
         disk's reserve (DiskLow), none does."""
         if records or sessions:
             deletions = not records and all(entry.deleted for entry in sessions)
@@ -5040,8 +5081,7 @@ class MemoryStore:
             old = self._manifest(files)
             if etag != old.etag:
                 self.metrics.add("memory_commits", "conflict")
-                raise MemoryApiError(409, "revision_conflict",
-                                     "the manifest has changed since that etag")
+                raise Conflict("the manifest has changed since that etag")
             entries, objects, fresh = self._apply(old, changes)
             new = Manifest(secrets.token_hex(16), entries)
             self._check_ids(new, changes)
@@ -5050,7 +5090,7 @@ class MemoryStore:
                 self._check_quota(old, new)
                 writing = len(data) + sum(len(note) for _, note in objects)
                 self.limits.check(principal, writing - _file_size(files.manifest), writing)
-            except (MemoryApiError, QuotaReached):
+            except QuotaExceeded:
                 self.metrics.add("memory_commits", "quota")
                 raise
             try:  # (long ids only)
@@ -5096,15 +5136,13 @@ class MemoryStore:
             manifest = NO_MANIFEST
         except OSError as exc:
             self.log_once("memory: cannot read %s: %s" % (files.manifest, reason(exc)))
-            raise MemoryApiError(502, "invalid_manifest",
-                                 "the memory manifest cannot be read") from None
+            raise ManifestDamaged("the memory manifest cannot be read") from None
         else:
             try:
                 manifest = Manifest.from_bytes(data)
             except ValueError as exc:
                 self.log("memory: damaged manifest %s: %s" % (files.manifest, exc))
-                raise MemoryApiError(502, "invalid_manifest",
-                                     "the memory manifest is damaged") from None
+                raise ManifestDamaged("the memory manifest is damaged") from None
         self._cache.put(files.root, manifest)
         return manifest
 
@@ -5141,8 +5179,7 @@ class MemoryStore:
                 data = stream.read()
         except OSError as exc:
             self.log_once("memory: cannot read note %s at %s: %s" % (note_id, path, reason(exc)))
-            raise MemoryApiError(502, "missing_memory_object",
-                                 "a memory note object is missing") from None
+            raise NoteMissing("a memory note object is missing") from None
         try:
             note = decode_json(data)
             intact = (isinstance(note, dict) and NOTE_FIELDS.issuperset(note)
@@ -5152,20 +5189,19 @@ class MemoryStore:
             intact = False
         if not intact:
             self.log("memory: note %s at %s does not match its hash" % (note_id, path))
-            raise MemoryApiError(502, "memory_integrity_error", "a memory note object is damaged")
+            raise NoteDamaged("a memory note object is damaged")
         return data
 
     def change_etags(self):
         """Give every scope's manifest a new etag, its entries as they are (a restore: a device
-        holding an etag from after the backup gets 409 and snapshots again); (scopes changed,
-        scopes left as they are for a damaged manifest, which the server answers 502 for
-        anyway)."""
+        holding an etag from after the backup gets a Conflict and snapshots again); (scopes
+        changed, scopes left as they are for a damaged manifest, which is refused anyway)."""
         changed = damaged = 0
         for principal, scope, files in self.layout.all_scopes():
             with self._scope_lock(files.root):
                 try:
                     manifest = self._manifest(files)
-                except MemoryApiError:  # (logged)
+                except ManifestDamaged:  # (logged)
                     damaged += 1
                     continue
                 if manifest is NO_MANIFEST:
@@ -5205,8 +5241,8 @@ class MemoryStore:
 
     @staticmethod
     def _check_ids(new, changes):
-        """400 id_case_conflict when a note this commit makes live shares its lower-case id with
-        another live note (clients keep notes as files, on disks that may ignore case)."""
+        """CaseConflict when a note this commit makes live shares its lower-case id with another
+        live note (clients keep notes as files, on disks that may ignore case)."""
         counts = {}
         for note_id, entry in new.entries.items():
             if entry["hash"] is not None:
@@ -5214,25 +5250,22 @@ class MemoryStore:
                 counts[folded] = counts.get(folded, 0) + 1
         for change in changes:
             if change.note is not None and counts[change.id.lower()] > 1:
-                raise MemoryApiError(400, "id_case_conflict",
-                                     "note ids must differ in more than case")
+                raise CaseConflict("note ids must differ in more than case")
 
     def _check_quota(self, old, new):
-        """413 when the commit grows a scope beyond maxNotes live notes or its snapshot beyond
-        max_snapshot_bytes; a commit that does not grow it is allowed, so a lowered quota never
-        locks anyone in."""
+        """QuotaExceeded when the commit grows a scope beyond maxNotes live notes or its snapshot
+        beyond max_snapshot_bytes; a commit that does not grow it is allowed, so a lowered quota
+        never locks anyone in."""
         max_notes = self.quota["maxNotes"]
         if new.live_count > max_notes and new.live_count > old.live_count:
-            raise MemoryApiError(413, "memory_quota_exceeded",
-                                 "more than %d live notes" % max_notes)
+            raise QuotaExceeded("more than %d live notes" % max_notes)
         if new.entry_bytes > self.max_snapshot_bytes and new.entry_bytes > old.entry_bytes:
-            raise MemoryApiError(413, "memory_quota_exceeded",
-                                 "the memory snapshot would be too large")
+            raise QuotaExceeded("the memory snapshot would be too large")
 
     def _publish(self, principal, files, data, objects):
         """Write the new objects durably, then replace the manifest (data: its bytes) atomically.
 
-        Any OSError answers 502 memory_sync_failed and leaves the previous manifest published.
+        Any OSError is a CommitFailed, and leaves the previous manifest published.
         """
         written = []
         try:
@@ -5273,7 +5306,7 @@ class MemoryStore:
 
     def _sync_failed(self, files, exc):
         self.log("memory: commit to %s failed: %s" % (files.root, exc))
-        return MemoryApiError(502, "memory_sync_failed", "the memory commit could not be stored")
+        return CommitFailed("the memory commit could not be stored")
 
     def _collect_garbage(self, principal, files, manifest):
         """Remove unreferenced revision objects older than garbage_age (losers of a race, replaced
@@ -5326,7 +5359,7 @@ class MemoryStore:
 # billion events between a backup and its restore). Numbers must stay under 2**53 (JavaScript's
 # safe integers): that leaves room for two million restores of a fresh copy, 97,000 of day-old
 # ones, 280 of year-old ones. Memory: every manifest gets a new etag, so a commit with an etag from
-# after the copy gets 409 and the device snapshots again, to the restored state.
+# after the copy gets a Conflict and the device snapshots again, to the restored state.
 
 def read_restore_mark(layout):
     """The restore mark of the data dir at layout (None when there is none): {"version": 1,
@@ -5432,10 +5465,9 @@ class Request:
         self.principal = None           # for the access log, once a token was verified
         self.refusal = None             # ... or why it was refused
 
-    def read_body(self, limit, error):
-        """The body, at most limit bytes; error(status, text) makes the exception for a bad or
-        oversized one."""
-        return self.handler.read_body(limit, error)
+    def read_body(self, limit):
+        """The body, at most limit bytes (BadRequest, TooLarge)."""
+        return self.handler.read_body(limit)
 
     def param(self, name):
         """A query parameter's value, None when absent; 400 when it is given twice."""
@@ -5445,10 +5477,6 @@ class Request:
         if len(values) > 1:
             raise BadRequest("%s is given more than once" % name)
         return values[0]
-
-
-def session_error(status, text):
-    return ApiError(status, text)
 
 
 FRONT_PAGE = """<!DOCTYPE html>
@@ -5490,11 +5518,6 @@ and memory notes are shown to nobody here: every other route needs a token.</p>
 </body>
 </html>
 """
-
-
-def memory_body_error(status, text):
-    return MemoryApiError(status, "memory_quota_exceeded" if status == 413 else "invalid_body",
-                          text)
 
 
 _FORWARDED_PAIR = re.compile(r'\s*(proto|host)\s*=\s*("[^"]*"|[^;,\s]*)', re.IGNORECASE)
@@ -5567,11 +5590,13 @@ def retry_after(seconds):
 # Where the README says which memory clients this server's --memory-auth lets in.
 MEMORY_CLIENT_NOTE = 'the README of oharness-sync, "Pointing an OHarness client at the server"'
 
-# How a failed token check is answered: on a session route {"error": text}, on a memory route
-# {"code", "error": text}. A token that cannot be checked now is 503 on a session route and, as
-# the contract wants, 502 auth_unavailable on a memory route. A memory route's 401 names the
-# README's word on memory clients: today's OHarness client sends its Cloud account token there.
-AUTH_FAILURES = (  # (exception, session status and text, memory status, code and text)
+# How an error other than an ApiError is answered: on a session route {"error": text}, on a
+# memory route {"code", "error": text} (text: %s is the error's own). A token that cannot be
+# checked now is 503 on a session route and, as the contract wants, 502 auth_unavailable on a
+# memory route. A memory route's 401 names the README's word on memory clients: today's OHarness
+# client sends its Cloud account token there. A quota is 507 for a push, 413 for a memory commit;
+# the disk's reserve has no memory code of its own.
+ERROR_ANSWERS = (  # (exception, session status and text, memory status, code and text)
     (AuthError, 401, "%s", 401, "sign_in_required",
      "%s (which memory clients this server lets in: see " + MEMORY_CLIENT_NOTE + ")"),
     (NotListed, 403, "%s", 403, "account_mismatch", "%s"),
@@ -5579,8 +5604,53 @@ AUTH_FAILURES = (  # (exception, session status and text, memory status, code an
     (AuthUnavailable, 503, "cannot check this token now (%s); try again later",
      502, "auth_unavailable", "%s"),
     (AuthNotConfigured, 503, "%s", 503, "auth_not_configured", "%s"),
+    (QuotaExceeded, 507, "%s", 413, "memory_quota_exceeded", "%s"),
+    (DiskLow, 507, "%s", 507, "memory_sync_failed", "%s"),
+    (Conflict, 409, "%s", 409, "revision_conflict", "%s"),
+    (CaseConflict, 400, "%s", 400, "id_case_conflict", "%s"),
+    (ManifestDamaged, 502, "%s", 502, "invalid_manifest", "%s"),
+    (NoteMissing, 502, "%s", 502, "missing_memory_object", "%s"),
+    (NoteDamaged, 502, "%s", 502, "memory_integrity_error", "%s"),
+    (CommitFailed, 502, "%s", 502, "memory_sync_failed", "%s"),
+    # (logged once, when the feed was read)
+    (FeedDamaged, 500, "this feed is damaged; the server log names the file and line",
+     500, None, "this feed is damaged; the server log names the file and line"),
+    (StorageError, 500, "storage failure; nothing was stored",
+     500, None, "storage failure; nothing was stored"),
+    (SyncError, 500, "internal server error", 500, None, "internal server error"),
 )
-AUTH_REFUSALS = tuple(failure[0] for failure in AUTH_FAILURES)  # what a token's check may raise
+AUTH_REFUSALS = (AuthError, NotListed, AuthThrottled, AuthUnavailable, AuthNotConfigured)
+STORED_NOTHING_ROUTES = ("/v1/push",)  # a StorageError there: nothing was stored (else a read)
+CANNOT_READ = ("storage failure: the server cannot read what was asked for; its log names the "
+               "file")
+
+
+def error_response(exc, path=""):
+    """The response to any exception, for a request to path: the one place that turns one into a
+    response (an exception of no SyncError is an internal error: 500, never its text)."""
+    memory_route = path.startswith("/v1/memory/")
+    if isinstance(exc, ApiError):
+        status, code, text = exc.status, exc.code, exc.text
+    else:
+        for kind, status, text, memory_status, code, memory_text in ERROR_ANSWERS:
+            if isinstance(exc, kind):
+                break
+        else:
+            kind, status, text, memory_status, code, memory_text = ERROR_ANSWERS[-1]
+        if memory_route:
+            status, text = memory_status, memory_text
+        if kind is StorageError and path not in STORED_NOTHING_ROUTES:
+            text = CANNOT_READ
+        text = text % (exc,) if "%s" in text else text
+    body = {}
+    if memory_route and code is not None:
+        body["code"] = code
+    if text:
+        body["error"] = text
+    headers = [("WWW-Authenticate", "Bearer")] if isinstance(exc, AuthError) else []
+    if getattr(exc, "retry_after", None) is not None:
+        headers = retry_after(exc.retry_after)
+    return json_response(status, body, headers)
 
 
 class SyncApp:
@@ -5637,51 +5707,32 @@ class SyncApp:
             return json_response(405, body, [("Allow", ", ".join(allowed))])
         try:
             return getattr(self, handler)(request)
-        except AUTH_REFUSALS as exc:
-            request.refusal = str(exc)  # (the texts never hold a token)
-            return self.error_response(exc, request.path.startswith("/v1/memory/"))
-        except (ApiError, MemoryApiError, FeedDamaged, StorageError, QuotaReached,
-                DiskLow) as exc:
-            return self.error_response(exc, request.path.startswith("/v1/memory/"),
-                                       stores=request.path == "/v1/push")
+        except ClientGone:
+            raise
+        except Exception as exc:  # never a stack trace to the client or the log
+            return self.failed(request, exc)
 
-    def error_response(self, exc, memory_route, stores=False):
-        """The response to an expected failure: the one place that turns an exception into one.
-        stores: the request would have stored something."""
-        if isinstance(exc, FeedDamaged):  # (logged once, when the feed was read)
-            return json_response(500, {"error": "this feed is damaged; the server log names the "
-                                                "file and line"})
-        if isinstance(exc, StorageError):
-            if stores:
+    def failed(self, request, exc):
+        """The answer to the exception that stopped request (error_response), logged as it needs:
+        a refused token's reason kept for the access log, a failed write always, a failed read
+        once (it fails again at every poll of every device), anything unexpected by its type."""
+        if isinstance(exc, AUTH_REFUSALS):
+            request.refusal = str(exc)  # (the texts never hold a token)
+        elif isinstance(exc, StorageError):
+            if request.path in STORED_NOTHING_ROUTES:
                 self.log("storage failure: %s" % exc)
-                return json_response(500, {"error": "storage failure; nothing was stored"})
-            self.log_once("storage failure: %s" % exc)
-            return json_response(500, {"error": "storage failure: the server cannot read what "
-                                                "was asked for; its log names the file"})
-        if isinstance(exc, (ApiError, MemoryApiError)):
-            return json_response(exc.status, exc.payload(), exc.headers)
-        if isinstance(exc, QuotaReached):
-            return (json_response(413, {"code": "memory_quota_exceeded", "error": str(exc)})
-                    if memory_route else json_response(507, {"error": str(exc)}))
-        if isinstance(exc, DiskLow):  # (memory: the contract has no code of its own for it)
-            body = {"code": "memory_sync_failed"} if memory_route else {}
-            body["error"] = str(exc)
-            return json_response(507, body, retry_after(DISK_FULL_RETRY_SECONDS))
-        for kind, status, text, memory_status, code, memory_text in AUTH_FAILURES:
-            if isinstance(exc, kind):
-                break
-        headers = ([("WWW-Authenticate", "Bearer")] if kind is AuthError
-                   else retry_after(exc.retry_after) if kind is AuthThrottled else [])
-        if memory_route:
-            return json_response(memory_status, {"code": code, "error": memory_text % exc},
-                                 headers)
-        return json_response(status, {"error": text % exc}, headers)
+            else:
+                self.log_once("storage failure: %s" % exc)
+        elif not isinstance(exc, SyncError):
+            self.log("internal error on %s %s: %s: %s" % (
+                printable(request.method), printable(request.path), type(exc).__name__, exc))
+        return error_response(exc, request.path)
 
     # -- session sync ------------------------------------------------------
 
     def session_identity(self, request):
         """The verified Identity of the request's token (a failure is answered by
-        AUTH_FAILURES)."""
+        ERROR_ANSWERS)."""
         identity = self.auth.identify(request.headers.get("authorization"), request.client)
         request.principal = identity.principal
         return identity
@@ -5693,7 +5744,7 @@ class SyncApp:
         if team is None:
             return ("u", identity.principal)
         if team not in identity.teams:
-            raise ApiError(403, "this token is not a member of that team")
+            raise Forbidden("this token is not a member of that team")
         return ("t", team)
 
     def health(self, request):
@@ -5732,7 +5783,7 @@ class SyncApp:
 
     def push(self, request):
         identity = self.session_identity(request)
-        body = request.read_body(MAX_PUSH_BYTES, session_error)
+        body = request.read_body(MAX_PUSH_BYTES)
         if too_many_containers(body, MAX_PUSH_CONTAINERS):  # decoded, each would take memory
             raise TooLarge("more than %d JSON arrays and objects in one push"
                            % MAX_PUSH_CONTAINERS)
@@ -5774,8 +5825,7 @@ class SyncApp:
         try:
             self.session_identity(request)
         except AUTH_REFUSALS as exc:
-            request.refusal = str(exc)
-            return self.error_response(exc, memory_route=False)
+            return self.failed(request, exc)
         return None
 
     def park(self, request, owner, project, since, seconds, make_response):
@@ -5898,16 +5948,15 @@ class SyncApp:
     def memory_request(self, request, kind):
         """The contract's checks, in its order; (verified principal, MemoryRequest)."""
         if request.headers.get("origin") is not None:
-            raise MemoryApiError(403, "native_client_required",
-                                 "memory sync is for native clients only")
+            raise Forbidden("memory sync is for native clients only", "native_client_required")
         content_type = request.headers.get("content-type")
         if content_type != "application/json" and (
                 content_type or "").split(";", 1)[0].strip().lower() != "application/json":
-            raise MemoryApiError(415, "json_required", "Content-Type must be application/json")
+            raise UnsupportedType("Content-Type must be application/json", "json_required")
         identity = self.auth.identify_for_memory(request.headers.get("authorization"),
                                                  request.client)
         request.principal = identity.principal
-        body = request.read_body(MAX_MEMORY_BODY, memory_body_error)
+        body = request.read_body(MAX_MEMORY_BODY)
         # A client polling for changes sends the same small snapshot body again and again: its
         # checked fields are remembered (they depend on nothing but the body and the principal at
         # that size).
@@ -5917,12 +5966,11 @@ class SyncApp:
             try:
                 doc = decode_json(body)
             except ValueError as exc:
-                raise MemoryApiError(400, "invalid_body", str(exc)) from None
+                raise BadRequest(str(exc), "invalid_body") from None
             check_memory_envelope(kind, doc, identity.principal)
         wait = self.rate_limiter.retry_after(identity.principal)
         if wait:
-            raise MemoryApiError(429, "rate_limited", "too many memory requests",
-                                 retry_after(wait))
+            raise RateLimited("too many memory requests", "rate_limited", retry_after=wait)
         if fields is None:
             fields = memory_fields(kind, doc, self.memory.quota)
             if remembered:
@@ -5964,8 +6012,8 @@ def read_fields(rfile, left, fields, known=None):
 
         Host: x  /  X-Tag: a  /  x-tag:\tb\x20   {"host": "x", "x-tag": "a, b"}
         X-Empty:                                 {"x-empty": ""}
-        (over left bytes, or 100 fields)         HeadRefused(431)
-        Name : x  /  \x20Folded: x  /  X: a\x00b  HeadRefused(400), as is a bare CR or LF
+        (over left bytes, or 100 fields)         HeadTooLarge (431)
+        Name : x  /  \x20Folded: x  /  X: a\x00b  HeadRefused (400), as is a bare CR or LF
         (the connection ends first)              ClientGone
 
     Returns {line: (name, value)} of the lines read. Given as known for the next head of the same
@@ -5977,7 +6025,7 @@ def read_fields(rfile, left, fields, known=None):
     for _ in range(MAX_HEADERS):
         line = rfile.readline(left + 1)
         if len(line) > left:
-            raise HeadRefused(431, HEAD_TOO_LARGE)
+            raise HeadTooLarge(HEAD_TOO_LARGE)
         if line == b"\r\n":
             return lines
         left -= len(line)
@@ -5987,13 +6035,13 @@ def read_fields(rfile, left, fields, known=None):
             if match is None:
                 if not line.endswith(b"\n"):
                     raise ClientGone()
-                raise HeadRefused(400, "malformed header line")
+                raise HeadRefused("malformed header line")
             name, value = match.groups()
             field = name.lower(), value.strip(" \t")
         lines[line] = field
         name, value = field
         fields[name] = fields[name] + ", " + value if name in fields else value
-    raise HeadRefused(431, HEAD_TOO_LARGE)
+    raise HeadTooLarge(HEAD_TOO_LARGE)
 
 
 def connection_tokens(headers):
@@ -6008,28 +6056,27 @@ def declares_body(headers):
     return length is not None and length != "0"
 
 
-def body_length(headers, limit, error):
-    """The Content-Length of a body of at most limit bytes, or None for a chunked body;
-    error(status, text) builds what is raised for a bad or oversized one (before any of it is
-    read)."""
+def body_length(headers, limit):
+    """The Content-Length of a body of at most limit bytes, or None for a chunked body; BadRequest
+    or TooLarge for a bad or oversized one (before any of it is read)."""
     encoding = headers.get("transfer-encoding")
     length = headers.get("content-length")
     if encoding is not None:
         if encoding.lower() != "chunked" or length is not None:
-            raise error(400, "unsupported Transfer-Encoding")
+            raise BadRequest("unsupported Transfer-Encoding")
         return None
     if not (length.isascii() and length.isdigit()):
-        raise error(400, "bad Content-Length")
+        raise BadRequest("bad Content-Length")
     length = length.lstrip("0") or "0"  # int() refuses strings of over 4,300 digits, zeros too
     if len(length) > 16 or int(length) > limit:
-        raise error(413, "request body is larger than %d bytes" % limit)
+        raise TooLarge("request body is larger than %d bytes" % limit)
     return int(length)
 
 
-def read_chunked(rfile, limit, error):
+def read_chunked(rfile, limit):
     """A chunked body from rfile, of at most limit bytes; its trailer fields are read as header
-    fields are (read_fields), and dropped. ClientGone when the connection ends first; error(400 or
-    413, text) for a bad chunk size, a chunk not followed by CRLF, a bad trailer field, or an
+    fields are (read_fields), and dropped. ClientGone when the connection ends first; BadRequest
+    for a bad chunk size, a chunk not followed by CRLF or a bad trailer field, TooLarge for an
     oversized body."""
     chunks, total = [], 0
     while True:
@@ -6038,25 +6085,25 @@ def read_chunked(rfile, limit, error):
             raise ClientGone()
         match = _CHUNK_LINE.fullmatch(line)
         if match is None:
-            raise error(400, "bad chunk size")
+            raise BadRequest("bad chunk size")
         size = int(match.group(1), 16)
         if size == 0:
             break
         total += size
         if total > limit:
-            raise error(413, "request body is larger than %d bytes" % limit)
+            raise TooLarge("request body is larger than %d bytes" % limit)
         chunk, end = rfile.read(size), rfile.read(2)
         if len(chunk) < size or len(end) < 2:
             raise ClientGone()
         if end != b"\r\n":
-            raise error(400, "a chunk not followed by CRLF")
+            raise BadRequest("a chunk not followed by CRLF")
         chunks.append(chunk)
     try:
         read_fields(rfile, MAX_HEAD_BYTES, {})
     except HeadRefused as exc:  # (a bare LF must not end the body: it would swallow what follows)
-        raise error(400, "malformed trailer field" if exc.status == 400 else
-                    "trailer fields over %d bytes or %d fields"
-                    % (MAX_HEAD_BYTES, MAX_HEADERS - 1)) from None
+        raise BadRequest("trailer fields over %d bytes or %d fields"
+                         % (MAX_HEAD_BYTES, MAX_HEADERS - 1) if isinstance(exc, HeadTooLarge)
+                         else "malformed trailer field") from None
     return b"".join(chunks)
 
 
@@ -6222,7 +6269,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         """Read the head of the next request once, strictly: command, path and request_version from
         its request line, headers (a dict by lower-case name, read_fields) and whether the
         connection stays open after the response. False when the head was refused, and answered
-        (send_error):
+        (refuse_head):
 
             a request line over MAX_HEAD_BYTES                       414
             the whole head over MAX_HEAD_BYTES, or over 99 fields    431
@@ -6235,16 +6282,16 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         line = self.rfile.readline(MAX_HEAD_BYTES + 1)
         if len(line) > MAX_HEAD_BYTES:
             self.raw_requestline = line[:200]  # (for the log line)
-            return self.refuse(414, "request line too long")
+            return self.refuse_head(UriTooLong("request line too long"))
         self.raw_requestline = line
         match = _REQUEST_LINE.fullmatch(line.decode("latin-1"))
         if match is None:
             if not line.endswith(b"\n"):
                 raise ClientGone()
-            return self.refuse(400, "bad request line")
+            return self.refuse_head(HeadRefused("bad request line"))
         self.command, self.path, self.request_version = match.groups()
         if self.request_version not in ("HTTP/1.1", "HTTP/1.0"):
-            return self.refuse(505, "HTTP/1.1 only")
+            return self.refuse_head(VersionRefused("HTTP/1.1 only"))
         # as http.server does: a base URL that ends in "/" still works
         if self.path.startswith("//"):
             self.path = "/" + self.path.lstrip("/")
@@ -6253,7 +6300,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             self.known_lines = read_fields(self.rfile, MAX_HEAD_BYTES - len(line), headers,
                                            self.known_lines)
         except HeadRefused as exc:
-            return self.refuse(exc.status, exc.text)
+            return self.refuse_head(exc)
         tokens = connection_tokens(headers) if "connection" in headers else ()
         if self.request_version == "HTTP/1.0":
             # RFC 9112 6.1: a chunked body from an HTTP/1.0 client leaves its framing in doubt.
@@ -6262,24 +6309,21 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = "close" in tokens
         return True
 
-    def refuse(self, status, text):
-        self.send_error(status, text)
-        return False
-
-    def send_error(self, code, message=None, explain=None):
-        """A refused head (or http.server's refusal) as JSON; logged once, escaped, without the
-        query; the connection then closes."""
-        message = message or "bad request"
+    def refuse_head(self, exc):
+        """Answer a refused head (a HeadRefused) and return False; logged once, escaped, without
+        the query; the connection then closes."""
         line = str(self.raw_requestline[:200], "latin-1").rstrip("\r\n")
         # a query may hold what is not for a log
         self.server.log("refused a malformed request (%d %s): %s" % (
-            code, message, printable(_QUERY.sub("", line, 1))))
+            exc.status, exc.text, printable(_QUERY.sub("", line, 1))))
         # what follows a refused head is not read: close after the response
         self.body_pending = True
         if self.tally is not None:
-            self.tally.count("other", self.command, code, 0.0)
-        self.write_response(Response(code, encode_json({"error": message}), close=True),
-                            self.command)
+            self.tally.count("other", self.command, exc.status, 0.0)
+        response = error_response(exc)
+        response.close = True
+        self.write_response(response, self.command)
+        return False
 
     def log_message(self, format, *args):
         pass  # the server writes its own access log
@@ -6302,14 +6346,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         self.body = None
         self.server.begin_request(self)
         try:
-            try:
-                response = self.server.app.handle(request)
-            except ClientGone:
-                raise
-            except Exception as exc:  # never a stack trace to the client or the log
-                self.server.log("internal error on %s %s: %s: %s" % (
-                    printable(self.command), printable(path), type(exc).__name__, exc))
-                response = json_response(500, {"error": "internal server error"})
+            response = self.server.app.handle(request)
             self.server.log_access(request, response.status, started)
             if self.tally is not None:
                 self.tally.count(path, self.command, response.status, time.monotonic() - started)
@@ -6317,19 +6354,19 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         finally:
             self.server.end_request(self)
 
-    def read_body(self, limit, error):
-        """The request body, at most limit bytes; error(status, text) builds what is raised for a
-        bad or oversized one. ClientGone when the client leaves or breaks its framing."""
+    def read_body(self, limit):
+        """The request body, at most limit bytes; BadRequest or TooLarge for a bad or oversized
+        one. ClientGone when the client leaves or breaks its framing."""
         if self.body is not None or not self.body_pending:
             return self.body or b""
         headers = self.headers
-        length = body_length(headers, limit, error)
+        length = body_length(headers, limit)
         try:
             if (self.request_version == "HTTP/1.1"
                     and headers.get("expect", "").lower() == "100-continue"):
                 self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits a second otherwise
             if length is None:
-                body = read_chunked(self.rfile, limit, error)
+                body = read_chunked(self.rfile, limit)
             else:
                 body = self.rfile.read(length)
                 if len(body) < length:
@@ -6443,9 +6480,8 @@ class TlsFiles:
 
 
 def cap_refusal(text):
-    """The bytes of a 503 that the accepting thread sends a connection past a cap."""
-    return render(json_response(503, {"error": text}, retry_after(1)), "GET", close=True,
-                  no_store=True)
+    """The bytes of the 503 (Busy) that the accepting thread sends a connection past a cap."""
+    return render(error_response(Busy(text, retry_after=1)), "GET", close=True, no_store=True)
 
 
 _REFUSAL = cap_refusal("server is at its connection limit; try again shortly")

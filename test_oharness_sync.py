@@ -3748,7 +3748,7 @@ def no_fsync():
 class ValidationTest(unittest.TestCase):
 
     def refused(self, kind, doc, principal=P):
-        with self.assertRaises(sync.MemoryApiError) as caught:
+        with self.assertRaises(sync.ApiError) as caught:
             memory_request(kind, doc, principal)
         return caught.exception.status, caught.exception.code
 
@@ -3756,9 +3756,22 @@ class ValidationTest(unittest.TestCase):
         self.assertEqual(self.refused(kind, doc), (status, code))
 
     def test_error_payload(self):
-        self.assertEqual(sync.MemoryApiError(409, "revision_conflict").payload(), {"code": "revision_conflict"})
-        self.assertEqual(sync.MemoryApiError(400, "invalid_body", "why").payload(),
-                         {"code": "invalid_body", "error": "why"})
+        commit, nothing = "/v1/memory/commit", "storage failure; nothing was stored"
+        for exc, path, status, body in (
+                (sync.Conflict("changed"), commit, 409,
+                 {"code": "revision_conflict", "error": "changed"}),
+                (sync.BadRequest("why"), commit, 400, {"code": "invalid_body", "error": "why"}),
+                (sync.BadRequest("why"), "/v1/push", 400, {"error": "why"}),
+                (sync.BadRequest("why", "invalid_have"), commit, 400,
+                 {"code": "invalid_have", "error": "why"}),
+                (sync.TooLarge("big"), commit, 413,
+                 {"code": "memory_quota_exceeded", "error": "big"}),
+                (sync.QuotaExceeded("full"), "/v1/push", 507, {"error": "full"}),
+                (sync.StorageError("cannot read x"), "/v1/pull", 500, {"error": sync.CANNOT_READ}),
+                (sync.StorageError("disk"), "/v1/push", 500, {"error": nothing}),
+                (KeyError("secret"), commit, 500, {"error": "internal server error"})):
+            response = sync.error_response(exc, path)
+            self.assertEqual((response.status, json.loads(response.body)), (status, body), exc)
 
     def test_valid_requests(self):
         request = memory_request("identity", memory_body(), P)
@@ -3909,9 +3922,12 @@ class StoreTest(unittest.TestCase):
         return as_doc((store or self.store).commit(principal, scope, etag, memory_changes_of(*docs), have))
 
     def refused(self, call, *args, **kwargs):
-        with self.assertRaises(sync.MemoryApiError) as caught:
+        """The status and code a memory route answers for what call raises."""
+        with self.assertRaises(sync.SyncError) as caught:
             call(*args, **kwargs)
-        return caught.exception.status, caught.exception.code
+        self.assertNotIsInstance(caught.exception, sync.ApiError)  # storage knows nothing of HTTP
+        response = sync.error_response(caught.exception, "/v1/memory/commit")
+        return response.status, json.loads(response.body)["code"]
 
     def files(self, scope=PROJECT, principal=P):
         return sync.DataDir(self.dir).scope_files(principal, scope)
@@ -4236,8 +4252,8 @@ class StoreTest(unittest.TestCase):
             barrier.wait()
             try:
                 results[index] = self.commit([memory_put("t%d" % index)], etag=etag)["etag"]
-            except sync.MemoryApiError as exc:
-                results[index] = exc.code
+            except sync.Conflict:
+                results[index] = "revision_conflict"
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(10)]
         for thread in threads:
@@ -4332,9 +4348,9 @@ class FullScopeTest(unittest.TestCase):
     def test_5000_notes_accepted_and_not_one_more(self):
         self.assertEqual(len(self.answer["entries"]), 5000)
         self.assertEqual(self.answer["entries"][-1], {"id": "n4999", "hash": self.have["n4999"]})
-        with self.assertRaises(sync.MemoryApiError) as caught:
+        with self.assertRaises(sync.QuotaExceeded) as caught:
             as_doc(self.store.commit(P, PROJECT, self.etag, memory_changes_of(memory_put("n5000"))))
-        self.assertEqual((caught.exception.status, caught.exception.code), (413, "memory_quota_exceeded"))
+        self.assertEqual(str(caught.exception), "more than 5000 live notes")
         self.assertTrue(as_doc(self.store.snapshot(P, PROJECT, known_etag=self.etag))["unchanged"])
 
     def test_full_have_snapshot_is_fast(self):
@@ -9912,21 +9928,21 @@ class HeadCheckTest(unittest.TestCase):
                                 ({"transfer-encoding": "chunked", "content-length": "3"}, 400),
                                 ({"content-length": "11"}, 413)):
             with self.assertRaises(sync.ApiError) as caught:
-                sync.body_length(headers, 10, sync.session_error)
+                sync.body_length(headers, 10)
             self.assertEqual(caught.exception.status, status, headers)
-        self.assertEqual(sync.body_length({"content-length": "007"}, 10, sync.session_error), 7)
-        self.assertIsNone(sync.body_length({"transfer-encoding": "Chunked"}, 10, sync.session_error))
+        self.assertEqual(sync.body_length({"content-length": "007"}, 10), 7)
+        self.assertIsNone(sync.body_length({"transfer-encoding": "Chunked"}, 10))
 
     CHUNKED = b"4;ext=1\r\nWiki\r\n5\r\npedia\r\nE\r\n in\r\n\r\nchunks.\r\n0\r\nTrailer: x\r\n\r\nNEXT"
 
     def test_a_chunked_body_is_read_whole_and_leaves_what_follows(self):
         rfile = io.BufferedReader(io.BytesIO(self.CHUNKED))
-        self.assertEqual(sync.read_chunked(rfile, 1000, sync.session_error), b"Wikipedia in\r\n\r\nchunks.")
+        self.assertEqual(sync.read_chunked(rfile, 1000), b"Wikipedia in\r\n\r\nchunks.")
         self.assertEqual(rfile.read(), b"NEXT")
 
     def test_trailer_fields_are_read_and_dropped(self):
         rfile = io.BufferedReader(io.BytesIO(b"2\r\nab\r\n0\r\nX-Sum: 1\r\nX-Other:\tv\r\n\r\nNEXT"))
-        self.assertEqual(sync.read_chunked(rfile, 1000, sync.session_error), b"ab")
+        self.assertEqual(sync.read_chunked(rfile, 1000), b"ab")
         self.assertEqual(rfile.read(), b"NEXT")
 
     def test_chunked_refusals(self):
@@ -9943,15 +9959,15 @@ class HeadCheckTest(unittest.TestCase):
                 (b"0\r\n" + b"T: x\r\n" * sync.MAX_HEADERS + b"\r\n", 400, "trailer fields over 65536 bytes or 99 fields"),
                 (b"0\r\nT: " + b"x" * 65536 + b"\r\n\r\n", 400, "trailer fields over 65536 bytes or 99 fields")):
             with self.assertRaises(sync.ApiError) as caught:
-                sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15, sync.session_error)
+                sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15)
             self.assertEqual((caught.exception.status, caught.exception.text), (status, text), data)
         for data in (b"3\r\nabcX\r\n", b"3\r\nabc\n0\r\n\r\n"):  # the connection alive: refused
             with self.assertRaises(sync.ApiError) as caught:
-                sync.read_chunked(io.BufferedReader(io.BytesIO(data + b"more")), 15, sync.session_error)
+                sync.read_chunked(io.BufferedReader(io.BytesIO(data + b"more")), 15)
             self.assertEqual((caught.exception.status, caught.exception.text), (400, "a chunk not followed by CRLF"))
         for data in (b"1" * 1100, b"3\r\nab", b"3\r\nabc\r", b"0\r\nT: x\r\n"):
             with self.assertRaises(sync.ClientGone):
-                sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15, sync.session_error)
+                sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15)
 
     def test_log_text_escapes_everything_outside_printable_ascii(self):
         self.assertEqual(sync.printable("GET /v1/health"), "GET /v1/health")
