@@ -29,11 +29,14 @@ How to read it. The file is two parts, each read top-down.
 
 Part I, the server, is what `--data DIR` runs:
     Constants and limits
-    Errors              every exception the server raises
+    Errors              one family (SyncError): storage's errors in its own words
+                        (Conflict, QuotaExceeded, ManifestDamaged, ...), and
+                        ApiError's kinds, each with its HTTP status on its class
     Validation and hashing
                         pure rules: ids and numbers, a push, a note and its hash
                         (JavaScript's JSON.stringify), a memory request
-    Metrics             what the server counts, and its Prometheus exposition
+    Metrics             what the server counts (its route labels: the app's
+                        routes), and its Prometheus exposition
     Authentication      one small verifier per token kind: local tokens, JWTs
                         (HS256, RS256, ES256), Supabase; the guard against
                         forged ones; who may use the server (PrincipalList);
@@ -48,9 +51,11 @@ Part I, the server, is what `--data DIR` runs:
                         feeds (one scanner of a feed file, group commit,
                         long-poll waits, compaction); memory manifests; a
                         restored copy's first start
-    HTTP                the protocol's routes and thin handlers (SyncApp), the
-                        strict reading of a request, the transport on
-                        http.server (SyncRequestHandler, SyncServer)
+    HTTP                the one place an exception becomes an answer
+                        (error_response, by ERROR_ANSWERS); the protocol's route
+                        table and thin handlers (SyncApp), the strict reading of
+                        a request, the transport on http.server
+                        (SyncRequestHandler, SyncServer)
     Serving             flags (--data and --retain-deleted-days as every
                         command takes them) made one ServerConfig
                         (config_from_flags), build_server (every part given
