@@ -2870,7 +2870,8 @@ def _is_name_file(name):
 NAME_MAX = 255
 PURGING_PREFIX = "purging-"
 DIR_PREFIX = len("u-")                  # what the layout adds to an id in a directory's name
-FEED_SUFFIXES = len("p-.jsonl.compact")  # the most it adds to a project's in a feed file's
+FEED_SUFFIXES = len("p-.jsonl")  # what it adds to a project's in a feed file's (aside_path's
+                                 # hashed name keeps a compaction's file under NAME_MAX too)
 
 
 def id_name(value, room):
@@ -3595,6 +3596,18 @@ def wake_pulls(pulls, log):
 COMPACT_SUFFIX = ".compact"  # the new file, written aside until it replaces the feed's
 
 
+def aside_path(path):
+    """Where a rewrite of the feed file path is written until it replaces it: path + ".compact",
+    or, where that name would pass NAME_MAX (a project's name of 240 to 247 encoded characters,
+    stored under its own name before long names were hashed), "p-." and a hash of the feed's
+    name, with the same ending (no feed's name starts "p-.": encode_name writes no dot)."""
+    directory, name = os.path.split(path)
+    if len(name) + len(COMPACT_SUFFIX) <= NAME_MAX:
+        return path + COMPACT_SUFFIX
+    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
+    return os.path.join(directory, "p-.%s.jsonl%s" % (digest, COMPACT_SUFFIX))
+
+
 class FeedSummary:
     """One reading of a feed file (summarize_feed): the size of its good lines, their count, its
     events, records and erased records, the highest number it holds (a torn last line's too), the
@@ -3718,7 +3731,7 @@ def compact_file(path, now_ms, retain_ms):
     plan = plan_compaction(summarize_feed(path), now_ms, retain_ms)
     if not plan.drops():
         return plan.summary.size, plan.summary.size, 0
-    aside = path + COMPACT_SUFFIX
+    aside = aside_path(path)
     try:
         with open_aside(path) as out:
             kept, erased, _ = compact_lines(path, plan, out)
@@ -3738,17 +3751,17 @@ def compact_file(path, now_ms, retain_ms):
 
 
 def open_aside(path):
-    """The file a rewrite of the feed file path is written to (path + COMPACT_SUFFIX) until it
-    replaces it, made afresh with path's mode, not this process's umask's: a feed stays unreadable
-    to other users (0600, as the server makes it). (It is the data dir owner's: root works as
-    them.) A new file, never one found there (a link, say): one a crash left is removed first."""
+    """The file a rewrite of the feed file path is written to (aside_path) until it replaces it,
+    made afresh with path's mode, not this process's umask's: a feed stays unreadable to other
+    users (0600, as the server makes it). (It is the data dir owner's: root works as them.) A new
+    file, never one found there (a link, say): one a crash left is removed first."""
     fd = open_in_data_dir(path, os.O_RDONLY)
     try:
         info = os.fstat(fd)
     finally:
         os.close(fd)
-    _remove(path + COMPACT_SUFFIX)
-    fd = open_in_data_dir(path + COMPACT_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    _remove(aside_path(path))
+    fd = open_in_data_dir(aside_path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         keep_mode(fd, info.st_mode & 0o7777)
         return os.fdopen(fd, "wb")
@@ -3937,7 +3950,7 @@ class Feed:
         """Rebuild the index from the file. It is built aside and kept only when the whole load
         succeeds, so a failure half-way (a read error, no file descriptor left) leaves nothing
         half-built. A compaction's file left aside by a crash is removed."""
-        if _remove(self.path + COMPACT_SUFFIX):
+        if _remove(aside_path(self.path)):
             sync_dir(os.path.dirname(self.path))
         try:
             f = open_data_file(self.path)
@@ -4226,7 +4239,7 @@ class Feed:
         with self.lock:
             durable_end, lines = self.index.offsets[-1], self.index.lines
         plan = plan_compaction(summarize_feed(self.path, durable_end, pause), now_ms, retain_ms)
-        aside = self.path + COMPACT_SUFFIX
+        aside = aside_path(self.path)
         try:
             with open_aside(self.path) as out:
                 _, erased, index = compact_lines(self.path, plan, PacedWriter(out), pause)
@@ -8100,7 +8113,7 @@ class DataDirCheck:
             drop = {line_number for line_number, _ in damaged}
             if torn:
                 drop.add(torn[0])
-            aside = path + COMPACT_SUFFIX
+            aside = aside_path(path)
             with open_data_file(path) as f, open_aside(path) as out:
                 for line_number, line in enumerate(f, 1):
                     if line_number not in drop:

@@ -3185,6 +3185,27 @@ class FeedCompactionTest(unittest.TestCase):
             answer = store.push(self.owner, "p", *validated([record(session=session, record_id=record_id)]))
             self.assertEqual(answer, (end, 0))
 
+    def test_a_project_named_in_full_up_to_255_bytes_keeps_its_name_and_compacts(self):
+        # Before long names were hashed, a project of 240 to 247 encoded characters was stored as
+        # p-NAME.jsonl: it keeps that name (an existing data dir works unchanged), and its
+        # compaction's file, which as NAME.jsonl.compact would pass 255 bytes, takes a hashed one.
+        project, data_dir, now = "A" * 117 + "a" * 11, self.make_dir(), [1000]
+        store = feed_store(data_dir, clock=lambda: now[0])
+        store.push(self.owner, project, *validated(
+            [record("s0", "r1")], [meta("s0", gen=1, updated_at=1, deleted=True)]))
+        close_store(store)
+        path = sync.DataDir(data_dir).feed_path(self.owner, project)
+        self.assertEqual(os.path.basename(path), "p-%s.jsonl" % sync.encode_name(project))
+        self.assertEqual(len(os.path.basename(path)), 253)
+        aside = os.path.basename(sync.aside_path(path))
+        self.assertEqual((aside[:3], aside[-14:], len(aside)), ("p-.", ".jsonl.compact", 49))
+        answer = sync.compact_file(path, now[0] * 1000 + self.retain_ms, self.retain_ms)
+        self.assertEqual(answer[2], 1)  # r1 erased: the rewrite went through the hashed file
+        self.assertEqual(os.listdir(os.path.dirname(path)), [os.path.basename(path)])
+        self.assertEqual([kind for kind, _, _, _ in feed_file_lines(path).values()], [b"x", b"s"])
+        page = feed_store(data_dir).pull(self.owner, project, 0, 500)
+        self.assertEqual((page.cursor, page.records, len(page.sessions)), (2, [], 1))
+
     def test_from_every_cursor_handed_out_a_client_pulling_on_ends_as_on_the_uncompacted_feed(self):
         for seed in (1, 2, 3, 4, 5):
             with self.subTest(seed=seed):
