@@ -7324,6 +7324,8 @@ def run_until_signalled(server, ready):
 # -------------------------------------------------------------------------------------------------
 
 CHECK_TIMEOUT = 15  # seconds for one whole request, its answer read; a long-poll's wait on top
+CHECK_POLL_WAIT = 1  # long-poll-timeout's wait in seconds; long-poll-wakes parks its pull half
+# of it before the push
 # The most an answer may hold, head and body, in bytes. A pull page (this server's pages stop
 # before 8 MiB of events, which JSON's escapes can at most triple), a project list, a memory
 # snapshot or commit (16 MiB at most here) get the large limit; a push, health or identity answer,
@@ -8673,7 +8675,7 @@ class ConformanceCheck:
 
         thread = threading.Thread(target=parked_pull, daemon=True)
         thread.start()
-        time.sleep(0.5)
+        time.sleep(CHECK_POLL_WAIT / 2)
         if "error" in result:
             raise result["error"]
         if not thread.is_alive():
@@ -8693,17 +8695,18 @@ class ConformanceCheck:
                               "expected [\"wake\"] at once" % (delay, ids))
 
     def check_long_poll_timeout(self):
-        """A pull with wait=1 and nothing new answers 200, empty, after about a second."""
-        project = self.project["poll"]
+        """A pull with wait=1 (CHECK_POLL_WAIT) and nothing new answers 200, empty, after about
+        a second."""
+        project, wait = self.project["poll"], CHECK_POLL_WAIT
         end = self.push(project, [check_record("quiet")])["cursor"]
         started = time.monotonic()
-        page = self.pull(project, end, wait=1)
+        page = self.pull(project, end, wait=wait)
         elapsed = time.monotonic() - started
         if page != {"cursor": end, "records": [], "sessions": [], "more": False}:
-            raise CheckFailed("pull with wait=1 from the end answered %s" % excerpt(page))
-        if not 0.9 <= elapsed <= 5:
-            raise CheckFailed("pull with wait=1 answered after %.2f s, expected about 1 s"
-                              % elapsed)
+            raise CheckFailed("pull with wait=%d from the end answered %s" % (wait, excerpt(page)))
+        if not 0.9 * wait <= elapsed <= wait + 4:
+            raise CheckFailed("pull with wait=%d answered after %.2f s, expected about %d s"
+                              % (wait, elapsed, wait))
 
     def check_body_round_trip(self):
         """Bodies come back equal as JSON values; a lone surrogate stays an escape (valid

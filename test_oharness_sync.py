@@ -12703,11 +12703,17 @@ def with_token_files(argv):
     return out
 
 
+def quick_long_polls():
+    """check's long-poll checks without their second's wait (CHECK_POLL_WAIT 0): for tests of
+    other checks. CheckCommandTest runs them whole."""
+    return mock.patch.object(sync, "CHECK_POLL_WAIT", 0)
+
+
 def run_check_command(*argv):
-    """sync.main(["check", ...]) in this process, tokens given in files: (exit code, stdout,
-    stderr)."""
+    """sync.main(["check", ...]) in this process, tokens given in files, long-polls quick: (exit
+    code, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), quick_long_polls():
         code = sync.main(["check"] + with_token_files(argv))
     return code, out.getvalue(), err.getvalue()
 
@@ -12849,7 +12855,8 @@ class CheckCommandTest(ServerCase):
     def test_the_notice_names_exactly_the_projects_it_leaves_behind(self):
         check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
                                  out=io.StringIO(), err=io.StringIO())
-        self.assertTrue(check.run())
+        with quick_long_polls():
+            self.assertTrue(check.run())
         notice = check.notice()
         self.assertEqual(len(notice.splitlines()), 1)
         self.assertIn("writing test data to " + self.url, notice)
@@ -13045,6 +13052,16 @@ class CheckCatchesFaultsTest(unittest.TestCase):
 
     def test_the_fake_without_a_fault_passes(self):
         self.assertEqual(self.failed_checks(None, "--other-token", "token-b")[:2], (0, []))
+
+    def test_a_server_that_never_waits_fails_both_long_poll_checks(self):
+        url = self.start_faulty_server("no-wait")
+        out = io.StringIO()
+        self.assertFalse(ConformanceCheck(url, "token-a", out=out, err=io.StringIO()).run())
+        failed = [line for line in out.getvalue().splitlines() if line.startswith("FAIL ")]
+        self.assertEqual([line.split()[1] for line in failed],
+                         ["long-poll-wakes:", "long-poll-timeout:"], out.getvalue())
+        self.assertRegex(failed[1], r"^FAIL long-poll-timeout: pull with wait=1 answered after "
+                                    r"0\.\d\d s, expected about 1 s$")
 
     def test_a_retried_push_that_duplicates_fails_the_smoke_test(self):
         code, failed, out = self.failed_checks("duplicates")
@@ -13330,7 +13347,7 @@ class CheckUsageTest(unittest.TestCase):
         server.app.auth.local.reload()
         argv = ["check", "--url", server.url]
         out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), quick_long_polls():
             self.assertEqual(sync.main(argv + ["--token", token]), 0)
         self.assertEqual(err.getvalue().splitlines()[0], "check: warning: --token on the command line is visible to "
                                                          "other users in ps; prefer --token-file")
