@@ -322,7 +322,11 @@ class Busy(ApiError):
     status = 503
 
 
-class AuthError(SyncError):
+class AuthFailure(SyncError):
+    """What a token's check may raise: the token is refused, or cannot be checked now."""
+
+
+class AuthError(AuthFailure):
     """The bearer token is missing, malformed, unknown, expired or badly signed (answers 401).
     lasting=False: the same token may pass later (it is not valid yet, or its key may yet be
     published), so the refusal is not remembered."""
@@ -332,15 +336,15 @@ class AuthError(SyncError):
         self.lasting = lasting
 
 
-class NotListed(SyncError):
+class NotListed(AuthFailure):
     """A valid token whose principal the principals file does not list (answers 403)."""
 
 
-class AuthUnavailable(SyncError):
+class AuthUnavailable(AuthFailure):
     """The identity service could not be asked (answers 502 auth_unavailable)."""
 
 
-class AuthThrottled(SyncError):
+class AuthThrottled(AuthFailure):
     """Too many tokens from this client failed verification lately: a new one is not checked
     (answers 429)."""
 
@@ -425,7 +429,7 @@ class InvalidNote(ValueError):
     """A note failed validation; the message is a short human reason."""
 
 
-class AuthNotConfigured(SyncError):
+class AuthNotConfigured(AuthFailure):
     """Memory sync has no identity verifier (--memory-auth off)."""
 
 
@@ -5637,7 +5641,6 @@ ERROR_ANSWERS = (  # (exception, session status and text, memory status, code an
      500, None, "storage failure; nothing was stored"),
     (SyncError, 500, "internal server error", 500, None, "internal server error"),
 )
-AUTH_REFUSALS = (AuthError, NotListed, AuthThrottled, AuthUnavailable, AuthNotConfigured)
 STORED_NOTHING_ROUTES = ("/v1/push",)  # a StorageError there: nothing was stored (else a read)
 CANNOT_READ = ("storage failure: the server cannot read what was asked for; its log names the "
                "file")
@@ -5734,7 +5737,7 @@ class SyncApp:
         """The answer to the exception that stopped request (error_response), logged as it needs:
         a refused token's reason kept for the access log, a failed write always, a failed read
         once (it fails again at every poll of every device), anything unexpected by its type."""
-        if isinstance(exc, AUTH_REFUSALS):
+        if isinstance(exc, AuthFailure):
             request.refusal = str(exc)  # (the texts never hold a token)
         elif isinstance(exc, StorageError):
             if request.path in STORED_NOTHING_ROUTES:
@@ -5842,7 +5845,7 @@ class SyncApp:
         since is not for it."""
         try:
             self.session_identity(request)
-        except AUTH_REFUSALS as exc:
+        except AuthFailure as exc:
             return self.failed(request, exc)
         return None
 
