@@ -3558,11 +3558,12 @@ class _Batch:
         self.woken = None                      # its Condition, made when its push has to wait
 
 
-class ParkedPull:
-    """A long-poll waiting for its feed's next durable event: the Condition it waits on, and what
-    the thread that wakes it calls first (on_event, or None). One may serve several waits in turn;
-    its Condition's lock is reentrant, so that its caller may hold it across a wait (SyncApp.park:
-    what it looks at before the wait cannot change unseen before the wait begins)."""
+class FeedWaiter:
+    """A wait for a feed's next durable event (a parked pull's): the Condition it waits on, and
+    what the thread that wakes it calls first (on_event, or None). One may serve several waits in
+    turn; its Condition's lock is reentrant, so that its caller may hold it across a wait
+    (SyncApp.park: what it looks at before the wait cannot change unseen before the wait
+    begins)."""
     __slots__ = ("woken", "on_event")
 
     def __init__(self, on_event=None):
@@ -3570,8 +3571,8 @@ class ParkedPull:
         self.on_event = on_event
 
 
-def wake_pulls(pulls, log):
-    """Wake parked pulls: first each one's on_event, in this thread, then a notify each.
+def wake_waiters(waiters, log):
+    """Wake FeedWaiters: first each one's on_event, in this thread, then a notify each.
 
     This is where a push hands other connections their responses. The thousand threads of a
     thousand woken pulls would take turns on the interpreter lock before each could send its own
@@ -3579,15 +3580,15 @@ def wake_pulls(pulls, log):
     on_event, which sends that pull its response without waiting (SyncApp.park,
     SyncRequestHandler.respond_early), and the pulls' own threads, notified after, only finish what
     a full socket did not take."""
-    for pull in pulls:
-        if pull.on_event is not None:
+    for waiter in waiters:
+        if waiter.on_event is not None:
             try:
-                pull.on_event()
+                waiter.on_event()
             except Exception as exc:  # the others must still be woken; this one answers for itself
                 log("waking a parked pull: %s: %s" % (type(exc).__name__, exc))
-    for pull in pulls:
-        with pull.woken:
-            pull.woken.notify()
+    for waiter in waiters:
+        with waiter.woken:
+            waiter.woken.notify()
 
 
 # -- compaction: what a feed can do without ------------------------------------------------------
@@ -3899,10 +3900,11 @@ class Feed:
     line is. Pushes to a feed share fsyncs (group commit): a push queues its lines; the push that
     finds no flush under way writes every queued line with one write and one fsync, and the others
     wait on a Condition for the flush that holds theirs (the lock hand-off is explained at
-    _flush). A parked long-poll waits on a Condition of its own, which the feed keeps until events
-    become durable and then hands to wake_pulls. A compaction (compact) rewrites the file aside
-    while all this goes on, and swaps it in under the lock. Its FeedStore evicts it when no request
-    uses it and room is needed for another: a Feed made again for it loads all this from the file.
+    _flush). A parked long-poll waits on a Condition of its own (its FeedWaiter), which the feed
+    keeps until events become durable and then hands to wake_waiters. A compaction (compact)
+    rewrites the file aside while all this goes on, and swaps it in under the lock. Its FeedStore
+    evicts it when no request uses it and room is needed for another: a Feed made again for it
+    loads all this from the file.
     """
 
     def __init__(self, path, owner, log, metrics, clock=time.time, start=0):
@@ -3913,7 +3915,7 @@ class Feed:
         self.metrics = metrics
         self.bytes_at_load = 0                 # the file's size before it was loaded
         self.lock = threading.Lock()           # guards everything below
-        self.parked = set()                    # ParkedPulls waiting for the next durable event
+        self.waiters = set()                   # FeedWaiters waiting for the next durable event
         self._load_lock = threading.Lock()
         self._flushing = False                 # a push is writing and fsyncing queued batches
         self.loaded = False
@@ -4008,7 +4010,7 @@ class Feed:
         StorageError when they cannot be. Blocks until the group commit that holds them has
         fsynced."""
         self.ensure_loaded()
-        parked = ()
+        woken = ()
         with self.lock:
             batch = self._queue(records, sessions)
             if batch is None:
@@ -4019,10 +4021,10 @@ class Feed:
                         batch.woken = threading.Condition(self.lock)
                     batch.woken.wait()
                 else:
-                    parked = self._flush()
-        if parked:
-            wake_pulls(parked, self.log)
-            self.metrics.add("woken", amount=len(parked))
+                    woken = self._flush()
+        if woken:
+            wake_waiters(woken, self.log)
+            self.metrics.add("woken", amount=len(woken))
         if isinstance(batch.outcome, Exception):
             raise batch.outcome
         return batch.outcome
@@ -4062,7 +4064,7 @@ class Feed:
         return batch
 
     def _flush(self):
-        """Write and fsync every queued batch, and settle each one's outcome; the parked pulls to
+        """Write and fsync every queued batch, and settle each one's outcome; the FeedWaiters to
         wake.
 
         Called with the lock held, which it lets go for the disk work and takes again before it
@@ -4100,7 +4102,7 @@ class Feed:
                 self.fsynced_pushes += pushes
                 self.metrics.group_commit(pushes, len(lines) - sessions, sessions, seconds)
                 self.metrics.add("feed_bytes", self.owner, amount=sum(len(line) for line in lines))
-                parked, self.parked = self.parked, set()
+                woken, self.waiters = self.waiters, set()
         else:
             group += self.pending  # numbered after the failed events: they fail with them
             self.pending = []
@@ -4118,7 +4120,7 @@ class Feed:
         if self.pending:
             # Queued meanwhile (so waiting): its push flushes the next group.
             self.pending[0].woken.notify()
-        return parked if failure is None and lines else ()
+        return woken if failure is None and lines else ()
 
     def _still_there(self, batch):
         """Whether every record and metadata entry batch's push found already there still is (lock
@@ -4211,25 +4213,25 @@ class Feed:
             self._last_page = (key, page)
         return page
 
-    def park(self, pull, since, stopping):
-        """Park pull until the next durable event, unless there is an event after since already or
-        stopping is set: then True, and it is not parked."""
+    def add_waiter(self, waiter, since, stopping):
+        """Keep waiter until the next durable event, unless there is an event after since already
+        or stopping is set: then True, and it is not kept."""
         self.ensure_loaded()
         with self.lock:
             if self.index.last_event > since or stopping.is_set():
                 return True
-            self.parked.add(pull)
+            self.waiters.add(waiter)
         return False
 
-    def unpark(self, pull):
+    def drop_waiter(self, waiter):
         with self.lock:
-            self.parked.discard(pull)
+            self.waiters.discard(waiter)
 
     def wake(self):
-        """Wake every parked pull, to look at stopping (shutdown)."""
+        """Wake every waiter, to look at stopping (shutdown)."""
         with self.lock:
-            parked, self.parked = self.parked, set()
-        wake_pulls(parked, self.log)
+            woken, self.waiters = self.waiters, set()
+        wake_waiters(woken, self.log)
 
     # -- compacting --------------------------------------------------------
 
@@ -4410,7 +4412,7 @@ class FeedStore:
 
     A Feed in memory holds its file open and its index; to make room for another, the least
     recently used one that no request holds (using) is evicted: its file closed, its index
-    dropped, its parked pulls set aside to wait for the Feed made next for it (as for a feed that
+    dropped, its waiters set aside to wait for the Feed made next for it (as for a feed that
     does not exist yet), which loads the index again from the file. When every one is held, a
     request that needs another waits for one to be let go.
     """
@@ -4427,7 +4429,7 @@ class FeedStore:
         self._lock = threading.Lock()
         self._let_go = threading.Condition(self._lock)  # a held Feed was let go
         self._waiting = 0                      # requests waiting for it (_make)
-        # (owner, project) without a Feed (none yet, or evicted) -> ParkedPulls waiting for one
+        # (owner, project) without a Feed (none yet, or evicted) -> FeedWaiters waiting for one
         self._unborn = {}
         self._purged = None                    # read_purged, when a new feed is first made
         self._floor = 0                        # read_feed_floor, read with it
@@ -4506,19 +4508,19 @@ class FeedStore:
         start = max(self._purged.get(purged_key(*key), 0), self._floor)
         feed = self._feeds[key] = Feed(path, key[0], self.log, self.metrics, clock=self.clock,
                                        start=start)
-        feed.parked.update(self._unborn.pop(key, ()))
+        feed.waiters.update(self._unborn.pop(key, ()))
         feed.damage = self._damaged.get(key)
         return feed
 
     def _evict(self, key, feed):
-        """Close an idle Feed's file and forget it (lock held); its parked pulls wait aside."""
+        """Close an idle Feed's file and forget it (lock held); its waiters wait aside."""
         del self._feeds[key]
         with feed.lock:
-            parked, feed.parked = feed.parked, set()
+            waiters, feed.waiters = feed.waiters, set()
             fds, feed.fd = [feed.fd] + feed._retired, None
             feed._retired = []
-        if parked:
-            self._unborn.setdefault(key, set()).update(parked)
+        if waiters:
+            self._unborn.setdefault(key, set()).update(waiters)
         if feed.damage is not None:
             self._damaged[key] = feed.damage
         self._evicted_counts[0] += feed.fsynced_pushes
@@ -4607,23 +4609,23 @@ class FeedStore:
         finally:
             self.release(feed)
 
-    def wait(self, owner, project, since, timeout, pull=None):
+    def wait(self, owner, project, since, timeout, waiter=None):
         """Wait up to timeout seconds for (owner, project) to have an event after since; True once
-        it has, or once the store is stopping. pull: the ParkedPull to wait as (its on_event is
-        called by the thread that wakes this wait, before it does: see wake_pulls); None: a new
+        it has, or once the store is stopping. waiter: the FeedWaiter to wait as (its on_event is
+        called by the thread that wakes this wait, before it does: see wake_waiters); None: a new
         one.
 
         A project without a Feed in memory (no feed, or an evicted one) gets none for this: its
-        pulls wait aside, and the Feed made for it takes them over, parked. (Long-polls on made-up
+        waiters wait aside, and the Feed made for it takes them over. (Long-polls on made-up
         names leave nothing behind.)
         """
         key = (owner, project)
-        if pull is None:
-            pull = ParkedPull()
-        # Held until the wait lets it go: a flush that takes this pull cannot notify it before.
-        with pull.woken:
+        if waiter is None:
+            waiter = FeedWaiter()
+        # Held until the wait lets it go: a flush that takes this waiter cannot notify it before.
+        with waiter.woken:
             with self.using(owner, project) as feed:
-                if feed is not None and feed.park(pull, since, self.stopping):
+                if feed is not None and feed.add_waiter(waiter, since, self.stopping):
                     return True
                 if feed is None:
                     with self._lock:
@@ -4631,26 +4633,26 @@ class FeedStore:
                             return True
                         feed = self._feeds.get(key)
                         if feed is None:
-                            self._unborn.setdefault(key, set()).add(pull)
+                            self._unborn.setdefault(key, set()).add(waiter)
                     if feed is not None:  # made meanwhile (its file too): not held, but looked at
-                        return self.wait(owner, project, since, timeout=timeout, pull=pull)
-            if not pull.woken.wait(timeout):
-                self._unpark(key, pull)
+                        return self.wait(owner, project, since, timeout=timeout, waiter=waiter)
+            if not waiter.woken.wait(timeout):
+                self._drop_waiter(key, waiter)
         feed = self._feeds.get(key)  # (only looked at: one evicted meanwhile says no)
         return self.stopping.is_set() or (feed is not None and feed.index.last_event > since)
 
-    def _unpark(self, key, pull):
-        """Forget a pull whose wait is over: aside, or on the Feed made since."""
+    def _drop_waiter(self, key, waiter):
+        """Forget a waiter whose wait is over: aside, or on the Feed made since."""
         with self._lock:
             waiting = self._unborn.get(key)
-            if waiting is not None and pull in waiting:
-                waiting.discard(pull)
+            if waiting is not None and waiter in waiting:
+                waiting.discard(waiter)
                 if not waiting:
                     del self._unborn[key]
                 return
             feed = self._feeds.get(key)
         if feed is not None:
-            feed.unpark(pull)
+            feed.drop_waiter(waiter)
 
     def projects(self, owner):
         """The sorted project ids with a durable event in owner's feed, after a crash too: a feed
@@ -4705,13 +4707,13 @@ class FeedStore:
                 fsyncs + sum(feed.fsyncs for feed in feeds))
 
     def stop(self):
-        """Wake every parked pull to answer now (shutdown)."""
+        """Wake every waiter to answer now (shutdown)."""
         self.stopping.set()
         with self._lock:
             feeds = list(self._feeds.values())
-            unborn = [pull for pulls in self._unborn.values() for pull in pulls]
+            unborn = [waiter for waiters in self._unborn.values() for waiter in waiters]
             self._unborn.clear()
-        wake_pulls(unborn, self.log)
+        wake_waiters(unborn, self.log)
         for feed in feeds:
             feed.wake()
 
@@ -5692,7 +5694,7 @@ class SyncApp:
         for route, methods in self.routes.items():
             for method in methods:
                 self.metrics.expect(route, method)
-        self.parked = {}                  # the requests of long-polls waiting now -> ParkedPull
+        self.parked = {}                  # the requests of long-polls waiting now -> FeedWaiter
         self._parked_by = {}              # principal -> the requests of its long-polls parked now
         self._parked_lock = threading.Lock()
         self._watching = False            # whether watch_tokens runs
@@ -5857,20 +5859,20 @@ class SyncApp:
         one principal's devices cannot take every place): make_response() at once. A pull whose
         token watch_tokens finds refused is woken too (its request.refusal set).
 
-        The thread that wakes the pull sends its response (on_event, see wake_pulls); Feed.read
+        The thread that wakes the pull sends its response (on_event, see wake_waiters); Feed.read
         builds one Page for all the pulls a push wakes."""
         principal, handler = request.principal, request.handler
 
         def on_event():  # in the thread that wakes the pull
             handler.respond_early(request, make_response)
 
-        pull = ParkedPull(on_event)
+        waiter = FeedWaiter(on_event)
         with self._parked_lock:  # (the counts and the adds, together)
             if (len(self.parked) >= self.max_parked
                     or len(self._parked_by.get(principal, ())) >= max(1, self.max_parked // 2)):
                 return make_response()
             mine = self._parked_by.setdefault(principal, set())
-            self.parked[request] = pull
+            self.parked[request] = waiter
             mine.add(request)
             watch, self._watching = not self._watching, True
         handler.hold(request)
@@ -5882,9 +5884,9 @@ class SyncApp:
                 left = deadline - time.monotonic()
                 # Held from the look at request.refusal into the wait: watch_tokens sets it under
                 # the same lock, so its wake cannot come between the two and be lost.
-                with pull.woken:
+                with waiter.woken:
                     if (left <= 0 or request.refusal is not None
-                            or self.feeds.wait(owner, project, since, pull=pull,
+                            or self.feeds.wait(owner, project, since, waiter=waiter,
                                                timeout=min(left, PARKED_CHECK_SECONDS))):
                         break
                 if handler.client_gone():
@@ -5925,28 +5927,28 @@ class SyncApp:
                     if not self.parked:
                         self._watching = False
                         return
-                    parked = list(self.parked.items())
+                    held = list(self.parked.items())
                 local.refresh()
                 if local.generation != generation:
                     generation, checked = local.generation, set()
-                for request, pull in parked:
+                for request, waiter in held:
                     if request not in checked:
-                        self._check_parked(request, pull)
-                checked = {request for request, _ in parked}
+                        self._check_parked(request, waiter)
+                checked = {request for request, _ in held}
         except Exception as exc:  # (the next pull to park starts it again)
             self.log("checking parked pulls' tokens: %s: %s" % (type(exc).__name__, exc))
             with self._parked_lock:
                 self._watching = False
 
-    def _check_parked(self, request, pull):
+    def _check_parked(self, request, waiter):
         """Wake a parked pull whose token is refused now (one that cannot be checked now waits
         on: its answer checks it again)."""
         try:
             self.auth.identify(request.headers.get("authorization"), request.client)
         except (AuthError, NotListed) as exc:
-            with pull.woken:
+            with waiter.woken:
                 request.refusal = str(exc)
-                pull.woken.notify()
+                waiter.woken.notify()
         except (AuthThrottled, AuthUnavailable):
             pass
 

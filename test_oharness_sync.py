@@ -2623,7 +2623,7 @@ class FeedStoreTest(unittest.TestCase):
         store = self.store = feed_store(self.data_dir, self.log_lines.append, max_open=2)
         store.push(self.owner, "p", *validated([record("s", "a")]))
         thread, results = self.wait_in_thread("p", 1)
-        while not store._feeds[(self.owner, "p")].parked:
+        while not store._feeds[(self.owner, "p")].waiters:
             time.sleep(0.005)
         for project in ("q", "r"):
             store.push(self.owner, project, *validated([record()]))
@@ -2664,7 +2664,7 @@ class FeedStoreTest(unittest.TestCase):
     def wait_in_thread(self, project, since, timeout=10, on_event=None):
         results = []
         thread = threading.Thread(target=lambda: results.append(
-            self.store.wait(self.owner, project, since, timeout, sync.ParkedPull(on_event))))
+            self.store.wait(self.owner, project, since, timeout, sync.FeedWaiter(on_event))))
         thread.start()
         self.addCleanup(thread.join, 15)
         return thread, results
@@ -2686,13 +2686,13 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(len(waiting), 1)
         self.assertEqual(len(self.waiting_aside("q")), 1)  # (both aside before a feed is made)
         feed = self.store.feed(self.owner, "p", create=True)
-        self.assertEqual(feed.parked, waiting)  # the same pull, not woken and parked again
+        self.assertEqual(feed.waiters, waiting)  # the same pull, not woken and parked again
         self.assertEqual(set(self.store._unborn), {(self.owner, "q")})
         self.assertTrue(thread.is_alive())
         self.store.push(self.owner, "p", *validated([record()]))
         thread.join(5)
         self.assertEqual((results, events), ([True], [threading.current_thread()]))  # the pushing thread's call
-        self.assertEqual(feed.parked, set())
+        self.assertEqual(feed.waiters, set())
         other.join(5)
         self.assertEqual((other_results, self.store._unborn), ([False], {}))
 
@@ -2701,7 +2701,7 @@ class FeedStoreTest(unittest.TestCase):
         self.waiting_aside("p")
         feed = self.store.feed(self.owner, "p", create=True)
         thread.join(5)
-        self.assertEqual((results, feed.parked, self.store._unborn), ([False], set(), {}))
+        self.assertEqual((results, feed.waiters, self.store._unborn), ([False], set(), {}))
 
     def test_wake_calls_each_on_event_before_any_notify_and_survives_a_failing_one(self):
         order = []
@@ -2723,11 +2723,11 @@ class FeedStoreTest(unittest.TestCase):
             order.append(("event", 1))
             raise RuntimeError("boom")
 
-        pulls = [sync.ParkedPull(lambda: order.append(("event", 0))), sync.ParkedPull(failing), sync.ParkedPull()]
+        pulls = [sync.FeedWaiter(lambda: order.append(("event", 0))), sync.FeedWaiter(failing), sync.FeedWaiter()]
         for i, pull in enumerate(pulls):
             pull.woken = Woken(i)
         logged = []
-        sync.wake_pulls(pulls, logged.append)
+        sync.wake_waiters(pulls, logged.append)
         self.assertEqual(order, [("event", 0), ("event", 1), ("notify", 0), ("notify", 1), ("notify", 2)])
         self.assertEqual(logged, ["waking a parked pull: RuntimeError: boom"])
 
@@ -9415,14 +9415,14 @@ class LongPollTest(ServerCase):
         # From a review: the push that woke alice's pull was slow to reach it (a thousand others first);
         # her pull answered itself at its check, her connection (a proxy's, say) carried bob's pull next,
         # and the late wake sent him alice's record. The wake is widened here to a second.
-        real_wake = sync.wake_pulls
+        real_wake = sync.wake_waiters
 
         def slow_wake(pulls, log):
             if pulls:
                 time.sleep(1.0)
             real_wake(pulls, log)
 
-        with mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.3), mock.patch.object(sync, "wake_pulls", slow_wake):
+        with mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.3), mock.patch.object(sync, "wake_waiters", slow_wake):
             sock = self.raw_pull("a")
             self.wait_parked(1)
             pusher = threading.Thread(target=lambda: self.push(self.alice, "a", [record()]))
