@@ -7,6 +7,7 @@ subprocess where a crash or a signal is part of the test).
 """
 
 import argparse
+import ast
 import base64
 import concurrent.futures
 import contextlib
@@ -11952,6 +11953,14 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual([line.split(None, 1) for line in listed.splitlines()],
                          [[command.name, command.summary] for command in sync.COMMANDS
                           if command.name != "serve"])
+
+    def test_calls_with_more_than_four_arguments_use_keywords(self):
+        with open(MODULE, encoding="utf-8") as f:
+            source = f.read()
+        crowded = ["%d: %s" % (node.lineno, ast.get_source_segment(source, node))
+                   for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+                   and sum(not isinstance(arg, ast.Starred) for arg in node.args) > 4]
+        self.assertEqual(crowded, [])  # (a plain rule of the code: such calls use keywords)
 
     def test_token_issue_help_describes_every_flag(self):
         with contextlib.redirect_stdout(io.StringIO()) as out, self.assertRaises(SystemExit):
