@@ -6861,7 +6861,7 @@ def build_server(data_dir, config, log, listener=None):
                 ("oharness_sync_feeds_damaged", "Feeds refused for a damaged line.",
                  feeds.damaged)):
             metrics.gauge(name, text, read)
-    app = SyncApp(feeds, memory, auth, config, log, metrics)
+    app = SyncApp(feeds, memory, auth, config, log=log, metrics=metrics)
     return SyncServer(app, config, log, listener)
 
 
