@@ -5473,19 +5473,20 @@ def json_response(status, value, headers=()):
 
 class Request:
     """What a route's handler sees of one HTTP request: headers by lower-case name, the query
-    parsed, and the SyncRequestHandler serving its connection: for the body, read only when asked
-    for, and for a parked pull's wait."""
+    parsed, and the SyncRequestHandler serving its connection (its method, headers and TLS are
+    the handler's): for the body, read only when asked for, and for a parked pull's wait."""
     __slots__ = ("method", "path", "query", "headers", "handler", "client", "tls", "principal",
                  "refusal", "__weakref__")
 
-    def __init__(self, method, path, query, headers, handler, client=None, tls=False):
-        self.method = method
+    def __init__(self, handler, path, query, client):
+        self.method = handler.command
         self.path = path
         self.query = query
-        self.headers = headers
+        self.headers = handler.headers
         self.handler = handler          # read_body; hold, client_gone, respond_early, release
         self.client = client            # the client's address (host), as the connection shows it
-        self.tls = tls                  # whether it came over HTTPS (a proxy's HTTPS is not seen)
+        # whether it came over HTTPS (a proxy's HTTPS is not seen)
+        self.tls = handler.server.tls is not None
         self.principal = None           # for the access log, once a token was verified
         self.refusal = None             # ... or why it was refused
 
@@ -6364,8 +6365,7 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         client = self.client_address[0]
         if self.via_proxy:
             client = forwarded_client(headers) or client
-        request = Request(self.command, path, query, headers, handler=self, client=client,
-                          tls=self.server.tls is not None)
+        request = Request(self, path, query, client)
         self.body = None
         self.server.begin_request(self)
         try:
