@@ -7662,16 +7662,15 @@ class SyncClient:
         tls.setblocking(True)
         return tls
 
-    def call(self, method, path, body=None, token=None, timeout=None, keep_alive=False,
-             limit=SMALL_ANSWER_BYTES):
+    def call(self, method, path, body=None, token=None, keep_alive=False, bounds=None):
         """(status, headers with lower-case names, document) of one request. body: a JSON document
-        or its bytes (None: no body); token None sends ours, "" sends none. The document is the
-        body's JSON, else its first bytes as text (None for an empty body). Raises ConnectFailed,
-        else OSError or http.client.HTTPException (AnswerStopped past the time or the byte limit)
-        when the request fails."""
+        or its bytes (None: no body); token None sends ours, "" sends none; bounds: see exchange.
+        The document is the body's JSON, else its first bytes as text (None for an empty body).
+        Raises ConnectFailed, else OSError or http.client.HTTPException (AnswerStopped past the
+        time or the byte limit) when the request fails."""
         data = body if body is None or isinstance(body, bytes) else encode_json(body)
-        status, headers, raw = self.exchange(method, path, data, token=token, timeout=timeout,
-                                             keep_alive=keep_alive, limit=limit)
+        status, headers, raw = self.exchange(method, path, data, token=token,
+                                             keep_alive=keep_alive, bounds=bounds)
         try:
             document = decode_json(raw, max_depth=None) if raw else None
         except ValueError:
@@ -7689,33 +7688,33 @@ class SyncClient:
         if team is not None:
             query["team"] = team
         return self.call("GET", "/v1/pull?" + urllib.parse.urlencode(query), token=token,
-                         timeout=self.timeout + params.get("wait", 0), keep_alive=keep_alive,
-                         limit=LARGE_ANSWER_BYTES)
+                         keep_alive=keep_alive,
+                         bounds=(self.timeout + params.get("wait", 0), LARGE_ANSWER_BYTES))
 
     def projects(self, team=None, token=None, keep_alive=False):
         """The list of projects with a feed (team None: personal feeds)."""
         query = "" if team is None else "?" + urllib.parse.urlencode({"team": team})
         return self.call("GET", "/v1/projects" + query, token=token, keep_alive=keep_alive,
-                         limit=LARGE_ANSWER_BYTES)
+                         bounds=(self.timeout, LARGE_ANSWER_BYTES))
 
     def post_memory(self, route, body, token=None, keep_alive=False):
         """A memory request: route is identity, snapshot or commit."""
+        limit = SMALL_ANSWER_BYTES if route == "identity" else LARGE_ANSWER_BYTES
         return self.call("POST", "/v1/memory/" + route, body, token, keep_alive=keep_alive,
-                         limit=SMALL_ANSWER_BYTES if route == "identity" else LARGE_ANSWER_BYTES)
+                         bounds=(self.timeout, limit))
 
-    def exchange(self, method, path, data=None, token=None, timeout=None, keep_alive=False,
-                 limit=SMALL_ANSWER_BYTES):
+    def exchange(self, method, path, data=None, token=None, keep_alive=False, bounds=None):
         """(status, headers with lower-case names, body bytes) of one request; data is a JSON body
-        as bytes. token None sends ours; "" sends none. All of it within timeout seconds (None:
-        the client's), the answer within limit bytes. Raises ConnectFailed, OSError or
-        http.client.HTTPException."""
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        bounds = dict(token=token, deadline=deadline, seconds=timeout, limit=limit)
+        as bytes. token None sends ours; "" sends none. bounds (seconds, limit): all of it within
+        seconds, the answer within limit bytes (None: the client's timeout, SMALL_ANSWER_BYTES).
+        Raises ConnectFailed, OSError or http.client.HTTPException."""
+        seconds, limit = bounds or (self.timeout, SMALL_ANSWER_BYTES)
+        deadline = time.monotonic() + seconds
+        limits = (deadline, seconds, limit)
         if not keep_alive:
             conn = self.connect(deadline)
             try:
-                return self.send(conn, method, path, data, **bounds)
+                return self.send(conn, method, path, data, token, limits)
             finally:
                 conn.close()
         reused = self._kept is not None and self._kept.sock is not None
@@ -7724,7 +7723,7 @@ class SyncClient:
                 self.close()
                 self._kept = self.connect(deadline)
             try:
-                return self.send(self._kept, method, path, data, **bounds)
+                return self.send(self._kept, method, path, data, token, limits)
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
                 if (attempt == 2 or not reused
@@ -7732,10 +7731,11 @@ class SyncClient:
                     raise
         raise AssertionError("not reached")
 
-    def send(self, conn, method, path, data=None, token=None, deadline=None, seconds=None,
-             limit=SMALL_ANSWER_BYTES):
-        """One request on conn, bounded by deadline (seconds after its start) and limit:
-        (status, headers with lower-case names, body bytes)."""
+    def send(self, conn, method, path, data, token, limits):
+        """One request on conn, bounded by limits, (deadline, seconds, limit): by deadline (seconds
+        after its start), its answer by limit bytes: (status, headers with lower-case names, body
+        bytes)."""
+        deadline, seconds, limit = limits
         bounded = conn.sock
         bounded.begin("%s %s of %s" % (method, path.split("?", 1)[0], self.url), deadline,
                       seconds, limit)
