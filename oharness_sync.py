@@ -7606,12 +7606,24 @@ class SyncClient:
     protocol may be sent twice (pushes deduplicate, a commit carries its etag), so that is safe.
     """
 
-    def __init__(self, url, token=None, context=None, timeout=CHECK_TIMEOUT, flag="--url"):
+    def __init__(self, url, token=None, context=None, timeout=CHECK_TIMEOUT, flag="--url",
+                 ca_file=None):
         self.url = url
         self.https, self.host, self.port = parse_base_url(url, flag)
         self.token = token
-        # an ssl.SSLContext for https (None: the system's trusted certificates)
+        # an ssl.SSLContext for https (None: the system's trusted certificates, or ca_file's)
         self.context = context
+        self.ca_file = ca_file                 # --ca-file, named when a certificate fails
+        if ca_file is not None and not self.https:
+            raise UsageError("--ca-file goes with an https:// URL")
+        if ca_file is not None and context is None:
+            try:
+                self.context = ssl.create_default_context(cafile=ca_file)
+            except ssl.SSLError:
+                raise UsageError("cannot use --ca-file %s: it holds no certificate (a PEM file "
+                                 "with BEGIN CERTIFICATE; is it a key?)" % ca_file) from None
+            except (OSError, ValueError) as exc:
+                raise UsageError("cannot use --ca-file %s: %s" % (ca_file, reason(exc))) from None
         self.timeout = timeout
         self._kept = None
 
@@ -8408,24 +8420,12 @@ class ConformanceCheck:
     anything is written.
     """
 
-    def __init__(self, url, token, other_token=None, team=None, principal=None, out=None,
-                 ca_file=None, err=None):
-        self.url = url
-        self.client = SyncClient(url, token, timeout=CHECK_TIMEOUT)
-        self.ca_file = ca_file
-        if ca_file is not None and not self.client.https:
-            raise UsageError("--ca-file goes with an https:// URL")
-        if self.client.https:
-            try:
-                self.client.context = ssl.create_default_context(cafile=ca_file)
-            except ssl.SSLError:
-                raise UsageError("cannot use --ca-file %s: it holds no certificate (a PEM file "
-                                 "with BEGIN CERTIFICATE; is it a key?)" % ca_file) from None
-            except (OSError, ValueError) as exc:
-                raise UsageError("cannot use --ca-file %s: %s" % (ca_file, reason(exc))) from None
+    def __init__(self, client, other_token=None, team=None, principal=None, out=None, err=None):
+        self.url = client.url
+        self.client = client                   # a SyncClient (check_client)
         self.responded = False  # no HTTP response yet: nothing written, no notice printed
         self.err = err or sys.stderr
-        self.token = token
+        self.token = client.token
         self.other_token = other_token
         self.team = team
         self.principal = principal
@@ -8515,7 +8515,8 @@ class ConformanceCheck:
         try:
             status, headers, document = send()
         except ConnectFailed as exc:  # refused, no such host, an untrusted certificate
-            raise CheckStopped(connect_failure(exc.url, exc.error, self.ca_file)) from None
+            failure = connect_failure(exc.url, exc.error, self.client.ca_file)
+            raise CheckStopped(failure) from None
         except AnswerStopped as exc:  # every further request would likely end the same way
             raise CheckStopped(str(exc)) from None
         except (OSError, http.client.HTTPException) as exc:
@@ -8879,9 +8880,9 @@ def check_command(argv):
         raise UsageError("--memory and --principal go together")
     if args.principal is not None and not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
-    check = ConformanceCheck(args.url, token, other_token=other, team=args.team,
-                             principal=args.principal, out=sys.stdout, ca_file=args.ca_file,
-                             err=sys.stderr)
+    client = SyncClient(args.url, token, timeout=CHECK_TIMEOUT, ca_file=args.ca_file)
+    check = ConformanceCheck(client, other_token=other, team=args.team, principal=args.principal,
+                             out=sys.stdout, err=sys.stderr)
     if not check.client.https and not is_loopback_host(check.client.host):
         print("check: warning: the token goes to %s in plain http, readable on the way" % args.url,
               file=sys.stderr, flush=True)

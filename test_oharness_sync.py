@@ -12834,7 +12834,7 @@ class ResponseShapeTest(unittest.TestCase):
     def test_check_fails_and_replicate_refuses_for_a_bad_response(self):
         wrong = 'the response to a pull has a cursor below since (2): {"cursor": 1}'
         out = io.StringIO()
-        check = ConformanceCheck("http://127.0.0.1:1", "t0ken", out=out, err=io.StringIO())
+        check = ConformanceCheck(sync.SyncClient("http://127.0.0.1:1", "t0ken"), out=out, err=io.StringIO())
         check.checks = lambda: [("paging", lambda: sync.pull_page({"cursor": 1}, 2))]
         self.assertFalse(check.run())
         self.assertEqual(out.getvalue(), "FAIL paging: %s\ncheck: 0 passed, 1 failed\n" % wrong)
@@ -12851,8 +12851,8 @@ class CheckCommandTest(ServerCase):
 
     def test_every_check_passes_against_this_server(self):
         out, err = io.StringIO(), io.StringIO()
-        check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
-                                 out=out, err=err)
+        check = ConformanceCheck(sync.SyncClient(self.url, self.alice), other_token=self.bob,
+                                 team="platform", principal="alice", out=out, err=err)
         self.assertTrue(check.run(), out.getvalue())
         lines = out.getvalue().splitlines()
         self.assertEqual([line for line in lines if not line.startswith("PASS ")],
@@ -12862,8 +12862,9 @@ class CheckCommandTest(ServerCase):
         self.assertEqual(err.getvalue(), check.notice() + "\n")
 
     def test_the_notice_names_exactly_the_projects_it_leaves_behind(self):
-        check = ConformanceCheck(self.url, self.alice, other_token=self.bob, team="platform", principal="alice",
-                                 out=io.StringIO(), err=io.StringIO())
+        check = ConformanceCheck(sync.SyncClient(self.url, self.alice), other_token=self.bob,
+                                 team="platform", principal="alice", out=io.StringIO(),
+                                 err=io.StringIO())
         with quick_long_polls():
             self.assertTrue(check.run())
         notice = check.notice()
@@ -13100,7 +13101,7 @@ class CheckCatchesFaultsTest(unittest.TestCase):
     def test_a_server_gone_half_way_stops_the_checks_with_one_line(self):
         url = self.start_faulty_server(None)
         out = io.StringIO()
-        check = ConformanceCheck(url, "token-a", out=out, err=io.StringIO())
+        check = ConformanceCheck(sync.SyncClient(url, "token-a"), out=out, err=io.StringIO())
         stop_after = check.check_smoke_test
 
         def smoke_test_then_stop():
