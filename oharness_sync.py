@@ -10834,11 +10834,17 @@ def new_project(kind):
     return "bench-%s-%s-%d" % (kind, BENCH_RUN, time.time() * 1000)
 
 
-def bench_worker(url, token, project, worker, ready, go, window, results):
-    """One client process: connect, say so on ready, and once go is set send requests back to back
-    within the window (start, stop) the parent set: health, or pushes of a new record to project (a
-    template filled in: the clients' cost is not the server's). On results (worker, count, None),
-    or (worker, count, (status, body)) of the first answer not 200, which ends them."""
+# What the parent of bench_worker processes shares with them (bench_counts).
+BenchSignals = collections.namedtuple("BenchSignals", "ready go window results")
+
+
+def bench_worker(url, token, project, worker, signals):
+    """One client process: connect, say so on signals.ready, and once signals.go is set send
+    requests back to back within signals.window (start, stop), which the parent set: health, or
+    pushes of a new record to project (a template filled in: the clients' cost is not the
+    server's). On signals.results (worker, count, None), or (worker, count, (status, body)) of the
+    first answer not 200, which ends them."""
+    ready, go, window, results = signals
     count, refusal, client = 0, None, None
     try:
         client = BenchClient(url, token)
@@ -10870,11 +10876,11 @@ def bench_counts(url, token, clients, seconds, project=None):
     """The requests each of clients processes (bench_worker) had answered 200 within seconds,
     timed once every one is connected; BenchRefused if one was answered otherwise."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    ready, go, window, results = (context.Queue(), context.Event(), context.Array("d", 2),
-                                  context.Queue())
+    signals = BenchSignals(context.Queue(), context.Event(), context.Array("d", 2), context.Queue())
+    ready, go, window, results = signals
     processes = [context.Process(target=bench_worker, kwargs={
-        "url": url, "token": token, "project": project, "worker": i, "ready": ready, "go": go,
-        "window": window, "results": results}) for i in range(clients)]
+        "url": url, "token": token, "project": project, "worker": i, "signals": signals})
+        for i in range(clients)]
     for process in processes:
         process.start()
     try:
