@@ -10876,7 +10876,8 @@ def bench_counts(url, token, clients, seconds, project=None):
     """The requests each of clients processes (bench_worker) had answered 200 within seconds,
     timed once every one is connected; BenchRefused if one was answered otherwise."""
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    signals = BenchSignals(context.Queue(), context.Event(), context.Array("d", 2), context.Queue())
+    signals = BenchSignals(ready=context.Queue(), go=context.Event(), window=context.Array("d", 2),
+                           results=context.Queue())
     ready, go, window, results = signals
     processes = [context.Process(target=bench_worker, kwargs={
         "url": url, "token": token, "project": project, "worker": i, "signals": signals})
