@@ -10217,6 +10217,38 @@ class TransportTest(ServerCase):
         self.assertEqual(self.pull(self.alice).json["records"], [record()])
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
 
+    def test_stop_answers_a_parked_pull_at_once_and_lets_a_push_in_flight_finish(self):
+        """SyncServer.stop(grace), as a SIGTERM's: no new connection, a parked pull answered at once,
+        a push in flight answered and stored within grace, then no connection left."""
+        pulls = []
+        puller = threading.Thread(target=lambda: pulls.append(self.pull(self.alice, wait=30)))
+        puller.start()
+        deadline = time.monotonic() + 5
+        while len(self.server.app.parked) != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        body = json.dumps({"project": "proj", "records": [record()]}).encode()
+        with fsyncs_held() as (entered, gate), open_raw(self.url) as sock:
+            sock.sendall(push_head(self.alice, len(body)) + body)
+            self.assertTrue(entered.wait(5))
+            stopper = threading.Thread(target=self.server.stop, args=(5,))
+            stopper.start()
+            puller.join(5)  # at once, not after its 30 s
+            self.assertEqual((pulls[0].status, pulls[0].json), (200, EMPTY_PULL))
+            self.assertTrue(stopper.is_alive())  # waiting for the push
+            gate.set()
+            status, _, answer = read_raw_answer(sock)
+            stopper.join(5)
+        self.assertEqual((status, json.loads(answer)), (200, {"cursor": 1, "accepted": 1}))
+        self.assertFalse(stopper.is_alive())
+        deadline = time.monotonic() + 5
+        while self.server.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual((self.server.busy, self.server.connections), (0, 0))
+        with self.assertRaises(ConnectionRefusedError):
+            open_raw(self.url).close()
+        self.assertEqual([line for line in self.log_lines if "error" in line], [])
+        self.assertEqual(len(feed_store(self.data_dir).pull(("u", "alice"), "proj", 0, 10).records), 1)
+
     def test_a_push_whose_answer_meets_a_reset_connection_is_no_longer_in_flight(self):
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
         with fsyncs_held() as (entered, gate):
@@ -11916,6 +11948,54 @@ class DurabilityTest(unittest.TestCase):
             self.assertEqual(answer.json, {"cursor": since + 1, "accepted": 1})  # numbering continues
         finally:
             server.stop()
+
+
+class ServerConfigTest(unittest.TestCase):
+    """serve's flags become one ServerConfig (config_from_flags), the one thing build_server is
+    given: each flag in its field, and the config's defaults are the flags'."""
+
+    def setUp(self):
+        self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, self.data_dir, True)
+
+    def served_config(self, *flags):
+        """The ServerConfig serve hands build_server for these flags (no server is built)."""
+        built = []
+
+        def build_server(data_dir, config, log, listener=None):
+            built.append((data_dir, config))
+            raise sync.UsageError("not built")
+
+        with mock.patch.object(sync, "build_server", build_server):
+            with self.assertRaisesRegex(sync.UsageError, "^not built$"):
+                sync.serve_command(["--data", self.data_dir, "--port", "0"] + list(flags))
+        self.assertEqual(built[0][0], os.path.realpath(self.data_dir))
+        return built[0][1]
+
+    def test_the_defaults_are_the_flags_defaults(self):
+        self.assertEqual(self.served_config(), sync.ServerConfig(port=0))
+
+    def test_every_serving_flag_lands_in_its_field(self):
+        metrics_token = os.path.join(self.data_dir, "metrics.token")
+        principals = os.path.join(self.data_dir, "principals")
+        with open(metrics_token, "w") as f:
+            f.write(METRICS_TOKEN + "\n")
+        with open(principals, "w") as f:
+            f.write("alice\n")
+        config = self.served_config(
+            "--host", "127.0.0.1", "--max-connections", "40", "--max-connections-per-address", "5",
+            "--trusted-proxy", "10.0.0.0/8", "--max-parked", "7", "--request-timeout", "2.5",
+            "--retain-deleted-days", "3", "--metrics-token-file", metrics_token,
+            "--principals-file", principals, "--reserve-disk", "1MiB", "--memory-auth", "off",
+            "--memory-rate-limit", "60", "--quiet")
+        self.assertEqual(
+            (config.host, config.max_connections, config.max_per_address, config.trusted_proxies,
+             config.max_parked, config.request_seconds, config.retain_deleted_days,
+             config.metrics_token, config.metrics_token_file, config.principals.path,
+             config.reserve_disk, config.memory_mode, config.memory_rate_limit, config.tls,
+             config.jwt, config.supabase),
+            ("127.0.0.1", 40, 5, (ipaddress.ip_network("10.0.0.0/8"),), 7, 2.5, 3, METRICS_TOKEN,
+             metrics_token, principals, 1 << 20, "off", 60, None, None, None))
 
 
 class CommandLineTest(unittest.TestCase):
