@@ -10218,8 +10218,8 @@ class TransportTest(ServerCase):
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
 
     def test_stop_answers_a_parked_pull_at_once_and_lets_a_push_in_flight_finish(self):
-        """SyncServer.stop(grace), as a SIGTERM's: no new connection, a parked pull answered at once,
-        a push in flight answered and stored within grace, then no connection left."""
+        """SyncServer.stop(grace), as a SIGTERM's: no new connection, a parked pull answered at
+        once, a push in flight answered and stored within grace, then no connection left."""
         pulls = []
         puller = threading.Thread(target=lambda: pulls.append(self.pull(self.alice, wait=30)))
         puller.start()
@@ -10247,7 +10247,8 @@ class TransportTest(ServerCase):
         with self.assertRaises(ConnectionRefusedError):
             open_raw(self.url).close()
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
-        self.assertEqual(len(feed_store(self.data_dir).pull(("u", "alice"), "proj", 0, 10).records), 1)
+        stored = feed_store(self.data_dir).pull(("u", "alice"), "proj", 0, 10)
+        self.assertEqual(len(stored.records), 1)
 
     def test_a_push_whose_answer_meets_a_reset_connection_is_no_longer_in_flight(self):
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
@@ -12914,7 +12915,8 @@ class ResponseShapeTest(unittest.TestCase):
     def test_check_fails_and_replicate_refuses_for_a_bad_response(self):
         wrong = 'the response to a pull has a cursor below since (2): {"cursor": 1}'
         out = io.StringIO()
-        check = ConformanceCheck(sync.SyncClient("http://127.0.0.1:1", "t0ken"), out=out, err=io.StringIO())
+        client = sync.SyncClient("http://127.0.0.1:1", "t0ken")
+        check = ConformanceCheck(client, out=out, err=io.StringIO())
         check.checks = lambda: [("paging", lambda: sync.pull_page({"cursor": 1}, 2))]
         self.assertFalse(check.run())
         self.assertEqual(out.getvalue(), "FAIL paging: %s\ncheck: 0 passed, 1 failed\n" % wrong)
@@ -13146,7 +13148,7 @@ class CheckCatchesFaultsTest(unittest.TestCase):
     def test_a_server_that_never_waits_fails_both_long_poll_checks(self):
         url = self.start_faulty_server("no-wait")
         out = io.StringIO()
-        self.assertFalse(ConformanceCheck(url, "token-a", out=out, err=io.StringIO()).run())
+        self.assertFalse(ConformanceCheck(sync.SyncClient(url, "token-a"), out=out, err=io.StringIO()).run())
         failed = [line for line in out.getvalue().splitlines() if line.startswith("FAIL ")]
         self.assertEqual([line.split()[1] for line in failed],
                          ["long-poll-wakes:", "long-poll-timeout:"], out.getvalue())
