@@ -13148,7 +13148,8 @@ class CheckCatchesFaultsTest(unittest.TestCase):
     def test_a_server_that_never_waits_fails_both_long_poll_checks(self):
         url = self.start_faulty_server("no-wait")
         out = io.StringIO()
-        self.assertFalse(ConformanceCheck(sync.SyncClient(url, "token-a"), out=out, err=io.StringIO()).run())
+        check = ConformanceCheck(sync.SyncClient(url, "token-a"), out=out, err=io.StringIO())
+        self.assertFalse(check.run())
         failed = [line for line in out.getvalue().splitlines() if line.startswith("FAIL ")]
         self.assertEqual([line.split()[1] for line in failed],
                          ["long-poll-wakes:", "long-poll-timeout:"], out.getvalue())
