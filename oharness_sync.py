@@ -7726,7 +7726,7 @@ class SyncClient:
         if not keep_alive:
             conn = self.connect(deadline)
             try:
-                return self.send(conn, method, path, data, token, limits)
+                return self.send(conn, method, path, data, token=token, limits=limits)
             finally:
                 conn.close()
         reused = self._kept is not None and self._kept.sock is not None
@@ -7735,7 +7735,7 @@ class SyncClient:
                 self.close()
                 self._kept = self.connect(deadline)
             try:
-                return self.send(self._kept, method, path, data, token, limits)
+                return self.send(self._kept, method, path, data, token=token, limits=limits)
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
                 if (attempt == 2 or not reused
