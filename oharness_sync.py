@@ -8896,6 +8896,10 @@ def check_command(argv):
 # A client of the protocol on both sides: it reads no data dir and works between any two servers.
 # Feeds are copied page by page from the last cursor the target acknowledged; memory notes are
 # reconciled three ways against the source's hashes of the previous pass (the state file's base).
+# Read it as: the pure rules (plan_pushes, plan_memory), the state file (ReplicationState), a
+# side's requests (ReplicateSide), what is said and counted (ReplicateReport), when a request is
+# tried again (RetryPolicy), one feed's copy (FeedCopy), one memory scope's (ScopeCopy), and the
+# run that finds what to copy and decides what a fault ends (Replicator).
 
 REPLICATE_TIMEOUT = 60           # seconds for one request; a long-poll gets its wait on top
 REPLICATE_WAIT = 30              # a --follow long-poll's wait
@@ -9104,24 +9108,26 @@ class ReplicationState:
         except (OSError, ValueError) as exc:
             raise UsageError("cannot use the state file %s: %s" % (path, reason(exc))) from None
 
-    def cursor(self, feed):
+    def cursor(self, name):
+        """The cursor feed name (FeedRef.name) was copied to, 0 at first."""
         with self._lock:
-            return self.doc["feeds"].get(feed, 0)
+            return self.doc["feeds"].get(name, 0)
 
-    def set_cursor(self, feed, cursor):
+    def set_cursor(self, name, cursor):
         with self._lock:
-            self.doc["feeds"][feed] = cursor
+            self.doc["feeds"][name] = cursor
             self._save()
 
-    def memory(self, scope):
-        """(True when a pass was made, the source's etag then, {id: the source's hash then})."""
+    def scope_base(self, name):
+        """Of memory scope name's previous pass: (True when there was one, the source's etag then,
+        {id: the source's hash then})."""
         with self._lock:
-            saved = self.doc["memory"].get(scope)
+            saved = self.doc["memory"].get(name)
             return (True, saved["etag"], dict(saved["base"])) if saved else (False, None, {})
 
-    def set_memory(self, scope, etag, base):
+    def set_scope_base(self, name, etag, base):
         with self._lock:
-            self.doc["memory"][scope] = {"etag": etag, "base": base}
+            self.doc["memory"][name] = {"etag": etag, "base": base}
             self._memory_json = None
             self._save()
 
@@ -9158,8 +9164,19 @@ class Fetch(threading.Thread):
         return self.value
 
 
+class FeedRef(collections.namedtuple("FeedRef", "team project")):
+    """A feed replicate copies: its team (None: the principal's own) and project."""
+
+    __slots__ = ()
+
+    @property
+    def name(self):
+        return feed_name(self.team, self.project)
+
+
 class ReplicateSide:
-    """One server of a replication: its URL, token, TLS trust and (for memory) principal."""
+    """One server of a replication: its URL, token, TLS trust and (for memory) principal and quota;
+    request() sends it a request and sorts the answer, outage() counts its requests failing."""
 
     def __init__(self, role, url, token, context, principal=None):
         self.role = role  # "source" or "target", in messages
@@ -9169,44 +9186,85 @@ class ReplicateSide:
         self.principal = principal
         self.quota = dict(MEMORY_QUOTA)
         self.flag = "--from" if role == "source" else "--to"
-        # --follow: requests failing now (each said once, when the first one began), and since when
-        self.failing = 0
-        self.failing_since = None
+        self._lock = threading.Lock()
+        # live: requests failing now (each said once, when the first one began), and since when
+        self._failing = 0
+        self._failing_since = None
 
     def client(self):
         return SyncClient(self.url, self.token, self.context, REPLICATE_TIMEOUT)
 
+    def request(self, what, send, statuses=(200,)):
+        """(status, document) of send(), a function that sends one request with a client of this
+        side (what: "METHOD /path", for messages); ReplicateFatal for 401 and 403,
+        ReplicateTransient for a network error (an answer not whole in time included), 429 or
+        5xx, ReplicateRefused for an answer past its byte limit and for any other status not in
+        statuses."""
+        try:
+            status, _, document = send()
+        except AnswerTooLarge as exc:  # the same answer again would be as large
+            raise ReplicateTooLarge("%s: %s" % (self.role, exc)) from None
+        except (ConnectFailed, OSError, http.client.HTTPException) as exc:
+            error = exc.error if isinstance(exc, ConnectFailed) else exc
+            if isinstance(error, ssl.SSLCertVerificationError):  # trying again changes nothing
+                raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a "
+                                     "self-signed one, give it with --ca-file"
+                                     % (self.role, self.url, error.verify_message)) from None
+            if isinstance(exc, ConnectFailed):  # its cause in words (connect_failure)
+                raise ReplicateTransient(self, "%s: %s: %s" % (self.role, what, exc)) from None
+            raise ReplicateTransient(self, "%s: %s of %s: network error: %s" % (
+                self.role, what, self.url, str(error) or type(error).__name__)) from None
+        code = document.get("code") if isinstance(document, dict) else None
+        if status == 403 and code == "account_mismatch":  # the principal expected, not the token
+            raise ReplicateFatal(
+                "%s-principal %s is not the principal of the %s token: the %s %s answered %s with "
+                "403 %s; give %s-principal the principal the token was issued to (or --no-memory)"
+                % (self.flag, self.principal, self.flag, self.role, self.url, what,
+                   excerpt(document), self.flag))
+        if status in (401, 403) and status not in statuses:
+            raise ReplicateFatal("the %s %s refuses its token: %s answered %d %s" % (
+                self.role, self.url, what, status, excerpt(document)))
+        if status == 503 and code == "auth_not_configured":
+            raise ReplicateRefused("the %s has memory sync turned off: %s answered %d %s" % (
+                self.role, what, status, excerpt(document)))
+        if status == 429 or status >= 500:
+            raise ReplicateTransient(self, "%s: %s answered %d %s"
+                                     % (self.role, what, status, excerpt(document)))
+        if status not in statuses:
+            raise ReplicateRefused("the %s answered %s with %d %s"
+                                   % (self.role, what, status, excerpt(document)))
+        return status, document
 
-class Replicator:
-    """Copies a principal's feeds (personal and teams) and memory notes from a source to a target
-    server, once (run) or continuously (follow). Messages go to out; counts are summed in
-    self.totals."""
+    def outage(self, change):
+        """Count a request that starts failing (change 1) or ends (-1): (True when it is the first
+        failing, the seconds the side failed when it is the last, else None)."""
+        with self._lock:
+            self._failing += change
+            began = self._failing == 1 and change > 0
+            if began:
+                self._failing_since = time.monotonic()
+            if self._failing != 0 or self._failing_since is None:
+                return began, None
+            seconds, self._failing_since = time.monotonic() - self._failing_since, None
+            return began, seconds
 
-    def __init__(self, source, target, state, teams=(), projects=(), memory=True, quiet=False,
-                 out=None, progress=False):
-        self.source = source
-        self.target = target
-        self.state = state
-        self.namespaces = [None] + list(teams)
-        self.projects = list(projects)
-        self.memory = memory
+
+class ReplicateReport:
+    """What a replication says (one line each on out, its tokens hidden) and what it counts."""
+
+    def __init__(self, out, secrets, quiet=False, progress=False):
+        self.out = out
+        self.secrets = secrets
         self.quiet = quiet
-        self.out = out or sys.stderr
-        self.progress = progress and not quiet
-        self.stopping = threading.Event()
+        self.progress = progress and not quiet  # a line per feed, rewritten as it is copied
         self.failed = False
-        self.fatal = None       # the line a 401 or 403 ended the run with
         self.totals = collections.Counter()
         self.scopes = {}        # {memory scope looked at: True once the source had notes there}
         self._lock = threading.Lock()
-        self._busy = 0          # pushes and commits in flight: a stop lets them finish
-        self._idle = threading.Condition(self._lock)
-
-    # -- messages and counts -------------------------------------------------
 
     def say(self, message, error=False):
         if error or not self.quiet:
-            for secret in (self.source.token, self.target.token):
+            for secret in self.secrets:
                 message = message.replace(secret, "<token>")
             with self._lock:
                 try:
@@ -9219,15 +9277,24 @@ class Replicator:
             self.failed = True
         self.say(message, error=True)
 
-    def state_failed(self, exc):
-        """The state file cannot be written: everything stops (what is copied cannot be
-        remembered)."""
-        self.fail("stopped: cannot write the state file %s: %s" % (self.state.path, reason(exc)))
-        self.stopping.set()
-
     def count(self, **amounts):
         with self._lock:
             self.totals.update(amounts)
+
+    def scope_seen(self, name, found):
+        """A memory scope looked at; found: the source had notes there."""
+        with self._lock:
+            self.scopes[name] = self.scopes.get(name, False) or found
+
+    def show_progress(self, name, events, seconds, start="", end=""):
+        line = "%s: %d events, %d events/s" % (name, events,
+                                               events / seconds if seconds > 0 else 0)
+        with self._lock:
+            try:
+                self.out.write("%sreplicate: %-60s%s" % (start, line, end))
+                self.out.flush()
+            except (OSError, ValueError):
+                pass
 
     def summary(self, seconds):
         t = self.totals
@@ -9252,62 +9319,22 @@ class Replicator:
                 "session feed is found only when named with --project ID"
                 % (plural(len(names), "scope"), shown))
 
-    # -- requests --------------------------------------------------------------
 
-    def call(self, side, what, send, statuses=(200,)):
-        """(status, document) of send(), a function that sends one request with a client of side
-        (what: "METHOD /path", for messages); ReplicateFatal for 401 and 403, ReplicateTransient
-        for a network error (an answer not whole in time included), 429 or 5xx, ReplicateRefused
-        for an answer past its byte limit and for any other status not in statuses."""
-        try:
-            status, _, document = send()
-        except AnswerTooLarge as exc:  # the same answer again would be as large
-            raise ReplicateTooLarge("%s: %s" % (side.role, exc)) from None
-        except (ConnectFailed, OSError, http.client.HTTPException) as exc:
-            error = exc.error if isinstance(exc, ConnectFailed) else exc
-            if isinstance(error, ssl.SSLCertVerificationError):  # trying again changes nothing
-                raise ReplicateFatal("the %s %s: its certificate cannot be verified (%s); for a "
-                                     "self-signed one, give it with --ca-file"
-                                     % (side.role, side.url, error.verify_message)) from None
-            if isinstance(exc, ConnectFailed):  # its cause in words (connect_failure)
-                raise ReplicateTransient(side, "%s: %s: %s" % (side.role, what, exc)) from None
-            raise ReplicateTransient(side, "%s: %s of %s: network error: %s" % (
-                side.role, what, side.url, str(error) or type(error).__name__)) from None
-        code = document.get("code") if isinstance(document, dict) else None
-        if status == 403 and code == "account_mismatch":  # the principal expected, not the token
-            raise ReplicateFatal(
-                "%s-principal %s is not the principal of the %s token: the %s %s answered %s with "
-                "403 %s; give %s-principal the principal the token was issued to (or --no-memory)"
-                % (side.flag, side.principal, side.flag, side.role, side.url, what,
-                   excerpt(document), side.flag))
-        if status in (401, 403) and status not in statuses:
-            raise ReplicateFatal("the %s %s refuses its token: %s answered %d %s" % (
-                side.role, side.url, what, status, excerpt(document)))
-        if status == 503 and code == "auth_not_configured":
-            raise ReplicateRefused("the %s has memory sync turned off: %s answered %d %s" % (
-                side.role, what, status, excerpt(document)))
-        if status == 429 or status >= 500:
-            raise ReplicateTransient(side, "%s: %s answered %d %s"
-                                     % (side.role, what, status, excerpt(document)))
-        if status not in statuses:
-            raise ReplicateRefused("the %s answered %s with %d %s"
-                                   % (side.role, what, status, excerpt(document)))
-        return status, document
+class RetryPolicy:
+    """The one place that decides when a failed request is tried again. A transient fault
+    (ReplicateTransient) is waited out, 1 s doubling to 60 s: live (--follow), for ever, a side's
+    faults said once when it starts failing and once more when it is back; else each fault is
+    said and the request gives up after REPLICATE_ATTEMPTS tries (ReplicateRefused). A stop ends
+    the waiting (ReplicateStopped). Any other fault is not retried: Replicator.ended decides
+    what it ends."""
 
-    @staticmethod
-    def checked(side, check, *args):
-        """check(*args), a check of the shape of a response from side; ReplicateRefused for a
-        BadResponse."""
-        try:
-            return check(*args)
-        except BadResponse as exc:
-            raise ReplicateRefused("%s: %s" % (side.role, exc)) from None
+    def __init__(self, live, stopping, report):
+        self.live = live
+        self.stopping = stopping
+        self.report = report
 
-    def retrying(self, action, what, follow):
-        """action(), and again after transient faults, waiting 1 s doubling to 60 s: for ever with
-        follow, else REPLICATE_ATTEMPTS tries (then ReplicateRefused), each fault said. With
-        follow, a side's faults are said once, when it starts failing, and once more when it is
-        back (outage()). A stop ends the waiting (ReplicateStopped)."""
+    def attempt(self, action, what):
+        """action(), and again after transient faults; what: the request, in messages."""
         delay, attempt, failing = REPLICATE_BACKOFF[0], 0, None
         try:
             while True:
@@ -9315,11 +9342,12 @@ class Replicator:
                     return action()
                 except ReplicateTransient as exc:
                     attempt += 1
-                    if not follow and attempt >= REPLICATE_ATTEMPTS:
+                    if not self.live and attempt >= REPLICATE_ATTEMPTS:
                         raise ReplicateRefused("%s (gave up after %d tries)"
                                                % (exc, attempt)) from None
-                    if not follow:
-                        self.say("%s: %s; trying again in %g s" % (what, exc, delay), error=True)
+                    if not self.live:
+                        self.report.say("%s: %s; trying again in %g s" % (what, exc, delay),
+                                        error=True)
                     elif failing is None:
                         failing = exc.side
                         self.outage(failing, 1, "%s: %s" % (what, exc))
@@ -9331,24 +9359,337 @@ class Replicator:
                 self.outage(failing, -1)
 
     def outage(self, side, change, fault=None):
-        """Count a request of side's that starts failing (change 1, fault: the first error) or
-        ends (-1): the first says the side is failing, the last that it is back."""
-        with self._lock:
-            side.failing += change
-            began = side.failing == 1 and change > 0
-            if began:
-                side.failing_since = time.monotonic()
-            ended = side.failing == 0 and side.failing_since is not None
-            seconds = time.monotonic() - (side.failing_since or 0)
-            if ended:
-                side.failing_since = None
+        """A request of side's starts failing (change 1, fault: the first error) or ends (-1):
+        the first says the side is failing, the last that it is back."""
+        began, seconds = side.outage(change)
         if began:
-            self.say("the %s %s is failing: %s; trying again (after %g s, doubling up to %g s) "
-                     "until it is back, which is said"
-                     % ((side.role, side.url, fault) + tuple(REPLICATE_BACKOFF)), error=True)
-        elif ended and not self.stopping.is_set():
-            self.say("the %s %s is back, after %.0f s" % (side.role, side.url, seconds),
-                     error=True)
+            self.report.say("the %s %s is failing: %s; trying again (after %g s, doubling up to "
+                            "%g s) until it is back, which is said"
+                            % ((side.role, side.url, fault) + tuple(REPLICATE_BACKOFF)),
+                            error=True)
+        elif seconds is not None and not self.stopping.is_set():
+            self.report.say("the %s %s is back, after %.0f s" % (side.role, side.url, seconds),
+                            error=True)
+
+
+class FeedCopy:
+    """The copy of one feed from its cursor in the state to the end (live: and then as events
+    arrive). The next page is pulled while pages are pushed, PUSHES_IN_FLIGHT at once, and the
+    state is written for each page once it and every page before it were acknowledged."""
+
+    def __init__(self, replicator, feed):
+        self.replicator = replicator
+        self.feed = feed  # a FeedRef
+        self.name = feed.name
+        self.retry = replicator.retry
+        self.limit = MAX_PULL_LIMIT  # events a pull asks for: halved for good past the limit
+        self.pushing = collections.deque()  # (a page's push, the cursor after it), oldest first
+        self.saving = None  # the last state write, made while later pages are pushed
+        self.copied = 0
+
+    def run(self):
+        """Copy; a fault ends the copy as Replicator.ended says (a ReplicateFatal is raised)."""
+        replicator, report = self.replicator, self.replicator.report
+        live, stopping = self.retry.live, replicator.stopping
+        source = replicator.source.client()
+        targets = [replicator.target.client() for _ in range(PUSHES_IN_FLIGHT)]
+        cursor = replicator.state.cursor(self.name)  # after the last page pulled
+        started = shown = time.monotonic()
+        try:
+            fetch, turn = Fetch(self.pull, source, cursor, 0), 0
+            while True:
+                next_cursor, records, sessions, more, body = fetch.result()
+                fetch = (Fetch(self.pull, source, next_cursor, 0)
+                         if more and not stopping.is_set() else None)
+                if next_cursor != cursor:
+                    if not replicator.begin_work():
+                        break
+                    push = Fetch(self.push_in_flight, targets[turn % len(targets)], records,
+                                 sessions, body)
+                    self.pushing.append((push, next_cursor))
+                    cursor, turn = next_cursor, turn + 1
+                self.settle(len(targets) - 1 if fetch is not None else 0)
+                if report.progress and not live and time.monotonic() - shown >= PROGRESS_SECONDS:
+                    shown = time.monotonic()
+                    report.show_progress(self.name, self.copied, shown - started, "\r")
+                if fetch is None:
+                    if not live or stopping.is_set():
+                        break
+                    fetch = Fetch(self.pull, source, cursor, REPLICATE_WAIT)  # a long-poll
+            self.settle(0)
+            if self.saving is not None:
+                self.saving.result()
+        except (ReplicateRefused, ReplicateStopped, OSError) as exc:
+            replicator.ended(exc, self.name, "this feed stops")
+            return
+        finally:
+            # a later page's push, when an earlier one was refused: not recorded
+            for push, _ in self.pushing:
+                push.join(REPLICATE_TIMEOUT)
+                if push.error is None and not push.is_alive():
+                    replicator.end_work()
+            source.close()
+            for target in targets:
+                target.close()
+        if report.progress and not live:
+            report.show_progress(self.name, self.copied, time.monotonic() - started, "\r",
+                                 end="\n")
+
+    def pull(self, client, since, wait):
+        """The page after since (wait: a long-poll's) as pull_page() has it, and its push body,
+        made here too: it overlaps the pushes. A page past the answer limit (a server whose pages
+        are not bounded in bytes) is asked again for half as many events, down to one."""
+        started = time.monotonic()
+        while True:
+            try:
+                page = self.retry.attempt(lambda: self.pull_page(client, since, wait),
+                                          "%s: pull" % self.name)
+                break
+            except ReplicateTooLarge:
+                if self.limit == 1:
+                    raise
+                self.limit //= 2
+                self.replicator.report.say("%s: a page passed %s: pulling %d events at a time" % (
+                    self.name, format_bytes(LARGE_ANSWER_BYTES), self.limit))
+        if wait and not (page[1] or page[2]):
+            self.replicator.stopping.wait(
+                REPLICATE_EMPTY_POLL_SECONDS - (time.monotonic() - started))
+        return page + (push_page_body(self.feed.project, self.feed.team, page[1], page[2]),)
+
+    def pull_page(self, client, since, wait):
+        """(cursor, records, sessions, more) of one pull of at most self.limit events;
+        ReplicateRefused when malformed."""
+        params = {"limit": self.limit}
+        if wait:
+            params["wait"] = wait
+        source = self.replicator.source
+        _, document = source.request("GET /v1/pull", lambda: client.pull(
+            self.feed.project, since, team=self.feed.team, keep_alive=True, **params))
+        return Replicator.checked(source, pull_page, document, since)
+
+    def settle(self, keep):
+        """Wait for pushes until at most keep are in flight; write each one's cursor, in order
+        (the work begun for a push ends once its cursor is written: a stop waits for that
+        too)."""
+        while len(self.pushing) > keep:
+            push, after = self.pushing[0]
+            self.copied += push.result()
+            if self.saving is not None:
+                self.saving.result()
+            self.pushing.popleft()
+            self.saving = Fetch(self.save_cursor, after)
+
+    def push_in_flight(self, client, records, sessions, body):
+        """push_page() of a page in a thread of its own; the work begun for it ends here when it
+        fails, else once its cursor is written (save_cursor)."""
+        try:
+            return self.push_page(client, records, sessions, body) if records or sessions else 0
+        except BaseException:
+            self.replicator.end_work()
+            raise
+
+    def save_cursor(self, cursor):
+        try:
+            self.replicator.state.set_cursor(self.name, cursor)
+        finally:
+            self.replicator.end_work()
+
+    def push_page(self, client, records, sessions, data):
+        """Push a page's events in pushes within the limits; how many events were sent.
+        data: push_page_body(); a page that fits is pushed whole, else (or when refused) event by
+        event."""
+        if (data is not None
+                and self.push(client, data, events=len(records) + len(sessions))[0] == 200):
+            return len(records) + len(sessions)
+        events = ([("r", encode_json(e), e) for e in records]
+                  + [("s", encode_json(e), e) for e in sessions])
+        overhead = len(push_body(self.feed.project, self.feed.team, []))
+        for start, end in plan_pushes([(kind, data) for kind, data, _ in events],
+                                      overhead=overhead):
+            self.push_events(client, events[start:end])
+        return len(events)
+
+    def push_events(self, client, events):
+        """Push events; a 400 or 413 halves them and tries again, down to one event the target
+        refuses."""
+        body = push_body(self.feed.project, self.feed.team,
+                         [(kind, data) for kind, data, _ in events])
+        status, doc = self.push(client, body, events=len(events))
+        if status == 200:
+            return
+        if len(events) == 1:
+            kind, _, event = events[0]
+            raise ReplicateRefused("the target refuses %s even alone: %d %s" % (
+                event_label(kind, event), status, excerpt(doc)))
+        half = len(events) // 2
+        self.push_events(client, events[:half])
+        self.push_events(client, events[half:])
+
+    def push(self, client, body, events):
+        """One push of body, which holds this many events: (status, document); 200, 400 or 413.
+        What a 200 says is counted: events copied, and events the target already had."""
+        target = self.replicator.target
+        status, document = self.retry.attempt(
+            lambda: target.request("POST /v1/push", lambda: client.push(body, keep_alive=True),
+                                   statuses=(200, 400, 413)),
+            "%s: push" % self.name)
+        if status == 200:
+            accepted = Replicator.checked(target, push_counts, document)[1]
+            if accepted > events:
+                raise ReplicateRefused("the target answered a push with %s" % excerpt(document))
+            self.replicator.report.count(copied=accepted, had=events - accepted)
+        return status, document
+
+
+class ScopeCopy:
+    """The reconciliation of one memory scope (project None: the user scope) on the clients
+    given: both sides' snapshots, the three-way plan against the base of the previous pass, the
+    target's commits and the new base in the state. A commit another client's beat (409
+    revision_conflict) looks again, MEMORY_COMMIT_ATTEMPTS times at most."""
+
+    def __init__(self, replicator, project, source, target):
+        self.replicator = replicator
+        self.project = project
+        self.name = scope_name(project)
+        self.source = source
+        self.target = target
+
+    def run(self):
+        """Reconcile; a fault ends the copy as Replicator.ended says (a ReplicateFatal is
+        raised)."""
+        try:
+            self.reconcile()
+        except (ReplicateRefused, ReplicateStopped, OSError) as exc:
+            self.replicator.ended(exc, "memory " + self.name, "this scope stops")
+
+    def reconcile(self):
+        replicator, name = self.replicator, self.name
+        known, known_etag, base = replicator.state.scope_base(name)
+        for _ in range(MEMORY_COMMIT_ATTEMPTS):
+            fields = {"project": self.project,
+                      "have": {i: h for i, h in base.items() if h is not None}}
+            if known:
+                fields["knownEtag"] = known_etag
+            _, theirs = replicator.memory_call(replicator.source, self.source, "snapshot", fields,
+                                               replicator.retry)
+            # unchanged: there were notes at the previous pass
+            replicator.report.scope_seen(
+                name, theirs.get("unchanged") is True or bool(base or theirs["_entries"]))
+            if theirs.get("unchanged") is True:
+                return  # the source did not change since the previous pass: nothing to do
+            entries = theirs["_entries"]
+            have = {i: h for i, h in base.items() if h is not None}
+            have.update((i, h) for i, (h, _) in entries.items() if h is not None)
+            _, ours = replicator.memory_call(replicator.target, self.target, "snapshot",
+                                             {"project": self.project, "have": have},
+                                             replicator.retry)
+            current = ours["_entries"]
+            changes, conflicts, counts = plan_memory(base, entries, current)
+            if not self.commit(ours.get("etag"), changes, current):
+                continue  # 409: someone else committed on the target meanwhile; look again
+            for note_id in conflicts:
+                replicator.report.say("memory %s: note %s changed on both sides; the target's "
+                                      "version is kept" % (name, note_id), error=True)
+            replicator.report.count(created=counts[CREATE], updated=counts[UPDATE],
+                                    deleted=counts[DELETE], conflicts=len(conflicts))
+            replicator.state.set_scope_base(name, theirs.get("etag"),
+                                            {i: h for i, (h, _) in entries.items()})
+            return
+        raise ReplicateRefused("the target's memory kept changing (%d tries)"
+                               % MEMORY_COMMIT_ATTEMPTS)
+
+    def commit(self, etag, changes, current):
+        """Commit changes in chunks of the target's maxChanges; False on 409 revision_conflict."""
+        replicator = self.replicator
+        step = (as_safe_int(replicator.target.quota.get("maxChanges"))
+                or MEMORY_QUOTA["maxChanges"])
+        have = {i: h for i, (h, _) in current.items() if h is not None}
+        for start in range(0, len(changes), step):
+            chunk = changes[start:start + step]
+            for change in chunk:
+                if change["hash"] is None:
+                    have.pop(change["id"], None)
+                else:
+                    have[change["id"]] = change["hash"]
+            if not replicator.begin_work():
+                raise ReplicateStopped()
+            try:
+                status, doc = replicator.memory_call(
+                    replicator.target, self.target, "commit",
+                    {"project": self.project, "etag": etag, "changes": chunk, "have": have},
+                    replicator.retry, statuses=(200, 409, 413, 400))
+            finally:
+                replicator.end_work()
+            if status == 409 and doc.get("code") == "revision_conflict":
+                return False
+            if status != 200:
+                raise ReplicateRefused("the target refused a commit: %d %s"
+                                       % (status, excerpt(doc)))
+            etag = doc.get("etag")
+        return True
+
+
+# What ends a feed's or a scope's copy, or a whole run, as Replicator.ended decides.
+REPLICATE_FAULTS = (ReplicateFatal, ReplicateRefused, ReplicateStopped, OSError)
+
+
+class Replicator:
+    """Copies a principal's feeds (personal and teams) and memory notes from a source to a target
+    server, once (run) or continuously (follow): finds what to copy, copies each feed (FeedCopy)
+    and memory scope (ScopeCopy), and decides what each fault ends (ended). Messages and counts
+    are self.report's."""
+
+    def __init__(self, source, target, state, teams=(), projects=(), memory=True, quiet=False,
+                 out=None, progress=False):
+        self.source = source
+        self.target = target
+        self.state = state
+        self.namespaces = [None] + list(teams)
+        self.projects = list(projects)
+        self.with_memory = memory
+        self.report = ReplicateReport(out or sys.stderr, (source.token, target.token),
+                                      quiet=quiet, progress=progress)
+        self.stopping = threading.Event()
+        self.retry = RetryPolicy(False, self.stopping, self.report)  # follow() makes it live
+        self.fatal = None       # the line a 401 or 403 ends the run with, said last
+        self._lock = threading.Lock()
+        self._busy = 0          # pushes and commits in flight: a stop lets them finish
+        self._idle = threading.Condition(self._lock)
+
+    @staticmethod
+    def checked(side, check, *args):
+        """check(*args), a check of the shape of a response from side; ReplicateRefused for a
+        BadResponse."""
+        try:
+            return check(*args)
+        except BadResponse as exc:
+            raise ReplicateRefused("%s: %s" % (side.role, exc)) from None
+
+    def ended(self, exc, part=None, stops=None):
+        """Say what exc ends: the one place a fault that is not retried is decided. part: the
+        feed or scope it ended the copy of, for messages (None: the run); stops: what a refusal
+        stops, said after it. ReplicateStopped ends its part quietly (a stop came), and
+        ReplicateRefused its part; a side that refuses its token (ReplicateFatal, said last,
+        once), the state file that cannot be written (an OSError: what is copied could not be
+        remembered) and any other exception (a bug: one line, never a traceback) end the run."""
+        if isinstance(exc, ReplicateStopped):
+            return
+        if isinstance(exc, ReplicateRefused):
+            self.report.fail("".join((part + ": " if part else "", str(exc),
+                                      "; " + stops if stops else "")))
+            return
+        if isinstance(exc, ReplicateFatal):
+            with self._lock:
+                self.fatal = self.fatal or str(exc)
+        elif isinstance(exc, OSError):
+            self.report.fail("stopped: cannot write the state file %s: %s"
+                             % (self.state.path, reason(exc)))
+        else:
+            self.report.fail("%sstopped by an unexpected error: %s: %s" % (
+                part + ": " if part else "", type(exc).__name__, exc))
+        self.stopping.set()
+
+    # -- work in flight ------------------------------------------------------------
 
     def begin_work(self):
         """False once stopping; else a push (and the state write after it) or a commit may start
@@ -9368,228 +9709,50 @@ class Replicator:
         """Stop: no new push or commit starts; wait for those in flight (their state is
         written)."""
         self.stopping.set()
-        self.wait_idle(seconds)
-
-    def wait_idle(self, seconds=120):
         with self._lock:
             self._idle.wait_for(lambda: self._busy == 0, seconds)
 
     # -- what to copy --------------------------------------------------------------
 
-    def feeds(self, follow=False):
-        """[(team, project)] of every feed to copy: the given projects, or the source's list."""
+    def listed_feeds(self):
+        """[FeedRef] of every feed to copy: the given projects, or the source's list."""
         found = []
         client = self.source.client()
         try:
             for team in self.namespaces:
                 if self.projects:
-                    found += [(team, project) for project in self.projects]
+                    found += [FeedRef(team, project) for project in self.projects]
                     continue
-                document = self.retrying(
-                    lambda: self.call(self.source, "GET /v1/projects",
-                                      lambda: client.projects(team=team, keep_alive=True))[1],
-                    "listing the projects of %s" % ("team " + team if team else "personal feeds"),
-                    follow)
+                document = self.retry.attempt(
+                    lambda: self.source.request("GET /v1/projects", lambda: client.projects(
+                        team=team, keep_alive=True))[1],
+                    "listing the projects of %s" % ("team " + team if team else "personal feeds"))
                 projects = self.checked(self.source, project_ids, document)
-                found += [(team, project) for project in projects]
+                found += [FeedRef(team, project) for project in projects]
         finally:
             client.close()
         return found
 
-    # -- feeds ---------------------------------------------------------------------
-
-    def copy_feed(self, team, project, follow=False):
-        """Copy one feed from its cursor in the state to the end (with follow: and then as events
-        arrive). The next page is pulled while pages are pushed, PUSHES_IN_FLIGHT at once, and the
-        state is written for each page once it and every page before it were acknowledged. False
-        when the feed stopped on something refused."""
-        name = feed_name(team, project)
-        source, targets = (self.source.client(),
-                           [self.target.client() for _ in range(PUSHES_IN_FLIGHT)])
-        cursor = self.state.cursor(name)  # after the last page pulled
-        started = shown = time.monotonic()
-        pushing = collections.deque()  # (a page's push, the cursor after that page), oldest first
-        limit = [MAX_PULL_LIMIT]       # events a pull asks for: halved for good past the limit
-        saving = [None]                # the last state write, made while later pages are pushed
-        copied = [0]
-
-        def pull(since, wait):  # and the page's push body, made here too: it overlaps the pushes
-            started = time.monotonic()
-            while True:
-                try:
-                    page = self.retrying(lambda: self.pull(source, team, project, since, wait=wait,
-                                                           limit=limit[0]),
-                                         "%s: pull" % name, follow)
-                    break
-                except ReplicateTooLarge:  # a server whose pages are not bounded in bytes
-                    if limit[0] == 1:
-                        raise
-                    limit[0] //= 2
-                    self.say("%s: a page passed %s: pulling %d events at a time" % (
-                        name, format_bytes(LARGE_ANSWER_BYTES), limit[0]))
-            if wait and not (page[1] or page[2]):
-                self.stopping.wait(REPLICATE_EMPTY_POLL_SECONDS - (time.monotonic() - started))
-            return page + (push_page_body(project, team, page[1], page[2]),)
-
-        def settle(keep):
-            """Wait for pushes until at most keep are in flight; write each one's cursor, in order
-            (the work begun for a push ends once its cursor is written: a stop waits for that
-            too)."""
-            while len(pushing) > keep:
-                push, after = pushing[0]
-                copied[0] += push.result()
-                if saving[0] is not None:
-                    saving[0].result()
-                pushing.popleft()
-                saving[0] = Fetch(self.save_cursor, name, after)
-        try:
-            fetch, turn = Fetch(pull, cursor, 0), 0
-            while True:
-                next_cursor, records, sessions, more, body = fetch.result()
-                fetch = (Fetch(pull, next_cursor, 0) if more and not self.stopping.is_set()
-                         else None)
-                if next_cursor != cursor:
-                    if not self.begin_work():
-                        break
-                    push = Fetch(self.push_in_flight, targets[turn % len(targets)], team, project,
-                                 records=records, sessions=sessions, body=body, follow=follow)
-                    pushing.append((push, next_cursor))
-                    cursor, turn = next_cursor, turn + 1
-                settle(len(targets) - 1 if fetch is not None else 0)
-                if self.progress and not follow and time.monotonic() - shown >= PROGRESS_SECONDS:
-                    shown = time.monotonic()
-                    self.show_progress(name, copied[0], shown - started, "\r")
-                if fetch is None:
-                    if not follow or self.stopping.is_set():
-                        break
-                    fetch = Fetch(pull, cursor, REPLICATE_WAIT)  # caught up: a long-poll
-            settle(0)
-            if saving[0] is not None:
-                saving[0].result()
-        except ReplicateRefused as exc:
-            self.fail("%s: %s; this feed stops" % (name, exc))
-            return False
-        except ReplicateStopped:
-            return True
-        except OSError as exc:
-            self.state_failed(exc)
-            return False
-        finally:
-            # a later page's push, when an earlier one was refused: not recorded
-            for push, _ in pushing:
-                push.join(REPLICATE_TIMEOUT)
-                if push.error is None and not push.is_alive():
-                    self.end_work()
-            source.close()
-            for target in targets:
-                target.close()
-        if self.progress and not follow:
-            self.show_progress(name, copied[0], time.monotonic() - started, "\r", end="\n")
-        return True
-
-    def push_in_flight(self, client, team, project, records, sessions, body, follow):
-        """push_page() of a page in a thread of its own; the work begun for it ends here when it
-        fails, else once its cursor is written (save_cursor)."""
-        try:
-            return (self.push_page(client, team, project, records, sessions=sessions, data=body,
-                                   follow=follow)
-                    if records or sessions else 0)
-        except BaseException:
-            self.end_work()
-            raise
-
-    def save_cursor(self, name, cursor):
-        try:
-            self.state.set_cursor(name, cursor)
-        finally:
-            self.end_work()
-
-    def show_progress(self, name, events, seconds, start="", end=""):
-        line = "%s: %d events, %d events/s" % (name, events,
-                                               events / seconds if seconds > 0 else 0)
-        with self._lock:
-            try:
-                self.out.write("%sreplicate: %-60s%s" % (start, line, end))
-                self.out.flush()
-            except (OSError, ValueError):
-                pass
-
-    def pull(self, client, team, project, since, wait, limit=MAX_PULL_LIMIT):
-        """(cursor, records, sessions, more) of one pull of at most limit events;
-        ReplicateRefused when malformed."""
-        params = {"limit": limit}
-        if wait:
-            params["wait"] = wait
-        _, document = self.call(self.source, "GET /v1/pull", lambda: client.pull(
-            project, since, team=team, keep_alive=True, **params))
-        return self.checked(self.source, pull_page, document, since)
-
-    def push_page(self, client, team, project, records, sessions, data, follow):
-        """Push a page's events in pushes within the limits; how many events were sent.
-        data: push_page_body(); a page that fits is pushed whole, else (or when refused) event by
-        event."""
-        if (data is not None
-                and self.push(client, team, project, data, events=len(records) + len(sessions),
-                              follow=follow)[0] == 200):
-            return len(records) + len(sessions)
-        events = ([("r", encode_json(e), e) for e in records]
-                  + [("s", encode_json(e), e) for e in sessions])
-        overhead = len(push_body(project, team, []))
-        for start, end in plan_pushes([(kind, data) for kind, data, _ in events],
-                                      overhead=overhead):
-            self.push_events(client, team, project, events[start:end], follow=follow)
-        return len(events)
-
-    def push_events(self, client, team, project, events, follow):
-        """Push events; a 400 or 413 halves them and tries again, down to one event the target
-        refuses."""
-        body = push_body(project, team, [(kind, data) for kind, data, _ in events])
-        status, doc = self.push(client, team, project, body, events=len(events), follow=follow)
-        if status == 200:
-            return
-        if len(events) == 1:
-            kind, _, event = events[0]
-            raise ReplicateRefused("the target refuses %s even alone: %d %s" % (
-                event_label(kind, event), status, excerpt(doc)))
-        half = len(events) // 2
-        self.push_events(client, team, project, events[:half], follow=follow)
-        self.push_events(client, team, project, events[half:], follow=follow)
-
-    def push(self, client, team, project, body, events, follow):
-        """One push of body, which holds this many events: (status, document); 200, 400 or 413.
-        What a 200 says is counted: events copied, and events the target already had."""
-        status, document = self.retrying(
-            lambda: self.call(self.target, "POST /v1/push",
-                              lambda: client.push(body, keep_alive=True),
-                              statuses=(200, 400, 413)),
-            "%s: push" % feed_name(team, project), follow)
-        if status == 200:
-            accepted = self.checked(self.target, push_counts, document)[1]
-            if accepted > events:
-                raise ReplicateRefused("the target answered a push with %s" % excerpt(document))
-            self.count(copied=accepted, had=events - accepted)
-        return status, document
-
     # -- memory ----------------------------------------------------------------------
 
-    def memory_identities(self, follow=False):
+    def memory_identities(self):
         """Confirm each side's principal with /v1/memory/identity, and take the target's quota.
         False (said why) when memory cannot be copied."""
         try:
             for side in (self.source, self.target):
-                self.memory_identity(side, follow)
+                self.memory_identity(side)
         except ReplicateRefused as exc:
-            self.fail("memory: %s; no memory is copied" % exc)
+            self.ended(exc, "memory", "no memory is copied")
             return False
         return True
 
-    def memory_identity(self, side, follow):
+    def memory_identity(self, side):
         client, body = side.client(), {"expectedPrincipal": side.principal}
         try:
-            _, document = self.retrying(
-                lambda: self.call(side, "POST /v1/memory/identity",
-                                  lambda: client.post_memory("identity", body, keep_alive=True)),
-                "%s memory identity" % side.role, follow)
+            _, document = self.retry.attempt(
+                lambda: side.request("POST /v1/memory/identity",
+                                     lambda: client.post_memory("identity", body, keep_alive=True)),
+                "%s memory identity" % side.role)
         finally:
             client.close()
         self.checked(side, check_principal, document, side.principal)
@@ -9597,106 +9760,34 @@ class Replicator:
         if isinstance(quota, dict) and as_safe_int(quota.get("maxChanges")):
             side.quota = quota
 
-    def copy_memory(self, scopes, follow=False):
-        """Reconcile every scope (project None: the user scope); False when one could not be
-        copied."""
-        ok = True
+    def copy_memory(self, projects):
+        """Reconcile the memory scope of each project (None: the user scope), on one client a
+        side."""
         source, target = self.source.client(), self.target.client()
         try:
-            for project in scopes:
+            for project in projects:
                 if self.stopping.is_set():
                     break
-                name = scope_name(project)
-                try:
-                    self.copy_scope(source, target, project, follow)
-                except ReplicateStopped:
-                    break
-                except OSError as exc:
-                    self.state_failed(exc)
-                    return False
-                except ReplicateRefused as exc:
-                    self.fail("memory %s: %s; this scope stops" % (name, exc))
-                    ok = False
+                ScopeCopy(self, project, source, target).run()
         finally:
             source.close()
             target.close()
-        return ok
 
-    def memory_call(self, side, client, route, fields, follow, statuses=(200,)):
+    def memory_call(self, side, client, route, fields, retry, statuses=(200,)):
+        """(status, document) of a memory request of side's for fields' scope, its faults tried
+        again as retry says; a snapshot's or commit's entries checked, as document["_entries"]."""
         body = dict(fields, expectedPrincipal=side.principal)
         if fields.get("project") is None:
             body.pop("project", None)
             body["scope"] = "user"
-        status, document = self.retrying(
-            lambda: self.call(side, "POST /v1/memory/" + route,
-                              lambda: client.post_memory(route, body, keep_alive=True),
-                              statuses=statuses),
-            "%s memory %s" % (side.role, route), follow)
+        status, document = retry.attempt(
+            lambda: side.request("POST /v1/memory/" + route,
+                                 lambda: client.post_memory(route, body, keep_alive=True),
+                                 statuses=statuses),
+            "%s memory %s" % (side.role, route))
         if status == 200 and not (isinstance(document, dict) and "unchanged" in document):
             document["_entries"] = self.checked(side, memory_entries, document)
         return status, document
-
-    def copy_scope(self, source, target, project, follow):
-        name = scope_name(project)
-        known, known_etag, base = self.state.memory(name)
-        for _ in range(MEMORY_COMMIT_ATTEMPTS):
-            fields = {"project": project, "have": {i: h for i, h in base.items() if h is not None}}
-            if known:
-                fields["knownEtag"] = known_etag
-            _, theirs = self.memory_call(self.source, source, "snapshot", fields, follow=follow)
-            found = theirs.get("unchanged") is True or bool(base or theirs["_entries"])
-            with self._lock:  # unchanged: there were notes at the previous pass
-                self.scopes[name] = self.scopes.get(name, False) or found
-            if theirs.get("unchanged") is True:
-                return  # the source did not change since the previous pass: nothing to do
-            entries = theirs["_entries"]
-            have = {i: h for i, h in base.items() if h is not None}
-            have.update((i, h) for i, (h, _) in entries.items() if h is not None)
-            _, ours = self.memory_call(self.target, target, "snapshot",
-                                       {"project": project, "have": have}, follow=follow)
-            current = ours["_entries"]
-            changes, conflicts, counts = plan_memory(base, entries, current)
-            if not self.commit(target, project, ours.get("etag"), changes, current=current,
-                               follow=follow):
-                continue  # 409: someone else committed on the target meanwhile; look again
-            for note_id in conflicts:
-                self.say("memory %s: note %s changed on both sides; the target's version is kept"
-                         % (name, note_id), error=True)
-            self.count(created=counts[CREATE], updated=counts[UPDATE], deleted=counts[DELETE],
-                       conflicts=len(conflicts))
-            self.state.set_memory(name, theirs.get("etag"),
-                                  {i: h for i, (h, _) in entries.items()})
-            return
-        raise ReplicateRefused("the target's memory kept changing (%d tries)"
-                               % MEMORY_COMMIT_ATTEMPTS)
-
-    def commit(self, client, project, etag, changes, current, follow):
-        """Commit changes in chunks of the target's maxChanges; False on 409 revision_conflict."""
-        step = as_safe_int(self.target.quota.get("maxChanges")) or MEMORY_QUOTA["maxChanges"]
-        live = {i: h for i, (h, _) in current.items() if h is not None}
-        for start in range(0, len(changes), step):
-            chunk = changes[start:start + step]
-            for change in chunk:
-                if change["hash"] is None:
-                    live.pop(change["id"], None)
-                else:
-                    live[change["id"]] = change["hash"]
-            if not self.begin_work():
-                raise ReplicateStopped()
-            try:
-                status, doc = self.memory_call(self.target, client, "commit",
-                                               {"project": project, "etag": etag,
-                                                "changes": chunk, "have": live},
-                                               follow=follow, statuses=(200, 409, 413, 400))
-            finally:
-                self.end_work()
-            if status == 409 and doc.get("code") == "revision_conflict":
-                return False
-            if status != 200:
-                raise ReplicateRefused("the target refused a commit: %d %s"
-                                       % (status, excerpt(doc)))
-            etag = doc.get("etag")
-        return True
 
     # -- the runs --------------------------------------------------------------------
 
@@ -9704,74 +9795,61 @@ class Replicator:
         """One pass over every feed and scope. Exit code: 0, or 1 when something could not be
         copied."""
         try:
-            memory = self.memory and self.memory_identities()
-            feeds = self.feeds()
-            for team, project in feeds:
+            copy_notes = self.with_memory and self.memory_identities()
+            feeds = self.listed_feeds()
+            for feed in feeds:
                 if self.stopping.is_set():
                     break
-                self.copy_feed(team, project)
-                self.count(feeds=1)
-            if memory:
-                self.copy_memory([None] + sorted(set(project for _, project in feeds)))
-        except ReplicateFatal as exc:
-            self.wait_idle()
-            self.fail(str(exc))
-            return 1
-        except ReplicateRefused as exc:
-            self.fail(str(exc))
-        except ReplicateStopped:
-            pass
-        self.wait_idle()  # the last state writes
-        return 1 if self.failed else 0
+                FeedCopy(self, feed).run()
+                self.report.count(feeds=1)
+            if copy_notes:
+                self.copy_memory([None] + sorted(set(feed.project for feed in feeds)))
+        except REPLICATE_FAULTS as exc:
+            self.ended(exc)
+        return self.finish()
 
     def follow(self):
         """Copy, then keep the target current until stop(): a thread per feed long-polls the
         source; this one lists projects and looks at memory every minute. Exit code as run()."""
-        threads, scopes = {}, set([None])
+        self.retry = RetryPolicy(True, self.stopping, self.report)
+        threads, projects = {}, set()
         next_list = next_memory = 0.0
         try:
-            memory = self.memory and self.memory_identities(follow=True)
+            copy_notes = self.with_memory and self.memory_identities()
             while not self.stopping.is_set():
                 now = time.monotonic()
                 if now >= next_list:
-                    for feed in self.feeds(follow=True):
+                    for feed in self.listed_feeds():
                         if feed not in threads and not self.stopping.is_set():
                             threads[feed] = threading.Thread(
-                                target=self.follow_feed, args=feed, daemon=True,
-                                name="replicate %s" % feed_name(*feed))
+                                target=self.follow_feed, args=(feed,), daemon=True,
+                                name="replicate %s" % feed.name)
                             threads[feed].start()
-                            self.count(feeds=1)
-                            scopes.add(feed[1])
+                            self.report.count(feeds=1)
+                            projects.add(feed.project)
                     next_list = now + REPLICATE_RELIST_SECONDS
-                if memory and now >= next_memory:
-                    self.copy_memory([None] + sorted(s for s in scopes if s is not None),
-                                     follow=True)
+                if copy_notes and now >= next_memory:
+                    self.copy_memory([None] + sorted(projects))
                     next_memory = now + REPLICATE_MEMORY_SECONDS
-                self.stopping.wait(max(0.0, min(next_list, next_memory if memory else next_list)
-                                       - time.monotonic()))
-        except ReplicateFatal as exc:
-            with self._lock:
-                self.fatal = self.fatal or str(exc)
-        except ReplicateRefused as exc:
-            self.fail(str(exc))
-        except ReplicateStopped:
-            pass
+                wake = min(next_list, next_memory) if copy_notes else next_list
+                self.stopping.wait(max(0.0, wake - time.monotonic()))
+        except REPLICATE_FAULTS as exc:
+            self.ended(exc)
+        return self.finish()
+
+    def follow_feed(self, feed):
+        """A --follow thread's copy of feed; what ends it ends the run."""
+        try:
+            FeedCopy(self, feed).run()
+        except Exception as exc:  # a side refusing its token, or a bug: the run ends
+            self.ended(exc, feed.name)
+
+    def finish(self):
+        """Let the work in flight end, say the line that ended the run (if any); the exit code."""
         self.stop()
         if self.fatal:
-            self.fail(self.fatal)
-        return 1 if self.failed else 0
-
-    def follow_feed(self, team, project):
-        try:
-            self.copy_feed(team, project, follow=True)
-        except ReplicateFatal as exc:
-            with self._lock:
-                self.fatal = self.fatal or str(exc)
-            self.stopping.set()
-        except Exception as exc:  # a bug: one line, never a traceback; the run ends with exit 1
-            self.fail("%s: stopped by an unexpected error: %s: %s" % (feed_name(team, project),
-                                                                     type(exc).__name__, exc))
-            self.stopping.set()
+            self.report.fail(self.fatal)
+        return 1 if self.report.failed else 0
 
 
 def token_principal(token):
@@ -9872,20 +9950,18 @@ def replicate_command(argv):
     started = time.monotonic()
     try:
         code = replicator.follow() if args.follow else replicator.run()
-    except OSError as exc:  # the state file could not be written
-        replicator.state_failed(exc)
-        code = 1
     except Exception as exc:  # a bug: one line, never a traceback
-        replicator.fail("stopped by an unexpected error: %s: %s" % (type(exc).__name__, exc))
+        replicator.ended(exc)
         code = 1
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     if not args.quiet:
-        print("replicate: %s" % replicator.summary(time.monotonic() - started), file=sys.stdout,
+        report = replicator.report
+        print("replicate: %s" % report.summary(time.monotonic() - started), file=sys.stdout,
               flush=True)
-        if replicator.memory_summary():
-            print("replicate: %s" % replicator.memory_summary(), file=sys.stdout, flush=True)
+        if report.memory_summary():
+            print("replicate: %s" % report.memory_summary(), file=sys.stdout, flush=True)
     return code
 
 
