@@ -9750,8 +9750,8 @@ class Replicator:
         client, body = side.client(), {"expectedPrincipal": side.principal}
         try:
             _, document = self.retry.attempt(
-                lambda: side.request("POST /v1/memory/identity",
-                                     lambda: client.post_memory("identity", body, keep_alive=True)),
+                lambda: side.request("POST /v1/memory/identity", lambda: client.post_memory(
+                    "identity", body, keep_alive=True)),
                 "%s memory identity" % side.role)
         finally:
             client.close()
