@@ -9405,7 +9405,7 @@ class FeedCopy:
                     if not replicator.begin_work():
                         break
                     push = Fetch(self.push_in_flight, targets[turn % len(targets)], records,
-                                 sessions, body)
+                                 sessions=sessions, body=body)
                     self.pushing.append((push, next_cursor))
                     cursor, turn = next_cursor, turn + 1
                 self.settle(len(targets) - 1 if fetch is not None else 0)
@@ -9571,7 +9571,7 @@ class ScopeCopy:
             if known:
                 fields["knownEtag"] = known_etag
             _, theirs = replicator.memory_call(replicator.source, self.source, "snapshot", fields,
-                                               replicator.retry)
+                                               retry=replicator.retry)
             # unchanged: there were notes at the previous pass
             replicator.report.scope_seen(
                 name, theirs.get("unchanged") is True or bool(base or theirs["_entries"]))
@@ -9582,7 +9582,7 @@ class ScopeCopy:
             have.update((i, h) for i, (h, _) in entries.items() if h is not None)
             _, ours = replicator.memory_call(replicator.target, self.target, "snapshot",
                                              {"project": self.project, "have": have},
-                                             replicator.retry)
+                                             retry=replicator.retry)
             current = ours["_entries"]
             changes, conflicts, counts = plan_memory(base, entries, current)
             if not self.commit(ours.get("etag"), changes, current):
@@ -9617,7 +9617,7 @@ class ScopeCopy:
                 status, doc = replicator.memory_call(
                     replicator.target, self.target, "commit",
                     {"project": self.project, "etag": etag, "changes": chunk, "have": have},
-                    replicator.retry, statuses=(200, 409, 413, 400))
+                    retry=replicator.retry, statuses=(200, 409, 413, 400))
             finally:
                 replicator.end_work()
             if status == 409 and doc.get("code") == "revision_conflict":

@@ -14285,10 +14285,10 @@ class ReplicateMemoryTest(ReplicateCase):
         self.commit(self.url, self.alice, [replicate_put("n1")])
         original = sync.Replicator.memory_call
 
-        def commit_first(replicator, side, client, route, fields, follow, statuses=(200,)):
+        def commit_first(replicator, side, client, route, *rest, **named):
             if route == "commit" and not self.raced:  # someone commits on the target just before replicate
                 self.raced = self.commit(self.target.url, self.target_alice, [replicate_put("other")])
-            return original(replicator, side, client, route, fields, follow, statuses)
+            return original(replicator, side, client, route, *rest, **named)
         self.raced = None
         with mock.patch.object(sync.Replicator, "memory_call", commit_first):
             code, out, err = self.replicate(memory=True)
