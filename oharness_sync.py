@@ -1556,9 +1556,10 @@ class LocalTokenVerifier:
     revoked a token: until it is read, every local token is answered 503 (AuthUnavailable).
     """
 
-    def __init__(self, tokens, log, clock=time.time):
+    def __init__(self, tokens, log, clock=time.time, monotonic=time.monotonic):
         self.tokens = tokens
-        self.clock = clock
+        self.clock = clock          # expiry
+        self.monotonic = monotonic  # the once-a-second looks
         self.log = log
         self._lock = threading.Lock()
         self._checked = float("-inf")
@@ -1574,7 +1575,7 @@ class LocalTokenVerifier:
 
     def refresh(self):
         """Look at the token file, if the last look is a second old or more."""
-        now = time.monotonic()
+        now = self.monotonic()
         if now - self._checked < TOKEN_RELOAD_SECONDS:
             return  # the file was looked at less than a second ago, and what it held is in force
         with self._lock:
@@ -1643,7 +1644,7 @@ class LocalTokenVerifier:
                 raise
             self._bad_version = None
             self._install(records, version)
-            self._checked = time.monotonic()
+            self._checked = self.monotonic()
             return len(self._records)
 
     def verify(self, token):
@@ -3336,7 +3337,6 @@ _EVENT_START = b',"e":'
 _LINE_TAIL = b',"c":"'
 _CHECKSUM = re.compile(rb"[0-9a-f]{8}")
 _TAIL_LENGTH = 17  # ,"c":"XXXXXXXX"}\n
-STUB_BYTES = len(b'{"n":,"k":"x","h":"","c":"00000000"}\n') + 32  # + the number's digits
 
 
 def feed_line(number, kind, event=None, key=None, stored=None):
@@ -4430,7 +4430,7 @@ class FeedStore:
         self._let_go = threading.Condition(self._lock)  # a held Feed was let go
         self._waiting = 0                      # requests waiting for it (_make)
         # (owner, project) without a Feed (none yet, or evicted) -> FeedWaiters waiting for one
-        self._unborn = {}
+        self.waiters_aside = {}
         self._purged = None                    # read_purged, when a new feed is first made
         self._floor = 0                        # read_feed_floor, read with it
         self._damaged = {}                     # (owner, project) -> an evicted Feed's damage
@@ -4508,7 +4508,7 @@ class FeedStore:
         start = max(self._purged.get(purged_key(*key), 0), self._floor)
         feed = self._feeds[key] = Feed(path, key[0], self.log, self.metrics, clock=self.clock,
                                        start=start)
-        feed.waiters.update(self._unborn.pop(key, ()))
+        feed.waiters.update(self.waiters_aside.pop(key, ()))
         feed.damage = self._damaged.get(key)
         return feed
 
@@ -4520,7 +4520,7 @@ class FeedStore:
             fds, feed.fd = [feed.fd] + feed._retired, None
             feed._retired = []
         if waiters:
-            self._unborn.setdefault(key, set()).update(waiters)
+            self.waiters_aside.setdefault(key, set()).update(waiters)
         if feed.damage is not None:
             self._damaged[key] = feed.damage
         self._evicted_counts[0] += feed.fsynced_pushes
@@ -4633,7 +4633,7 @@ class FeedStore:
                             return True
                         feed = self._feeds.get(key)
                         if feed is None:
-                            self._unborn.setdefault(key, set()).add(waiter)
+                            self.waiters_aside.setdefault(key, set()).add(waiter)
                     if feed is not None:  # made meanwhile (its file too): not held, but looked at
                         return self.wait(owner, project, since, timeout=timeout, waiter=waiter)
             if not waiter.woken.wait(timeout):
@@ -4644,11 +4644,11 @@ class FeedStore:
     def _drop_waiter(self, key, waiter):
         """Forget a waiter whose wait is over: aside, or on the Feed made since."""
         with self._lock:
-            waiting = self._unborn.get(key)
+            waiting = self.waiters_aside.get(key)
             if waiting is not None and waiter in waiting:
                 waiting.discard(waiter)
                 if not waiting:
-                    del self._unborn[key]
+                    del self.waiters_aside[key]
                 return
             feed = self._feeds.get(key)
         if feed is not None:
@@ -4711,8 +4711,8 @@ class FeedStore:
         self.stopping.set()
         with self._lock:
             feeds = list(self._feeds.values())
-            unborn = [waiter for waiters in self._unborn.values() for waiter in waiters]
-            self._unborn.clear()
+            unborn = [waiter for waiters in self.waiters_aside.values() for waiter in waiters]
+            self.waiters_aside.clear()
         wake_waiters(unborn, self.log)
         for feed in feeds:
             feed.wake()

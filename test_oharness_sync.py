@@ -165,7 +165,7 @@ class ServerCase(unittest.TestCase):
         """A new token, honoured at once (a running server otherwise looks once a second)."""
         token, _ = self.tokens.issue(principal, teams, **options)
         if hasattr(self, "server"):
-            self.server.app.auth.local._checked = float("-inf")
+            self.server.app.auth.local.reload()
         return token
 
     def request(self, method, path, body=None, token=None, headers=None, timeout=10):
@@ -381,7 +381,7 @@ class FeedLineTest(unittest.TestCase):
                          % (0xABC, zlib.crc32(b'{"n":10,"k":"x","h":"%032x"' % 0xABC)))
         self.assertEqual(sync.parse_feed_line(erased), (10, b"x", 0xABC, None, None))
         self.assertEqual(sync.parse_feed_line(sync.feed_line(11, b"x")), (11, b"x", None, None, None))
-        self.assertEqual(len(erased), sync.STUB_BYTES + 2)  # STUB_BYTES counts no digits of the number
+        self.assertEqual(len(erased), 71)  # an erased record's line: 69 bytes and the number's digits
 
     def test_lines_of_no_known_shape_are_damaged(self):
         for content in (b'{"n":1,"k":"r","e":{}', b'{"n":1,"k":"s","h":"%032x","e":{}' % 1,
@@ -762,10 +762,12 @@ class LocalTokenTest(unittest.TestCase):
         self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, self.data_dir, True)
         self.store = sync.TokenStore(self.data_dir)
-        self.verifier = sync.LocalTokenVerifier(self.store, no_log)
+        self.ticks = FakeClock(0.0)  # the verifiers' monotonic clock: a look a second by it
+        self.verifier = sync.LocalTokenVerifier(self.store, no_log, monotonic=self.ticks)
 
-    def reload(self):
-        self.verifier._checked = float("-inf")  # skip the once-a-second wait
+    def a_second_later(self):
+        """The next request looks at the token file again."""
+        self.ticks.advance(sync.TOKEN_RELOAD_SECONDS)
 
     def test_token_maps_to_principal_and_teams(self):
         token, record = self.store.issue("alice", ["platform", "ops"], name="laptop")
@@ -796,7 +798,7 @@ class LocalTokenTest(unittest.TestCase):
         with self.assertRaises(sync.AuthError):
             verifier.verify(expiring)
         self.assertTrue(self.store.revoke(record["id"]))
-        self.reload()
+        self.a_second_later()
         with self.assertRaises(sync.AuthError):
             self.verifier.verify(token)
         self.assertFalse(self.store.revoke(record["id"]))
@@ -806,13 +808,13 @@ class LocalTokenTest(unittest.TestCase):
         self.assertEqual(self.verifier.verify(token).principal, "alice")
         with open(self.store.path, "w") as f:
             f.write("{not json")
-        self.reload()
+        self.a_second_later()
         self.assertEqual(self.verifier.verify(token).principal, "alice")
 
     def test_a_file_damaged_before_the_first_request_keeps_the_set_read_at_start(self):
         token, _ = self.store.issue("alice")
         log_lines = []
-        verifier = sync.LocalTokenVerifier(self.store, log_lines.append)  # a server starting
+        verifier = sync.LocalTokenVerifier(self.store, log_lines.append, monotonic=self.ticks)  # a server starting
         with open(self.store.path, "w") as f:
             f.write("{not json")
         self.assertEqual(verifier.verify(token).principal, "alice")
@@ -824,19 +826,19 @@ class LocalTokenTest(unittest.TestCase):
     def test_a_damaged_file_is_logged_once_and_a_deeply_nested_one_is_damaged_too(self):
         token, _ = self.store.issue("alice")
         log_lines = []
-        verifier = sync.LocalTokenVerifier(self.store, log_lines.append)
+        verifier = sync.LocalTokenVerifier(self.store, log_lines.append, monotonic=self.ticks)
         os.rename(self.store.path, self.store.path + ".good")
         with open(self.store.path + ".tmp", "w") as f:
             f.write("[" * 100000)  # RecursionError in json: before, every request that looked got a 500
         os.replace(self.store.path + ".tmp", self.store.path)
         for _ in range(5):  # a look a second while it stays damaged: one log line, not one a second
-            verifier._checked = float("-inf")
+            self.a_second_later()
             self.assertEqual(verifier.verify(token).principal, "alice")
         self.assertEqual(len(log_lines), 1, log_lines)
         self.assertIn("nested too deeply", log_lines[0])
         os.replace(self.store.path + ".good", self.store.path)
         other, _ = self.store.issue("bob")  # mended: read again
-        verifier._checked = float("-inf")
+        self.a_second_later()
         self.assertEqual(verifier.verify(other).principal, "bob")
 
     def test_a_changed_file_out_of_file_descriptors_answers_503_until_read_not_the_old_set(self):
@@ -844,12 +846,12 @@ class LocalTokenTest(unittest.TestCase):
         token, record_ = self.store.issue("alice")
         other, _ = self.store.issue("bob")
         log_lines = []
-        verifier = sync.LocalTokenVerifier(self.store, log_lines.append)
+        verifier = sync.LocalTokenVerifier(self.store, log_lines.append, monotonic=self.ticks)
         self.assertEqual(verifier.verify(token).principal, "alice")
         self.store.revoke(record_["id"])
         no_fd = OSError(errno.EMFILE, "Too many open files")
         for _ in range(3):  # a look a second: logged once
-            verifier._checked = float("-inf")
+            self.a_second_later()
             with mock.patch.object(sync, "open_data_file", side_effect=no_fd):
                 for presented in (token, other):
                     with self.assertRaisesRegex(sync.AuthUnavailable, "out of file descriptors"):
@@ -863,7 +865,7 @@ class LocalTokenTest(unittest.TestCase):
                 verifier.reload()  # (SIGHUP)
         with self.assertRaises(sync.AuthUnavailable):
             verifier.verify(other)
-        verifier._checked = float("-inf")
+        self.a_second_later()
         with self.assertRaisesRegex(sync.AuthError, "revoked"):
             verifier.verify(token)
         self.assertEqual(verifier.verify(other).principal, "bob")
@@ -892,7 +894,7 @@ class LocalTokenTest(unittest.TestCase):
     def test_reload_reads_the_file_at_once_and_a_failure_keeps_the_set_in_force_unlogged(self):
         token, _ = self.store.issue("alice")
         log_lines = []
-        verifier = sync.LocalTokenVerifier(self.store, log_lines.append)
+        verifier = sync.LocalTokenVerifier(self.store, log_lines.append, monotonic=self.ticks)
         self.assertEqual(verifier.verify(token).principal, "alice")
         other, _ = self.store.issue("bob")
         with self.assertRaises(sync.AuthError):  # looked at less than a second ago
@@ -903,7 +905,7 @@ class LocalTokenTest(unittest.TestCase):
             f.write('{"version": 1, "tokens": 5}')
         with self.assertRaisesRegex(ValueError, "^not a token file$"):
             verifier.reload()
-        verifier._checked = float("-inf")  # and the next look finds the same damage: not logged either
+        self.a_second_later()  # and the next look finds the same damage: not logged either
         self.assertEqual([verifier.verify(t).principal for t in (token, other)], ["alice", "bob"])
         self.assertEqual(log_lines, [])  # the SIGHUP's own line says it
 
@@ -2301,9 +2303,12 @@ class ForgedTokenTest(unittest.TestCase):
         data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, data_dir, True)
         store = sync.TokenStore(data_dir)
-        local = sync.LocalTokenVerifier(store, no_log)
+        ticks = FakeClock(0.0)
+        local = sync.LocalTokenVerifier(store, no_log, monotonic=ticks)
         auth = self.authenticator(fixture_verifier(), local)
         token, record = store.issue("alice")
+        with open(store.path, "rb") as f:
+            issued = f.read()
         for _ in range(20):
             with self.assertRaisesRegex(AuthError, "^unknown or revoked token$"):
                 auth.identify("Bearer " + token[:-1] + ("A" if token[-1] != "A" else "B"), "198.51.100.7")
@@ -2316,11 +2321,13 @@ class ForgedTokenTest(unittest.TestCase):
         self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"), Identity("alice"))
         # A token refused while revoked passes once it is in force again (a token file restored).
         store.revoke(record["id"])
-        local._checked = float("-inf")
+        ticks.advance(sync.TOKEN_RELOAD_SECONDS)
         with self.assertRaisesRegex(AuthError, "^unknown or revoked token$"):
             auth.identify("Bearer " + token, "198.51.100.7")
-        store._update(lambda records: records.append(record))
-        local._checked = float("-inf")
+        with open(store.path + ".restored", "wb") as f:
+            f.write(issued)
+        os.replace(store.path + ".restored", store.path)
+        ticks.advance(sync.TOKEN_RELOAD_SECONDS)
         self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"), Identity("alice"))
 
 
@@ -2632,7 +2639,7 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(len(self.waiting_aside("p")), 1)
         self.assertEqual(store.push(self.owner, "p", *validated([record("s", "b")])), (2, 1))
         thread.join(5)
-        self.assertEqual((results, store._unborn), ([True], {}))
+        self.assertEqual((results, store.waiters_aside), ([True], {}))
 
     def test_a_held_feed_is_never_evicted_and_a_new_one_waits_for_room(self):
         store = self.store = feed_store(self.data_dir, self.log_lines.append, max_open=1)
@@ -2673,9 +2680,9 @@ class FeedStoreTest(unittest.TestCase):
     def waiting_aside(self, project, count=1):
         """The pulls waiting for project's feed to exist, once there are count of them."""
         deadline = time.monotonic() + 5
-        while len(self.store._unborn.get((self.owner, project), ())) < count and time.monotonic() < deadline:
+        while len(self.store.waiters_aside.get((self.owner, project), ())) < count and time.monotonic() < deadline:
             time.sleep(0.005)
-        return set(self.store._unborn.get((self.owner, project), ()))
+        return set(self.store.waiters_aside.get((self.owner, project), ()))
 
     def test_a_feed_made_for_a_project_takes_its_waiting_pulls_over_still_parked(self):
         # Before, making any feed woke every pull waiting on a project without one (a thousand threads
@@ -2688,21 +2695,21 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(len(self.waiting_aside("q")), 1)  # (both aside before a feed is made)
         feed = self.store.feed(self.owner, "p", create=True)
         self.assertEqual(feed.waiters, waiting)  # the same pull, not woken and parked again
-        self.assertEqual(set(self.store._unborn), {(self.owner, "q")})
+        self.assertEqual(set(self.store.waiters_aside), {(self.owner, "q")})
         self.assertTrue(thread.is_alive())
         self.store.push(self.owner, "p", *validated([record()]))
         thread.join(5)
         self.assertEqual((results, events), ([True], [threading.current_thread()]))  # the pushing thread's call
         self.assertEqual(feed.waiters, set())
         other.join(5)
-        self.assertEqual((other_results, self.store._unborn), ([False], {}))
+        self.assertEqual((other_results, self.store.waiters_aside), ([False], {}))
 
     def test_a_wait_that_times_out_is_forgotten_aside_or_on_the_feed_made_meanwhile(self):
         thread, results = self.wait_in_thread("p", 0, timeout=0.3)
         self.waiting_aside("p")
         feed = self.store.feed(self.owner, "p", create=True)
         thread.join(5)
-        self.assertEqual((results, feed.waiters, self.store._unborn), ([False], set(), {}))
+        self.assertEqual((results, feed.waiters, self.store.waiters_aside), ([False], set(), {}))
 
     def test_wake_calls_each_on_event_before_any_notify_and_survives_a_failing_one(self):
         order = []
@@ -8685,7 +8692,7 @@ class RevokedParkedPullTest(ServerCase):
             thread = self.park(self.alice, answers)
             self.wait_parked(1)
             self.revoke(self.alice)
-            self.server.app.auth.local._checked = float("-inf")  # (in effect now, not in a second)
+            self.server.app.auth.local.reload()  # (in effect now, not in a second)
             self.assertRevoked(self.request("GET", "/v1/projects", token=self.alice))
             self.assertAnswer(self.push(other_device, records=[record(record_id="after")]), 200)
             thread.join(5)
@@ -10594,7 +10601,7 @@ class MemoryWireErrorsTest(ServerCase):
     def test_a_usable_token_is_required(self):
         revoked_token, revoked = self.tokens.issue("carol")
         self.tokens.revoke(revoked["id"])
-        self.server.app.auth.local._checked = float("-inf")
+        self.server.app.auth.local.reload()
         expired = self.issue("dave", expires_days=1e-9)
         for route in WIRE_ROUTES:
             for token in (None, "", "garbage", "ohs_000000000000_" + "x" * 43, revoked_token, expired,
@@ -14195,7 +14202,7 @@ class ReplicateLongIdsTest(ReplicateCase):
         principal, team, project = LongIdsTest.PRINCIPAL, LongIdsTest.TEAM, LongIdsTest.PROJECT
         source = self.issue(principal, [team])
         target, _ = sync.TokenStore(self.target_dir).issue(principal, [team])
-        self.target.app.auth.local._checked = float("-inf")
+        self.target.app.auth.local.reload()
         for on_team in (None, team):
             self.assertAnswer(self.push(source, project, [record()], [meta()], team=on_team), 200)
         wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=source,
