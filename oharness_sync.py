@@ -7018,12 +7018,14 @@ def is_loopback(host):
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def open_data_dir(path, create=True, deep=True):
-    """(absolute path, the directories made for it, outermost first) of a usable data dir;
-    UsageError when it cannot be used (check_data_dir_access, deep or not). A data dir is an
-    existing directory: only the server and `token issue` (create) make a missing one, so a
-    mistyped --data is not made by the other commands."""
+def open_data_dir(path, log, create=True, deep=True):
+    """(absolute path, the directories made for it, outermost first) of a usable data dir, worked
+    on as its owner when root runs this (act_as_data_dir_owner, which says so to log); UsageError
+    when it cannot be used (check_data_dir_access, deep or not). A data dir is an existing
+    directory: only the server and `token issue` (create) make a missing one, so a mistyped --data
+    is not made by the other commands."""
     data_dir = os.path.abspath(path)
+    act_as_data_dir_owner(data_dir, log)
     if not create and not os.path.isdir(data_dir):
         raise UsageError("%s is not a data dir: %s" % (
             data_dir, "not a directory" if os.path.exists(data_dir) else "no such directory"))
@@ -7154,8 +7156,7 @@ def serve_command(argv, commands=()):
                          % (config.host, config.port, reason(exc))) from None
     created, lock = [], None
     try:
-        act_as_data_dir_owner(os.path.abspath(args.data), log)
-        data_dir, created = open_data_dir(args.data)
+        data_dir, created = open_data_dir(args.data, log)
         lock = DataDirLock(data_dir)
         lock.acquire()
         raise_open_file_limit()
@@ -7911,8 +7912,8 @@ def token_command(argv):
         check_issue_flags(args)
     elif args.action == "revoke":
         token_id, hashed = revoked_token(args.token_id)
-    act_as_data_dir_owner(os.path.abspath(args.data), print_on_stderr)
-    data_dir, _ = open_data_dir(args.data, create=args.action == "issue", deep=False)
+    data_dir, _ = open_data_dir(args.data, print_on_stderr, create=args.action == "issue",
+                                deep=False)
     tokens = TokenStore(data_dir)
     try:
         if args.action == "issue":
