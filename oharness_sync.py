@@ -49,8 +49,8 @@ Part I, the server, is what `--data DIR` runs:
                         and the tokens; what a write may not pass
                         (StorageLimits: quotas, the DiskReserve); session
                         feeds (one scanner of a feed file, group commit,
-                        long-poll waits, compaction); memory manifests; a
-                        restored copy's first start
+                        long-poll waits (FeedWaiter), compaction); memory
+                        manifests; a restored copy's first start
     HTTP                the one place an exception becomes an answer
                         (error_response, by ERROR_ANSWERS); the protocol's route
                         table and thin handlers (SyncApp), the strict reading of
