@@ -9,6 +9,7 @@ subprocess where a crash or a signal is part of the test).
 import argparse
 import ast
 import base64
+import collections
 import concurrent.futures
 import contextlib
 import copy
@@ -126,6 +127,37 @@ def file_state(path):
         content = f.read()
     info = os.stat(path)
     return content, info.st_uid, info.st_gid, info.st_mode
+
+
+# What a command line run did: its exit code and what it printed (a tuple, and named as
+# subprocess.CompletedProcess names them).
+Ran = collections.namedtuple("Ran", "returncode stdout stderr")
+
+
+def run_main(*argv, stdin=None):
+    """sync.main(argv) in this process: Ran(exit code, stdout, stderr); stdin: bytes for standard
+    input, when given."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as stack:
+        if stdin is not None:
+            text = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
+            stack.enter_context(mock.patch.object(sys, "stdin", text))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        code = sync.main(list(argv))
+    return Ran(code, out.getvalue(), err.getvalue())
+
+
+def run_module(*argv, user=None, text=None, timeout=60):
+    """python3 oharness_sync.py ARGV in a process of its own, as user (a uid, its gid and no other
+    group; root only) when given, text on its standard input (else none): Ran(exit code, stdout,
+    stderr)."""
+    become = None if user is None else lambda: (os.setgroups([]), os.setgid(user), os.setuid(user))
+    stdin = {"stdin": subprocess.DEVNULL} if text is None else {"input": text}
+    result = subprocess.run([sys.executable, MODULE] + list(argv), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, universal_newlines=True, timeout=timeout,
+                            preexec_fn=become, **stdin)
+    return Ran(result.returncode, result.stdout, result.stderr)
 
 
 class ServerCase(unittest.TestCase):
@@ -509,14 +541,6 @@ class TestNoteHashVectors(unittest.TestCase):
             hashlib.sha256(expected.encode("utf-8")).hexdigest())
 
 
-def run_note_hash(data):
-    """`note-hash -` in this process with data (bytes) on standard input: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
-    with mock.patch.object(sys, "stdin", stdin), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = sync.main(["note-hash", "-"])
-    return code, out.getvalue(), err.getvalue()
-
 
 class NoteHashCommandTest(unittest.TestCase):
     """`note-hash FILE` prints the node-made vectors' hashes, and a bad note is one line and exit 2."""
@@ -530,15 +554,11 @@ class NoteHashCommandTest(unittest.TestCase):
         for i, vector in enumerate(vectors):
             with open(path, "w", encoding="ascii") as f:  # lone surrogates as \u escapes, as JSON allows
                 json.dump(vector["note"], f)
-            out, err = io.StringIO(), io.StringIO()
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = sync.main(["note-hash", path])
-            self.assertEqual((code, out.getvalue(), err.getvalue()), (0, vector["hash"] + "\n", ""), i)
+            self.assertEqual(run_main("note-hash", path), (0, vector["hash"] + "\n", ""), i)
 
     def test_standard_input_in_a_real_process_and_updated_at_is_not_hashed(self):
         note = good_note(type="user", updatedAt=7)
-        result = subprocess.run([sys.executable, MODULE, "note-hash", "-"], input=json.dumps(note),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=30)
+        result = run_module("note-hash", "-", text=json.dumps(note))
         del note["updatedAt"]
         self.assertEqual((result.returncode, result.stdout, result.stderr), (0, note_hash(note) + "\n", ""))
 
@@ -551,14 +571,11 @@ class NoteHashCommandTest(unittest.TestCase):
                                                                            "summary has leading or trailing "
                                                                            "whitespace"),
                             (b"[]", "standard input is not a valid note: note must be an object")):
-            self.assertEqual(run_note_hash(data), (2, "", "oharness-sync: error: %s\n" % error), data)
+            self.assertEqual(run_main("note-hash", "-", stdin=data), (2, "", "oharness-sync: error: %s\n" % error), data)
 
     def test_a_file_that_cannot_be_read(self):
         missing = os.path.join(tempfile.gettempdir(), "ohs-test-no-such-note-%s.json" % os.getpid())
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = sync.main(["note-hash", missing])
-        self.assertEqual((code, out.getvalue(), err.getvalue()),
+        self.assertEqual(run_main("note-hash", missing),
                          (2, "", "oharness-sync: error: cannot read %s: No such file or directory\n" % missing))
 
 
@@ -4439,10 +4456,8 @@ class FsckTest(unittest.TestCase):
         self.scope = os.path.join(self.data_dir, "memory", "u-alice", "p-p")
 
     def fsck(self, *flags):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = sync.main(["fsck", "--data", self.data_dir] + list(flags))
-        return code, out.getvalue().splitlines()
+        code, out, _ = run_main("fsck", "--data", self.data_dir, *flags)
+        return code, out.splitlines()
 
     def problems(self, lines):
         return [line for line in lines if line.startswith("problem: ")]
@@ -4575,13 +4590,10 @@ class FsckTest(unittest.TestCase):
         server = SubprocessServer(self.data_dir)
         try:
             before = {path: os.stat(path).st_mtime_ns for path in self.all_files()}
-            result = subprocess.run([sys.executable, MODULE, "fsck", "--data", self.data_dir],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+            result = run_module("fsck", "--data", self.data_dir)
             self.assertEqual(result.returncode, 0, result.stdout)
             self.assertEqual({path: os.stat(path).st_mtime_ns for path in self.all_files()}, before)
-            result = subprocess.run([sys.executable, MODULE, "fsck", "--data", self.data_dir, "--repair"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30,
-                                    universal_newlines=True)
+            result = run_module("fsck", "--data", self.data_dir, "--repair")
             self.assertEqual(result.returncode, 2)
             self.assertIn("stop the server", result.stderr)
         finally:
@@ -4692,8 +4704,9 @@ def main_in_child(argv, uid=None, timeout=30):
                     os.setgroups([])
                     os.setgid(uid)
                     os.setuid(uid)
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    code = sync.main(argv)
+                code, printed, said = run_main(*argv)
+                out.write(printed)
+                err.write(said)
             except BaseException as exc:
                 err.write("raised %s: %s\n" % (type(exc).__name__, exc))
             finally:
@@ -4791,19 +4804,7 @@ class DataDirToolCase(unittest.TestCase):
         data_dir = argv[argv.index("--data") + 1] if "--data" in argv else None
         if os.geteuid() == 0 and data_dir is not None and os.path.isdir(data_dir) and os.stat(data_dir).st_uid:
             return main_in_child(list(argv))
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = sync.main(list(argv))
-        return code, out.getvalue(), err.getvalue()
-
-    def run_tool_in_child(self, *argv, user=None):
-        """(exit code, stdout, stderr) of the command line in a process of its own: one that may give up root
-        (a tool run by root on another user's data dir works as them), or run as user (a uid)."""
-        result = subprocess.run([sys.executable, MODULE] + list(argv), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, universal_newlines=True, timeout=60,
-                                preexec_fn=None if user is None else lambda: (os.setgroups([]), os.setgid(user),
-                                                                              os.setuid(user)))
-        return result.returncode, result.stdout, result.stderr
+        return run_main(*argv)
 
     def give_to_nobody(self):
         """Make the data dir nobody's (uid and gid 65534), as a service user's is; root only."""
@@ -5102,7 +5103,7 @@ class CompactCommandTest(DataDirToolCase):
         self.addCleanup(os.umask, os.umask(0o022))
         owner, run_tool = (os.getuid(), os.getgid()), self.run_tool
         if os.geteuid() == 0:
-            owner, run_tool = (65534, 65534), self.run_tool_in_child  # a service user's data dir, with sudo
+            owner, run_tool = (65534, 65534), run_module  # a service user's data dir, with sudo
             self.give_to_nobody()
         for path in (self.alice_feed, self.bob_feed):
             self.assertEqual(os.stat(path).st_mode & 0o7777, 0o600)
@@ -5203,7 +5204,7 @@ class PurgeCommandTest(DataDirToolCase):
         # Else the server, run as that owner, cannot read feeds/purged.json and answers every push 500.
         owner, run_tool = (os.getuid(), os.getgid()), self.run_tool
         if os.geteuid() == 0:
-            owner, run_tool = (65534, 65534), self.run_tool_in_child  # a service user's data dir, with sudo
+            owner, run_tool = (65534, 65534), run_module  # a service user's data dir, with sudo
             self.give_to_nobody()
         self.assertEqual(run_tool("purge", "--data", self.data_dir, "--principal", "alice")[0], 0)
         for path in (self.layout.purged, self.layout.lock):
@@ -5795,8 +5796,7 @@ class BackupRestoreWireTest(ServerCase):
         copy = self.copy_path()
 
         def back_up():
-            with contextlib.redirect_stdout(io.StringIO()):
-                self.assertEqual(sync.main(["backup", "--data", self.data_dir, "--to", copy]), 0)
+            self.assertEqual(run_main("backup", "--data", self.data_dir, "--to", copy)[0], 0)
 
         self.walk(back_up, lambda: self.replace_data_dir(["mv", copy, self.data_dir]))
 
@@ -5821,9 +5821,8 @@ class BackupRestoreWireTest(ServerCase):
 
         def restore():
             self.replace_data_dir(["cp", "-a", copy, self.data_dir])
-            result = subprocess.run([sys.executable, MODULE, "backup", "--mark-restored", "--data", self.data_dir],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
-            self.assertEqual((result.returncode, result.stderr), (0, b""))
+            result = run_module("backup", "--mark-restored", "--data", self.data_dir)
+            self.assertEqual((result.returncode, result.stderr), (0, ""))
 
         self.walk(lambda: subprocess.run(["cp", "-a", self.data_dir, copy], check=True), restore)
 class PlantedLinksTest(DataDirToolCase):
@@ -5999,8 +5998,8 @@ class BackupUnderLoadTest(ServerCase):
             began = time.monotonic()
             dest = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "copy")
             self.addCleanup(shutil.rmtree, os.path.dirname(dest), True)
-            with contextlib.redirect_stdout(io.StringIO()) as out:
-                self.assertEqual(sync.main(["backup", "--data", self.data_dir, "--to", dest]), 0)
+            code, out, _ = run_main("backup", "--data", self.data_dir, "--to", dest)
+            self.assertEqual(code, 0)
             ended = time.monotonic()
             deadline = ended + 10
             while not any(push[2] > ended for push in answered) and time.monotonic() < deadline:
@@ -6009,10 +6008,10 @@ class BackupUnderLoadTest(ServerCase):
             stop.set()
             for thread in clients:
                 thread.join(30)
-        self.assertIn(" to %s " % dest, out.getvalue())
+        self.assertIn(" to %s " % dest, out)
         self.assertGreater(len([push for push in answered if push[2] > ended]), 0)
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            self.assertEqual(sync.main(["fsck", "--data", dest]), 0, out.getvalue())
+        code, out, _ = run_main("fsck", "--data", dest)
+        self.assertEqual(code, 0, out)
         copy = feed_store(dest)
         self.addCleanup(close_store, copy)
         held = set()
@@ -6035,21 +6034,16 @@ class ToolsWithAServerUpTest(DataDirToolCase):
         server = SubprocessServer(self.data_dir)
         try:
             before = self.tree()
-            result = subprocess.run([sys.executable, MODULE, "usage", "--data", self.data_dir, "--json"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
-            self.assertEqual((result.returncode, result.stderr), (0, b""))
+            result = run_module("usage", "--data", self.data_dir, "--json")
+            self.assertEqual((result.returncode, result.stderr), (0, ""))
             report = json.loads(result.stdout)
             self.assertEqual(report, self.expected_report(report["diskFreeBytes"]))
             for command in (["compact"], ["purge", "--principal", "alice"]):
-                result = subprocess.run([sys.executable, MODULE, command[0], "--data", self.data_dir] + command[1:],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30,
-                                        universal_newlines=True)
+                result = run_module(command[0], "--data", self.data_dir, *command[1:])
                 self.assertEqual((result.returncode, result.stdout, result.stderr), (2, "", (
                     "oharness-sync: error: a server is using %s: stop it first (%s needs the data dir to itself)\n"
                     % (self.data_dir, command[0]))), command)
-            result = subprocess.run([sys.executable, MODULE, "purge", "--data", self.data_dir, "--principal", "alice",
-                                     "--dry-run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30,
-                                    universal_newlines=True)
+            result = run_module("purge", "--data", self.data_dir, "--principal", "alice", "--dry-run")
             self.assertEqual((result.returncode, result.stderr), (0, ""))
             self.assertEqual(result.stdout.splitlines(), self.purge_report("would remove") + [
                 "purge: --dry-run: nothing was changed",
@@ -6465,12 +6459,6 @@ class LongIdsTest(ServerCase):
         super().setUp()
         self.token = self.issue(self.PRINCIPAL, [self.TEAM])
 
-    def run_tool(self, *argv):
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = sync.main(list(argv))
-        return code, out.getvalue(), err.getvalue()
-
     def use_every_route(self):
         for team in (None, self.TEAM):
             self.assertAnswer(self.push(self.token, self.PROJECT, [record()], [meta()], team=team),
@@ -6525,7 +6513,7 @@ class LongIdsTest(ServerCase):
     def test_usage_fsck_and_purge_name_the_long_ids(self):
         self.use_every_route()
         self.stop_server(self.server, self.server_thread)
-        code, out, err = self.run_tool("usage", "--data", self.data_dir, "--json")
+        code, out, err = run_main("usage", "--data", self.data_dir, "--json")
         self.assertEqual((code, err), (0, ""))
         report = json.loads(out)
         self.assertEqual(sorted((row["owner"], row["team"], row["project"], row["events"])
@@ -6536,10 +6524,10 @@ class LongIdsTest(ServerCase):
                           for row in report["memory"]],
                          [(self.PRINCIPAL, "project/" + self.PROJECT, 1),
                           (self.PRINCIPAL, "user", 1)])
-        code, out, err = self.run_tool("fsck", "--data", self.data_dir)
+        code, out, err = run_main("fsck", "--data", self.data_dir)
         self.assertEqual((code, out), (0, "fsck %s: 2 feeds with 4 events, 2 memory scopes with 2 "
                                           "live notes, 3 tokens: 0 problems\n" % self.data_dir))
-        code, out, err = self.run_tool("purge", "--data", self.data_dir,
+        code, out, err = run_main("purge", "--data", self.data_dir,
                                        "--principal", self.PRINCIPAL)
         self.assertEqual((code, err), (0, ""))
         self.assertEqual(out.splitlines()[-1], "purge: %s is erased (1 token, 1 feed, 2 memory "
@@ -6547,7 +6535,7 @@ class LongIdsTest(ServerCase):
         left = [os.path.relpath(os.path.join(top, name), self.data_dir)
                 for top, dirs, files in os.walk(self.data_dir) for name in dirs + files]
         self.assertEqual([path for path in left if sync.long_name(self.PRINCIPAL) in path], [])
-        code, out, err = self.run_tool("usage", "--data", self.data_dir, "--json")
+        code, out, err = run_main("usage", "--data", self.data_dir, "--json")
         self.assertEqual([(row["owner"], row["project"]) for row in json.loads(out)["feeds"]],
                          [(self.TEAM, self.PROJECT)])
 
@@ -6558,7 +6546,7 @@ class LongIdsTest(ServerCase):
                              "p-" + sync.long_name(self.PROJECT))
         for name_file in (feed_dir + ".id", scope + ".id"):
             os.unlink(name_file)
-        code, out, err = self.run_tool("fsck", "--data", self.data_dir)
+        code, out, err = run_main("fsck", "--data", self.data_dir)
         self.assertEqual(code, 1)
         self.assertEqual([line for line in out.splitlines() if line.startswith("problem: ")], [
             "problem: %s: named for a long id, but its name file %s.id is missing or does not "
@@ -6569,9 +6557,9 @@ class LongIdsTest(ServerCase):
         self.use_every_route()
         copy = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "copy")
         self.addCleanup(shutil.rmtree, os.path.dirname(copy), True)
-        code, out, err = self.run_tool("backup", "--data", self.data_dir, "--to", copy)
+        code, out, err = run_main("backup", "--data", self.data_dir, "--to", copy)
         self.assertEqual((code, err), (0, ""))
-        code, out, err = self.run_tool("usage", "--data", copy, "--json")
+        code, out, err = run_main("usage", "--data", copy, "--json")
         report = json.loads(out)
         self.assertEqual(sorted((row["owner"], row["project"]) for row in report["feeds"]),
                          [(self.PRINCIPAL, self.PROJECT), (self.TEAM, self.PROJECT)])
@@ -8333,12 +8321,6 @@ class TokenFileMistakeTest(unittest.TestCase):
             f.write(text)
         return path
 
-    def main(self, *argv):
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = sync.main(list(argv))
-        return code, out.getvalue(), err.getvalue()
-
     def test_a_token_file_that_starts_with_bearer_is_refused_with_a_hint_to_drop_it(self):
         """What an Authorization header shows, pasted whole: before, "does not hold a token (... no spaces ...)"
         left the owner to guess which space."""
@@ -8354,17 +8336,17 @@ class TokenFileMistakeTest(unittest.TestCase):
                 ("--token-file", ["bench", "--url", url, "--token-file", bearer]),
                 ("--from-token-file", ["replicate", "--from", url, "--to", "http://127.0.0.1:10",
                                        "--from-token-file", bearer, "--to-token-file", good])):
-            self.assertEqual(self.main(*argv), (2, "", 'oharness-sync: error: %s %s starts with "Bearer ": drop it, '
+            self.assertEqual(run_main(*argv), (2, "", 'oharness-sync: error: %s %s starts with "Bearer ": drop it, '
                                                        'the file holds the token alone ("Bearer " is added when it '
                                                        'is sent)\n' % (flag, bearer)), argv)
         self.assertFalse(os.path.exists(data))
-        self.assertEqual(self.main("check", "--url", url, "--token", "bearer x"),
+        self.assertEqual(run_main("check", "--url", url, "--token", "bearer x"),
                          (2, "", 'oharness-sync: error: --token starts with "Bearer ": give the token alone\n'))
 
     def test_a_metrics_token_under_16_characters_stops_the_start_with_a_hint(self):
         data = os.path.join(self.dir, "data")
         short = self.file("metrics.token", "x" * 15 + "\n")
-        self.assertEqual(self.main("--data", data, "--port", "0", "--metrics-token-file", short), (
+        self.assertEqual(run_main("--data", data, "--port", "0", "--metrics-token-file", short), (
             2, "", 'oharness-sync: error: the token on --metrics-token-file %s is 15 characters: use one of 16 or '
                    'more, e.g. python3 -c "import secrets; print(secrets.token_urlsafe(32))"\n' % short))
         self.assertFalse(os.path.exists(data))
@@ -9723,9 +9705,8 @@ class TlsCommandLineTest(unittest.TestCase):
                  % (os.path.join(TLS_DATA, "key2.pem"), cert)),
                 ((cert, os.path.join(TLS_DATA, "key-encrypted.pem")), "the TLS key %s is encrypted: give the server "
                  "an unencrypted key that only its user can read" % os.path.join(TLS_DATA, "key-encrypted.pem"))):
-            result = subprocess.run([sys.executable, MODULE, "--data", data_dir, "--port", "0",
-                                     "--tls-cert", flags[0], "--tls-key", flags[1]], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
+            result = run_module("--data", data_dir, "--port", "0", "--tls-cert", flags[0],
+                                "--tls-key", flags[1])
             self.assertEqual((result.returncode, result.stdout, result.stderr),
                              (2, "", "oharness-sync: error: %s\n" % message), flags)
             self.assertFalse(os.path.exists(data_dir), flags)
@@ -9734,10 +9715,9 @@ class TlsCommandLineTest(unittest.TestCase):
         for flags in (["--tls-cert", os.path.join(TLS_DATA, "cert.pem")],
                       ["--tls-cert", os.path.join(TLS_DATA, "cert.pem"), "--tls-key", os.path.join(TLS_DATA, "key2.pem")],
                       ["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.pem"]):
-            result = subprocess.run([sys.executable, MODULE, "--data", self.data_dir, "--port", "0"] + flags,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+            result = run_module("--data", self.data_dir, "--port", "0", *flags)
             self.assertEqual(result.returncode, 2, flags)
-            self.assertEqual(len(result.stderr.decode().strip().splitlines()), 1, result.stderr)
+            self.assertEqual(len(result.stderr.strip().splitlines()), 1, result.stderr)
 
 
 # ---------------------------------------------------------------------------
@@ -12014,23 +11994,13 @@ class CommandLineTest(unittest.TestCase):
         self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, self.data_dir, True)
 
-    def run_cli(self, *args):
-        return subprocess.run([sys.executable, MODULE] + list(args), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, timeout=30, universal_newlines=True)
-
-    def main(self, *argv):
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = sync.main(list(argv))
-        return code, out.getvalue(), err.getvalue()
-
     def test_no_arguments_or_a_mistyped_command_is_one_line_that_helps(self):
         commands = "token, fsck, note-hash, check, replicate, usage, compact, purge, backup, bench"
-        self.assertEqual(self.main(), (2, "", "oharness-sync: error: to serve, give --data DIR; or a command: %s "
+        self.assertEqual(run_main(), (2, "", "oharness-sync: error: to serve, give --data DIR; or a command: %s "
                                               "(--help says more)\n" % commands))
-        self.assertEqual(self.main("tokens", "issue"), (2, "", "oharness-sync: error: 'tokens' is not a command "
+        self.assertEqual(run_main("tokens", "issue"), (2, "", "oharness-sync: error: 'tokens' is not a command "
                                                               "(did you mean 'token'?); the commands: %s\n" % commands))
-        self.assertEqual(self.main("xyzzy")[2], "oharness-sync: error: 'xyzzy' is not a command; the "
+        self.assertEqual(run_main("xyzzy")[2], "oharness-sync: error: 'xyzzy' is not a command; the "
                                                 "commands: %s\n" % commands)
 
     def test_the_docstrings_usage_list_is_the_command_tables_synopses(self):
@@ -12065,29 +12035,29 @@ class CommandLineTest(unittest.TestCase):
         path = os.path.join(self.data_dir, "principals")
         with open(path, "w") as f:
             f.write("alice 2GiB\n")
-        code, out, err = self.main("token", "issue", "--data", self.data_dir, "--principal", "carol",
+        code, out, err = run_main("token", "issue", "--data", self.data_dir, "--principal", "carol",
                                    "--principals-file", path)
         self.assertEqual(code, 0)
         self.assertRegex(out, r"^ohs_[0-9a-f]{12}_\S+\n$")
         self.assertRegex(err, r"^issued token [0-9a-f]{12} for principal carol\nwarning: the principals file %s does "
                               r"not list carol: the server refuses this token \(403\) until it does\n$" % re.escape(path))
-        code, out, err = self.main("token", "issue", "--data", self.data_dir, "--principal", "alice",
+        code, out, err = run_main("token", "issue", "--data", self.data_dir, "--principal", "alice",
                                    "--principals-file", path)
         self.assertEqual(code, 0)
         self.assertNotIn("warning", err)
         with open(path, "w") as f:
             f.write("alice 2 GiBs\n")
-        self.assertEqual(self.main("token", "issue", "--data", self.data_dir, "--principal", "alice",
+        self.assertEqual(run_main("token", "issue", "--data", self.data_dir, "--principal", "alice",
                                    "--principals-file", path),
                          (2, "", "oharness-sync: error: cannot use the principals file %s: line 1: '2 GiBs' is not "
                                  "a size (such as 500MiB, 2GiB or 1TB)\n" % path))
         self.assertEqual(len(sync.TokenStore(self.data_dir).read()), 2)  # nothing issued by the refused one
-        self.assertEqual(self.main("--data", self.data_dir, "--principals-file", path + ".missing"),
+        self.assertEqual(run_main("--data", self.data_dir, "--principals-file", path + ".missing"),
                          (2, "", "oharness-sync: error: cannot use the principals file %s.missing: No such file or "
                                  "directory\n" % path))
 
     def test_reserve_disk_takes_a_size_and_a_start_below_it_says_so(self):
-        self.assertEqual(self.main("--data", self.data_dir, "--reserve-disk", "lots"),
+        self.assertEqual(run_main("--data", self.data_dir, "--reserve-disk", "lots"),
                          (2, "", "oharness-sync: error: --reserve-disk: 'lots' is not a size (such as 500MiB, 2GiB or "
                                  "1TB)\n"))
         lines = []
@@ -12106,7 +12076,7 @@ class CommandLineTest(unittest.TestCase):
             return real_open(path, *args, **kwargs)
         with mock.patch.object(sync.os, "open", refusing_open), \
                 mock.patch.object(sync, "user_name", lambda uid: "oharness"):
-            code, out, err = self.main("token", "list", "--data", self.data_dir)
+            code, out, err = run_main("token", "list", "--data", self.data_dir)
         self.assertEqual((code, out), (2, ""))
         self.assertEqual(err, "oharness-sync: error: cannot use data dir %s: Permission denied; it belongs to oharness: "
                               "run this as that user, e.g. sudo -u oharness python3 oharness_sync.py ...\n"
@@ -12128,7 +12098,7 @@ class CommandLineTest(unittest.TestCase):
     def test_a_second_server_on_one_data_dir_exits_at_once(self):
         server = SubprocessServer(self.data_dir)
         try:
-            result = self.run_cli("--data", self.data_dir, "--port", "0")
+            result = run_module("--data", self.data_dir, "--port", "0")
             self.assertNotEqual(result.returncode, 0)
             self.assertEqual(result.stdout, "")
             self.assertIn("already using", result.stderr)
@@ -12145,7 +12115,7 @@ class CommandLineTest(unittest.TestCase):
                      ["--data", self.data_dir, "--request-timeout", "0"], ["--data", self.data_dir, "--max-parked", "-1"],
                      ["--data", self.data_dir, "--max-connections-per-address", "0"],
                      ["--data", self.data_dir, "--trusted-proxy", "proxy.home.arpa"]):
-            result = self.run_cli(*args)
+            result = run_module(*args)
             self.assertEqual(result.returncode, 2, args)
             self.assertEqual(len(result.stderr.strip().splitlines()), 1, (args, result.stderr))
             self.assertNotIn("Traceback", result.stderr)
@@ -12162,7 +12132,7 @@ class CommandLineTest(unittest.TestCase):
             with open(path, "w") as f:
                 f.write(text)
             for args in commands if damaged[0] == {"id": "x"} else commands[1:2]:  # token list showed the fields
-                result = self.run_cli(*args)
+                result = run_module(*args)
                 self.assertEqual(result.returncode, 2, args)
                 self.assertEqual(result.stderr, "oharness-sync: error: cannot use the token file %s: not a token "
                                                 "file\n" % path, args)
@@ -12170,19 +12140,19 @@ class CommandLineTest(unittest.TestCase):
                 self.assertEqual(f.read(), text)  # left as it was
         with open(path, "w") as f:
             f.write(json.dumps({"version": 1, "tokens": [good]}))
-        result = self.run_cli("token", "list", "--data", self.data_dir)
+        result = run_module("token", "list", "--data", self.data_dir)
         self.assertEqual((result.returncode, result.stdout.splitlines()[1].split()[:2]), (0, ["0123456789ab", "alice"]))
 
     def test_deeply_nested_token_and_jwks_files_stop_start_up_with_one_line(self):
         deep = os.path.join(self.data_dir, "deep.json")
         with open(deep, "w") as f:
             f.write("[" * 100000)
-        result = self.run_cli("--data", self.data_dir, "--port", "0", "--jwks-file", deep)
+        result = run_module("--data", self.data_dir, "--port", "0", "--jwks-file", deep)
         self.assertEqual((result.returncode, result.stderr),
                          (2, "oharness-sync: error: cannot use %s: JSON nested too deeply\n" % deep))
         shutil.copy(deep, os.path.join(self.data_dir, "tokens.json"))
         for args in (["--data", self.data_dir, "--port", "0"], ["token", "list", "--data", self.data_dir]):
-            result = self.run_cli(*args)
+            result = run_module(*args)
             self.assertEqual(result.returncode, 2, (args, result.stderr))
             self.assertEqual(len(result.stderr.splitlines()), 1, (args, result.stderr))
             self.assertIn("nested too deeply", result.stderr)
@@ -12196,12 +12166,12 @@ class CommandLineTest(unittest.TestCase):
                                 ("--jwks-file", missing, "No such file or directory"),
                                 ("--supabase-anon-key-file", missing, "No such file or directory")):
             with self.subTest(flag=flag, path=path):
-                result = self.run_cli("--data", self.data_dir, "--port", "0", flag, path)
+                result = run_module("--data", self.data_dir, "--port", "0", flag, path)
                 self.assertEqual(result.returncode, 2)
                 self.assertEqual(result.stderr, "oharness-sync: error: cannot use %s: %s\n" % (path, why))
 
     def test_token_issue_list_revoke(self):
-        result = self.run_cli("token", "issue", "--data", self.data_dir, "--principal", "alice",
+        result = run_module("token", "issue", "--data", self.data_dir, "--principal", "alice",
                               "--team", "platform", "--team", "ops", "--name", "laptop", "--expires-days", "30")
         self.assertEqual(result.returncode, 0)
         token = result.stdout.strip()
@@ -12210,23 +12180,23 @@ class CommandLineTest(unittest.TestCase):
         token_id = token[4:16]
         self.assertIn(token_id, result.stderr)
         self.assertIn("alice", result.stderr)
-        listing = self.run_cli("token", "list", "--data", self.data_dir)
+        listing = run_module("token", "list", "--data", self.data_dir)
         self.assertEqual(listing.returncode, 0)
         self.assertIn(token_id, listing.stdout)
         self.assertIn("ops,platform", listing.stdout)
         self.assertIn("laptop", listing.stdout)
         self.assertNotIn(token, listing.stdout)
-        self.assertEqual(self.run_cli("token", "revoke", "--data", self.data_dir, token_id).returncode, 0)
-        self.assertNotIn(token_id, self.run_cli("token", "list", "--data", self.data_dir).stdout)
-        self.assertEqual(self.run_cli("token", "revoke", "--data", self.data_dir, token_id).returncode, 1)
+        self.assertEqual(run_module("token", "revoke", "--data", self.data_dir, token_id).returncode, 0)
+        self.assertNotIn(token_id, run_module("token", "list", "--data", self.data_dir).stdout)
+        self.assertEqual(run_module("token", "revoke", "--data", self.data_dir, token_id).returncode, 1)
 
     def test_version_prints_the_version_without_a_data_dir(self):
-        result = self.run_cli("--version")
+        result = run_module("--version")
         self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "oharness-sync 0.2.0\n", ""))
         self.assertEqual(sync.__version__, "0.2.0")
 
     def test_help_lists_every_command_with_one_line_and_the_serving_flags(self):
-        result = self.run_cli("--help")
+        result = run_module("--help")
         self.assertEqual((result.returncode, result.stderr), (0, ""))
         lines = result.stdout.splitlines()
         self.assertEqual(lines[:2], ["usage: oharness_sync.py [--version] --data DIR [serving flags]",
@@ -12245,7 +12215,7 @@ class CommandLineTest(unittest.TestCase):
         open(blocker, "w").close()
         for path, why in ((missing, "no such directory"), (blocker, "not a directory")):
             for args in (["token", "list", "--data", path], ["token", "revoke", "--data", path, "0123456789ab"]):
-                result = self.run_cli(*args)
+                result = run_module(*args)
                 self.assertEqual((result.returncode, result.stdout, result.stderr),
                                  (2, "", "oharness-sync: error: %s is not a data dir: %s\n" % (path, why)), args)
         self.assertEqual(sorted(os.listdir(self.data_dir)), ["file"])
@@ -12254,10 +12224,10 @@ class CommandLineTest(unittest.TestCase):
         new = os.path.join(self.data_dir, "new")
         for flags in (["--principal", "a/b"], ["--principal", "alice", "--team", "x y"],
                       ["--principal", "alice", "--expires-days", "0"]):
-            result = self.run_cli("token", "issue", "--data", new, *flags)
+            result = run_module("token", "issue", "--data", new, *flags)
             self.assertEqual(result.returncode, 2, flags)
             self.assertFalse(os.path.exists(new), flags)
-        result = self.run_cli("token", "issue", "--data", new, "--principal", "alice")  # a new data dir is made
+        result = run_module("token", "issue", "--data", new, "--principal", "alice")  # a new data dir is made
         self.assertEqual(result.returncode, 0)
         self.assertEqual(sorted(os.listdir(new)), ["tokens.json", "tokens.lock"])
         for name in ("tokens.json", "tokens.lock"):  # as before: the caller's, 0600
@@ -12274,7 +12244,7 @@ class CommandLineTest(unittest.TestCase):
         # (a server that started anyway would stop at once)
         with mock.patch.object(sync.FeedStore, "count_bytes", side_effect=denied), \
                 mock.patch.object(sync, "run_until_signalled"):
-            code, out, err = self.main("--data", data_dir, "--port", "0", "--metrics-token-file", token_file)
+            code, out, err = run_main("--data", data_dir, "--port", "0", "--metrics-token-file", token_file)
         self.assertEqual((code, out, err), (2, "", "oharness-sync: error: cannot start the server on %s: %s: "
                                                    "Permission denied\n" % (data_dir, unreadable)))
         self.assertFalse(os.path.exists(data_dir))  # (made by this start: removed)
@@ -12287,13 +12257,13 @@ class CommandLineTest(unittest.TestCase):
         port = str(busy.getsockname()[1])
         new = os.path.join(self.data_dir, "new")
         for flags in (["--port", port], ["--host", "no-such-host.invalid"]):
-            result = self.run_cli("--data", os.path.join(new, "data"), *flags)
+            result = run_module("--data", os.path.join(new, "data"), *flags)
             self.assertEqual(result.returncode, 2, flags)
             self.assertRegex(result.stderr, r"^oharness-sync: error: cannot listen on [^\n]*\n$")
             self.assertFalse(os.path.exists(new), flags)
         token, _ = sync.TokenStore(self.data_dir).issue("alice")  # a data dir that was there stays as it was
         before = sorted(os.listdir(self.data_dir))
-        result = self.run_cli("--data", self.data_dir, "--port", port)
+        result = run_module("--data", self.data_dir, "--port", port)
         self.assertEqual(result.returncode, 2)
         self.assertEqual(sorted(os.listdir(self.data_dir)), before)  # (the port is bound first)
         self.assertEqual(sync.LocalTokenVerifier(sync.TokenStore(self.data_dir), no_log).verify(token).principal, "alice")
@@ -12308,12 +12278,12 @@ class CommandLineTest(unittest.TestCase):
         os.mkdir(data_dir, 0o700)
         os.chown(data_dir, 12345, 12346)
         path = os.path.join(data_dir, "tokens.json")
-        result = self.run_cli("token", "issue", "--data", data_dir, "--principal", "alice")
+        result = run_module("token", "issue", "--data", data_dir, "--principal", "alice")
         self.assertEqual((result.returncode, result.stderr.splitlines()[0]),
                          (0, "running as uid 12345 (uid 12345), the owner of %s" % data_dir))
         os.chmod(path, 0o640)
         for args in (["issue", "--principal", "bob"], ["revoke", result.stdout.strip()[4:16]]):
-            self.assertEqual(self.run_cli("token", args[0], "--data", data_dir, *args[1:]).returncode, 0, args)
+            self.assertEqual(run_module("token", args[0], "--data", data_dir, *args[1:]).returncode, 0, args)
             info = os.stat(path)
             self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o640), args)
         self.assertEqual([r["principal"] for r in sync.TokenStore(data_dir).read()], ["bob"])
@@ -12349,23 +12319,23 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(sorted(os.listdir(self.data_dir)), ["tokens.json", "tokens.lock"])
 
     def test_token_revoke_takes_the_whole_token_too_and_never_echoes_one(self):
-        tokens = [self.run_cli("token", "issue", "--data", self.data_dir, "--principal", principal).stdout.strip()
+        tokens = [run_module("token", "issue", "--data", self.data_dir, "--principal", principal).stdout.strip()
                   for principal in ("alice", "bob")]
         alice_id = tokens[0][4:16]
         forged = tokens[0][:-4] + ("AAAA" if not tokens[0].endswith("AAAA") else "BBBB")
-        result = self.run_cli("token", "revoke", "--data", self.data_dir, forged)  # its id, not its hash
+        result = run_module("token", "revoke", "--data", self.data_dir, forged)  # its id, not its hash
         self.assertEqual((result.returncode, result.stdout, result.stderr),
                          (1, "", "no token %s with this secret in %s (revoked already, or never issued here)\n"
                           % (alice_id, self.data_dir)))
-        result = self.run_cli("token", "revoke", "--data", self.data_dir, tokens[0])
+        result = run_module("token", "revoke", "--data", self.data_dir, tokens[0])
         self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "", "revoked token %s\n" % alice_id))
-        result = self.run_cli("token", "revoke", "--data", self.data_dir, alice_id)  # again
+        result = run_module("token", "revoke", "--data", self.data_dir, alice_id)  # again
         self.assertEqual((result.returncode, result.stdout, result.stderr),
                          (1, "", "no token %s in %s (revoked already, or never issued here)\n"
                           % (alice_id, self.data_dir)))
         self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
         for given in ("ohs_%s" % alice_id, tokens[1][:20], "eyJhbGciOi.eyJzdWIiOi.c2lnbmF0dXJl", "3F9C2A17B0DE"):
-            result = self.run_cli("token", "revoke", "--data", self.data_dir, given)
+            result = run_module("token", "revoke", "--data", self.data_dir, given)
             self.assertEqual((result.returncode, result.stdout, result.stderr),
                              (2, "", "oharness-sync: error: give the token id, e.g. 3f9c2a17b0de (the ID column of "
                                      "`token list`), or the whole token\n"), given)
@@ -12374,7 +12344,7 @@ class CommandLineTest(unittest.TestCase):
     def test_token_list_says_its_times_are_utc(self):
         store = sync.TokenStore(self.data_dir, clock=lambda: 1789344000.0)  # 2026-09-14 00:00 UTC
         store.issue("alice", name="laptop", expires_days=1)
-        lines = self.run_cli("token", "list", "--data", self.data_dir).stdout.splitlines()
+        lines = run_module("token", "list", "--data", self.data_dir).stdout.splitlines()
         self.assertEqual(re.split(r"  +", lines[0]), ["ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED (UTC)",
                                                       "EXPIRES (UTC)"])
         self.assertEqual(re.split(r"  +", lines[1])[1:], ["alice", "-", "laptop", "2026-09-14 00:00",
@@ -12470,11 +12440,7 @@ class RunningAsTheOwnerTest(unittest.TestCase):
     def run_command(self, *argv, user=None):
         """(exit code, stdout, stderr) of the command line in a child process, run as root or as user (a uid: a
         forked child of this process then, as the interpreter may be in a directory only root may enter)."""
-        if user is None:
-            result = subprocess.run([sys.executable, MODULE] + list(argv), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
-            return result.returncode, result.stdout, result.stderr
-        return main_in_child(list(argv), user)
+        return run_module(*argv) if user is None else main_in_child(list(argv), user)
 
     def owners(self):
         """{path relative to the data dir: (uid, gid)} of everything in it."""
@@ -12749,10 +12715,8 @@ class ReadmeExamplesTest(ServerCase):
         path = os.path.join(self.data_dir, "note.json")
         with open(path, "w", encoding="utf-8") as f:
             f.write(note_text + "\n")
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            self.assertEqual(sync.main(["note-hash", path]), 0)
-        self.assertEqual(out.getvalue().splitlines(), hash_shown)
+        code, out, _ = run_main("note-hash", path)
+        self.assertEqual((code, out.splitlines()), (0, hash_shown))
         printf = shlex.split(printf_command)
         fields = [note["id"], note["summary"], note["body"], note["tags"], note["createdAt"], note["type"]]
         self.assertEqual(printf, ["printf", "%s", js_stringify(fields), "|", "sha256sum"])
@@ -12812,10 +12776,8 @@ def quick_long_polls():
 def run_check_command(*argv):
     """sync.main(["check", ...]) in this process, tokens given in files, long-polls quick: (exit
     code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), quick_long_polls():
-        code = sync.main(["check"] + with_token_files(argv))
-    return code, out.getvalue(), err.getvalue()
+    with quick_long_polls():
+        return run_main("check", *with_token_files(argv))
 
 
 class SyncClientCallTest(unittest.TestCase):
@@ -12939,8 +12901,6 @@ class ResponseShapeTest(unittest.TestCase):
 class CheckCommandTest(ServerCase):
     """oharness_sync.py check against this server: every check passes."""
 
-    cli = [sys.executable, MODULE]
-
     def test_every_check_passes_against_this_server(self):
         out, err = io.StringIO(), io.StringIO()
         check = ConformanceCheck(sync.SyncClient(self.url, self.alice), other_token=self.bob,
@@ -12979,9 +12939,7 @@ class CheckCommandTest(ServerCase):
         token, _ = sync.TokenStore(data_dir).issue("alice")
         server = SubprocessServer(data_dir)
         try:
-            result = subprocess.run(self.cli + ["check", "--url", server.url, "--token-file", token_file(token)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
-                                    universal_newlines=True)
+            result = run_module("check", "--url", server.url, "--token-file", token_file(token))
         finally:
             server.stop()
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
@@ -13184,9 +13142,8 @@ class CheckCatchesFaultsTest(unittest.TestCase):
     def test_a_stopped_server_is_one_line_with_the_cause(self):
         # Before, every check failed with the same "network error: ... refused": sixteen lines for one cause.
         url = "http://127.0.0.1:%d" % closed_port()
-        result = subprocess.run([sys.executable, MODULE, "check", "--url", url, "--token-file", token_file("t0ken"), "--memory",
-                                 "--principal", "alice"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                universal_newlines=True, timeout=60)
+        result = run_module("check", "--url", url, "--token-file", token_file("t0ken"), "--memory",
+                            "--principal", "alice")
         self.assertEqual((result.returncode, result.stdout, result.stderr),
                          (1, "check stopped: cannot connect to %s: connection refused (is the server running, on "
                              "that port?)\n" % url, ""))  # nothing was written: no notice
@@ -13449,17 +13406,16 @@ class CheckUsageTest(unittest.TestCase):
         token, _ = sync.TokenStore(server.app.feeds.layout.path).issue("alice")
         server.app.auth.local.reload()
         argv = ["check", "--url", server.url]
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), quick_long_polls():
-            self.assertEqual(sync.main(argv + ["--token", token]), 0)
-        self.assertEqual(err.getvalue().splitlines()[0], "check: warning: --token on the command line is visible to "
+        with quick_long_polls():
+            code, out, err = run_main(*argv + ["--token", token])
+        self.assertEqual(code, 0)
+        self.assertEqual(err.splitlines()[0], "check: warning: --token on the command line is visible to "
                                                          "other users in ps; prefer --token-file")
         code, out, err = run_check_command("--url", server.url, "--token", token)  # (as --token-file)
         self.assertEqual((code, err.count("warning")), (0, 0))
         self.assertTrue(out.endswith("check: 9 passed, 0 failed\n"), out)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
-            self.assertEqual(sync.main(argv + ["--token", token, "--token-file", token_file(token)]), 2)
-        self.assertEqual(err.getvalue(), "oharness-sync: error: give --token or --token-file, not both\n")
+        self.assertEqual(run_main(*argv + ["--token", token, "--token-file", token_file(token)]),
+                         (2, "", "oharness-sync: error: give --token or --token-file, not both\n"))
 
     def test_a_redirect_to_https_is_one_line_that_names_the_url(self):
         class Redirect(BaseHTTPRequestHandler):
@@ -14039,13 +13995,11 @@ class ReplicateCase(ServerCase):
 
     def replicate(self, *extra, memory=False):
         """sync.main(replicate ...) in this process: (exit code, stdout, stderr); never a token in them."""
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = sync.main(self.argv(*extra, memory=memory))
+        code, out, err = run_main(*self.argv(*extra, memory=memory))
         for token in (self.alice, self.target_alice):
-            self.assertNotIn(token, out.getvalue() + err.getvalue())
-        self.assertNotIn("Traceback", err.getvalue())
-        return code, out.getvalue(), err.getvalue()
+            self.assertNotIn(token, out + err)
+        self.assertNotIn("Traceback", err)
+        return code, out, err
 
     def whole_feed(self, url, token, project="proj"):
         """(every record, every session event, the end cursor) of a feed, page by page."""
@@ -14215,10 +14169,8 @@ class ReplicateLongIdsTest(ReplicateCase):
                 self.token_file("long-from", source), "--to", self.target_url,
                 "--to-token-file", self.token_file("long-to", target), "--team", team,
                 "--from-principal", principal, "--to-principal", principal]
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = sync.main(argv)
-        self.assertEqual((code, err.getvalue()), (0, ""), out.getvalue())
+        code, out, err = run_main(*argv)
+        self.assertEqual((code, err), (0, ""), out)
         for on_team in ("", "&team=" + team):
             query = "/v1/pull?project=%s&since=0%s" % (project, on_team)
             self.assertEqual(http_request(self.target_url, "GET", query, token=target).json,
@@ -14319,14 +14271,13 @@ class ReplicateMemoryTest(ReplicateCase):
         bob_there, _ = sync.TokenStore(self.target_dir).issue("bob")
         self.to_token = self.token_file("to.token", bob_there)
         self.commit(self.url, self.alice, [replicate_put("n1")])
-        out, err = io.StringIO(), io.StringIO()
         argv = self.argv(memory=False)[:-1] + ["--from-principal", "alice", "--to-principal", "bob"]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            self.assertEqual(sync.main(argv), 0, err.getvalue())
+        code, out, err = run_main(*argv)
+        self.assertEqual(code, 0, err)
         answer = http_request(self.target.url, "POST", "/v1/memory/snapshot",
                               {"scope": "user", "expectedPrincipal": "bob"}, bob_there)
         self.assertEqual([e["note"] for e in answer.json["entries"]], [replicate_note("n1")])
-        self.assertNotIn(bob_there, out.getvalue() + err.getvalue())
+        self.assertNotIn(bob_there, out + err)
 
     def test_a_quota_refusal_stops_that_scope_and_exits_1(self):
         self.target.app.memory.quota = dict(self.target.app.memory.quota, maxNotes=1)
@@ -14354,11 +14305,10 @@ class ReplicateMemoryTest(ReplicateCase):
 
     def test_a_principal_the_token_is_not_for_is_named_as_the_flag_s_mistake(self):
         # Before: "the source ... refuses its token", when the token was right and the flag wrong.
-        out, err = io.StringIO(), io.StringIO()
         argv = self.argv(memory=False)[:-1] + ["--from-principal", "bob", "--to-principal", "alice"]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            self.assertEqual(sync.main(argv), 1)
-        self.assertEqual(err.getvalue(), (
+        code, _, err = run_main(*argv)
+        self.assertEqual(code, 1)
+        self.assertEqual(err, (
             "replicate: --from-principal bob is not the principal of the --from token: the source %s "
             'answered POST /v1/memory/identity with 403 {"code": "account_mismatch", "error": "the token '
             'belongs to another account"}; give --from-principal the principal the token was issued to '
@@ -14672,11 +14622,7 @@ class ReplicateUsageTest(ReplicateCase):
     """replicate's command line: what is refused with exit 2 before anything is copied."""
 
     def assertUsage(self, argv, message):
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            self.assertEqual(sync.main(argv), 2)
-        self.assertEqual(err.getvalue(), "oharness-sync: error: %s\n" % message)
-        self.assertEqual(out.getvalue(), "")
+        self.assertEqual(run_main(*argv), (2, "", "oharness-sync: error: %s\n" % message))
 
     def test_usage_errors_exit_2_with_one_line(self):
         missing = os.path.join(self.files, "missing.token")
