@@ -8412,19 +8412,121 @@ def check_record(record_id, body="unchanged"):
             "body": body}
 
 
+class CheckRequests:
+    """The requests of a conformance check, on one SyncClient: each answer's status and shape
+    expected (CheckFailed), or CheckStopped when every further request would fail the same way.
+    first_answer() is called at the first HTTP response, before anything is written."""
+
+    def __init__(self, client, principal, first_answer):
+        self.client = client
+        self.url = client.url
+        self.principal = principal  # a memory request's expectedPrincipal
+        self.first_answer = first_answer
+        self.responded = False  # no HTTP response yet: nothing written
+
+    def response(self, send):
+        """(status, headers, document) of send(), a function that sends one request with
+        self.client; CheckStopped when no connection is made, or a first request has no response
+        (every further request would fail the same way)."""
+        try:
+            status, headers, document = send()
+        except ConnectFailed as exc:  # refused, no such host, an untrusted certificate
+            failure = connect_failure(exc.url, exc.error, self.client.ca_file)
+            raise CheckStopped(failure) from None
+        except AnswerStopped as exc:  # every further request would likely end the same way
+            raise CheckStopped(str(exc)) from None
+        except (OSError, http.client.HTTPException) as exc:
+            if self.responded:
+                raise
+            # No HTTP response yet: likely not an HTTP server (or TLS where http:// was given).
+            hint = "" if self.client.https else ": if it serves HTTPS, give an https:// URL"
+            raise CheckStopped("no HTTP response from %s to a first request (%s)%s"
+                               % (self.url, str(exc) or type(exc).__name__, hint)) from None
+        if not self.responded and status in (301, 302, 307, 308):
+            raise CheckStopped(redirect_stop(self.url, headers.get("location")))
+        if not self.responded:  # the checks write from now on: say where, once
+            self.responded = True
+            self.first_answer()
+        return status, headers, document
+
+    def expect(self, what, send, status=200, token=None):
+        """The document of send()'s response (what: "METHOD /path", for messages); CheckFailed
+        unless it has this status (and, for 200, Content-Type application/json); CheckStopped
+        when a session route refuses --token itself (every other request would too)."""
+        got, headers, document = self.response(send)
+        if got == 401 and status != 401 and token is None and " /v1/memory/" not in what:
+            raise CheckStopped("the server refuses the token: %s answered 401 %s (is it a token "
+                               "of this server, not revoked or expired?)"
+                               % (what.split("?", 1)[0], excerpt(document)))
+        if got == 401 and status != 401 and token is None:  # a memory route
+            code = document.get("code") if isinstance(document, dict) else None
+            raise CheckFailed("%s answered 401 %s: the server does not take --token for memory "
+                              "sync (which tokens it takes there: see %s)"
+                              % (what, code or excerpt(document), MEMORY_CLIENT_NOTE))
+        if got != status:
+            raise CheckFailed("%s answered %d, expected %d: %s"
+                              % (what, got, status, excerpt(document)))
+        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if status == 200 and content_type != "application/json":
+            raise CheckFailed("%s answered with Content-Type %r" % (what, content_type))
+        return document
+
+    def call(self, method, path, status=200, token=None):
+        """The document of a request without a body, of a route with no call of its own."""
+        return self.expect("%s %s" % (method, path),
+                           lambda: self.client.call(method, path, token=token), status, token)
+
+    def push(self, project, records=(), sessions=(), token=None, team=None, status=200):
+        body = {"project": project, "records": list(records), "sessions": list(sessions)}
+        if team is not None:
+            body["team"] = team
+        document = self.expect("POST /v1/push", lambda: self.client.push(body, token), status,
+                               token)
+        if status == 200:
+            push_counts(document)
+        return document
+
+    def pull(self, project, since, token=None, team=None, status=200, **params):
+        document = self.expect("GET /v1/pull", lambda: self.client.pull(
+            project, since, team=team, token=token, **params), status, token)
+        if status == 200:
+            pull_page(document, since)
+        return document
+
+    def list_projects(self, token=None, team=None):
+        document = self.expect("GET /v1/projects",
+                               lambda: self.client.projects(team=team, token=token), token=token)
+        return project_ids(document)
+
+    def post_memory(self, route, status=200, **fields):
+        body = dict(fields, expectedPrincipal=self.principal)
+        document = self.expect("POST /v1/memory/" + route,
+                               lambda: self.client.post_memory(route, body), status)
+        if not isinstance(document, dict):
+            raise CheckFailed("POST /v1/memory/%s answered %s, not an object"
+                              % (route, excerpt(document)))
+        if status == 200:
+            check_principal(document, self.principal)
+            if route != "identity":
+                memory_entries(document)
+        return document
+
+
 class ConformanceCheck:
     """Checks over HTTP(S) that a server, ours or another, behaves as protocol v1 requires.
 
     run() prints one line per check, `PASS name` or `FAIL name: reason`, or stops at a
     CheckStopped with one line that says why. The checks write to fresh projects named
     ohs-check-<random>-<purpose>; notice() is printed on err at the first response, before
-    anything is written.
+    anything is written. Their requests are self.requests (CheckRequests).
     """
 
     def __init__(self, client, other_token=None, team=None, principal=None, out=None, err=None):
         self.url = client.url
         self.client = client                   # a SyncClient (check_client)
-        self.responded = False  # no HTTP response yet: nothing written, no notice printed
+        # the notice is printed at the first response, before anything is written
+        self.requests = CheckRequests(client, principal,
+                                      lambda: print(self.notice(), file=self.err, flush=True))
         self.err = err or sys.stderr
         self.token = client.token
         self.other_token = other_token
@@ -8507,99 +8609,10 @@ class ConformanceCheck:
                 text = text.replace(secret, "<token>")
         return text
 
-    # -- HTTP ----------------------------------------------------------------
-
-    def response(self, send):
-        """(status, headers, document) of send(), a function that sends one request with
-        self.client; CheckStopped when no connection is made, or a first request has no response
-        (every further request would fail the same way)."""
-        try:
-            status, headers, document = send()
-        except ConnectFailed as exc:  # refused, no such host, an untrusted certificate
-            failure = connect_failure(exc.url, exc.error, self.client.ca_file)
-            raise CheckStopped(failure) from None
-        except AnswerStopped as exc:  # every further request would likely end the same way
-            raise CheckStopped(str(exc)) from None
-        except (OSError, http.client.HTTPException) as exc:
-            if self.responded:
-                raise
-            # No HTTP response yet: likely not an HTTP server (or TLS where http:// was given).
-            hint = "" if self.client.https else ": if it serves HTTPS, give an https:// URL"
-            raise CheckStopped("no HTTP response from %s to a first request (%s)%s"
-                               % (self.url, str(exc) or type(exc).__name__, hint)) from None
-        if not self.responded and status in (301, 302, 307, 308):
-            raise CheckStopped(redirect_stop(self.url, headers.get("location")))
-        if not self.responded:  # the checks write from now on: say where, once
-            self.responded = True
-            print(self.notice(), file=self.err, flush=True)
-        return status, headers, document
-
-    def expect(self, what, send, status=200, token=None):
-        """The document of send()'s response (what: "METHOD /path", for messages); CheckFailed
-        unless it has this status (and, for 200, Content-Type application/json); CheckStopped
-        when a session route refuses --token itself (every other request would too)."""
-        got, headers, document = self.response(send)
-        if got == 401 and status != 401 and token is None and " /v1/memory/" not in what:
-            raise CheckStopped("the server refuses the token: %s answered 401 %s (is it a token "
-                               "of this server, not revoked or expired?)"
-                               % (what.split("?", 1)[0], excerpt(document)))
-        if got == 401 and status != 401 and token is None:  # a memory route
-            code = document.get("code") if isinstance(document, dict) else None
-            raise CheckFailed("%s answered 401 %s: the server does not take --token for memory "
-                              "sync (which tokens it takes there: see %s)"
-                              % (what, code or excerpt(document), MEMORY_CLIENT_NOTE))
-        if got != status:
-            raise CheckFailed("%s answered %d, expected %d: %s"
-                              % (what, got, status, excerpt(document)))
-        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if status == 200 and content_type != "application/json":
-            raise CheckFailed("%s answered with Content-Type %r" % (what, content_type))
-        return document
-
-    def call(self, method, path, status=200, token=None):
-        """The document of a request without a body, of a route with no call of its own."""
-        return self.expect("%s %s" % (method, path),
-                           lambda: self.client.call(method, path, token=token), status, token)
-
-    def push(self, project, records=(), sessions=(), token=None, team=None, status=200):
-        body = {"project": project, "records": list(records), "sessions": list(sessions)}
-        if team is not None:
-            body["team"] = team
-        document = self.expect("POST /v1/push", lambda: self.client.push(body, token), status,
-                               token)
-        if status == 200:
-            push_counts(document)
-        return document
-
-    def pull(self, project, since, token=None, team=None, status=200, **params):
-        document = self.expect("GET /v1/pull", lambda: self.client.pull(
-            project, since, team=team, token=token, **params), status, token)
-        if status == 200:
-            pull_page(document, since)
-        return document
-
-    def list_projects(self, token=None, team=None):
-        document = self.expect("GET /v1/projects",
-                               lambda: self.client.projects(team=team, token=token), token=token)
-        return project_ids(document)
-
-    def post_memory(self, route, status=200, **fields):
-        body = dict(fields, expectedPrincipal=self.principal)
-        document = self.expect("POST /v1/memory/" + route,
-                               lambda: self.client.post_memory(route, body), status)
-        if not isinstance(document, dict):
-            raise CheckFailed("POST /v1/memory/%s answered %s, not an object"
-                              % (route, excerpt(document)))
-        if status == 200:
-            check_principal(document, self.principal)
-            if route != "identity":
-                memory_entries(document)
-        return document
-
     # -- session sync ----------------------------------------------------------
 
     def check_health(self):
-        doc = self.call("GET", "/v1/health", token="")
+        doc = self.requests.call("GET", "/v1/health", token="")
         if not (isinstance(doc, dict) and doc.get("ok") is True):
             raise CheckFailed("GET /v1/health answered %s, expected {\"ok\": true}" % excerpt(doc))
 
@@ -8614,7 +8627,7 @@ class ConformanceCheck:
         made_up = "ohs-check-" + secrets.token_hex(16)
         for method, path, body in routes:
             for token, what in (("", "without a token"), (made_up, "with a made-up token")):
-                status, headers, doc = self.response(
+                status, headers, doc = self.requests.response(
                     lambda: self.client.call(method, path, body, token))
                 if status != 401:
                     raise CheckFailed("%s %s %s answered %d, expected 401"
@@ -8630,18 +8643,18 @@ class ConformanceCheck:
         """The seed's smoke test: push, push again (accepted 0), pull, then pull from the cursor
         (empty)."""
         project, pushed = self.project["smoke"], check_record("r1", {"value": "unchanged"})
-        first = self.push(project, [pushed])
+        first = self.requests.push(project, [pushed])
         if first["accepted"] != 1:
             raise CheckFailed("the first push answered %s, expected accepted 1" % excerpt(first))
-        again = self.push(project, [pushed])
+        again = self.requests.push(project, [pushed])
         if again != {"cursor": first["cursor"], "accepted": 0}:
             raise CheckFailed("pushing the same record again answered %s, expected accepted 0 and "
                               "cursor %d" % (excerpt(again), first["cursor"]))
-        page = self.pull(project, 0, limit=500)
+        page = self.requests.pull(project, 0, limit=500)
         if page != {"cursor": first["cursor"], "records": [pushed], "sessions": [], "more": False}:
             raise CheckFailed("pull from 0 answered %s, expected the one record and cursor %d"
                               % (excerpt(page), first["cursor"]))
-        after = self.pull(project, first["cursor"])
+        after = self.requests.pull(project, first["cursor"])
         if after != {"cursor": first["cursor"], "records": [], "sessions": [], "more": False}:
             raise CheckFailed("pull from cursor %d answered %s, expected nothing and the same "
                               "cursor" % (first["cursor"], excerpt(after)))
@@ -8650,10 +8663,10 @@ class ConformanceCheck:
         """Five records pulled two at a time: the cursor advances, more is true until the last
         page."""
         project, ids = self.project["paging"], ["r%d" % i for i in range(5)]
-        end = self.push(project, [check_record(record_id) for record_id in ids])["cursor"]
+        end = self.requests.push(project, [check_record(record_id) for record_id in ids])["cursor"]
         seen, since = [], 0
         for _ in range(len(ids) + 1):
-            page = self.pull(project, since, limit=2)
+            page = self.requests.pull(project, since, limit=2)
             events = len(page["records"]) + len(page["sessions"])
             if not 0 < events <= 2 or page["cursor"] <= since:
                 raise CheckFailed("pull with since=%d and limit=2 answered %s"
@@ -8675,7 +8688,7 @@ class ConformanceCheck:
 
         def parked_pull():
             try:
-                result["page"] = self.pull(project, 0, wait=10)
+                result["page"] = self.requests.pull(project, 0, wait=10)
             except Exception as exc:  # reported by the check below
                 result["error"] = exc
             result["at"] = time.monotonic()
@@ -8689,7 +8702,7 @@ class ConformanceCheck:
             raise CheckFailed("a pull with wait=10 on an empty feed did not wait: %s"
                               % excerpt(result.get("page")))
         pushed_at = time.monotonic()
-        self.push(project, [check_record("wake")])
+        self.requests.push(project, [check_record("wake")])
         thread.join(CHECK_TIMEOUT + 10)
         if "error" in result:
             raise result["error"]
@@ -8705,9 +8718,9 @@ class ConformanceCheck:
         """A pull with wait=1 (CHECK_POLL_WAIT) and nothing new answers 200, empty, after about
         a second."""
         project, wait = self.project["poll"], CHECK_POLL_WAIT
-        end = self.push(project, [check_record("quiet")])["cursor"]
+        end = self.requests.push(project, [check_record("quiet")])["cursor"]
         started = time.monotonic()
-        page = self.pull(project, end, wait=wait)
+        page = self.requests.pull(project, end, wait=wait)
         elapsed = time.monotonic() - started
         if page != {"cursor": end, "records": [], "sessions": [], "more": False}:
             raise CheckFailed("pull with wait=%d from the end answered %s" % (wait, excerpt(page)))
@@ -8721,11 +8734,11 @@ class ConformanceCheck:
         project = self.project["bodies"]
         records = [check_record("r%d" % i, body) for i, body in enumerate(CHECK_BODIES)]
         sessions = [{"id": "s1", "gen": 0, "updatedAt": 1, "body": {"meta": CHECK_BODIES[0]}}]
-        self.push(project, records, sessions)
+        self.requests.push(project, records, sessions)
         records.append(check_record("lone", CHECK_LONE_SURROGATES))
         # a push of its own: encode_json writes it all as ASCII escapes
-        self.push(project, records[-1:])
-        page = self.pull(project, 0)
+        self.requests.push(project, records[-1:])
+        page = self.requests.pull(project, 0)
         if page["records"] != records or page["sessions"] != sessions:
             for pushed, pulled in zip(records + sessions, page["records"] + page["sessions"]):
                 if pushed != pulled:
@@ -8736,9 +8749,9 @@ class ConformanceCheck:
     def check_projects(self):
         """/v1/projects lists a project pushed to and not one that was only pulled."""
         listed, unpushed = self.project["listed"], self.project["unpushed"]
-        self.push(listed, [check_record("r1")])
-        self.pull(unpushed, 0)
-        projects = self.list_projects()
+        self.requests.push(listed, [check_record("r1")])
+        self.requests.pull(unpushed, 0)
+        projects = self.requests.list_projects()
         if listed not in projects or unpushed in projects:
             raise CheckFailed("GET /v1/projects answered %s: expected %s in it and %s not"
                               % (excerpt(projects), listed, unpushed))
@@ -8748,20 +8761,20 @@ class ConformanceCheck:
         shared, mine = self.project["shared"], self.project["mine"]
         first, second = (check_record("r1", "first principal"),
                          check_record("r1", "second principal"))
-        self.push(shared, [first])
-        self.push(mine, [first])
-        theirs = self.push(shared, [second], token=self.other_token)
+        self.requests.push(shared, [first])
+        self.requests.push(mine, [first])
+        theirs = self.requests.push(shared, [second], token=self.other_token)
         if theirs["accepted"] != 1:
             raise CheckFailed("the other token's push to the same project id answered %s, "
                               "expected accepted 1 (are both tokens for one principal?)"
                               % excerpt(theirs))
         for token, expected in ((None, first), (self.other_token, second)):
-            records = self.pull(shared, 0, token=token)["records"]
+            records = self.requests.pull(shared, 0, token=token)["records"]
             if records != [expected]:
                 raise CheckFailed("%s token pulled %s, expected only %s"
                                   % ("the" if token is None else "the other", excerpt(records),
                                      excerpt([expected])))
-        projects = self.list_projects(token=self.other_token)
+        projects = self.requests.list_projects(token=self.other_token)
         if mine in projects or shared not in projects:
             raise CheckFailed("the other token's /v1/projects answered %s: expected %s in it and "
                               "%s not" % (excerpt(projects), shared, mine))
@@ -8770,25 +8783,25 @@ class ConformanceCheck:
         """The team's feed and the personal feed are separate."""
         project, personal, team = (self.project["team"], check_record("personal"),
                                    check_record("team"))
-        self.push(project, [personal])
-        self.push(project, [team], team=self.team)
-        feeds = (("personal", self.pull(project, 0)["records"], personal),
-                 ("team", self.pull(project, 0, team=self.team)["records"], team))
+        self.requests.push(project, [personal])
+        self.requests.push(project, [team], team=self.team)
+        feeds = (("personal", self.requests.pull(project, 0)["records"], personal),
+                 ("team", self.requests.pull(project, 0, team=self.team)["records"], team))
         for where, records, expected in feeds:
             if records != [expected]:
                 raise CheckFailed("the %s feed holds %s, expected only %s"
                                   % (where, excerpt(records), excerpt([expected])))
-        if project not in self.list_projects(team=self.team):
+        if project not in self.requests.list_projects(team=self.team):
             raise CheckFailed("GET /v1/projects?team=%s does not list %s" % (self.team, project))
 
     def check_unknown_team(self):
         """A team the token does not list is 403 everywhere, never a fallback to the personal
         feed."""
         project, team = self.project["noteam"], "ohs-check-" + secrets.token_hex(8)
-        self.push(project, [check_record("r1")], team=team, status=403)
-        self.pull(project, 0, team=team, status=403)
-        self.call("GET", "/v1/projects?team=" + team, status=403)
-        records = self.pull(project, 0)["records"]
+        self.requests.push(project, [check_record("r1")], team=team, status=403)
+        self.requests.pull(project, 0, team=team, status=403)
+        self.requests.call("GET", "/v1/projects?team=" + team, status=403)
+        records = self.requests.pull(project, 0)["records"]
         if records:
             raise CheckFailed("the push to an unknown team was stored in the personal feed: %s"
                               % excerpt(records))
@@ -8796,14 +8809,14 @@ class ConformanceCheck:
     # -- memory sync -----------------------------------------------------------
 
     def check_memory_identity(self):
-        quota = self.post_memory("identity").get("quota")
+        quota = self.requests.post_memory("identity").get("quota")
         if not (isinstance(quota, dict)
                 and all(as_safe_int(quota.get(key)) is not None for key in MEMORY_QUOTA)):
             raise CheckFailed("identity answered quota %s, expected the keys %s"
                               % (excerpt(quota), ", ".join(sorted(MEMORY_QUOTA))))
 
     def check_memory_empty_snapshot(self):
-        doc = self.post_memory("snapshot", project=self.project["memory"])
+        doc = self.requests.post_memory("snapshot", project=self.project["memory"])
         if doc.get("etag") is not None or doc.get("entries") != []:
             raise CheckFailed("the snapshot of a new project is %s, expected etag null and no "
                               "entries" % excerpt(doc))
@@ -8812,11 +8825,11 @@ class ConformanceCheck:
         """Create one note; the response and the next snapshot hold it, under a new etag."""
         project, note = self.project["memory"], CHECK_NOTE
         entry = {"id": note["id"], "hash": note_hash(note), "note": note}
-        doc = self.post_memory("commit", project=project, etag=None, changes=[entry])
+        doc = self.requests.post_memory("commit", project=project, etag=None, changes=[entry])
         if not isinstance(doc.get("etag"), str) or doc.get("entries") != [entry]:
             raise CheckFailed("the commit answered %s, expected an etag and the note"
                               % excerpt(doc))
-        snapshot = self.post_memory("snapshot", project=project)
+        snapshot = self.requests.post_memory("snapshot", project=project)
         if snapshot.get("etag") != doc["etag"] or snapshot.get("entries") != [entry]:
             raise CheckFailed("the snapshot after the commit is %s" % excerpt(snapshot))
         self.memory_etag = doc["etag"]
@@ -8825,11 +8838,11 @@ class ConformanceCheck:
         """A commit from a stale etag is 409 revision_conflict and publishes nothing."""
         project, etag = self.project["memory"], self.needs_memory_commit()
         note = dict(CHECK_NOTE, id="ohs-check-stale")
-        doc = self.post_memory("commit", status=409, project=project, etag=None,
+        doc = self.requests.post_memory("commit", status=409, project=project, etag=None,
                           changes=[{"id": note["id"], "hash": note_hash(note), "note": note}])
         if doc.get("code") != "revision_conflict":
             raise CheckFailed("the 409 is %s, expected code revision_conflict" % excerpt(doc))
-        snapshot = self.post_memory("snapshot", project=project)
+        snapshot = self.requests.post_memory("snapshot", project=project)
         if snapshot.get("etag") != etag or len(snapshot.get("entries") or ()) != 1:
             raise CheckFailed("after the refused commit the snapshot is %s" % excerpt(snapshot))
 
@@ -8837,9 +8850,9 @@ class ConformanceCheck:
         """A delete leaves a tombstone {id, hash: null} in the next snapshot."""
         project, etag, note_id = (self.project["memory"], self.needs_memory_commit(),
                                   CHECK_NOTE["id"])
-        self.post_memory("commit", project=project, etag=etag,
+        self.requests.post_memory("commit", project=project, etag=etag,
                          changes=[{"id": note_id, "hash": None}])
-        entries = self.post_memory("snapshot", project=project).get("entries")
+        entries = self.requests.post_memory("snapshot", project=project).get("entries")
         if entries != [{"id": note_id, "hash": None}]:
             raise CheckFailed("the snapshot after the delete holds %s, expected only the tombstone"
                               % excerpt(entries))
