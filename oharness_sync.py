@@ -3892,6 +3892,35 @@ def push_bytes(records, sessions):
             + FEED_LINE_FRAMING * (len(records) + len(sessions)))
 
 
+def read_feed(f, path, log):
+    """What a Feed keeps in memory of the feed file f (at path): (FeedIndex, the records' dedupe
+    keys, each session's winning (gen, updatedAt), each session's winner as (number, size,
+    deleted, stored), the bytes of metadata lines a later winner replaced). A torn last line is
+    cut off (its number stays used, logged); FeedDamaged names a damaged line before the last."""
+    index, keys, meta, winners, superseded = FeedIndex(), set(), {}, {}, 0
+    for line_number, offset, line, number, kind, key, session, problem, last in scan_feed(f):
+        if problem is not None:
+            if not last:
+                raise FeedDamaged("%s:%d: %s" % (path, line_number, problem))
+            number = lost_number(line, index.end)
+            cut_tail(path, offset, number)
+            index.add(number, len(feed_line(number, b"x")), event=False)
+            log("cut a torn last line off %s (line %d; its number %d stays used)"
+                % (path, line_number, number))
+            break
+        index.add(number, len(line), event=kind != b"x")
+        if key is not None:
+            keys.add(key)
+        if session is not None:
+            session_id, stamp, deleted, stored = session
+            old = winners.get(session_id)
+            if old is not None:
+                superseded += old[1]
+            meta[session_id] = stamp
+            winners[session_id] = (number, len(line), deleted, stored)
+    return index, keys, meta, winners, superseded
+
+
 class Feed:
     """One (owner, project) feed: its file, and the index a start-up rebuilds from it.
 
@@ -3967,33 +3996,15 @@ class Feed:
             self.damage = "%s: %s" % (exc.filename, exc.strerror)
             self.log("a link in the data dir: %s" % self.damage)
             return
-        index, keys, meta, winners, superseded = FeedIndex(), set(), {}, {}, 0
         with f:
             self.bytes_at_load = os.fstat(f.fileno()).st_size
-            for line_number, offset, line, number, kind, key, session, problem, last in (
-                    scan_feed(f)):
-                if problem is not None:
-                    if not last:
-                        self.damage = "%s:%d: %s" % (self.path, line_number, problem)
-                        self.log("a damaged feed: %s: its pushes and pulls are refused until "
-                                 "fsck --repair mends it" % self.damage)
-                        return
-                    number = lost_number(line, index.end)
-                    cut_tail(self.path, offset, number)
-                    index.add(number, len(feed_line(number, b"x")), event=False)
-                    self.log("cut a torn last line off %s (line %d; its number %d stays used)"
-                             % (self.path, line_number, number))
-                    break
-                index.add(number, len(line), event=kind != b"x")
-                if key is not None:
-                    keys.add(key)
-                if session is not None:
-                    session_id, stamp, deleted, stored = session
-                    old = winners.get(session_id)
-                    if old is not None:
-                        superseded += old[1]
-                    meta[session_id] = stamp
-                    winners[session_id] = (number, len(line), deleted, stored)
+            try:
+                index, keys, meta, winners, superseded = read_feed(f, self.path, self.log)
+            except FeedDamaged as exc:
+                self.damage = str(exc)
+                self.log("a damaged feed: %s: its pushes and pulls are refused until fsck "
+                         "--repair mends it" % self.damage)
+                return
         fd = open_in_data_dir(self.path, os.O_RDWR | os.O_APPEND)
         with self.lock:
             self.index, self.keys, self.meta, self.winners = index, keys, meta, winners
@@ -10758,14 +10769,12 @@ def mark_restored(data_dir):
 # bench: how fast is this box?
 # -------------------------------------------------------------------------------------------------
 
-# bench answers an owner's questions: how fast is this box, and is this install healthy? A figure
-# is printed beside a reference measured in the same run where there is one (a small machine's
-# speed swings with all else it does: ratios are what to read). It exits 1 only for an answer it
-# did not expect, a record lost or stored twice, or one client's pushes under the floor: a share of
-# the bare server's (ReferenceServer), whose one client pays the same round trip and append+fsync
-# on the same disk and nothing else. This server reaches 0.46x to 0.77x of it on the 2-core test
-# VM, near 0.9x where syncs take 2 ms: a tenth leaves a margin of four and more. (Not the disk's
-# own sync rate: a RAM disk makes a million a second.)
+# bench answers an owner's questions: how fast is this box, and is this install healthy? Figures
+# come beside a reference measured in the same run (a small machine's speed swings: read ratios).
+# It exits 1 only for an answer it did not expect, a record lost or stored twice, or one client's
+# pushes under the floor: a tenth of the bare server's (ReferenceServer: the same round trip and
+# append+fsync on the same disk, nothing else; this server reaches 0.46x to 0.77x of it on the
+# 2-core test VM, 0.9x where syncs take 2 ms). Not the disk's own rate: a RAM disk syncs 1M/s.
 PUSH_FLOOR_SHARE = 0.1
 
 BENCH_RESULT_WAIT = 60  # seconds to wait for a process to be ready, or for a result past its phase
@@ -10837,10 +10846,9 @@ class BenchRefused(RuntimeError):
                 body = body.decode("utf-8", "replace")
         RuntimeError.__init__(self, "%s got no response: %s" % (what, body) if not status else
                               "%s was answered %d, not 200: %s" % (what, status, excerpt(body)))
-        self.status = status
 
 
-class BenchTarget:
+class BenchTarget(contextlib.AbstractContextManager):
     """The server measured (a with block stops it when bench started it): URL, token, process."""
 
     def __init__(self, url, token, process=None):
@@ -10861,9 +10869,6 @@ class BenchTarget:
             process.kill()
             raise UsageError("could not start %s" % command[1])
         return cls(line.split()[-1], token, process)
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc_info):
         if self.process is not None:
@@ -10942,10 +10947,9 @@ def bench_worker(url, token, project, worker, signals):
         refusal = (0, "could not connect: %s" % exc)
     ready.put(1)
     go.wait()
-    start_at, stop_at = window[0], window[1]
-    time.sleep(max(0.0, start_at - time.time()))
+    time.sleep(max(0.0, window[0] - time.time()))
     try:
-        while refusal is None and time.time() < stop_at:
+        while refusal is None and time.time() < window[1]:
             if project is None:
                 status, body = client.call("GET", "/v1/health")
             else:
@@ -10968,7 +10972,6 @@ def bench_counts(url, token, clients, seconds, project=None):
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     signals = BenchSignals(ready=context.Queue(), go=context.Event(), window=context.Array("d", 2),
                            results=context.Queue())
-    ready, go, window, results = signals
     processes = [context.Process(target=bench_worker, kwargs={
         "url": url, "token": token, "project": project, "worker": i, "signals": signals})
         for i in range(clients)]
@@ -10976,11 +10979,12 @@ def bench_counts(url, token, clients, seconds, project=None):
         process.start()
     try:
         for _ in processes:
-            ready.get(timeout=BENCH_RESULT_WAIT)
-        window[0] = time.time() + 0.02
-        window[1] = window[0] + seconds
-        go.set()
-        counts = sorted(results.get(timeout=seconds + BENCH_RESULT_WAIT) for _ in processes)
+            signals.ready.get(timeout=BENCH_RESULT_WAIT)
+        signals.window[0] = time.time() + 0.02
+        signals.window[1] = signals.window[0] + seconds
+        signals.go.set()
+        counts = sorted(signals.results.get(timeout=seconds + BENCH_RESULT_WAIT)
+                        for _ in processes)
     except BaseException:
         stop_processes(processes)
         raise
