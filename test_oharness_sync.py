@@ -6376,29 +6376,20 @@ def open_raw(url, timeout=5.0):
     return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
 
 
-def read_pipelined_answers(sock, count):
-    """Read count HTTP answers, one after another, from a raw socket: [(status, body bytes)]."""
-    reader = sock.makefile("rb")
-    answers = []
-    for _ in range(count):
-        status = int(reader.readline().split()[1])
-        length = None
-        while True:
-            line = reader.readline()
-            if line == b"\r\n":
-                break
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
-        answers.append((status, reader.read(length)))
-    return answers, reader
+# One answer read from a raw socket; headers have lower-case names; closed: whether the server
+# ended the connection after it.
+RawAnswer = collections.namedtuple("RawAnswer", "status headers body closed")
+_READ_AHEAD = weakref.WeakKeyDictionary()  # a raw socket -> bytes read past its last answer
 
 
-def read_raw_answer(sock):
-    """Read one HTTP answer from a raw socket: (status, headers with lower-case names, body bytes).
-
-    The body is read by its Content-Length; a missing one is an assertion failure.
-    """
-    data = b""
+def raw_exchange(sock, request=b"", more=False):
+    """Send request (bytes written by hand; none: only read) on a raw socket and read one HTTP
+    answer by its Content-Length: a RawAnswer. A byte past the answer is an error unless more
+    (pipelined requests: it is the next answer's). closed is waited for, up to the socket's
+    time-out, when the answer says Connection: close; else it is what has come already."""
+    if request:
+        sock.sendall(request)
+    data = _READ_AHEAD.pop(sock, b"")
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         if not chunk:
@@ -6406,7 +6397,8 @@ def read_raw_answer(sock):
         data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
+    if not re.fullmatch(r"HTTP/1\.[01] \d{3} .*", lines[0]):
+        raise AssertionError("not an answer's status line: %r" % head[:300])
     headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
@@ -6419,13 +6411,33 @@ def read_raw_answer(sock):
         if not chunk:
             raise AssertionError("connection closed in the middle of the body: %r" % rest[:300])
         rest += chunk
-    if len(rest) > length:
-        raise AssertionError("bytes after the body: %r" % rest[length:length + 300])
-    return status, headers, rest
+    body, after = rest[:length], rest[length:]
+    if after and not more:
+        raise AssertionError("bytes after the body: %r" % after[:300])
+    if after:
+        _READ_AHEAD[sock] = after
+        closed = False
+    elif headers.get("connection", "").lower() == "close":
+        closed = server_closed(sock, sock.gettimeout() or 5)
+    else:
+        closed = ended_already(sock)
+    return RawAnswer(int(lines[0].split()[1]), headers, body, closed)
+
+
+def ended_already(sock):
+    """Whether the server has ended the connection by now (looked at without waiting)."""
+    if isinstance(sock, ssl.SSLSocket) or not select.select([sock], [], [], 0)[0]:
+        return False  # nothing has come (under TLS: not looked at)
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except ConnectionError:
+        return True
 
 
 def server_closed(sock, timeout):
     """True when the server closes the connection within timeout (EOF or reset), with no further bytes."""
+    if _READ_AHEAD.get(sock):
+        raise AssertionError("unexpected bytes from the server: %r" % _READ_AHEAD[sock][:300])
     sock.settimeout(timeout)
     try:
         extra = sock.recv(65536)
@@ -6439,9 +6451,10 @@ def server_closed(sock, timeout):
 
 
 def push_head(token, length=None, chunked=False, path="/v1/push"):
-    """The request line and headers of a POST written by hand."""
-    lines = ["POST %s HTTP/1.1" % path, "Host: test", "Authorization: Bearer %s" % token,
-             "Content-Type: application/json"]
+    """The request line and headers of a POST written by hand (token None: no Authorization)."""
+    lines = ["POST %s HTTP/1.1" % path, "Host: test", "Content-Type: application/json"]
+    if token is not None:
+        lines.append("Authorization: Bearer %s" % token)
     if length is not None:
         lines.append("Content-Length: %d" % length)
     if chunked:
@@ -6578,8 +6591,9 @@ class SessionWireMixin:
         self.assertIsInstance(answer.json["error"], str, answer.raw)
         self.assertTrue(answer.json["error"], answer.raw)
 
-    def assertRawError(self, status, headers, body, expected_status):
-        """The same for an answer read from a raw socket."""
+    def assertRawError(self, answer, expected_status):
+        """The same for an answer read from a raw socket (a RawAnswer)."""
+        status, headers, body, _ = answer
         self.assertEqual(status, expected_status, body)
         self.assertEqual(headers.get("content-type"), "application/json")
         self.assertEqual(int(headers["content-length"]), len(body))
@@ -6940,7 +6954,7 @@ class LimitsTest(SessionWireMixin, ServerCase):
             sock = open_raw(self.url)
             sock.sendall(b"POST /v1/push HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + self.alice.encode()
                          + b"\r\nContent-Length: " + digits.encode() + b"\r\n\r\n")
-            status, headers, body = read_raw_answer(sock)
+            status, headers, body, _ = raw_exchange(sock)
             sock.close()
             if digits.startswith("9"):
                 self.assertEqual((status, headers.get("connection")), (413, "close"), body)
@@ -7008,9 +7022,9 @@ class LimitsTest(SessionWireMixin, ServerCase):
         with open_raw(self.url, timeout=5) as sock:
             sock.sendall(push_head(self.alice, length=length))
             started = time.monotonic()
-            status, headers, body = read_raw_answer(sock)
+            status, headers, body, _ = raw_exchange(sock)
             self.assertLess(time.monotonic() - started, 5)
-            self.assertRawError(status, headers, body, 413)
+            self.assertRawError((status, headers, body, None), 413)
             self.assertEqual(headers.get("connection", "").lower(), "close")
             self.assertTrue(server_closed(sock, 5), "the server kept the connection open")
         self.assertNothingStored()
@@ -7025,8 +7039,8 @@ class LimitsTest(SessionWireMixin, ServerCase):
         """A 401 sent before the body was read closes the connection: the unread bytes are never a request."""
         with open_raw(self.url, timeout=5) as sock:
             sock.sendall(push_head("ohs_000000000000_" + "x" * 40, length=9000000))
-            status, headers, body = read_raw_answer(sock)
-            self.assertRawError(status, headers, body, 401)
+            status, headers, body, _ = raw_exchange(sock)
+            self.assertRawError((status, headers, body, None), 401)
             self.assertEqual(headers.get("www-authenticate"), "Bearer")
             self.assertEqual(headers.get("connection", "").lower(), "close")
             self.assertTrue(server_closed(sock, 5), "the server kept the connection open")
@@ -7041,13 +7055,13 @@ class LimitsTest(SessionWireMixin, ServerCase):
                    + b"0\r\nX-Trailer: ignored\r\n\r\n")                        # a trailer field
         with open_raw(self.url) as sock:
             sock.sendall(push_head(self.alice, chunked=True) + chunked)
-            status, headers, body = read_raw_answer(sock)
+            status, headers, body, _ = raw_exchange(sock)
             self.assertEqual(status, 200, body)
             self.assertEqual(headers.get("content-type"), "application/json")
             self.assertEqual(json.loads(body), {"cursor": 2, "accepted": 2})
             # The chunked body was read exactly: the connection serves a next request.
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
-            status, headers, body = read_raw_answer(sock)
+            status, headers, body, _ = raw_exchange(sock)
             self.assertEqual((status, json.loads(body)), (200, {"ok": True}))
         self.assertAnswer(self.pull(self.alice), 200,
                           {"cursor": 2, "records": [record()], "sessions": [meta()], "more": False})
@@ -7059,8 +7073,8 @@ class LimitsTest(SessionWireMixin, ServerCase):
             for _ in range(8):                       # 8 MiB exactly: still within the limit
                 sock.sendall(b"100000\r\n" + mib + b"\r\n")
             sock.sendall(b"100000\r\n")              # a ninth MiB announced, never sent
-            status, headers, body = read_raw_answer(sock)
-            self.assertRawError(status, headers, body, 413)
+            status, headers, body, _ = raw_exchange(sock)
+            self.assertRawError((status, headers, body, None), 413)
             self.assertEqual(headers.get("connection", "").lower(), "close")
             self.assertTrue(server_closed(sock, 5), "the server kept the connection open")
         self.assertNothingStored()
@@ -7175,7 +7189,7 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
             time.sleep(1.6)  # past the 1 s request deadline, parked
             self.assertAnswer(self.push(self.alice, records=[record()]), 200)
-            status, headers, body = read_raw_answer(sock)
+            status, headers, body, _ = raw_exchange(sock)
             self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]), (200, ["r1"]))
             self.assertEqual(headers.get("connection"), "close")
             self.assertTrue(server_closed(sock, 5))
@@ -7187,18 +7201,18 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         health = b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n"
         with open_raw(self.url) as sock:
             sock.sendall(push_head(self.alice, len(body)) + body + b"\r\n" + health + b"\n" + health)
-            answers, _ = read_pipelined_answers(sock, 3)
+            answers = [raw_exchange(sock, more=True)[::2] for _ in range(3)]
             self.assertEqual(answers, [(200, b'{"cursor":1,"accepted":1}'), (200, b'{"ok":true}'),
                                        (200, b'{"ok":true}')])
         with open_raw(self.url) as sock:  # one is skipped, not any number
             sock.sendall(b"\r\n\r\n" + health)
-            self.assertRawError(*read_raw_answer(sock), 400)
+            self.assertRawError(raw_exchange(sock), 400)
         with open_raw(self.url) as sock:  # a CRLF and then nothing: an idle connection, not a late request
             sock.sendall(health + b"\r\n")
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
             time.sleep(1.6)  # past the 1 s request deadline
             sock.sendall(health)
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
         self.assertEqual([line for line in self.log_lines if "did not arrive" in line], [])
 
     def test_unknown_route_is_404(self):
@@ -7250,7 +7264,7 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
             self.assertEqual(rest, b"", "a HEAD answer carried a body")
             if b"\r\nconnection: close" not in head.lower():
                 sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
-                status, _, body = read_raw_answer(sock)
+                status, _, body, _ = raw_exchange(sock)
                 self.assertEqual((status, body), (200, b'{"ok":true}'))
 
     def test_unknown_method_is_405_not_501(self):
@@ -7296,8 +7310,8 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
             with self.subTest(line=line):
                 with open_raw(self.url) as sock:
                     sock.sendall(line)
-                    status, headers, body = read_raw_answer(sock)
-                    self.assertRawError(status, headers, body, 400)
+                    status, headers, body, _ = raw_exchange(sock)
+                    self.assertRawError((status, headers, body, None), 400)
                     self.assertTrue(server_closed(sock, 5), "the server kept a confused connection open")
         self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
 
@@ -7374,11 +7388,11 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
         """data's answer: status, JSON, Connection: close, then closed; nothing stored."""
         with open_raw(self.url) as sock:
             sock.sendall(data)
-            answer = read_raw_answer(sock)
-            self.assertRawError(*answer, status)
-            self.assertEqual(answer[1].get("connection"), "close")
-            self.assertTrue(server_closed(sock, 5), "the server kept the connection open")
-        return json.loads(answer[2])["error"]
+            answer = raw_exchange(sock)
+            self.assertRawError(answer, status)
+            self.assertEqual(answer.headers.get("connection"), "close")
+            self.assertTrue(answer.closed, "the server kept the connection open")
+        return json.loads(answer.body)["error"]
 
     def test_whitespace_other_than_sp_and_htab_and_control_bytes_are_400(self):
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
@@ -7437,14 +7451,14 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
                          "request head larger than 65536 bytes or with more than 99 header fields")
         with open_raw(self.url) as sock:
             sock.sendall(b"GET /v1/health HTTP/1.1\r\n" + fields[fields.index(b"X-1:"):] + b"\r\n")
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
 
     def test_a_head_of_64_kib_in_all_is_served_and_one_byte_more_is_431(self):
         request_line, end = b"GET /v1/health HTTP/1.1\r\n", b"\r\n"
         pad = sync.MAX_HEAD_BYTES - len(request_line) - len(end) - len(b"X: \r\n")
         with open_raw(self.url) as sock:
             sock.sendall(request_line + b"X: " + b"a" * pad + b"\r\n" + end)
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
         self.assertEqual(self.refused(request_line + b"X: " + b"a" * (pad + 1) + b"\r\n" + end, 431),
                          "request head larger than 65536 bytes or with more than 99 header fields")
 
@@ -7452,7 +7466,7 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
         """As http.server reads it: a client whose base URL ends in "/" still reaches the routes."""
         with open_raw(self.url) as sock:
             sock.sendall(b"GET //v1/health HTTP/1.1\r\nHost: t\r\n\r\n")
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
 
     def test_each_request_on_a_connection_is_its_own_tenants(self):
         """A keep-alive connection whose requests change their Authorization line: each answers for
@@ -7460,12 +7474,12 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
         body = json.dumps({"project": "only-alice", "records": [record()]}).encode()
         with open_raw(self.url) as sock:
             sock.sendall(push_head(self.alice, len(body)) + body)
-            self.assertEqual(read_raw_answer(sock)[0], 200)
+            self.assertEqual(raw_exchange(sock)[0], 200)
             for token, projects in ((self.bob, b'{"projects":[]}'), (self.alice, b'{"projects":["only-alice"]}'),
                                     (self.bob, b'{"projects":[]}')):
                 sock.sendall(b"GET /v1/projects HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n\r\n"
                              % token.encode())
-                self.assertEqual(read_raw_answer(sock)[::2], (200, projects))
+                self.assertEqual(raw_exchange(sock)[::2], (200, projects))
 
     def test_the_head_is_read_once_without_the_email_package(self):
         """http.server's own head parse (http.client.parse_headers, through the email package) is not
@@ -7474,9 +7488,9 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
         with mock.patch("http.client.parse_headers", side_effect=AssertionError("parse_headers was called")), \
                 open_raw(self.url) as sock:
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n")
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
             sock.sendall(push_head(self.alice, len(body)) + body)
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"cursor":1,"accepted":1}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"cursor":1,"accepted":1}'))
 
     def test_a_head_over_64_kib_in_all_is_431_and_the_request_line_over_64_kib_is_414(self):
         lines = b"".join(b"X-Pad%d: %s\r\n" % (i, b"p" * 1000) for i in range(70))  # 70 KiB, each line short
@@ -7490,7 +7504,7 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
                          "request head larger than 65536 bytes or with more than 99 header fields")
         with open_raw(self.url) as sock:  # 99 header fields: still a request
             sock.sendall(b"GET /v1/health HTTP/1.1\r\n" + b"X: a\r\n" * 99 + b"\r\n")
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
 
     def test_http_1_0_with_a_chunked_body_closes_after_its_answer(self):
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
@@ -7498,7 +7512,7 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
             sock.sendall(b"POST /v1/push HTTP/1.0\r\nConnection: keep-alive\r\nAuthorization: Bearer "
                          + self.alice.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
                          % (len(body), body))
-            status, headers, answer = read_raw_answer(sock)
+            status, headers, answer, _ = raw_exchange(sock)
             self.assertEqual((status, answer, headers.get("connection")), (200, b'{"cursor":1,"accepted":1}', "close"))
             self.assertTrue(server_closed(sock, 5))
 
@@ -7506,18 +7520,18 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
         with open_raw(self.url) as sock:
             for connection in (b"notclose", b"keep-alive, upgrade", b"Close"):
                 sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\nConnection: %s\r\n\r\n" % connection)
-                status, headers, _ = read_raw_answer(sock)
+                status, headers, _, _ = raw_exchange(sock)
                 self.assertEqual((status, headers.get("connection")), (200, "close" if connection == b"Close" else None))
             self.assertTrue(server_closed(sock, 5))
         with open_raw(self.url) as sock:  # HTTP/1.0 keeps the connection only when asked, by a whole token
             sock.sendall(b"GET /v1/health HTTP/1.0\r\nConnection: keep-alive-ish\r\n\r\n")
-            self.assertEqual(read_raw_answer(sock)[1].get("connection"), "close")
+            self.assertEqual(raw_exchange(sock)[1].get("connection"), "close")
             self.assertTrue(server_closed(sock, 5))
 
     def test_log_lines_escape_control_bytes_and_every_refused_head_is_logged_once(self):
         with open_raw(self.url) as sock:
             sock.sendall(b"GET /\x1b[2J HTTP/1.1\r\nHost: t\r\n\r\n")
-            self.assertEqual(read_raw_answer(sock)[0], 400)
+            self.assertEqual(raw_exchange(sock)[0], 400)
         self.refused(b"GET /v1/health HTTP/1.1\r\nX: \x07\r\n\r\n")
         self.assertEqual(self.log_lines, [
             "refused a malformed request (400 bad request line): GET /\\x1b[2J HTTP/1.1",
@@ -7528,7 +7542,7 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
         http_request(self.url, "GET", "/v1/health")
         with open_raw(self.url) as sock:
             sock.sendall("GET /v1/caf\u00e9 HTTP/1.1\r\nHost: t\r\n\r\n".encode("utf-8"))
-            self.assertEqual(read_raw_answer(sock)[0], 400)
+            self.assertEqual(raw_exchange(sock)[0], 400)
         self.assertEqual([line.rsplit(" ", 2)[0] for line in self.log_lines[:2]],
                          ["127.0.0.1 GET /v1/caf%C3%A9 404", "127.0.0.1 GET /v1/health 200"])
         self.assertEqual(self.log_lines[2], "refused a malformed request (400 bad request line): GET /v1/caf\\xc3\\xa9 "
@@ -7681,7 +7695,7 @@ class CachingTest(ServerCase):
                                  (status, ["no-store"], []))
         with open_raw(self.url) as sock:  # a head refused before any route saw it
             sock.sendall(b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n")
-            status, headers, _ = read_raw_answer(sock)
+            status, headers, _, _ = raw_exchange(sock)
         self.assertEqual((status, headers.get("cache-control")), (400, "no-store"))
 
     def test_the_front_page_is_no_cache_and_varies_on_the_headers_it_shows(self):
@@ -7997,7 +8011,7 @@ class MetricsTest(ServerCase):
         self.assertAnswer(self.request("GET", "/v1/projects", token="garbage"), 401)
         with open_raw(self.url) as sock:  # a head refused before any route is known
             sock.sendall(b"NOT A REQUEST\r\n\r\n")
-            self.assertEqual(read_raw_answer(sock)[0], 400)
+            self.assertEqual(raw_exchange(sock)[0], 400)
         after = self.scrape()
         moved = self.requests_moved(before, after)
         self.assertEqual(moved, {("/v1/health", "GET", "2xx"): 3, ("/v1/health", "HEAD", "2xx"): 1,
@@ -8166,13 +8180,8 @@ class MetricsTest(ServerCase):
         self.addCleanup(lambda: [sock.close() for sock in held])
         self.wait_for(lambda: self.server.connections == 2)
         with socket.create_connection(self.server.server_address[:2], timeout=5) as sock:
-            answer = b""
-            while True:
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                answer += chunk
-        self.assertTrue(answer.startswith(b"HTTP/1.1 503 "), answer)
+            answer = raw_exchange(sock)
+        self.assertEqual((answer.status, answer.closed), (503, True), answer)
         held.pop().close()
         self.wait_for(lambda: self.server.connections == 1)
         families = self.scrape()
@@ -8384,7 +8393,7 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
     def test_an_idle_keep_alive_connection_is_closed_quietly(self):
         with open_raw(self.url) as sock:
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
             started = time.monotonic()
             self.assertTrue(server_closed(sock, 4), "an idle connection was kept past the idle limit")
             self.assertGreater(time.monotonic() - started, 0.7)
@@ -8402,16 +8411,16 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
                 if request:
                     time.sleep(0.4)  # 1.2 s from first to last, more than the limit; each pause within it
                 sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
-                self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+                self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
 
     def test_stopping_the_server_closes_its_open_connections(self):
         """At shutdown the server closes every connection it still has."""
         with open_raw(self.url) as sock:
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
             self.server.idle_seconds = 60.0  # so only the stop can close it within the test
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
             self.stop_server(self.server, self.server_thread)
             self.assertTrue(server_closed(sock, 3), "a keep-alive connection outlived the server")
 
@@ -8421,7 +8430,7 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
             time.sleep(1.1)  # parked longer than the idle limit: waiting for the feed is not idleness
             self.assertAnswer(self.push(self.alice, records=[record()]), 200)
-            status, _, body = read_raw_answer(sock)  # answered when the push woke it
+            status, _, body, _ = raw_exchange(sock)  # answered when the push woke it
             self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]), (200, ["r1"]))
             self.assertTrue(server_closed(sock, 4), "the connection was kept past the idle limit")
         self.assertEqual(self.wait_for_connections(0, 2), 0)
@@ -8455,20 +8464,11 @@ class ConnectionCapTest(ServerCase):
         while self.server.connections < 3:
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
-        sock = socket.create_connection(self.server.server_address[:2], timeout=5)
-        sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
-        answer = b""
-        while True:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            answer += chunk
-        sock.close()
-        head, _, body = answer.partition(b"\r\n\r\n")
-        self.assertTrue(head.startswith(b"HTTP/1.1 503 "), answer)
-        self.assertIn(b"Content-Type: application/json", head)
-        self.assertIn(b"Connection: close", head)
-        self.assertIn(b"Cache-Control: no-store", head)
+        with socket.create_connection(self.server.server_address[:2], timeout=5) as sock:
+            status, headers, body, closed = raw_exchange(sock, b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual((status, closed), (503, True), body)
+        self.assertEqual([headers.get(name) for name in ("content-type", "connection", "cache-control")],
+                         ["application/json", "close", "no-store"])
         self.assertIsInstance(json.loads(body)["error"], str)
         for sock in held:
             sock.close()
@@ -8498,7 +8498,7 @@ def health_from(case, source):
     started = time.monotonic()
     sock = connect_from(case, source)
     sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n")
-    status, headers, body = read_raw_answer(sock)
+    status, headers, body, _ = raw_exchange(sock)
     return status, headers, body, time.monotonic() - started
 
 
@@ -9243,7 +9243,7 @@ class TrustedProxyTest(ServerCase):
         head += "".join("%s: %s\r\n" % (name.replace("_", "-"), value)
                         for name, value in headers.items())
         sock.sendall((head + "\r\n").encode("latin-1"))
-        return read_raw_answer(sock)[0]
+        return raw_exchange(sock)[0]
 
     def test_forged_tokens_from_one_forwarded_address_do_not_throttle_another(self):
         for number in range(1, 11):
@@ -9339,25 +9339,6 @@ class LongPollTest(ServerCase):
                      % (project.encode(), since, wait, self.alice.encode()))
         return sock
 
-    @staticmethod
-    def whole_answer(buf):
-        """(status, body) of the HTTP answer at the start of buf once it is whole, else None."""
-        end = buf.find(b"\r\n\r\n")
-        head = bytes(buf[:end]) if end >= 0 else b""
-        length = re.search(rb"(?im)^content-length: *(\d+)", head) if head else None
-        if length is None or len(buf) < end + 4 + int(length.group(1)):
-            return None
-        return int(buf.split(None, 2)[1]), bytes(buf[end + 4:end + 4 + int(length.group(1))])
-
-    def read_answer(self, sock):
-        buf = bytearray()
-        while self.whole_answer(buf) is None:
-            data = sock.recv(65536)
-            if not data:
-                raise AssertionError("closed before the answer was whole: %r" % bytes(buf[:200]))
-            buf += data
-        return self.whole_answer(buf), bytes(buf)
-
     def test_the_push_that_wakes_a_parked_pull_sends_its_answer(self):
         # The pull's own thread is held in release() until its client has read the whole answer: only
         # the pushing thread can have sent it. The connection then serves its next request as usual.
@@ -9372,15 +9353,13 @@ class LongPollTest(ServerCase):
             sock = self.raw_pull()
             self.wait_parked(1)
             self.assertEqual(self.push(self.alice, records=[record()]).status, 200)
-            (status, body), _ = self.read_answer(sock)
+            status, _, body, _ = raw_exchange(sock)
             self.assertFalse(gate.is_set())
             gate.set()
         self.assertEqual((status, json.loads(body)),
                          (200, {"cursor": 1, "records": [record()], "sessions": [], "more": False}))
         sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
-        (status, body), raw = self.read_answer(sock)
-        self.assertEqual((status, body), (200, b'{"ok":true}'))
-        self.assertTrue(raw.startswith(b"HTTP/1.1 200 OK\r\n"))  # nothing of the first answer was left over
+        self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))  # (nothing of the first was left)
 
     def test_an_early_answer_the_socket_cannot_take_at_once_is_finished_byte_for_byte(self):
         # A socket takes what its buffer holds (up to some MB here): the early send is cut to 64 KiB.
@@ -9398,11 +9377,11 @@ class LongPollTest(ServerCase):
             time.sleep(0.2)  # the client reads only now
         self.assertEqual(len(offered), 1)
         self.assertGreater(offered[0], 2400000)
-        (status, body), raw = self.read_answer(sock)
+        status, headers, body, _ = raw_exchange(sock)
         again = self.pull(self.alice, since=0)
         self.assertEqual((status, body), (200, again.raw))
         self.assertEqual(len(json.loads(body)["records"]), 40)
-        self.assertNotIn(b"Connection: close", raw[:raw.find(b"\r\n\r\n")])
+        self.assertNotEqual(headers.get("connection"), "close")
 
     def test_a_late_wake_never_answers_the_connections_next_pull(self):
         # From a review: the push that woke alice's pull was slow to reach it (a thousand others first);
@@ -9421,12 +9400,12 @@ class LongPollTest(ServerCase):
             pusher = threading.Thread(target=lambda: self.push(self.alice, "a", [record()]))
             pusher.start()
             self.addCleanup(pusher.join, 5)
-            (status, body), _ = self.read_answer(sock)  # answered by its own thread, at its 0.3 s check
+            status, _, body, _ = raw_exchange(sock)  # answered by its own thread, at its 0.3 s check
             self.assertEqual((status, json.loads(body)["records"]), (200, [record()]))
             sock.sendall(b"GET /v1/pull?project=b&since=0&wait=2 HTTP/1.1\r\nHost: x\r\n"
                          b"Authorization: Bearer " + self.bob.encode() + b"\r\n\r\n")
             started = time.monotonic()
-            (status, body), _ = self.read_answer(sock)
+            status, _, body, _ = raw_exchange(sock)
         self.assertEqual((status, json.loads(body)), (200, {"cursor": 0, "records": [], "sessions": [], "more": False}))
         self.assertGreaterEqual(time.monotonic() - started, 1.9)  # it waited out its own wait
 
@@ -9603,7 +9582,7 @@ class TlsTest(ServerCase):
         raw = socket.create_connection((host, port), timeout=6)
         with tls_client_context().wrap_socket(raw, server_hostname="localhost") as sock:
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
             started = time.monotonic()
             try:
                 data = sock.recv(1024)  # the idle limit closes the connection
@@ -10028,7 +10007,7 @@ class TransportTest(ServerCase):
                 requests.append(("GET %s HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n\r\n"
                                  % (path, self.alice)).encode("ascii"))
             sock.sendall(b"".join(requests))
-            answers, _ = read_pipelined_answers(sock, 300)
+            answers = [raw_exchange(sock, more=True)[::2] for _ in range(300)]
             for i, (status, body) in enumerate(answers):
                 expected = {"ok": True} if i % 2 else EMPTY_PULL
                 self.assertEqual((status, json.loads(body)), (200, expected), i)
@@ -10048,7 +10027,7 @@ class TransportTest(ServerCase):
                     pass
             sender = threading.Thread(target=flood)
             sender.start()
-            status, headers, body = read_raw_answer(sock)
+            status, headers, body, _ = raw_exchange(sock)
             sender.join(10)
         self.assertEqual((status, json.loads(body)), (431, {"error": "request head larger than 65536 bytes or with "
                                                             "more than 99 header fields"}))
@@ -10060,7 +10039,7 @@ class TransportTest(ServerCase):
             for piece in (b"GET /v1/he", b"alth HTTP/1.1\r\nHo", b"st: t\r\n", b"\r\n"):
                 sock.sendall(piece)
                 time.sleep(0.05)
-            self.assertEqual(read_raw_answer(sock)[::2], (200, b'{"ok":true}'))
+            self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
 
     def test_a_client_that_half_closes_gets_every_answer_it_asked_for(self):
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
@@ -10069,14 +10048,14 @@ class TransportTest(ServerCase):
             # A push (answered after its fsync, in a flusher thread) and pipelined requests, then EOF.
             sock.sendall(health * 3 + push_head(self.alice, len(body)) + body + health * 2)
             sock.shutdown(socket.SHUT_WR)
-            answers, reader = read_pipelined_answers(sock, 6)
-            self.assertEqual(reader.read(), b"")  # then closed
+            answers = [raw_exchange(sock, more=True)[::2] for _ in range(6)]
+            self.assertTrue(server_closed(sock, 5))  # then closed, nothing more
         health_answer = (200, b'{"ok":true}')
         self.assertEqual(answers, [health_answer] * 3 + [(200, b'{"cursor":1,"accepted":1}')] + [health_answer] * 2)
         with open_raw(self.url) as sock:  # an unfinished request at EOF: closed, nothing answered
             sock.sendall(health + health[:20])
             sock.shutdown(socket.SHUT_WR)
-            self.assertEqual(read_raw_answer(sock)[0], 200)
+            self.assertEqual(raw_exchange(sock)[0], 200)
             self.assertTrue(server_closed(sock, 5))
         deadline = time.monotonic() + 5
         while (self.server.connections or self.server.busy) and time.monotonic() < deadline:
@@ -10092,9 +10071,9 @@ class TransportTest(ServerCase):
             sock.shutdown(socket.SHUT_WR)
             self.assertTrue(entered.wait(5))
             gate.set()
-            answers, reader = read_pipelined_answers(sock, 2)
+            answers = [raw_exchange(sock, more=True)[::2] for _ in range(2)]
             self.assertEqual([status for status, _ in answers], [200, 401])
-            self.assertEqual(reader.read(), b"")
+            self.assertTrue(server_closed(sock, 5))
         deadline = time.monotonic() + sync.LINGER_SECONDS / 2
         while self.server.connections and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -10129,7 +10108,7 @@ class TransportTest(ServerCase):
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
             sock.shutdown(socket.SHUT_WR)
             started = time.monotonic()
-            status, _, body = read_raw_answer(sock)
+            status, _, body, _ = raw_exchange(sock)
             self.assertEqual((status, json.loads(body)), (200, EMPTY_PULL))
             self.assertLess(time.monotonic() - started, 2.0)
             self.assertTrue(server_closed(sock, 5))
@@ -10230,7 +10209,7 @@ class TransportTest(ServerCase):
             self.assertEqual((pulls[0].status, pulls[0].json), (200, EMPTY_PULL))
             self.assertTrue(stopper.is_alive())  # waiting for the push
             gate.set()
-            status, _, answer = read_raw_answer(sock)
+            status, _, answer, _ = raw_exchange(sock)
             stopper.join(5)
         self.assertEqual((status, json.loads(answer)), (200, {"cursor": 1, "accepted": 1}))
         self.assertFalse(stopper.is_alive())
@@ -10348,47 +10327,12 @@ def wire_object_path(case, note_id, principal=P, project="proj"):
 
 
 def wire_raw_exchange(case, data, timeout=3.0):
-    """Send raw bytes, read one answer. (seconds, status, headers, body, closed-after-answer)."""
-    sock = socket.create_connection(case.server.server_address[:2], timeout=timeout)
-    try:
+    """Send raw bytes on a connection of its own, read one answer: (seconds, status, headers, body,
+    closed-after-answer)."""
+    with socket.create_connection(case.server.server_address[:2], timeout=timeout) as sock:
         started = time.monotonic()
-        sock.sendall(data)
-        received = b""
-        while b"\r\n\r\n" not in received:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            received += chunk
-        head, _, body = received.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        length = int(headers.get("content-length", "0"))
-        while len(body) < length:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            body += chunk
-        elapsed = time.monotonic() - started
-        sock.settimeout(1.0)
-        try:
-            closed = sock.recv(1) == b""
-        except socket.timeout:
-            closed = False
-        except ConnectionError:
-            closed = True
-        return elapsed, status, headers, body, closed
-    finally:
-        sock.close()
-
-
-def wire_head(path, token, extra=b""):
-    """The request line and headers of a memory POST, without the blank line."""
-    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
-            (b"Authorization: Bearer " + token.encode() + b"\r\n" if token else b"") + extra)
+        answer = raw_exchange(sock, data)
+        return (time.monotonic() - started,) + tuple(answer)
 
 
 class MemoryWireFlowTest(ServerCase):
@@ -10615,7 +10559,7 @@ class MemoryWireErrorsTest(ServerCase):
         for route in WIRE_ROUTES:
             with self.subTest(route=route):
                 elapsed, status, headers, body, closed = wire_raw_exchange(
-                    self, wire_head("/v1/memory/" + route, self.alice, b"Content-Length: 5000000\r\n\r\n"))
+                    self, push_head(self.alice, 5000000, path="/v1/memory/" + route))
                 self.assertEqual(status, 413, body)
                 self.assertEqual(json.loads(body.decode())["code"], "memory_quota_exceeded")
                 self.assertEqual(headers.get("connection", "").lower(), "close")
@@ -10624,20 +10568,20 @@ class MemoryWireErrorsTest(ServerCase):
                 self.assertTrue(closed, "the connection must close after an early 413")
         # Check 3 comes before check 4: no token is a 401, and the unread body still closes the connection.
         elapsed, status, headers, body, closed = wire_raw_exchange(
-            self, wire_head("/v1/memory/identity", None, b"Content-Length: 5000000\r\n\r\n"))
+            self, push_head(None, 5000000, path="/v1/memory/identity"))
         self.assertEqual((status, json.loads(body.decode())["code"]), (401, "sign_in_required"))
         self.assertLess(elapsed, 1.0)
         self.assertTrue(closed)
 
     def test_chunked_body_over_4_mib_is_refused(self):
-        head = wire_head("/v1/memory/identity", self.alice, b"Transfer-Encoding: chunked\r\n\r\n")
+        head = push_head(self.alice, chunked=True, path="/v1/memory/identity")
         elapsed, status, headers, body, closed = wire_raw_exchange(self, head + b"500000\r\n")
         self.assertEqual(status, 413, body)
         self.assertEqual(json.loads(body.decode())["code"], "memory_quota_exceeded")
         self.assertEqual(headers.get("connection", "").lower(), "close")
         self.assertLess(elapsed, 1.0)
         payload = json.dumps(memory_body()).encode()
-        head = wire_head("/v1/memory/identity", self.alice, b"Transfer-Encoding: chunked\r\n\r\n")
+        head = push_head(self.alice, chunked=True, path="/v1/memory/identity")
         elapsed, status, headers, body, closed = wire_raw_exchange(
             self, head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
         self.assertEqual((status, json.loads(body.decode())), (200, {"principal": "alice", "quota": WIRE_QUOTA}))
@@ -10649,7 +10593,7 @@ class MemoryWireErrorsTest(ServerCase):
                            {"Content-Type": "application/json"})
         self.assertAnswer(answer, 200, {"principal": "alice", "quota": WIRE_QUOTA})
         elapsed, status, headers, body, closed = wire_raw_exchange(
-            self, wire_head("/v1/memory/identity", self.alice, b"Content-Length: %d\r\n\r\n" % (limit + 1)))
+            self, push_head(self.alice, limit + 1, path="/v1/memory/identity"))
         self.assertEqual((status, json.loads(body.decode())["code"]), (413, "memory_quota_exceeded"))
 
     def test_invalid_body(self):
