@@ -9488,13 +9488,14 @@ class LongPollTest(ServerCase):
 
     def test_a_client_that_leaves_mid_wait_harms_nothing(self):
         sock = socket.create_connection(self.server.server_address[:2])
-        sock.sendall(b"GET /v1/pull?project=proj&since=0&wait=2 HTTP/1.1\r\nHost: x\r\n"
-                     b"Authorization: Bearer " + self.alice.encode() + b"\r\n\r\n")
-        self.wait_parked(1)
-        sock.close()
-        deadline = time.monotonic() + 5
-        while len(self.server.app.parked) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        with mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.2):  # (it looks for its client)
+            sock.sendall(b"GET /v1/pull?project=proj&since=0&wait=20 HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer " + self.alice.encode() + b"\r\n\r\n")
+            self.wait_parked(1)
+            sock.close()
+            deadline = time.monotonic() + 5
+            while len(self.server.app.parked) and time.monotonic() < deadline:
+                time.sleep(0.01)
         self.assertEqual(len(self.server.app.parked), 0)  # the abandoned pull is forgotten at once
         self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
         self.assertAnswer(self.pull(self.alice), 200)
