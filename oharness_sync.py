@@ -5872,10 +5872,12 @@ class SyncApp:
         token watch_tokens finds refused is woken too (its request.refusal set).
 
         The thread that wakes the pull sends its response (on_event, see wake_waiters); Feed.read
-        builds one Page for all the pulls a push wakes."""
+        builds one Page for all the pulls a push wakes. It gives the pull's place back first: a
+        client that has its answer and pulls again on a new connection finds its place free."""
         principal, handler = request.principal, request.handler
 
         def on_event():  # in the thread that wakes the pull
+            self._unpark(request, principal, mine)
             handler.respond_early(request, make_response)
 
         waiter = FeedWaiter(on_event)
@@ -5904,16 +5906,20 @@ class SyncApp:
                 if handler.client_gone():
                     break
         finally:
-            # No lock: the pulls one push woke would all queue for it; only a principal's last
-            # pull takes it, to forget the principal.
-            self.parked.pop(request, None)
-            mine.discard(request)
-            if not mine:
-                with self._parked_lock:
-                    if not mine and self._parked_by.get(principal) is mine:
-                        del self._parked_by[principal]
+            self._unpark(request, principal, mine)
             early = handler.release()
         return early if early is not None else make_response()
+
+    def _unpark(self, request, principal, mine):
+        """Give a parked pull's place back (again: a no-op). mine: its principal's parked pulls."""
+        # No lock: the pulls one push woke would all queue for it; only a principal's last pull
+        # takes it, to forget the principal.
+        self.parked.pop(request, None)
+        mine.discard(request)
+        if not mine:
+            with self._parked_lock:
+                if not mine and self._parked_by.get(principal) is mine:
+                    del self._parked_by[principal]
 
     def start_watching(self):
         """Start watch_tokens in a thread of its own."""
