@@ -2706,7 +2706,7 @@ class FeedStoreTest(unittest.TestCase):
         # taking turns on the interpreter lock, for nothing) and each parked again on the new feed.
         events = []
         thread, results = self.wait_in_thread("p", 0, on_event=lambda: events.append(threading.current_thread()))
-        other, other_results = self.wait_in_thread("q", 0, timeout=2)
+        other, other_results = self.wait_in_thread("q", 0, timeout=1)
         waiting = self.waiting_aside("p")
         self.assertEqual(len(waiting), 1)
         self.assertEqual(len(self.waiting_aside("q")), 1)  # (both aside before a feed is made)
