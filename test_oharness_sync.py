@@ -12106,7 +12106,7 @@ class CommandLineTest(unittest.TestCase):
                      ["--data", self.data_dir, "--request-timeout", "0"], ["--data", self.data_dir, "--max-parked", "-1"],
                      ["--data", self.data_dir, "--max-connections-per-address", "0"],
                      ["--data", self.data_dir, "--trusted-proxy", "proxy.home.arpa"]):
-            result = run_module(*args)
+            result = run_main(*args)  # (in this process: each stops before it serves)
             self.assertEqual(result.returncode, 2, args)
             self.assertEqual(len(result.stderr.strip().splitlines()), 1, (args, result.stderr))
             self.assertNotIn("Traceback", result.stderr)
