@@ -580,9 +580,13 @@ def json_too_deep(data, limit=MAX_JSON_DEPTH):
 
 
 def too_many_containers(data, limit):
-    """True when the JSON bytes data open more than limit arrays and objects: counted over the
-    brackets alone (as json_too_deep does), and only when they are too many, again without
-    strings."""
+    """True when the JSON bytes data open more than limit arrays and objects. A body under
+    2 * (limit - MAX_JSON_DEPTH) bytes cannot (a container takes two brackets, but for the
+    MAX_JSON_DEPTH at most that json_too_deep lets stay open): the pushes of every day are not
+    looked at. A longer one is counted over its brackets alone (as json_too_deep does), and only
+    when they are too many, again without strings."""
+    if len(data) < 2 * (limit - MAX_JSON_DEPTH):
+        return False
     brackets = data.translate(None, _NOT_A_BRACKET)
     if brackets.count(b"[") + brackets.count(b"{") <= limit:
         return False

@@ -331,6 +331,18 @@ class JsonCodecTest(unittest.TestCase):
             with self.assertRaises(ValueError, msg=data[:20]):
                 sync.decode_json(data)
 
+    def test_a_body_too_short_to_hold_more_containers_than_the_limit_is_not_counted(self):
+        # Under 2 * (limit - MAX_JSON_DEPTH) bytes, pairs of brackets and the unclosed ones that
+        # json_too_deep lets through cannot pass the limit: such a body is not looked at.
+        limit = sync.MAX_JSON_DEPTH + 300  # so a body of 600 bytes or more is counted
+        self.assertFalse(sync.too_many_containers(b"[" * 599, limit))
+        with self.assertRaisesRegex(ValueError, "nested too deeply"):
+            sync.decode_json(b"[" * 599)  # (what decoding refuses it for)
+        self.assertTrue(sync.too_many_containers(b"[" * 600, limit))
+        self.assertTrue(sync.too_many_containers(b"{}" * (limit + 1), limit))
+        self.assertFalse(sync.too_many_containers(b"{}" * limit, limit))
+        self.assertFalse(sync.too_many_containers(b'"' + b"{}" * (limit + 1) + b'"', limit))
+
     def test_decode_accepts_depth_up_to_the_limit(self):
         depth = sync.MAX_JSON_DEPTH
         self.assertEqual(sync.decode_json(b"[" * depth + b"]" * depth), eval("[" * depth + "]" * depth))
