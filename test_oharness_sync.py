@@ -47,9 +47,11 @@ from unittest import mock
 
 import oharness_sync as sync
 from oharness_sync import (
-    JS_WHITESPACE, NOTE_FIELDS, InvalidNote, has_js_whitespace, js_length, js_stringify, js_trim, note_hash,
+    JS_WHITESPACE, NOTE_FIELDS, InvalidNote, has_js_whitespace, js_length, js_stringify, js_trim,
+    note_hash,
     validate_note,
-    AuthError, AuthUnavailable, ConformanceCheck, Identity, JwksSource, JwtVerifier, SupabaseVerifier, TokenCache,
+    AuthError, AuthUnavailable, ConformanceCheck, Identity, JwksSource, JwtVerifier,
+    SupabaseVerifier, TokenCache,
     b64url_decode, b64url_encode, decode_jwt, parse_jwks, read_secret_file,
     verify_es256, verify_hs256, verify_rs256,
 )
@@ -87,7 +89,8 @@ class Answer:
 
 
 def http_request(url, method, path, body=None, token=None, headers=None, timeout=10):
-    """One request on a fresh connection (HTTPS for an https URL); body may be bytes or a JSON value."""
+    """One request on a fresh connection (HTTPS for an https URL); body may be bytes or a JSON
+    value."""
     host, port = url.split("//", 1)[1].rsplit(":", 1)
     if url.startswith("https:"):
         conn = http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=timeout,
@@ -161,7 +164,8 @@ def run_module(*argv, user=None, text=None, timeout=60):
 
 
 class ServerCase(unittest.TestCase):
-    """A real server on port 0 in this process, on a fresh data dir, with tokens for alice and bob."""
+    """A real server on port 0 in this process, on a fresh data dir, with tokens for alice and
+    bob."""
 
     server_options = {}
 
@@ -178,7 +182,8 @@ class ServerCase(unittest.TestCase):
         self.server = sync.build_server(self.data_dir, server_config(**self.server_options),
                                         CapturingLog(self.log_lines))
         self.url = self.server.url
-        thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+        thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.01},
+                                  daemon=True)
         thread.start()
         self.server_thread = thread
         self.addCleanup(self.stop_server, self.server, thread)
@@ -270,11 +275,13 @@ class SubprocessServer:
         line = self.process.stdout.readline().decode()
         if not line.startswith("oharness-sync listening on "):
             self.process.kill()
-            raise AssertionError("server did not start: %r %r" % (line, self.process.stderr.read()))
+            raise AssertionError("server did not start: %r %r"
+                                 % (line, self.process.stderr.read()))
         self.url = line.split()[-1]
 
     def next_log_line(self, timeout=5):
-        """The next line the server writes on stderr, less its time stamp (it runs with --quiet: events only)."""
+        """The next line the server writes on stderr, less its time stamp (it runs with --quiet:
+        events only)."""
         ready, _, _ = select.select([self.process.stderr], [], [], timeout)
         if not ready:
             raise AssertionError("the server logged nothing within %s s" % timeout)
@@ -305,7 +312,8 @@ class IdAndNumberRulesTest(unittest.TestCase):
             self.assertTrue(sync.is_valid_id(value), value)
 
     def test_invalid_ids(self):
-        for value in ("", "x" * 129, "a/b", "a.b", "é", "a b", "a\n", "__proto__", "constructor", "prototype",
+        for value in ("", "x" * 129, "a/b", "a.b", "é", "a b", "a\n", "__proto__", "constructor",
+                      "prototype",
                       None, 5, ["a"]):
             self.assertFalse(sync.is_valid_id(value), repr(value))
 
@@ -345,10 +353,12 @@ class JsonCodecTest(unittest.TestCase):
 
     def test_decode_accepts_depth_up_to_the_limit(self):
         depth = sync.MAX_JSON_DEPTH
-        self.assertEqual(sync.decode_json(b"[" * depth + b"]" * depth), eval("[" * depth + "]" * depth))
+        self.assertEqual(sync.decode_json(b"[" * depth + b"]" * depth),
+                         eval("[" * depth + "]" * depth))
         with self.assertRaises(ValueError):
             sync.decode_json(b"[" * (depth + 1) + b"]" * (depth + 1))
-        mixed = b'{"a":[' * (depth // 2) + b"1" + b"]}" * (depth // 2)  # objects and arrays count alike
+        # objects and arrays count alike
+        mixed = b'{"a":[' * (depth // 2) + b"1" + b"]}" * (depth // 2)
         self.assertEqual(sync.decode_json(mixed), json.loads(mixed))
         with self.assertRaises(ValueError):
             sync.decode_json(b"[" + mixed + b"]")
@@ -398,7 +408,8 @@ class PushValidationUnitTest(unittest.TestCase):
         push = sync.validate_push({"project": "p", "device": "ignored", "extra": 1,
                                    "records": [dict(record(seq=12.0), extra="dropped")]})
         self.assertEqual(json.loads(push.records[0].event),
-                         {"session": "s1", "id": "r1", "seq": 12, "device": "laptop", "at": 1789344000000,
+                         {"session": "s1", "id": "r1", "seq": 12, "device": "laptop",
+                          "at": 1789344000000,
                           "body": {"role": "user", "content": "hello"}})
 
     def test_record_key_separates_session_and_id(self):
@@ -418,26 +429,31 @@ class FeedLineTest(unittest.TestCase):
         self.assertEqual(line[:34], b'{"n":8,"k":"s","t":1789344000123,"')
         self.assertEqual(sync.parse_feed_line(line), (8, b"s", None, 1789344000123, b'{"id":"s"}'))
         self.assertEqual(json.loads(line)["n"], 8)  # still one JSON object per line
-        self.assertEqual(sync.parse_feed_line(sync.feed_line(9, b"s", b'{"id":"s"}')),  # before times
+        # before times
+        self.assertEqual(sync.parse_feed_line(sync.feed_line(9, b"s", b'{"id":"s"}')),
                          (9, b"s", None, None, b'{"id":"s"}'))
         erased = sync.feed_line(10, b"x", key=0xABC)
         self.assertEqual(erased, b'{"n":10,"k":"x","h":"%032x","c":"%08x"}\n'
                          % (0xABC, zlib.crc32(b'{"n":10,"k":"x","h":"%032x"' % 0xABC)))
         self.assertEqual(sync.parse_feed_line(erased), (10, b"x", 0xABC, None, None))
-        self.assertEqual(sync.parse_feed_line(sync.feed_line(11, b"x")), (11, b"x", None, None, None))
-        self.assertEqual(len(erased), 71)  # an erased record's line: 69 bytes and the number's digits
+        self.assertEqual(sync.parse_feed_line(sync.feed_line(11, b"x")),
+                         (11, b"x", None, None, None))
+        # an erased record's line: 69 bytes and the number's digits
+        self.assertEqual(len(erased), 71)
 
     def test_lines_of_no_known_shape_are_damaged(self):
         for content in (b'{"n":1,"k":"r","e":{}', b'{"n":1,"k":"s","h":"%032x","e":{}' % 1,
                         b'{"n":1,"k":"r","h":"%032x","t":5,"e":{}' % 1, b'{"n":1,"k":"x","e":{}',
                         b'{"n":1,"k":"x","t":5', b'{"n":1,"k":"q","e":{}', b'{"n":1,"k":"s"'):
             line = b'%s,"c":"%08x"}\n' % (content, zlib.crc32(content))
-            with self.subTest(content=content), self.assertRaisesRegex(ValueError, "^malformed line$"):
+            with self.subTest(content=content), self.assertRaisesRegex(ValueError,
+                                                                       "^malformed line$"):
                 sync.parse_feed_line(line)
 
     def test_any_flipped_byte_is_detected(self):
         for line in (sync.feed_line(3, b"r", b'{"session":"s","id":"r","body":"hello"}', key=5),
-                     sync.feed_line(4, b"s", b'{"id":"s"}', stored=12), sync.feed_line(5, b"x", key=5)):
+                     sync.feed_line(4, b"s", b'{"id":"s"}', stored=12),
+                     sync.feed_line(5, b"x", key=5)):
             for i in range(len(line) - 1):
                 damaged = line[:i] + bytes([line[i] ^ 0x01]) + line[i + 1:]
                 try:
@@ -447,7 +463,8 @@ class FeedLineTest(unittest.TestCase):
                 self.fail("flipped byte %d went unnoticed: %r" % (i, parsed))
 
     def test_split_events_without_parsing(self):
-        data = (sync.feed_line(1, b"r", b'{"x":",\\"e\\":"}', key=1) + sync.feed_line(2, b"x", key=2)
+        data = (sync.feed_line(1, b"r", b'{"x":",\\"e\\":"}', key=1)
+                + sync.feed_line(2, b"x", key=2)
                 + sync.feed_line(3, b"s", b'{"id":"a"}', stored=9) + sync.feed_line(4, b"x"))
         self.assertEqual(sync.split_events(data), ([b'{"x":",\\"e\\":"}'], [b'{"id":"a"}']))
 
@@ -460,7 +477,8 @@ class FeedLineTest(unittest.TestCase):
                          [(0, 2, 2, True), (3, 5, 5, False), (4, 5, 5, False), (5, 5, 5, False),
                           (5, 5, 9, False)])
         sparse = sync.FeedIndex()
-        for number, event in ((1, True), (2, False), (3, False), (5, True), (9, True), (10, False)):
+        for number, event in ((1, True), (2, False), (3, False), (5, True), (9, True),
+                              (10, False)):
             sparse.add(number, 10, event)
         self.assertEqual((sparse.end, sparse.last_event, sparse.events, list(sparse.numbers)),
                          (10, 9, 3, [1, 2, 3, 5, 9, 10]))
@@ -469,8 +487,10 @@ class FeedLineTest(unittest.TestCase):
                          [(0, 1, 1, True), (1, 4, 5, True), (2, 4, 5, True), (3, 4, 5, True),
                           (4, 5, 9, False), (5, 5, 9, False), (6, 6, 10, False)])
         self.assertEqual(sparse.page(0, 500), (0, 5, 9, False))
-        self.assertEqual([sparse.line(i) for i in (0, 1, 4)], [(1, 10, True), (2, 10, False), (9, 10, True)])
-        purged = sync.FeedIndex(end=40)  # a feed purge removed ended at 40: its numbers go on from there
+        self.assertEqual([sparse.line(i) for i in (0, 1, 4)],
+                         [(1, 10, True), (2, 10, False), (9, 10, True)])
+        # a feed purge removed ended at 40: its numbers go on from there
+        purged = sync.FeedIndex(end=40)
         purged.add(41, 10)
         self.assertEqual((purged.page(0, 500), purged.page(40, 500), purged.page(41, 500)),
                          ((0, 1, 41, False), (0, 1, 41, False), (1, 1, 41, False)))
@@ -555,7 +575,8 @@ class TestNoteHashVectors(unittest.TestCase):
 
 
 class NoteHashCommandTest(unittest.TestCase):
-    """`note-hash FILE` prints the node-made vectors' hashes, and a bad note is one line and exit 2."""
+    """`note-hash FILE` prints the node-made vectors' hashes, and a bad note is one line and exit
+    2."""
 
     def test_every_vector_from_a_file(self):
         with open(VECTORS_PATH, encoding="utf-8") as f:
@@ -564,7 +585,8 @@ class NoteHashCommandTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, directory, True)
         path = os.path.join(directory, "note.json")
         for i, vector in enumerate(vectors):
-            with open(path, "w", encoding="ascii") as f:  # lone surrogates as \u escapes, as JSON allows
+            # lone surrogates as \u escapes, as JSON allows
+            with open(path, "w", encoding="ascii") as f:
                 json.dump(vector["note"], f)
             self.assertEqual(run_main("note-hash", path), (0, vector["hash"] + "\n", ""), i)
 
@@ -572,23 +594,31 @@ class NoteHashCommandTest(unittest.TestCase):
         note = good_note(type="user", updatedAt=7)
         result = run_module("note-hash", "-", text=json.dumps(note))
         del note["updatedAt"]
-        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, note_hash(note) + "\n", ""))
+        self.assertEqual((result.returncode, result.stdout, result.stderr),
+                         (0, note_hash(note) + "\n", ""))
 
     def test_what_is_wrong_is_one_line_and_exit_2(self):
-        for data, error in ((b'{"id":"n1"', "standard input is not a JSON note: it is not valid JSON"),
+        for data, error in ((b'{"id":"n1"',
+                             "standard input is not a JSON note: it is not valid JSON"),
                             (b"\xff", "standard input is not a JSON note: it is not valid UTF-8"),
-                            (json.dumps(good_note(extra=1)).encode(), "standard input is not a valid note: "
-                                                                      "unknown note field"),
-                            (json.dumps(good_note(summary=" s")).encode(), "standard input is not a valid note: "
-                                                                           "summary has leading or trailing "
-                                                                           "whitespace"),
+                            (json.dumps(good_note(extra=1)).encode(),
+                             "standard input is not a valid note: "
+                             "unknown note field"),
+                            (json.dumps(good_note(summary=" s")).encode(),
+                             "standard input is not a valid note: "
+                             "summary has leading or trailing "
+                             "whitespace"),
                             (b"[]", "standard input is not a valid note: note must be an object")):
-            self.assertEqual(run_main("note-hash", "-", stdin=data), (2, "", "oharness-sync: error: %s\n" % error), data)
+            self.assertEqual(run_main("note-hash", "-", stdin=data),
+                             (2, "", "oharness-sync: error: %s\n" % error), data)
 
     def test_a_file_that_cannot_be_read(self):
-        missing = os.path.join(tempfile.gettempdir(), "ohs-test-no-such-note-%s.json" % os.getpid())
+        missing = os.path.join(tempfile.gettempdir(), "ohs-test-no-such-note-%s.json"
+                               % os.getpid())
         self.assertEqual(run_main("note-hash", missing),
-                         (2, "", "oharness-sync: error: cannot read %s: No such file or directory\n" % missing))
+                         (2, "",
+                          "oharness-sync: error: cannot read %s: No such file or directory\n"
+                          % missing))
 
 
 class TestJsStringify(unittest.TestCase):
@@ -843,14 +873,17 @@ class LocalTokenTest(unittest.TestCase):
     def test_a_file_damaged_before_the_first_request_keeps_the_set_read_at_start(self):
         token, _ = self.store.issue("alice")
         log_lines = []
-        verifier = sync.LocalTokenVerifier(self.store, log_lines.append, monotonic=self.ticks)  # a server starting
+        # a server starting
+        verifier = sync.LocalTokenVerifier(self.store, log_lines.append, monotonic=self.ticks)
         with open(self.store.path, "w") as f:
             f.write("{not json")
         self.assertEqual(verifier.verify(token).principal, "alice")
         self.assertEqual(len(log_lines), 1, log_lines)
         self.assertEqual(len(log_lines), 1, log_lines)
-        self.assertTrue(log_lines[0].startswith("token file %s unreadable, keeping the previous tokens: Expecting "
-                                                % self.store.path), log_lines)  # json's reason, with where
+        self.assertTrue(log_lines[0].startswith("token file %s unreadable, keeping the previous "
+                                                "tokens: Expecting "
+                                                # json's reason, with where
+                                                % self.store.path), log_lines)
 
     def test_a_damaged_file_is_logged_once_and_a_deeply_nested_one_is_damaged_too(self):
         token, _ = self.store.issue("alice")
@@ -858,9 +891,11 @@ class LocalTokenTest(unittest.TestCase):
         verifier = sync.LocalTokenVerifier(self.store, log_lines.append, monotonic=self.ticks)
         os.rename(self.store.path, self.store.path + ".good")
         with open(self.store.path + ".tmp", "w") as f:
-            f.write("[" * 100000)  # RecursionError in json: before, every request that looked got a 500
+            # RecursionError in json: before, every request that looked got a 500
+            f.write("[" * 100000)
         os.replace(self.store.path + ".tmp", self.store.path)
-        for _ in range(5):  # a look a second while it stays damaged: one log line, not one a second
+        # a look a second while it stays damaged: one log line, not one a second
+        for _ in range(5):
             self.a_second_later()
             self.assertEqual(verifier.verify(token).principal, "alice")
         self.assertEqual(len(log_lines), 1, log_lines)
@@ -901,7 +936,8 @@ class LocalTokenTest(unittest.TestCase):
         self.assertEqual(log_lines[1:], ["read the token file %s again" % self.store.path])
 
     def test_requests_arriving_while_the_file_is_read_wait_for_it(self):
-        """A new server's first requests come at once: none may see the token set before it is loaded."""
+        """A new server's first requests come at once: none may see the token set before it is
+        loaded."""
         token, _ = self.store.issue("alice")
         read = self.store.read
         self.store.read = lambda: (time.sleep(0.2), read())[1]  # a slow disk
@@ -997,7 +1033,8 @@ def jwk_by_kid(kid):
 
 def split(token):
     header, payload, signature = token.split(".")
-    return (header + "." + payload).encode(), base64.urlsafe_b64decode(signature + "=" * (-len(signature) % 4))
+    return (header + "."
+            + payload).encode(), base64.urlsafe_b64decode(signature + "=" * (-len(signature) % 4))
 
 
 class FakeClock:
@@ -1012,7 +1049,8 @@ class FakeClock:
 
 
 class FakeServer:
-    """An HTTP server on 127.0.0.1:0; `respond(handler)` returns (status, body bytes, headers dict)."""
+    """An HTTP server on 127.0.0.1:0; `respond(handler)` returns (status, body bytes, headers
+    dict)."""
 
     def __init__(self, respond):
         self.respond = respond
@@ -1038,7 +1076,8 @@ class FakeServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = "http://127.0.0.1:%d" % self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever,
+                                       kwargs={"poll_interval": 0.01}, daemon=True)
         self.thread.start()
 
     def stop(self):
@@ -1173,7 +1212,8 @@ class SignatureFunctionTest(unittest.TestCase):
         self.assertEqual(n.bit_length(), 2048)
         self.assertTrue(verify_rs256(n, e, signing_input, signature))
         self.assertFalse(verify_rs256(n, e, signing_input + b"x", signature))
-        self.assertFalse(verify_rs256(n, e, signing_input, signature[:-1] + bytes([signature[-1] ^ 1])))
+        self.assertFalse(verify_rs256(n, e, signing_input, signature[:-1]
+                                      + bytes([signature[-1] ^ 1])))
 
     def test_rfc7515_a3_es256(self):
         signing_input, signature = split(RFC["a3_es256"]["token"])
@@ -1181,7 +1221,8 @@ class SignatureFunctionTest(unittest.TestCase):
         x, y = uint(jwk["x"]), uint(jwk["y"])
         self.assertTrue(verify_es256(x, y, signing_input, signature))
         self.assertFalse(verify_es256(x, y, signing_input + b"x", signature))
-        self.assertFalse(verify_es256(x, y, signing_input, signature[:-1] + bytes([signature[-1] ^ 1])))
+        self.assertFalse(verify_es256(x, y, signing_input, signature[:-1]
+                                      + bytes([signature[-1] ^ 1])))
 
     def test_fixture_rsa_4096(self):
         jwk = jwk_by_kid("rsa-4096")
@@ -1221,10 +1262,12 @@ class SignatureFunctionTest(unittest.TestCase):
         self.assertTrue(verify_rs256(n, 1, signing_input, encoded(digest_info)))  # control
         self.assertFalse(verify_rs256(n, 1, signing_input, encoded(digest)))  # no DigestInfo
         self.assertFalse(verify_rs256(n, 1, signing_input, encoded(digest_info, fill=b"\x00")))
-        self.assertFalse(verify_rs256(n, 1, signing_input, encoded(digest_info, start=b"\x00\x02")))
+        self.assertFalse(verify_rs256(n, 1, signing_input,
+                                      encoded(digest_info, start=b"\x00\x02")))
         garbage_after = b"\x00\x01" + b"\xff" * 8 + b"\x00" + digest_info
         garbage_after += b"\x00" * (256 - len(garbage_after))
-        self.assertFalse(verify_rs256(n, 1, signing_input, garbage_after))  # short padding, trailing bytes
+        # short padding, trailing bytes
+        self.assertFalse(verify_rs256(n, 1, signing_input, garbage_after))
 
     def test_es256_r_or_s_out_of_range(self):
         jwk = jwk_by_kid("ec-p256")
@@ -1276,11 +1319,13 @@ class ParseJwksTest(unittest.TestCase):
         self.assertNotIn("oct-key", keys)
 
     def test_skips_ec_point_off_the_curve(self):
-        jwk = dict(jwk_by_kid("ec-p256"), y=b64u((uint(jwk_by_kid("ec-p256")["y"]) ^ 1).to_bytes(32, "big")))
+        jwk = dict(jwk_by_kid("ec-p256"),
+                   y=b64u((uint(jwk_by_kid("ec-p256")["y"]) ^ 1).to_bytes(32, "big")))
         self.assertEqual(parse_jwks({"keys": [jwk]}), {})
 
     def test_skips_ec_coordinates_of_wrong_length(self):
-        jwk = dict(jwk_by_kid("ec-p256"), x=b64u(b"\x00" + b64url_decode(jwk_by_kid("ec-p256")["x"])))
+        jwk = dict(jwk_by_kid("ec-p256"),
+                   x=b64u(b"\x00" + b64url_decode(jwk_by_kid("ec-p256")["x"])))
         self.assertEqual(parse_jwks({"keys": [jwk]}), {})
 
     def test_skips_keys_without_kid_or_with_bad_fields(self):
@@ -1342,13 +1387,15 @@ class JwksFileTest(unittest.TestCase):
             source.key("ec-p256", "ES256")
         self.write({"keys": [jwk_by_kid("rsa-4096")]}, 200)  # rsa-2048 revoked
         self.clock.advance(0.5)
-        self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")  # a known key: not looked within a second
+        # a known key: not looked within a second
+        self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
         self.clock.advance(0.5)
         with self.assertRaises(AuthError):
             source.key("rsa-2048", "RS256")
         self.write(JWKS, 300)
         self.clock.advance(0.1)
-        # A key written within the second is found at once: a 401 for it would stop the client's mirror.
+        # A key written within the second is found at once: a 401 for it would stop the client's
+        # mirror.
         self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
 
     def test_reload_reads_the_file_at_once_and_raises_a_failure_unlogged(self):
@@ -1361,7 +1408,8 @@ class JwksFileTest(unittest.TestCase):
         self.write("{broken", 200)
         with self.assertRaises(ValueError):
             source.reload()
-        self.clock.advance(2)  # a look finds it still broken: the last good keys stay, nothing more is logged
+        # a look finds it still broken: the last good keys stay, nothing more is logged
+        self.clock.advance(2)
         self.assertEqual(source.key("ec-p256", "ES256").kid, "ec-p256")
         self.assertEqual(log_lines, [])
 
@@ -1372,13 +1420,15 @@ class JwksFileTest(unittest.TestCase):
         self.write("{broken", 200)
         self.clock.advance(2)
         self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
-        with self.assertRaises(AuthUnavailable):  # its key may be in the file that cannot be read: not a 401
+        # its key may be in the file that cannot be read: not a 401
+        with self.assertRaises(AuthUnavailable):
             source.key("ec-p256", "ES256")
         os.remove(self.path)
         self.clock.advance(2)
         self.assertEqual(source.key("rsa-2048", "RS256").kid, "rsa-2048")
         self.assertEqual(len(log_lines), 1)
-        self.assertTrue(log_lines[0].startswith("cannot re-read the JWKS file %s (" % self.path), log_lines)
+        self.assertTrue(log_lines[0].startswith("cannot re-read the JWKS file %s (" % self.path),
+                        log_lines)
         self.assertTrue(log_lines[0].endswith("); keeping the last good keys (1)"), log_lines)
         self.write(JWKS, 300)
         self.clock.advance(2)
@@ -1387,13 +1437,15 @@ class JwksFileTest(unittest.TestCase):
             source.key("no-such-key", "RS256")
 
     def test_a_failed_re_read_is_tried_again_though_the_file_keeps_its_stamp(self):
-        # A chmod mends a file without changing its mtime or size, and so does moving it away and back:
-        # before, the file was not read again, its new keys never came and unknown kids got 503 for good.
+        # A chmod mends a file without changing its mtime or size, and so does moving it away and
+        # back: before, the file was not read again, its new keys never came and unknown kids got
+        # 503 for good.
         self.write({"keys": [jwk_by_kid("rsa-2048")]}, 100)
         log_lines = []
         source = JwksSource(log_lines.append, path=self.path, clock=self.clock)
         self.write(JWKS, 200)
-        with mock.patch.object(sync, "read_jwks_file", side_effect=PermissionError(13, "Permission denied")):
+        with mock.patch.object(sync, "read_jwks_file",
+                               side_effect=PermissionError(13, "Permission denied")):
             self.clock.advance(2)
             with self.assertRaises(AuthUnavailable):
                 source.key("ec-p256", "ES256")
@@ -1412,8 +1464,9 @@ class JwksFileTest(unittest.TestCase):
         self.assertEqual(len(log_lines), 2, log_lines)
 
     def test_a_key_renamed_into_place_with_the_old_files_size_and_mtime_is_read(self):
-        # cp -p, rsync -t or a Nix store path (mtime 1) give the new file the old one's mtime; with the same
-        # size, (mtime, size) did not change, the new keys were never read and their tokens got 401 for good.
+        # cp -p, rsync -t or a Nix store path (mtime 1) give the new file the old one's mtime; with
+        # the same size, (mtime, size) did not change, the new keys were never read and their
+        # tokens got 401 for good.
         old = dict(jwk_by_kid("rsa-2048"), kid="rsa-XXXX")
         self.write({"keys": [old]}, 1)
         source = JwksSource(no_log, path=self.path, clock=self.clock)
@@ -1457,11 +1510,13 @@ class JwksUrlTest(unittest.TestCase):
     def setUp(self):
         self.status = 200
         self.body = json.dumps({"keys": [jwk_by_kid("rsa-2048")]}).encode()
-        self.server = FakeServer(lambda handler: (self.status, self.body, {"Content-Type": "application/json"}))
+        self.server = FakeServer(lambda handler: (self.status, self.body,
+                                                  {"Content-Type": "application/json"}))
         self.url = self.server.url + "/.well-known/jwks.json"
         self.clock = FakeClock(5000.0)
         self.log_lines = []
-        self.source = JwksSource(self.log_lines.append, url=self.url, timeout=2.0, clock=self.clock)
+        self.source = JwksSource(self.log_lines.append, url=self.url, timeout=2.0,
+                                 clock=self.clock)
         self.verifier = JwtVerifier(jwks=self.source, clock=FakeClock(NOW))
 
     def tearDown(self):
@@ -1472,8 +1527,10 @@ class JwksUrlTest(unittest.TestCase):
 
     def test_fetched_on_first_use_then_cached(self):
         self.assertEqual(self.fetches(), 0)
-        self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]), Identity("user_rsa2048"))
-        self.assertEqual(self.verifier.verify(TOKENS["rs256_valid_exp_2100"]), Identity("user_rsa2048"))
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]),
+                         Identity("user_rsa2048"))
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_valid_exp_2100"]),
+                         Identity("user_rsa2048"))
         self.assertEqual(self.fetches(), 1)
         self.assertEqual(self.server.requests[0][0], "/.well-known/jwks.json")
 
@@ -1498,9 +1555,10 @@ class JwksUrlTest(unittest.TestCase):
         self.assertEqual(self.fetches(), 3)
 
     def test_a_fetch_made_for_another_token_settles_a_kid_asked_for_before_it(self):
-        # A token signed with a key the provider has retired got 503 within the minute after each fetch;
-        # when another token's unknown kid (or an attacker's) took every refetch, it got 503 for good, never
-        # its 401, and its client retried forever instead of asking its user to sign in again.
+        # A token signed with a key the provider has retired got 503 within the minute after each
+        # fetch; when another token's unknown kid (or an attacker's) took every refetch, it got 503
+        # for good, never its 401, and its client retried forever instead of asking its user to
+        # sign in again.
         self.source.key("rsa-2048", "RS256")
         self.clock.advance(30)
         with self.assertRaises(AuthUnavailable):
@@ -1518,7 +1576,8 @@ class JwksUrlTest(unittest.TestCase):
     def test_a_key_published_just_after_a_fetch_is_unavailable_not_a_401_until_the_next(self):
         self.source.key("rsa-2048", "RS256")
         self.body = json.dumps(JWKS).encode()
-        with self.assertRaisesRegex(AuthUnavailable, "not among the signing keys fetched less than 60 s ago"):
+        with self.assertRaisesRegex(AuthUnavailable,
+                                    "not among the signing keys fetched less than 60 s ago"):
             self.source.key("ec-p256", "ES256")  # first fetch was just now
         self.assertEqual(self.fetches(), 1)
         self.clock.advance(60)
@@ -1529,11 +1588,14 @@ class JwksUrlTest(unittest.TestCase):
         self.source.key("rsa-2048", "RS256")
         self.server.stop()
         self.clock.advance(61)
-        with self.assertRaises(AuthUnavailable):  # its key may be new: not a 401 while they cannot be read
+        # its key may be new: not a 401 while they cannot be read
+        with self.assertRaises(AuthUnavailable):
             self.verifier.verify(TOKENS["rs256_unknown_kid"])
-        self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]), Identity("user_rsa2048"))
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]),
+                         Identity("user_rsa2048"))
         self.clock.advance(sync.JWKS_MAX_AGE + 1)  # refresh due, still down
-        self.assertEqual(self.verifier.verify(TOKENS["rs256_valid_exp_2100"]), Identity("user_rsa2048"))
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_valid_exp_2100"]),
+                         Identity("user_rsa2048"))
 
     def test_unparsable_jwks_keeps_last_good_keys(self):
         self.source.key("rsa-2048", "RS256")
@@ -1545,7 +1607,8 @@ class JwksUrlTest(unittest.TestCase):
             self.assertEqual(self.source.key("rsa-2048", "RS256").kid, "rsa-2048")
         self.assertEqual(self.fetches(), 5)
         self.assertEqual(len(self.log_lines), 4)
-        self.assertTrue(all(line.startswith("cannot fetch the JWKS from %s (" % self.url) for line in self.log_lines))
+        self.assertTrue(all(line.startswith("cannot fetch the JWKS from %s (" % self.url)
+                            for line in self.log_lines))
 
     def test_http_error_keeps_last_good_keys(self):
         self.source.key("rsa-2048", "RS256")
@@ -1556,7 +1619,8 @@ class JwksUrlTest(unittest.TestCase):
         self.assertEqual(self.fetches(), 2)
         self.assertEqual(self.source.key("rsa-2048", "RS256").kid, "rsa-2048")
         self.assertEqual(self.log_lines, [
-            "cannot fetch the JWKS from %s (HTTPError: HTTP Error 500: Internal Server Error); keeping the last "
+            "cannot fetch the JWKS from %s (HTTPError: HTTP Error 500: Internal Server Error); "
+            "keeping the last "
             "good keys (1), trying again in 60 s at the earliest" % self.url])
         self.status = 200
         self.clock.advance(61)
@@ -1573,7 +1637,8 @@ class JwksUrlTest(unittest.TestCase):
         self.assertEqual(self.fetches(), 1)
         self.status = 200
         self.clock.advance(61)
-        self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]), Identity("user_rsa2048"))
+        self.assertEqual(self.verifier.verify(TOKENS["rs256_2048_valid_no_exp"]),
+                         Identity("user_rsa2048"))
         self.assertEqual(self.fetches(), 2)
 
     def test_old_keys_are_refreshed_on_use(self):
@@ -1585,9 +1650,11 @@ class JwksUrlTest(unittest.TestCase):
         self.assertEqual(self.fetches(), 2)
 
     def test_unreachable_url(self):
-        source = JwksSource(no_log, url="http://127.0.0.1:%d/jwks" % closed_port(), timeout=1.0, clock=self.clock)
+        source = JwksSource(no_log, url="http://127.0.0.1:%d/jwks" % closed_port(), timeout=1.0,
+                            clock=self.clock)
         with self.assertRaises(AuthUnavailable):
-            JwtVerifier(jwks=source, clock=FakeClock(NOW)).verify(TOKENS["rs256_2048_valid_no_exp"])
+            JwtVerifier(jwks=source,
+                        clock=FakeClock(NOW)).verify(TOKENS["rs256_2048_valid_no_exp"])
 
 
 # ---------------------------------------------------------------------------
@@ -1595,7 +1662,8 @@ class JwksUrlTest(unittest.TestCase):
 # ---------------------------------------------------------------------------
 
 def fixture_verifier(issuer=None, audience=None, clock=None):
-    return JwtVerifier(secret=SECRET, jwks=JwksSource(no_log, path=JWKS_PATH), issuer=issuer, audience=audience,
+    return JwtVerifier(secret=SECRET, jwks=JwksSource(no_log, path=JWKS_PATH), issuer=issuer,
+                       audience=audience,
                        clock=clock or FakeClock(NOW))
 
 
@@ -1634,14 +1702,16 @@ class JwtAcceptTest(unittest.TestCase):
         self.assertAccepted("rs256_with_teams", Identity("user_rsa2048", ["team-a", "team_b"]))
 
     def test_anonymous_by_is_anonymous(self):
-        self.assertAccepted("rs256_anonymous_is_anonymous", Identity("anon_user_1", anonymous=True))
+        self.assertAccepted("rs256_anonymous_is_anonymous",
+                            Identity("anon_user_1", anonymous=True))
 
     def test_anonymous_by_role_anon(self):
         self.assertAccepted("rs256_anonymous_role_anon", Identity("anon_user_2", anonymous=True))
 
     def test_issuer_and_audience_when_configured(self):
         verifier = fixture_verifier(issuer="https://issuer.example", audience="sync-server")
-        self.assertEqual(verifier.verify(TOKENS["rs256_with_issuer_and_audience"]), Identity("user_rsa2048"))
+        self.assertEqual(verifier.verify(TOKENS["rs256_with_issuer_and_audience"]),
+                         Identity("user_rsa2048"))
 
     def test_audience_array(self):
         verifier = fixture_verifier(issuer="https://issuer.example", audience="sync-server")
@@ -1652,7 +1722,8 @@ class JwtAcceptTest(unittest.TestCase):
         self.assertAccepted("rs256_wrong_audience", Identity("user_rsa2048"))
 
     def test_empty_teams(self):
-        self.assertEqual(self.verifier.verify(hs256_token({"sub": "u1", "teams": []})), Identity("u1"))
+        self.assertEqual(self.verifier.verify(hs256_token({"sub": "u1", "teams": []})),
+                         Identity("u1"))
 
     def test_is_anonymous_false_is_not_anonymous(self):
         token = hs256_token({"sub": "u1", "is_anonymous": False, "role": "authenticated"})
@@ -1667,7 +1738,8 @@ class JwtAcceptTest(unittest.TestCase):
         self.assertEqual(self.verifier.verify(token), Identity("u1"))
 
     def test_float_exp(self):
-        self.assertEqual(self.verifier.verify(hs256_token({"sub": "u1", "exp": NOW + 0.5})), Identity("u1"))
+        self.assertEqual(self.verifier.verify(hs256_token({"sub": "u1", "exp": NOW + 0.5})),
+                         Identity("u1"))
 
     def test_huge_integer_exp(self):
         clock = FakeClock(NOW)
@@ -1688,7 +1760,8 @@ class JwtAcceptTest(unittest.TestCase):
         directory = tempfile.mkdtemp()
         try:
             path = os.path.join(directory, "secret")
-            for content, expected in [(b"abc\n\n", b"abc\n"), (b"abc\r\n", b"abc"), (b"abc", b"abc")]:
+            for content, expected in [(b"abc\n\n", b"abc\n"), (b"abc\r\n", b"abc"),
+                                      (b"abc", b"abc")]:
                 with open(path, "wb") as handle:
                     handle.write(content)
                 self.assertEqual(read_secret_file(path), expected)
@@ -1755,14 +1828,16 @@ class JwtRefuseTest(unittest.TestCase):
         self.assertRefused(TOKENS["rs256_wrong_issuer"], verifier)
 
     def test_missing_issuer_when_configured(self):
-        self.assertRefused(TOKENS["rs256_2048_valid_no_exp"], fixture_verifier(issuer="https://issuer.example"))
+        self.assertRefused(TOKENS["rs256_2048_valid_no_exp"],
+                           fixture_verifier(issuer="https://issuer.example"))
 
     def test_wrong_audience(self):
         verifier = fixture_verifier(issuer="https://issuer.example", audience="sync-server")
         self.assertRefused(TOKENS["rs256_wrong_audience"], verifier)
 
     def test_missing_audience_when_configured(self):
-        self.assertRefused(TOKENS["rs256_2048_valid_no_exp"], fixture_verifier(audience="sync-server"))
+        self.assertRefused(TOKENS["rs256_2048_valid_no_exp"],
+                           fixture_verifier(audience="sync-server"))
 
     def test_audience_of_wrong_type(self):
         verifier = JwtVerifier(secret=SECRET, audience="sync-server", clock=FakeClock(NOW))
@@ -1854,20 +1929,24 @@ class JwtRefuseTest(unittest.TestCase):
         self.assertRefused(TOKENS["rs256_1024_bit_key"])
 
     def test_rs256_without_jwks_configured(self):
-        self.assertRefused(TOKENS["rs256_2048_valid_no_exp"], JwtVerifier(secret=SECRET, clock=FakeClock(NOW)))
+        self.assertRefused(TOKENS["rs256_2048_valid_no_exp"],
+                           JwtVerifier(secret=SECRET, clock=FakeClock(NOW)))
 
     def test_kid_not_a_string(self):
         self.assertRefused(hs256_token({"sub": "u1"}, header={"alg": "HS256", "kid": 1}))
 
     def test_crit_header(self):
-        self.assertRefused(hs256_token({"sub": "u1"}, header={"alg": "HS256", "crit": ["exp"], "exp": 1}))
+        self.assertRefused(hs256_token({"sub": "u1"},
+                                       header={"alg": "HS256", "crit": ["exp"], "exp": 1}))
 
     def test_malformed_tokens(self):
         good = TOKENS["rs256_2048_valid_no_exp"]
         header, payload, signature = good.split(".")
-        for token in ["", "Bearer", header + "." + payload, good + ".x", header + "=." + payload + "." + signature,
+        for token in ["", "Bearer", header + "." + payload, good + ".x", header + "=." + payload
+                      + "." + signature,
                       header + "." + payload + "." + signature + "=", "*" + good,
-                      b64u(b"[]") + "." + payload + "." + signature, header + "." + b64u(b"{") + "." + signature]:
+                      b64u(b"[]") + "." + payload + "." + signature, header + "." + b64u(b"{")
+                      + "." + signature]:
             with self.subTest(token=token[:20]):
                 self.assertRefused(token)
 
@@ -1902,7 +1981,8 @@ class RfcVectorsThroughVerifierTest(unittest.TestCase):
         now_verifier = JwtVerifier(secret=self.secret, jwks=self.jwks)  # real time.time
         with self.assertRaisesRegex(AuthError, "expired"):
             now_verifier.verify(token)
-        before_exp = JwtVerifier(secret=self.secret, jwks=self.jwks, clock=FakeClock(1300819380 - 10))
+        before_exp = JwtVerifier(secret=self.secret, jwks=self.jwks,
+                                 clock=FakeClock(1300819380 - 10))
         with self.assertRaisesRegex(AuthError, "sub"):  # signature and time passed; no sub claim
             before_exp.verify(token)
 
@@ -1992,9 +2072,11 @@ USER_ID = "6a1f0c2e-4b7d-4e0a-9c3b-2f5d8e7a1b90"
 def supabase_answer(handler):
     token = (handler.headers.get("Authorization") or "")[len("Bearer "):]
     if token == "normal":
-        return 200, json.dumps({"id": USER_ID, "role": "authenticated", "is_anonymous": False}).encode(), {}
+        return 200, json.dumps({"id": USER_ID, "role": "authenticated",
+                                "is_anonymous": False}).encode(), {}
     if token == "anonymous":
-        return 200, json.dumps({"id": USER_ID, "role": "authenticated", "is_anonymous": True}).encode(), {}
+        return 200, json.dumps({"id": USER_ID, "role": "authenticated",
+                                "is_anonymous": True}).encode(), {}
     if token == "role-anon":
         return 200, json.dumps({"id": USER_ID, "role": "anon"}).encode(), {}
     if token == "bad-id":
@@ -2010,7 +2092,8 @@ def supabase_answer(handler):
     if token == "boom":
         return 500, b"{}", {}
     if token == "redirect":
-        return 302, b"", {"Location": "http://127.0.0.1:%d/elsewhere" % handler.server.server_address[1]}
+        return 302, b"", {"Location": "http://127.0.0.1:%d/elsewhere"
+                          % handler.server.server_address[1]}
     if token == "slow":
         time.sleep(0.8)
         return 200, json.dumps({"id": USER_ID}).encode(), {}
@@ -2021,7 +2104,8 @@ class SupabaseVerifierTest(unittest.TestCase):
     def setUp(self):
         self.server = FakeServer(supabase_answer)
         self.clock = FakeClock(100.0)
-        self.verifier = SupabaseVerifier(self.server.url + "/", "anon-key-123", timeout=2.0, clock=self.clock)
+        self.verifier = SupabaseVerifier(self.server.url + "/", "anon-key-123", timeout=2.0,
+                                         clock=self.clock)
 
     def tearDown(self):
         self.server.stop()
@@ -2066,7 +2150,8 @@ class SupabaseVerifierTest(unittest.TestCase):
         self.assertLess(time.monotonic() - started, 0.75)
 
     def test_connection_refused(self):
-        verifier = SupabaseVerifier("http://127.0.0.1:%d" % closed_port(), "anon-key-123", timeout=1.0)
+        verifier = SupabaseVerifier("http://127.0.0.1:%d" % closed_port(), "anon-key-123",
+                                    timeout=1.0)
         with self.assertRaises(AuthUnavailable):
             verifier.verify("normal")
 
@@ -2112,7 +2197,8 @@ ES256_VALID = TOKENS["es256_valid_exp_2100"]
 
 
 def forged_es256(number):
-    """The payload and kid of ES256_VALID with r = s = number: in range, so the whole curve math runs."""
+    """The payload and kid of ES256_VALID with r = s = number: in range, so the whole curve math
+    runs."""
     return ES256_VALID.rsplit(".", 1)[0] + "." + b64u(number.to_bytes(32, "big") * 2)
 
 
@@ -2130,7 +2216,8 @@ class ForgedTokenTest(unittest.TestCase):
 
     def setUp(self):
         self.clock = FakeClock(1000.0)
-        self.failures = sync.RateLimiter(sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST, self.clock)
+        self.failures = sync.RateLimiter(sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST,
+                                         self.clock)
         self.auth = self.authenticator(fixture_verifier(clock=FakeClock(NOW)))
 
     def authenticator(self, jwt=None, local=None, **options):
@@ -2150,7 +2237,8 @@ class ForgedTokenTest(unittest.TestCase):
     def test_the_limits(self):
         self.assertEqual((sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST), (20, 10))
         self.assertEqual((sync.FAILED_TOKEN_SECONDS, sync.FAILED_TOKENS), (600, 10000))
-        guarded = sync.Authenticator(None, server_config(jwt=fixture_verifier()), sync.Metrics())._guarded_jwt
+        guarded = sync.Authenticator(None, server_config(jwt=fixture_verifier()),
+                                     sync.Metrics())._guarded_jwt
         self.assertEqual(guarded.refused.max_entries, 10000)
         default = sync.Authenticator(None, server_config(), sync.Metrics()).failures
         self.assertEqual((default.rate, default.burst), (20 / 60.0, 10.0))
@@ -2167,7 +2255,8 @@ class ForgedTokenTest(unittest.TestCase):
                                  {name: int(name == alg) for name in spies})
 
     def test_bad_claims_and_expiry_are_remembered_with_their_message(self):
-        for name, message in (("rs256_expired", "token expired"), ("rs256_sub_proto", "token sub is not a valid id"),
+        for name, message in (("rs256_expired", "token expired"),
+                              ("rs256_sub_proto", "token sub is not a valid id"),
                               ("es256_r_zero", "bad token signature")):
             with self.subTest(name=name), signature_spies() as spies:
                 self.assertEqual(self.refusal(TOKENS[name]), message)
@@ -2197,14 +2286,17 @@ class ForgedTokenTest(unittest.TestCase):
                     auth.identify("Bearer " + token, "198.51.100.7")
             self.assertEqual(spies["RS256"].call_count, 2)
         clock.now = YEAR_2100
-        self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"), Identity("user_rsa2048"))
+        self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"),
+                         Identity("user_rsa2048"))
         # No key for its kid: the key may yet be added to the JWKS.
         for _ in range(2):
-            self.assertEqual(self.refusal(TOKENS["rs256_unknown_kid"]), "no signing key for this token")
+            self.assertEqual(self.refusal(TOKENS["rs256_unknown_kid"]),
+                             "no signing key for this token")
         self.assertEqual(len(self.auth._guarded_jwt.refused), 0)
 
     def test_auth_unavailable_is_neither_remembered_nor_counted(self):
-        # A JWKS file with the EC key only, then damaged: an RS256 token cannot be judged (503), 15 times.
+        # A JWKS file with the EC key only, then damaged: an RS256 token cannot be judged (503), 15
+        # times.
         path = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "jwks.json")
         self.addCleanup(shutil.rmtree, os.path.dirname(path), True)
         with open(path, "w") as handle:
@@ -2224,7 +2316,8 @@ class ForgedTokenTest(unittest.TestCase):
         with open(path, "w") as handle:
             json.dump(JWKS, handle)
         jwks_clock.advance(1)
-        self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"), Identity("user_rsa2048"))
+        self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"),
+                         Identity("user_rsa2048"))
         for number in range(1, 11):
             with self.assertRaisesRegex(AuthError, "^bad token signature$"):
                 auth.identify("Bearer " + forged_es256(number), "198.51.100.7")
@@ -2238,7 +2331,8 @@ class ForgedTokenTest(unittest.TestCase):
                 self.auth.identify("Bearer " + forged_es256(11), "198.51.100.7")
             self.assertEqual(spies["ES256"].call_count, 10)
         self.assertEqual(caught.exception.retry_after, 3)  # 20 a minute: one every 3 s
-        self.assertEqual(str(caught.exception), "too many tokens from this client failed verification lately")
+        self.assertEqual(str(caught.exception),
+                         "too many tokens from this client failed verification lately")
         # A token refused before is still refused as it was (a 401 tells more than a 429).
         self.assertEqual(self.refusal(forged_es256(1)), "bad token signature")
 
@@ -2255,38 +2349,50 @@ class ForgedTokenTest(unittest.TestCase):
 
     def test_another_client_is_not_affected(self):
         self.throttle()
-        self.assertEqual(self.refusal(forged_es256(11), client="203.0.113.9"), "bad token signature")
-        self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "203.0.113.9"), Identity("user_ec"))
+        self.assertEqual(self.refusal(forged_es256(11), client="203.0.113.9"),
+                         "bad token signature")
+        self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "203.0.113.9"),
+                         Identity("user_ec"))
         self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, None), Identity("user_ec"))
 
     def test_an_ipv6_client_is_counted_by_its_64_and_a_mapped_ipv4_one_by_its_ipv4_address(self):
         self.throttle(client="2001:db8:1:2::a")
-        with self.assertRaises(sync.AuthThrottled):  # another address in the same /64: the same bucket
+        # another address in the same /64: the same bucket
+        with self.assertRaises(sync.AuthThrottled):
             self.auth.identify("Bearer " + forged_es256(11), "2001:db8:1:2:ffff:ffff:ffff:ffff")
-        self.assertEqual(self.refusal(forged_es256(12), client="2001:db8:1:3::a"), "bad token signature")
-        for number in range(21, 31):  # (new tokens: a refused one is refused again without counting)
-            self.assertEqual(self.refusal(forged_es256(number), client="::ffff:198.51.100.7"), "bad token signature")
+        self.assertEqual(self.refusal(forged_es256(12), client="2001:db8:1:3::a"),
+                         "bad token signature")
+        # (new tokens: a refused one is refused again without counting)
+        for number in range(21, 31):
+            self.assertEqual(self.refusal(forged_es256(number), client="::ffff:198.51.100.7"),
+                             "bad token signature")
         with self.assertRaises(sync.AuthThrottled):
             self.auth.identify("Bearer " + forged_es256(13), "198.51.100.7")
 
     def test_client_keys(self):
-        for address, key in (("198.51.100.7", "198.51.100.7"), ("2001:db8:1:2:a:b:c:d", "2001:db8:1:2::/64"),
+        for address, key in (("198.51.100.7", "198.51.100.7"),
+                             ("2001:db8:1:2:a:b:c:d", "2001:db8:1:2::/64"),
                              ("2001:DB8:1:2::1", "2001:db8:1:2::/64"), ("::1", "::/64"),
-                             ("fe80::1%eth0", "fe80::/64"), ("::ffff:198.51.100.7", "198.51.100.7"),
+                             ("fe80::1%eth0", "fe80::/64"),
+                             ("::ffff:198.51.100.7", "198.51.100.7"),
                              ("", ""), ("not:an:address", "not:an:address")):
             self.assertEqual(sync.client_key(address), key, address)
 
     def test_the_client_a_proxy_names_is_the_last_hop_it_added(self):
         cases = [({"x-forwarded-for": "198.51.100.7"}, "198.51.100.7"),
-                 ({"x-forwarded-for": "203.0.113.9, 198.51.100.7"}, "198.51.100.7"),  # nginx appends
+                 # nginx appends
+                 ({"x-forwarded-for": "203.0.113.9, 198.51.100.7"}, "198.51.100.7"),
                  ({"x-forwarded-for": "203.0.113.9,198.51.100.7:4711"}, "198.51.100.7"),
                  ({"x-forwarded-for": "[2001:DB8::7]:4711"}, "2001:db8::7"),
                  ({"x-forwarded-for": "::ffff:198.51.100.7"}, "198.51.100.7"),
-                 ({"forwarded": 'for=203.0.113.9;proto=https, for="[2001:db8::7]:4711";proto=https'},
+                 ({"forwarded": 'for=203.0.113.9;proto=https, '
+                                'for="[2001:db8::7]:4711";proto=https'},
                   "2001:db8::7"),
                  ({"forwarded": "proto=https;For=198.51.100.7"}, "198.51.100.7"),
-                 # X-Forwarded-For first: the recipes' proxies set it, and pass Forwarded on as sent
-                 ({"x-forwarded-for": "198.51.100.7", "forwarded": "for=203.0.113.9"}, "198.51.100.7"),
+                 # X-Forwarded-For first: the recipes' proxies set it, and pass Forwarded on as
+                 # sent
+                 ({"x-forwarded-for": "198.51.100.7", "forwarded": "for=203.0.113.9"},
+                  "198.51.100.7"),
                  ({"x-forwarded-for": "unknown"}, None), ({"forwarded": "for=_hidden"}, None),
                  ({"forwarded": "for=203.0.113.9, proto=https"}, None),  # the last hop names none
                  ({"x-forwarded-for": ""}, None), ({}, None)]
@@ -2301,11 +2407,14 @@ class ForgedTokenTest(unittest.TestCase):
             sync.trusted_proxy("proxy")
 
     def test_a_token_verified_before_still_passes_from_a_throttled_client(self):
-        self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "198.51.100.7"), Identity("user_ec"))
+        self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "198.51.100.7"),
+                         Identity("user_ec"))
         self.throttle()
         with signature_spies() as spies:
-            self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "198.51.100.7"), Identity("user_ec"))
-            self.assertEqual(self.auth.identify_for_memory("Bearer " + ES256_VALID, "198.51.100.7"),
+            self.assertEqual(self.auth.identify("Bearer " + ES256_VALID, "198.51.100.7"),
+                             Identity("user_ec"))
+            self.assertEqual(self.auth.identify_for_memory("Bearer " + ES256_VALID,
+                                                           "198.51.100.7"),
                              Identity("user_ec"))
             # One not verified yet waits like any other.
             with self.assertRaises(sync.AuthThrottled):
@@ -2315,7 +2424,8 @@ class ForgedTokenTest(unittest.TestCase):
     def test_tokens_that_pass_take_nothing_from_the_bucket(self):
         for number in range(30):
             token = hs256_token({"sub": "u%d" % number})
-            self.assertEqual(self.auth.identify("Bearer " + token, "198.51.100.7"), Identity("u%d" % number))
+            self.assertEqual(self.auth.identify("Bearer " + token, "198.51.100.7"),
+                             Identity("u%d" % number))
         self.throttle()
         with self.assertRaises(sync.AuthThrottled):
             self.auth.identify("Bearer " + forged_es256(11), "198.51.100.7")
@@ -2340,8 +2450,10 @@ class ForgedTokenTest(unittest.TestCase):
             issued = f.read()
         for _ in range(20):
             with self.assertRaisesRegex(AuthError, "^unknown or revoked token$"):
-                auth.identify("Bearer " + token[:-1] + ("A" if token[-1] != "A" else "B"), "198.51.100.7")
-        self.assertEqual(self.failures.retry_after("198.51.100.7"), 0)  # the bucket was full: this takes one
+                auth.identify("Bearer " + token[:-1] + ("A" if token[-1] != "A" else "B"),
+                              "198.51.100.7")
+        # the bucket was full: this takes one
+        self.assertEqual(self.failures.retry_after("198.51.100.7"), 0)
         for number in range(1, 10):
             with self.assertRaisesRegex(AuthError, "^bad token signature$"):
                 auth.identify("Bearer " + forged_es256(number), "198.51.100.7")
@@ -2361,13 +2473,15 @@ class ForgedTokenTest(unittest.TestCase):
 
 
 class ForgedSupabaseTokenTest(unittest.TestCase):
-    """The Supabase verifier behind the same guards: a refused token is not sent to the service again."""
+    """The Supabase verifier behind the same guards: a refused token is not sent to the service
+    again."""
 
     def setUp(self):
         self.server = FakeServer(supabase_answer)
         self.addCleanup(self.server.stop)
         self.clock = FakeClock(1000.0)
-        self.failures = sync.RateLimiter(sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST, self.clock)
+        self.failures = sync.RateLimiter(sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST,
+                                         self.clock)
         verifier = SupabaseVerifier(self.server.url, "anon-key-123", timeout=2.0, clock=self.clock)
         config = server_config(memory_mode="supabase", supabase=verifier)
         self.auth = sync.Authenticator(None, config, sync.Metrics(), failures=self.failures)
@@ -2393,7 +2507,8 @@ class ForgedSupabaseTokenTest(unittest.TestCase):
             self.identify("revoked-10")
         self.assertEqual(caught.exception.retry_after, 3)
         self.assertEqual(len(self.server.requests), 11)
-        self.assertEqual(self.identify("normal"), Identity(USER_ID))  # answered lately: still passes
+        # answered lately: still passes
+        self.assertEqual(self.identify("normal"), Identity(USER_ID))
         with self.assertRaises(AuthError):
             self.identify("revoked-10", client="203.0.113.9")
         self.assertEqual(len(self.server.requests), 12)
@@ -2425,29 +2540,41 @@ class PrincipalsFileTest(unittest.TestCase):
         return path
 
     def test_names_quotas_and_comments(self):
-        path = self.write("# the household\nalice\n\nbob 2GiB   # the laptop\n  carol\t500MiB\ndave 1TB\n")
-        self.assertEqual(sync.read_principals(path), {"alice": None, "bob": 2 << 30, "carol": 500 << 20,
-                                                      "dave": 10 ** 12})
+        path = self.write("# the household\nalice\n\nbob 2GiB   # the laptop\n  "
+                          "carol\t500MiB\ndave 1TB\n")
+        self.assertEqual(sync.read_principals(path),
+                         {"alice": None, "bob": 2 << 30, "carol": 500 << 20,
+                          "dave": 10 ** 12})
 
     def test_sizes_binary_decimal_and_bare(self):
-        for text, size in (("4096", 4096), ("0", 0), ("1.5GiB", 3 << 29), ("2 GB", 2 * 10 ** 9), ("16MiB", 16 << 20),
+        for text, size in (("4096", 4096), ("0", 0), ("1.5GiB", 3 << 29), ("2 GB", 2 * 10 ** 9),
+                           ("16MiB", 16 << 20),
                            ("1kib", 1024), ("3TiB", 3 << 40), ("10B", 10)):
             self.assertEqual(sync.parse_size(text), size, text)
         for text in ("", "x", "2XB", "-1MiB", "1e3", "2 GiBs", "GiB", "2 G"):
-            with self.assertRaisesRegex(ValueError, r"is not a size \(such as 500MiB, 2GiB or 1TB\)$"):
+            with self.assertRaisesRegex(ValueError,
+                                        r"is not a size \(such as 500MiB, 2GiB or 1TB\)$"):
                 sync.parse_size(text)
-        self.assertEqual([sync.format_size(n) for n in (2 << 30, 10 ** 12, 500 << 20, 1536 << 20, 100, 1500)],
+        self.assertEqual([sync.format_size(n)
+                          for n in (2 << 30, 10 ** 12, 500 << 20, 1536 << 20, 100, 1500)],
                          ["2 GiB", "1 TB", "500 MiB", "1536 MiB", "100 bytes", "1.5 KiB"])
 
     def test_a_bad_line_makes_the_file_unusable_and_is_named(self):
-        for text, problem in (("alice\nbob 2XB\n", "line 2: '2XB' is not a size (such as 500MiB, 2GiB or 1TB)"),
-                              ("alice\na/b\n", "line 2: 'a/b' is not a valid id ([A-Za-z0-9_-], 1 to 128 characters)"),
-                              ("__proto__\n", "line 1: '__proto__' is not a valid id ([A-Za-z0-9_-], 1 to 128 "
-                                              "characters)"),
+        for text, problem in (("alice\nbob 2XB\n",
+                               "line 2: '2XB' is not a size (such as 500MiB, 2GiB or 1TB)"),
+                              ("alice\na/b\n",
+                               "line 2: 'a/b' is not a valid id ([A-Za-z0-9_-], 1 to 128 "
+                               "characters)"),
+                              ("__proto__\n",
+                               "line 1: '__proto__' is not a valid id ([A-Za-z0-9_-], 1 to 128 "
+                               "characters)"),
                               ("alice\n# x\nalice 1GiB\n", "line 3: alice is listed twice"),
-                              ("bob 1 GiB extra\n", "line 1: '1 GiB extra' is not a size (such as 500MiB, 2GiB or "
-                                                    "1TB)"),
-                              ("# nobody\n\n", "it lists no principal (a server that lets no one in is a mistake)")):
+                              ("bob 1 GiB extra\n",
+                               "line 1: '1 GiB extra' is not a size (such as 500MiB, 2GiB or "
+                               "1TB)"),
+                              ("# nobody\n\n",
+                               "it lists no principal (a server that lets no one in is a "
+                               "mistake)")):
             with self.subTest(text=text):
                 with self.assertRaises(ValueError) as caught:
                     sync.read_principals(self.write(text))
@@ -2472,9 +2599,9 @@ class PrincipalsFileTest(unittest.TestCase):
 
 
 class DiskReserveTest(unittest.TestCase):
-    """--reserve-disk's DiskReserve: a write that would leave less than the reserve free is refused; the disk is
-    asked at most once a second, what was let in since taken off its answer; the first refusal and the return of
-    room are logged once each."""
+    """--reserve-disk's DiskReserve: a write that would leave less than the reserve free is
+    refused; the disk is asked at most once a second, what was let in since taken off its answer;
+    the first refusal and the return of room are logged once each."""
 
     MiB = 1 << 20
 
@@ -2487,15 +2614,17 @@ class DiskReserveTest(unittest.TestCase):
         def free():
             self.asked.append(self.clock())
             return self.free[0]
-        self.reserve = sync.DiskReserve("/data", 16 * self.MiB, self.lines.append, free=free, clock=self.clock)
+        self.reserve = sync.DiskReserve("/data", 16 * self.MiB, self.lines.append, free=free,
+                                        clock=self.clock)
 
     def test_writes_go_ahead_until_one_would_pass_the_reserve(self):
         self.reserve.check(80 * self.MiB)
         self.reserve.check(4 * self.MiB)  # 16 MiB left: exactly the reserve
         with self.assertRaises(sync.DiskLow) as caught:
             self.reserve.check(1)
-        self.assertEqual(str(caught.exception), "the server's disk is almost full (16.0 MiB free, 16 MiB kept in "
-                                                "reserve); nothing was stored: try again later")
+        self.assertEqual(str(caught.exception),
+                         "the server's disk is almost full (16.0 MiB free, 16 MiB kept in "
+                         "reserve); nothing was stored: try again later")
         self.assertEqual(self.asked, [1000.0])  # one look: what was let in since is taken off it
 
     def test_the_disk_is_asked_again_after_a_second_and_room_returns_by_itself(self):
@@ -2505,9 +2634,10 @@ class DiskReserveTest(unittest.TestCase):
         with self.assertRaises(sync.DiskLow):
             self.reserve.check(5 * self.MiB)
         self.assertEqual((self.reserve.is_low(), len(self.lines)), (1, 1))
-        self.assertEqual(self.lines[0], "the disk of /data is down to its reserve (20.0 MiB free, 16 MiB kept): "
-                                        "pushes and memory commits are refused until there is room; reads and "
-                                        "compaction go on")
+        self.assertEqual(self.lines[0],
+                         "the disk of /data is down to its reserve (20.0 MiB free, 16 MiB kept): "
+                         "pushes and memory commits are refused until there is room; reads and "
+                         "compaction go on")
         self.reserve.check(1 * self.MiB)  # a small write still fits
         self.free[0] = 22 * self.MiB  # room for some pushes, not yet for any
         self.clock.advance(1.0)
@@ -2516,8 +2646,9 @@ class DiskReserveTest(unittest.TestCase):
         self.free[0] = 16 * self.MiB + sync.MAX_PUSH_BYTES
         self.clock.advance(1.0)
         self.assertEqual(self.reserve.is_low(), 0)
-        self.assertEqual(self.lines[1:], ["the disk of /data has room again (24.0 MiB free, 16 MiB kept): pushes "
-                                          "and memory commits go ahead"])
+        self.assertEqual(self.lines[1:],
+                         ["the disk of /data has room again (24.0 MiB free, 16 MiB kept): pushes "
+                          "and memory commits go ahead"])
         self.assertEqual(self.asked, [1000.0, 1001.0, 1002.0])
 
     def test_the_default_is_the_larger_of_256_mib_and_2_percent(self):
@@ -2538,7 +2669,8 @@ def open_feed_files(data_dir):
 
 
 def validated(records=(), sessions=()):
-    push = sync.validate_push({"project": "p", "records": list(records), "sessions": list(sessions)})
+    push = sync.validate_push({"project": "p", "records": list(records),
+                               "sessions": list(sessions)})
     return push.records, push.sessions
 
 
@@ -2588,9 +2720,13 @@ class FeedStoreTest(unittest.TestCase):
         self.store.push(self.owner, "p", *validated([record(record_id="a"), record(record_id="b")],
                                                     [meta(gen=1, updated_at=5)]))
         store = self.reopen()
-        self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="a")], [meta(gen=1, updated_at=5)])),
+        self.assertEqual(store.push(self.owner, "p",
+                                    *validated([record(record_id="a")],
+                                               [meta(gen=1, updated_at=5)])),
                          (3, 0))
-        self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="c")], [meta(gen=1, updated_at=6)])),
+        self.assertEqual(store.push(self.owner, "p",
+                                    *validated([record(record_id="c")],
+                                               [meta(gen=1, updated_at=6)])),
                          (5, 2))
         page = store.pull(self.owner, "p", 0, 500)
         self.assertEqual([json.loads(r)["id"] for r in page.records], ["a", "b", "c"])
@@ -2598,7 +2734,8 @@ class FeedStoreTest(unittest.TestCase):
 
     def test_a_load_that_fails_half_way_leaves_nothing_half_built(self):
         for events in (1, 2):
-            self.store.push(self.owner, "p%d" % events, *validated([record(record_id=str(i)) for i in range(events)]))
+            self.store.push(self.owner, "p%d" % events,
+                            *validated([record(record_id=str(i)) for i in range(events)]))
             with open(self.path().replace("p-p.jsonl", "p-p%d.jsonl" % events), "rb") as f:
                 before = f.read()
             store = self.reopen()
@@ -2614,7 +2751,8 @@ class FeedStoreTest(unittest.TestCase):
             with mock.patch.object(sync.os, "open", no_descriptor_once):
                 with self.assertRaises(sync.StorageError):
                     store.pull(self.owner, "p%d" % events, 0, 500)
-            page = store.pull(self.owner, "p%d" % events, 0, 500)  # the next request loads it whole
+            # the next request loads it whole
+            page = store.pull(self.owner, "p%d" % events, 0, 500)
             self.assertEqual((page.cursor, len(page.records)), (events, events))
             with open(self.path().replace("p-p.jsonl", "p-p%d.jsonl" % events), "rb") as f:
                 self.assertEqual(f.read(), before)
@@ -2625,7 +2763,8 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(self.store._feeds, {})
         # A pull waiting on a project with no feed yet is woken by the push that makes it.
         woken = []
-        waiter = threading.Thread(target=lambda: woken.append(self.store.wait(self.owner, "p", 0, 10)))
+        waiter = threading.Thread(target=lambda: woken.append(self.store.wait(self.owner, "p", 0,
+                                                                              10)))
         started = time.monotonic()
         waiter.start()
         self.store.push(self.owner, "p", *validated([record()]))
@@ -2709,15 +2848,19 @@ class FeedStoreTest(unittest.TestCase):
     def waiting_aside(self, project, count=1):
         """The pulls waiting for project's feed to exist, once there are count of them."""
         deadline = time.monotonic() + 5
-        while len(self.store.waiters_aside.get((self.owner, project), ())) < count and time.monotonic() < deadline:
+        while len(self.store.waiters_aside.get((self.owner, project),
+                                               ())) < count and time.monotonic() < deadline:
             time.sleep(0.005)
         return set(self.store.waiters_aside.get((self.owner, project), ()))
 
     def test_a_feed_made_for_a_project_takes_its_waiting_pulls_over_still_parked(self):
-        # Before, making any feed woke every pull waiting on a project without one (a thousand threads
-        # taking turns on the interpreter lock, for nothing) and each parked again on the new feed.
+        # Before, making any feed woke every pull waiting on a project without one (a thousand
+        # threads taking turns on the interpreter lock, for nothing) and each parked again on the
+        # new feed.
         events = []
-        thread, results = self.wait_in_thread("p", 0, on_event=lambda: events.append(threading.current_thread()))
+        thread, results = self.wait_in_thread("p", 0,
+                                              on_event=lambda: events.append(
+                                                  threading.current_thread()))
         other, other_results = self.wait_in_thread("q", 0, timeout=1)
         waiting = self.waiting_aside("p")
         self.assertEqual(len(waiting), 1)
@@ -2728,7 +2871,8 @@ class FeedStoreTest(unittest.TestCase):
         self.assertTrue(thread.is_alive())
         self.store.push(self.owner, "p", *validated([record()]))
         thread.join(5)
-        self.assertEqual((results, events), ([True], [threading.current_thread()]))  # the pushing thread's call
+        # the pushing thread's call
+        self.assertEqual((results, events), ([True], [threading.current_thread()]))
         self.assertEqual(feed.waiters, set())
         other.join(5)
         self.assertEqual((other_results, self.store.waiters_aside), ([False], {}))
@@ -2760,17 +2904,21 @@ class FeedStoreTest(unittest.TestCase):
             order.append(("event", 1))
             raise RuntimeError("boom")
 
-        pulls = [sync.FeedWaiter(lambda: order.append(("event", 0))), sync.FeedWaiter(failing), sync.FeedWaiter()]
+        pulls = [sync.FeedWaiter(lambda: order.append(("event", 0))), sync.FeedWaiter(failing),
+                 sync.FeedWaiter()]
         for i, pull in enumerate(pulls):
             pull.woken = Woken(i)
         logged = []
         sync.wake_waiters(pulls, logged.append)
-        self.assertEqual(order, [("event", 0), ("event", 1), ("notify", 0), ("notify", 1), ("notify", 2)])
+        self.assertEqual(order,
+                         [("event", 0), ("event", 1), ("notify", 0), ("notify", 1), ("notify", 2)])
         self.assertEqual(logged, ["waking a parked pull: RuntimeError: boom"])
 
-    def test_a_wait_ends_on_a_durable_event_after_its_cursor_or_at_stop_and_times_out_otherwise(self):
+    def test_a_wait_ends_on_a_durable_event_after_its_cursor_or_at_stop_and_times_out_otherwise(
+        self):
         self.store.push(self.owner, "p", *validated([record(record_id="a")]))
-        self.assertTrue(self.store.wait(self.owner, "p", 0, 10))  # an event after 0 is there already
+        # an event after 0 is there already
+        self.assertTrue(self.store.wait(self.owner, "p", 0, 10))
         self.assertFalse(self.store.wait(self.owner, "p", 1, 0.05))
         results = []
         waiters = [threading.Thread(target=lambda project=project: results.append(
@@ -2787,7 +2935,8 @@ class FeedStoreTest(unittest.TestCase):
         self.assertLess(time.monotonic() - started, 5)
 
     def test_torn_last_line_is_cut_off_at_start(self):
-        self.store.push(self.owner, "p", *validated([record(record_id="a"), record(record_id="b")]))
+        self.store.push(self.owner, "p",
+                        *validated([record(record_id="a"), record(record_id="b")]))
         with open(self.path(), "rb") as f:
             good = f.read()
         with open(self.path(), "ab") as f:
@@ -2797,25 +2946,33 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="c")])), (4, 1))
         with open(self.path(), "rb") as f:
             lines = f.read().splitlines(True)
-        self.assertEqual((b"".join(lines[:2]), lines[2], len(lines)), (good, sync.feed_line(3, b"x"), 4))
-        self.assertIn("cut a torn last line off %s (line 3; its number 3 stays used)" % self.path(), self.log_lines)
+        self.assertEqual((b"".join(lines[:2]), lines[2], len(lines)),
+                         (good, sync.feed_line(3, b"x"), 4))
+        self.assertIn("cut a torn last line off %s (line 3; its number 3 stays used)"
+                      % self.path(), self.log_lines)
         page = store.pull(self.owner, "p", 2, 500)
-        self.assertEqual(([json.loads(r)["id"] for r in page.records], page.cursor, page.more), (["c"], 4, False))
+        self.assertEqual(([json.loads(r)["id"] for r in page.records], page.cursor, page.more),
+                         (["c"], 4, False))
 
     def test_a_damaged_complete_last_line_is_cut_off_too(self):
-        self.store.push(self.owner, "p", *validated([record(record_id="a"), record(record_id="b")]))
+        self.store.push(self.owner, "p",
+                        *validated([record(record_id="a"), record(record_id="b")]))
         with open(self.path(), "rb") as f:
             lines = f.read().splitlines(True)
         with open(self.path(), "wb") as f:
-            f.write(lines[0] + lines[1].replace(b'"b"', b'"c"'))  # a whole line, but not what was written
+            # a whole line, but not what was written
+            f.write(lines[0] + lines[1].replace(b'"b"', b'"c"'))
         store = self.reopen()
         page = store.pull(self.owner, "p", 0, 500)
         self.assertEqual(([json.loads(r)["id"] for r in page.records], page.cursor), (["a"], 1))
         with open(self.path(), "rb") as f:
-            self.assertEqual(f.read(), lines[0] + sync.feed_line(2, b"x"))  # number 2 is never given again
-        # A client that had pulled the old 2 keeps its cursor there, and still gets what comes next.
+            # number 2 is never given again
+            self.assertEqual(f.read(), lines[0] + sync.feed_line(2, b"x"))
+        # A client that had pulled the old 2 keeps its cursor there, and still gets what comes
+        # next.
         self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="b")])), (3, 1))
-        self.assertEqual([json.loads(r)["id"] for r in store.pull(self.owner, "p", 2, 500).records], ["b"])
+        self.assertEqual([json.loads(r)["id"]
+                          for r in store.pull(self.owner, "p", 2, 500).records], ["b"])
 
     def test_damaged_middle_line_refuses_that_feed_only(self):
         self.store.push(self.owner, "p", *validated([record(record_id=str(i)) for i in range(3)]))
@@ -2836,24 +2993,30 @@ class FeedStoreTest(unittest.TestCase):
             self.assertEqual(f.read(), b"".join(lines))  # nothing was cut or dropped
 
     def test_storage_failure_leaves_the_feed_exactly_as_before(self):
-        self.store.push(self.owner, "p", *validated([record(record_id="a")], [meta(gen=0, updated_at=1)]))
+        self.store.push(self.owner, "p",
+                        *validated([record(record_id="a")], [meta(gen=0, updated_at=1)]))
         with open(self.path(), "rb") as f:
             before = f.read()
         for error in (errno.ENOSPC, errno.EIO):
-            with mock.patch.object(sync, "sync_file", side_effect=OSError(error, os.strerror(error))):
+            with mock.patch.object(sync, "sync_file",
+                                   side_effect=OSError(error, os.strerror(error))):
                 with self.assertRaises(sync.StorageError):
-                    self.store.push(self.owner, "p", *validated([record(record_id="b")], [meta(gen=0, updated_at=2)]))
+                    self.store.push(self.owner, "p",
+                                    *validated([record(record_id="b")],
+                                               [meta(gen=0, updated_at=2)]))
             with open(self.path(), "rb") as f:
                 self.assertEqual(f.read(), before)
             page = self.store.pull(self.owner, "p", 0, 500)
             self.assertEqual((page.cursor, len(page.records), len(page.sessions)), (2, 1, 1))
         # The same push works afterwards: its record and metadata were not remembered as stored.
         self.assertEqual(self.store.push(self.owner, "p", *validated([record(record_id="b")],
-                                                                     [meta(gen=0, updated_at=2)])), (4, 2))
+                                                                     [meta(gen=0, updated_at=2)])),
+                                                                     (4, 2))
         self.assertEqual(self.reopen().pull(self.owner, "p", 0, 500).cursor, 4)
 
     def test_failed_first_push_creates_no_feed(self):
-        with mock.patch.object(sync, "sync_file", side_effect=OSError(errno.ENOSPC, "No space left on device")):
+        with mock.patch.object(sync, "sync_file",
+                               side_effect=OSError(errno.ENOSPC, "No space left on device")):
             with self.assertRaises(sync.StorageError):
                 self.store.push(self.owner, "p", *validated([record()]))
         self.assertFalse(os.path.exists(self.path()))
@@ -2880,14 +3043,16 @@ class FeedStoreTest(unittest.TestCase):
             first.start()
             entered.wait(5)
             others = [threading.Thread(target=lambda i=i: results.append(
-                self.store.push(self.owner, "p", *validated([record(record_id="y%d" % i)])))) for i in range(8)]
+                self.store.push(self.owner, "p", *validated([record(record_id="y%d" % i)]))))
+                for i in range(8)]
             for thread in others:
                 thread.start()
             time.sleep(0.3)  # let all eight queue behind the first fsync
             gate.set()
             for thread in [first] + others:
                 thread.join(5)
-        self.assertEqual(len(calls), 2)  # one for the first push, one for the eight queued behind it
+        # one for the first push, one for the eight queued behind it
+        self.assertEqual(len(calls), 2)
         self.assertEqual(sorted(accepted for _, accepted in results), [1] * 9)
         self.assertEqual(self.store.pull(self.owner, "p", 0, 500).cursor, 10)
 
@@ -2911,7 +3076,8 @@ class FeedStoreTest(unittest.TestCase):
             first = threading.Thread(target=push)
             first.start()
             entered.wait(5)
-            second = threading.Thread(target=push)  # a retry of the same record, while the first is in flight
+            # a retry of the same record, while the first is in flight
+            second = threading.Thread(target=push)
             second.start()
             time.sleep(0.2)
             gate.set()
@@ -2922,7 +3088,8 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(self.store.push(self.owner, "p", *validated([record()])), (1, 1))
 
     def in_flight_failure(self, first_push, second_push):
-        """Run first_push with its fsync held and then failed, and second_push meanwhile; their outcomes."""
+        """Run first_push with its fsync held and then failed, and second_push meanwhile; their
+        outcomes."""
         gate, entered = threading.Event(), threading.Event()
 
         def failing_sync(fd):
@@ -2951,12 +3118,14 @@ class FeedStoreTest(unittest.TestCase):
         return outcomes
 
     def test_a_push_that_adds_nothing_is_not_failed_by_another_push_failing(self):
-        self.store.push(self.owner, "p", *validated([record(record_id="a")], [meta(gen=2, updated_at=9)]))
-        # A retry of what is durable already (a record, and metadata that loses to the stored generation),
-        # sent while an unrelated push is being written, and that write fails.
+        self.store.push(self.owner, "p",
+                        *validated([record(record_id="a")], [meta(gen=2, updated_at=9)]))
+        # A retry of what is durable already (a record, and metadata that loses to the stored
+        # generation), sent while an unrelated push is being written, and that write fails.
         outcomes = self.in_flight_failure(
             lambda: self.store.push(self.owner, "p", *validated([record(record_id="b")])),
-            lambda: self.store.push(self.owner, "p", *validated([record(record_id="a")], [meta(gen=1)])))
+            lambda: self.store.push(self.owner, "p",
+                                    *validated([record(record_id="a")], [meta(gen=1)])))
         self.assertEqual(outcomes, {"first": "failed", "second": (2, 0)})
         page = self.store.pull(self.owner, "p", 0, 500)
         self.assertEqual((page.cursor, [json.loads(r)["id"] for r in page.records]), (2, ["a"]))
@@ -2968,7 +3137,8 @@ class FeedStoreTest(unittest.TestCase):
             lambda: self.store.push(self.owner, "p", *validated([], [meta(gen=2, updated_at=1)])))
         # The second lost to gen 3, which was never stored: answering it 200 would lose gen 2.
         self.assertEqual(outcomes, {"first": "failed", "second": "failed"})
-        self.assertEqual(self.store.push(self.owner, "p", *validated([], [meta(gen=2, updated_at=1)])), (2, 1))
+        self.assertEqual(self.store.push(self.owner, "p",
+                                         *validated([], [meta(gen=2, updated_at=1)])), (2, 1))
 
     def test_projects_leaves_out_a_first_push_until_it_is_durable(self):
         listed = []
@@ -2984,12 +3154,15 @@ class FeedStoreTest(unittest.TestCase):
     def test_a_small_page_is_kept_for_the_next_pull_and_a_big_one_is_not(self):
         self.store.push(self.owner, "p", *validated([record(record_id="small")]))
         small = self.store.pull(self.owner, "p", 0, 500)
-        self.assertIs(self.store.pull(self.owner, "p", 0, 500), small)  # a thousand woken polls share it
+        # a thousand woken polls share it
+        self.assertIs(self.store.pull(self.owner, "p", 0, 500), small)
         big = {"content": "x" * (sync.CACHED_PAGE_BYTES // 2)}
-        self.store.push(self.owner, "p", *validated([record(record_id=str(i), body=big) for i in range(3)]))
+        self.store.push(self.owner, "p",
+                        *validated([record(record_id=str(i), body=big) for i in range(3)]))
         page = self.store.pull(self.owner, "p", 0, 500)
         self.assertEqual((page.cursor, len(page.records)), (4, 4))
-        self.assertIs(self.store.feed(self.owner, "p")._last_page[1], small)  # ~400 KiB: read once, not kept
+        # ~400 KiB: read once, not kept
+        self.assertIs(self.store.feed(self.owner, "p")._last_page[1], small)
         self.assertIsNot(self.store.pull(self.owner, "p", 0, 500), page)
 
     def test_empty_pushes_to_projects_without_a_feed_leave_nothing_behind(self):
@@ -2997,10 +3170,12 @@ class FeedStoreTest(unittest.TestCase):
             self.assertEqual(self.store.push(self.owner, "made-up-%d" % i, *validated()), (0, 0))
         self.assertEqual((self.store._feeds, self.feed_dirs()), ({}, []))
         self.store.push(self.owner, "p", *validated([record()]))
-        self.assertEqual(self.store.push(self.owner, "p", *validated()), (1, 0))  # the feed's cursor
+        # the feed's cursor
+        self.assertEqual(self.store.push(self.owner, "p", *validated()), (1, 0))
 
     def feed_dirs(self):
-        return os.listdir(self.store.layout.feeds) if os.path.isdir(self.store.layout.feeds) else []
+        return os.listdir(
+            self.store.layout.feeds) if os.path.isdir(self.store.layout.feeds) else []
 
     def test_projects_lists_non_empty_feeds_sorted_and_decoded(self):
         for project in ("zeta", "Alpha", "alpha", "m_id"):
@@ -3011,7 +3186,8 @@ class FeedStoreTest(unittest.TestCase):
         self.assertEqual(self.store.projects(("t", "alice")), [])
 
 
-# -- compaction: every cursor keeps working --------------------------------------------------------
+# -- compaction: every cursor keeps working
+# --------------------------------------------------------
 
 def feed_file_lines(path):
     """{number: (kind, key, event bytes, line)} of a feed file."""
@@ -3024,7 +3200,8 @@ def feed_file_lines(path):
 
 
 def apply_events(state, records, sessions):
-    """What a client keeps of pulled events: records by (session, id), metadata by last-writer-wins."""
+    """What a client keeps of pulled events: records by (session, id), metadata by
+    last-writer-wins."""
     kept_records, kept_meta = state
     for event in records:
         doc = json.loads(event)
@@ -3056,12 +3233,14 @@ class FeedCompactionTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, path, True)
         return path
 
-    # -- the property: from every cursor handed out, a client pulling on ends where it would have ---------
+    # -- the property: from every cursor handed out, a client pulling on ends where it would have
+    # ---------
 
     def random_push(self, rng, model):
-        """Random records (some already pushed) and metadata (gens and updatedAt going up, sometimes stale,
-        sometimes deletions); with what the feed should make of them: the new record keys, every session's
-        winner after it, and the (session, deleted) of each entry that wins."""
+        """Random records (some already pushed) and metadata (gens and updatedAt going up,
+        sometimes stale, sometimes deletions); with what the feed should make of them: the new
+        record keys, every session's winner after it, and the (session, deleted) of each entry that
+        wins."""
         records, new_keys = [], set()
         for _ in range(rng.randint(0, 3)):
             session, number = rng.choice(self.sessions), rng.randrange(10)
@@ -3077,11 +3256,13 @@ class FeedCompactionTest(unittest.TestCase):
             if roll < 0.2:
                 stamp = (gen, max(updated - rng.randint(0, 3), 0))  # stale, or equal: loses
             elif roll < 0.5:
-                stamp = (gen + 1, rng.randint(0, 1000))  # a new generation wins whatever its updatedAt
+                # a new generation wins whatever its updatedAt
+                stamp = (gen + 1, rng.randint(0, 1000))
             else:
                 stamp = (gen, updated + rng.randint(1, 50))
             deleted = rng.random() < 0.35
-            extra = {"deleted": True} if deleted else {"body": {"title": "t%d" % rng.randrange(99)}}
+            extra = {"deleted": True} if deleted else {"body": {"title": "t%d"
+                                                                % rng.randrange(99)}}
             entries.append(meta(session, gen=stamp[0], updated_at=stamp[1], **extra))
             if session not in stamps or stamp > stamps[session]:
                 stamps[session] = stamp
@@ -3089,8 +3270,8 @@ class FeedCompactionTest(unittest.TestCase):
         return records, entries, new_keys, stamps, winners
 
     def check_kept_lines(self, ours, theirs, erased_keys, exact):
-        """Every line of the compacted feed is the reference's line of that number, or an erased record's
-        stub with its key; exact (right after a compaction): and it holds nothing else."""
+        """Every line of the compacted feed is the reference's line of that number, or an erased
+        record's stub with its key; exact (right after a compaction): and it holds nothing else."""
         winners = {}
         for number, (kind, _, event, _) in sorted(theirs.items()):
             if kind == b"s":
@@ -3109,7 +3290,8 @@ class FeedCompactionTest(unittest.TestCase):
             for number, (kind, key, event, line) in theirs.items():
                 if kind == b"s" and winners[json.loads(event)["id"]] != number:
                     continue  # superseded metadata goes
-                if kind == b"r" and tuple(json.loads(event)[name] for name in ("session", "id")) in erased_keys:
+                if kind == b"r" and tuple(json.loads(event)[name]
+                                          for name in ("session", "id")) in erased_keys:
                     line = sync.feed_line(number, b"x", key=key)
                 expected[number] = line
             self.assertEqual({number: entry[3] for number, entry in ours.items()}, expected)
@@ -3126,8 +3308,9 @@ class FeedCompactionTest(unittest.TestCase):
         self.addCleanup(close_store, reference)
         path = sync.DataDir(ours_dir).feed_path(self.owner, "p")
         reference_path = sync.DataDir(reference_dir).feed_path(self.owner, "p")
-        # pushed: record keys in the feed; stamps: each session's winner; tombstones: the server's time a
-        # session's winning deletion was stored (its clients' updatedAt is small and says nothing of it).
+        # pushed: record keys in the feed; stamps: each session's winner; tombstones: the server's
+        # time a session's winning deletion was stored (its clients' updatedAt is small and says
+        # nothing of it).
         model = {"pushed": set(), "stamps": {}, "tombstones": {}}
         erased_keys, erased_sessions, cursors = set(), set(), {0}
         done = {"offline": 0, "online": 0, "cursors before one": 0}
@@ -3152,7 +3335,8 @@ class FeedCompactionTest(unittest.TestCase):
                 cursors.add(page.cursor)
                 for event in page.records:
                     doc = json.loads(event)
-                    self.assertNotIn((doc["session"], doc["id"]), erased_keys)  # never pulled once erased
+                    # never pulled once erased
+                    self.assertNotIn((doc["session"], doc["id"]), erased_keys)
             elif roll < 0.9:
                 now[0] += rng.choice((1, 5, 10, 20, 30, 60))
             elif os.path.exists(path):
@@ -3174,8 +3358,10 @@ class FeedCompactionTest(unittest.TestCase):
                 erased_keys |= newly
                 erased_sessions |= due
                 done["cursors before one"] = len(cursors)
-                self.check_kept_lines(feed_file_lines(path), feed_file_lines(reference_path), erased_keys, True)
-        self.assertTrue(done["offline"] and done["online"] and erased_keys, (seed, done, erased_keys))
+                self.check_kept_lines(feed_file_lines(path), feed_file_lines(reference_path),
+                                      erased_keys, True)
+        self.assertTrue(done["offline"] and done["online"] and erased_keys,
+                        (seed, done, erased_keys))
 
         ours, theirs = feed_file_lines(path), feed_file_lines(reference_path)
         self.check_kept_lines(ours, theirs, erased_keys, False)
@@ -3184,7 +3370,8 @@ class FeedCompactionTest(unittest.TestCase):
         our_numbers = [number for number, _, _ in our_events]
 
         def without_erased(state):
-            return ({key: event for key, event in state[0].items() if key[0] not in erased_sessions}, state[1])
+            return ({key: event for key, event in state[0].items()
+                     if key[0] not in erased_sessions}, state[1])
 
         final = ({}, {})
         for number, (kind, _, event, _) in sorted(theirs.items()):
@@ -3193,7 +3380,8 @@ class FeedCompactionTest(unittest.TestCase):
             state = ({}, {})
             for number, (kind, _, event, _) in sorted(theirs.items()):
                 if number <= cursor:
-                    apply_events(state, [event] if kind == b"r" else [], [event] if kind == b"s" else [])
+                    apply_events(state, [event] if kind == b"r" else [], [event] if kind == b"s"
+                                 else [])
             since = cursor
             while True:
                 limit = rng.randint(1, 10)
@@ -3204,7 +3392,8 @@ class FeedCompactionTest(unittest.TestCase):
                 self.assertGreaterEqual(page.cursor, since)  # never backwards
                 self.assertEqual(
                     (page.cursor, list(page.records), list(page.sessions), page.more),
-                    (wanted[-1][0] if wanted else since, [event for _, kind, event in wanted if kind == b"r"],
+                    (wanted[-1][0] if wanted else since,
+                     [event for _, kind, event in wanted if kind == b"r"],
                      [event for _, kind, event in wanted if kind == b"s"], len(remaining) > limit),
                     (seed, cursor, since, limit))
                 for event in page.records:
@@ -3219,7 +3408,8 @@ class FeedCompactionTest(unittest.TestCase):
         # A device that still holds an erased record cannot bring it back.
         end = store.feed(self.owner, "p").index.end
         for session, record_id in sorted(erased_keys):
-            answer = store.push(self.owner, "p", *validated([record(session=session, record_id=record_id)]))
+            answer = store.push(self.owner, "p",
+                                *validated([record(session=session, record_id=record_id)]))
             self.assertEqual(answer, (end, 0))
 
     def test_a_project_named_in_full_up_to_255_bytes_keeps_its_name_and_compacts(self):
@@ -3243,15 +3433,18 @@ class FeedCompactionTest(unittest.TestCase):
         page = feed_store(data_dir).pull(self.owner, project, 0, 500)
         self.assertEqual((page.cursor, page.records, len(page.sessions)), (2, [], 1))
 
-    def test_from_every_cursor_handed_out_a_client_pulling_on_ends_as_on_the_uncompacted_feed(self):
+    def test_from_every_cursor_handed_out_a_client_pulling_on_ends_as_on_the_uncompacted_feed(
+        self):
         for seed in (1, 2, 3, 4, 5):
             with self.subTest(seed=seed):
                 self.run_history(seed)
 
-    # -- an online compaction: the feed keeps being served ------------------------------------------------
+    # -- an online compaction: the feed keeps being served
+    # ------------------------------------------------
 
     def filled_feed(self, store):
-        """A feed of 1,500 records and 600 metadata lines of one session (599 of them superseded)."""
+        """A feed of 1,500 records and 600 metadata lines of one session (599 of them
+        superseded)."""
         for batch in range(3):
             store.push(self.owner, "p", *validated(
                 [record(record_id="old-%d-%d" % (batch, i)) for i in range(500)],
@@ -3277,22 +3470,28 @@ class FeedCompactionTest(unittest.TestCase):
         self.addCleanup(compaction.join, 15)
         self.assertTrue(parked.wait(10))
         answers = [store.push(self.owner, "p", *validated([record(record_id="during-%d" % i)],
-                                                          [meta("m", gen=1000 + i)])) for i in range(5)]
+                                                          [meta("m", gen=1000 + i)]))
+                                                          for i in range(5)]
         self.assertEqual(answers, [(end + 2 * i, 2) for i in range(1, 6)])
         page = store.pull(self.owner, "p", end - 1, 500)
-        self.assertEqual(([json.loads(event)["id"] for event in page.records], len(page.sessions), page.cursor,
+        self.assertEqual(([json.loads(event)["id"] for event in page.records], len(page.sessions),
+                          page.cursor,
                           page.more), (["during-%d" % i for i in range(5)], 6, end + 10, False))
         self.assertEqual(len(store.pull(self.owner, "p", 0, 500).records), 500)
-        self.assertTrue(compaction.is_alive())  # every push and pull above was answered while it ran
+        # every push and pull above was answered while it ran
+        self.assertTrue(compaction.is_alive())
         size_at_swap = os.path.getsize(feed.path)  # (nothing is pushed from here on)
         go.set()
         compaction.join(10)
         lines = feed_file_lines(feed.path)
         self.assertEqual(results, [(size_at_swap, os.path.getsize(feed.path), 0)])
-        kinds = [(kind, json.loads(event)["id"]) for _, (kind, _, event, _) in sorted(lines.items())]
-        self.assertEqual(kinds[-10:], [(b"r", "during-%d" % (i // 2)) if i % 2 == 0 else (b"s", "m")
-                                       for i in range(10)])  # carried over from the old file's tail
-        self.assertEqual(kinds.count((b"s", "m")), 1 + 5)  # the winner when the compaction read, and the tail
+        kinds = [(kind, json.loads(event)["id"]) for _,
+                 (kind, _, event, _) in sorted(lines.items())]
+        self.assertEqual(kinds[-10:],
+                         [(b"r", "during-%d" % (i // 2)) if i % 2 == 0 else (b"s", "m")
+                          for i in range(10)])  # carried over from the old file's tail
+        # the winner when the compaction read, and the tail
+        self.assertEqual(kinds.count((b"s", "m")), 1 + 5)
         records, sessions, since = [], [], 0
         while True:
             page = store.pull(self.owner, "p", since, 400)
@@ -3301,7 +3500,8 @@ class FeedCompactionTest(unittest.TestCase):
             since = page.cursor
             if not page.more:
                 break
-        self.assertEqual(records, ["old-%d-%d" % (batch, i) for batch in range(3) for i in range(500)]
+        self.assertEqual(records,
+                         ["old-%d-%d" % (batch, i) for batch in range(3) for i in range(500)]
                          + ["during-%d" % i for i in range(5)])
         self.assertEqual((sessions, since), ([599] + [1000 + i for i in range(5)], end + 10))
         self.assertFalse(os.path.exists(feed.path + sync.COMPACT_SUFFIX))
@@ -3310,7 +3510,8 @@ class FeedCompactionTest(unittest.TestCase):
         store = feed_store(self.make_dir())
         self.addCleanup(close_store, store)
         feed = self.filled_feed(store)
-        # Records and metadata the compaction drops: read from the old file, at offsets the new one has not.
+        # Records and metadata the compaction drops: read from the old file, at offsets the new one
+        # has not.
         expected = store.pull(self.owner, "p", 1100, 300)
         feed._last_page = None  # (so that the pull below reads the file)
         old_fd = feed.fd
@@ -3327,7 +3528,8 @@ class FeedCompactionTest(unittest.TestCase):
 
         pages = []
         with mock.patch.object(sync, "read_exactly", read_exactly):
-            puller = threading.Thread(target=lambda: pages.append(store.pull(self.owner, "p", 1100, 300)))
+            puller = threading.Thread(target=lambda: pages.append(store.pull(self.owner, "p", 1100,
+                                                                             300)))
             puller.start()
             self.assertTrue(reading.wait(10))
             feed.compact(0, 1)
@@ -3345,9 +3547,10 @@ class FeedCompactionTest(unittest.TestCase):
             os.fstat(old_fd)
 
 
-    def test_a_failure_after_the_rename_leaves_the_feed_on_the_new_file_and_loses_no_acknowledged_push(self):
-        # Before, the feed went on appending to the old, renamed-over file when the directory fsync or the
-        # open of the new file failed: a push answered 200 was gone at the next start, its number given again.
+    def test_a_failure_after_the_rename_keeps_the_new_file_and_every_acknowledged_push(self):
+        # Before, the feed went on appending to the old, renamed-over file when the directory fsync
+        # or the open of the new file failed: a push answered 200 was gone at the next start, its
+        # number given again.
         real_open = os.open
         for failing in ("sync_dir", "open"):
             with self.subTest(failing=failing):
@@ -3371,24 +3574,31 @@ class FeedCompactionTest(unittest.TestCase):
                         raise OSError(errno.EIO, "I/O error")
 
                 with mock.patch.object(sync.os, "replace", replace), \
-                        mock.patch.object(sync.os, "open", open_ if failing == "open" else real_open), \
-                        mock.patch.object(sync, "sync_dir", sync_dir if failing == "sync_dir" else sync.sync_dir):
+                        mock.patch.object(sync.os, "open", open_ if failing == "open"
+                                          else real_open), \
+                        mock.patch.object(sync, "sync_dir", sync_dir if failing == "sync_dir"
+                                          else sync.sync_dir):
                     try:
                         feed.compact(0, 1)
                     except OSError:
-                        pass  # (the compaction may say it failed: the feed must be whole either way)
+                        # (the compaction may say it failed: the feed must be whole either way)
+                        pass
                 self.assertEqual(renamed, [feed.path])
                 self.assertFalse(os.path.exists(feed.path + sync.COMPACT_SUFFIX))
-                self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="after")])), (2101, 1))
+                self.assertEqual(store.push(self.owner, "p",
+                                            *validated([record(record_id="after")])), (2101, 1))
                 reopened = feed_store(data_dir)
                 self.addCleanup(close_store, reopened)
                 page = reopened.pull(self.owner, "p", 2100, 500)
-                self.assertEqual(([json.loads(event)["id"] for event in page.records], page.cursor),
+                self.assertEqual(([json.loads(event)["id"] for event in page.records],
+                                  page.cursor),
                                  (["after"], 2101))
-                self.assertEqual(reopened.push(self.owner, "p", *validated([record(record_id="next")])), (2102, 1))
+                self.assertEqual(reopened.push(self.owner, "p",
+                                               *validated([record(record_id="next")])), (2102, 1))
 
-# The child of FeedCompactionCrashTest: makes a feed, pushes one record at a time from a thread and prints
-# each acknowledged id, and compacts the feed with one step of the compaction ending the process.
+# The child of FeedCompactionCrashTest: makes a feed, pushes one record at a time from a thread and
+# prints each acknowledged id, and compacts the feed with one step of the compaction ending the
+# process.
 COMPACTION_CRASH_CHILD = r'''
 import os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
@@ -3412,12 +3622,14 @@ def die(what):
 
 
 def push(records=(), sessions=()):
-    request = sync.validate_push({"project": "p", "records": list(records), "sessions": list(sessions)})
+    request = sync.validate_push({"project": "p", "records": list(records),
+                                  "sessions": list(sessions)})
     return store.push(owner, "p", request.records, request.sessions)
 
 
 def record(record_id):
-    return {"session": "s", "id": record_id, "seq": 1, "device": "d", "at": 1, "body": {"text": "x" * 40}}
+    return {"session": "s", "id": record_id, "seq": 1, "device": "d", "at": 1,
+            "body": {"text": "x" * 40}}
 
 
 for batch in range(6):
@@ -3453,7 +3665,8 @@ def pause():
         die("%s %d" % (step, os.path.getsize(aside)))
 
 
-real_sync_file, real_sync_dir, real_replace, real_read = sync.sync_file, sync.sync_dir, os.replace, sync.read_exactly
+real_sync_file, real_sync_dir = sync.sync_file, sync.sync_dir
+real_replace, real_read = os.replace, sync.read_exactly
 compacting, aside_syncs = [False], [0]
 
 
@@ -3465,7 +3678,8 @@ def sync_file(fd):
             die(step)
 
 
-def read_exactly(fd, offset, size, path):  # (no pulls here: only the compaction's read of the tail)
+# (no pulls here: only the compaction's read of the tail)
+def read_exactly(fd, offset, size, path):
     data = real_read(fd, offset, size, path)
     if step == "tail-read":
         die("%s %d" % (step, len(data)))
@@ -3484,7 +3698,8 @@ def sync_dir(path):
         die(step)
 
 
-sync.sync_file, sync.sync_dir, sync.os.replace, sync.read_exactly = sync_file, sync_dir, replace, read_exactly
+sync.sync_file, sync.sync_dir = sync_file, sync_dir
+sync.os.replace, sync.read_exactly = replace, read_exactly
 say("ready")
 threading.Thread(target=pusher, daemon=True).start()
 more_pushes(3)
@@ -3497,25 +3712,30 @@ die("compacted")
 
 class FeedCompactionCrashTest(unittest.TestCase):
     owner = ("u", "alice")
-    steps = ("writing-aside", "aside-synced", "tail-read", "tail-synced", "renamed", "dir-synced", "compacted")
+    steps = ("writing-aside", "aside-synced", "tail-read", "tail-synced", "renamed", "dir-synced",
+             "compacted")
 
-    def test_a_process_killed_at_any_step_of_an_online_compaction_keeps_every_acknowledged_push(self):
+    def test_a_process_killed_at_any_step_of_an_online_compaction_keeps_every_acknowledged_push(
+        self):
         for step in self.steps:
             with self.subTest(step=step):
                 data_dir = tempfile.mkdtemp(prefix="ohs-test-")
                 self.addCleanup(shutil.rmtree, data_dir, True)
-                child = subprocess.run([sys.executable, "-c", COMPACTION_CRASH_CHILD, HERE, data_dir, step],
+                child = subprocess.run([sys.executable, "-c", COMPACTION_CRASH_CHILD, HERE,
+                                        data_dir, step],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
                 said = child.stdout.decode().splitlines()
                 self.assertEqual(child.returncode, 9, child.stderr.decode())
                 self.assertEqual((said[0], said[-1].split()[:2]), ("ready", ["exit", step]))
                 if step == "tail-read":
-                    self.assertGreater(int(said[-1].split()[2]), 0)  # pushes made during it were carried over
+                    # pushes made during it were carried over
+                    self.assertGreater(int(said[-1].split()[2]), 0)
                 acked = [line.split()[1] for line in said if line.startswith("ack ")]
                 self.assertGreaterEqual(len(acked), 3)
                 path = sync.DataDir(data_dir).feed_path(self.owner, "p")
                 swapped = step in ("renamed", "dir-synced", "compacted")
-                # Before the rename the old file is whole and the new one lies aside; after it, the new one.
+                # Before the rename the old file is whole and the new one lies aside; after it, the
+                # new one.
                 self.assertEqual(os.path.exists(path + sync.COMPACT_SUFFIX), not swapped)
                 lines = feed_file_lines(path)
                 superseded = [number for number, (kind, _, event, _) in lines.items()
@@ -3546,8 +3766,10 @@ class FeedCompactionCrashTest(unittest.TestCase):
                 self.assertEqual(base - set(ids), set())
                 self.assertGreaterEqual(max(live_gens), int(acked[-1].split("-")[1]))
                 end = store.feed(self.owner, "p").index.end
-                self.assertEqual(store.push(self.owner, "p", *validated([record(record_id="after")])), (end + 1, 1))
-                self.assertEqual([json.loads(event)["id"] for event in store.pull(self.owner, "p", end, 10).records],
+                self.assertEqual(store.push(self.owner, "p",
+                                            *validated([record(record_id="after")])), (end + 1, 1))
+                self.assertEqual([json.loads(event)["id"]
+                                  for event in store.pull(self.owner, "p", end, 10).records],
                                  ["after"])
 
 
@@ -3561,11 +3783,13 @@ class CompactorTest(unittest.TestCase):
         self.now = [1800000000.0]
         self.store = feed_store(self.data_dir, self.log_lines.append, clock=lambda: self.now[0])
         self.addCleanup(close_store, self.store)
-        self.compactor = sync.Compactor(self.store, 90, self.log_lines.append, clock=lambda: self.now[0])
+        self.compactor = sync.Compactor(self.store, 90, self.log_lines.append,
+                                        clock=lambda: self.now[0])
         self.gens, self.ids = {}, 0
 
     def push_metadata(self, project, count, session="m", **extra):
-        """count winning metadata lines of about 1 KiB for one session: all but the last superseded."""
+        """count winning metadata lines of about 1 KiB for one session: all but the last
+        superseded."""
         for start in range(0, count, 500):
             entries = []
             for _ in range(min(500, count - start)):
@@ -3580,7 +3804,8 @@ class CompactorTest(unittest.TestCase):
             batch = []
             for _ in range(min(500, count - start)):
                 self.ids += 1
-                batch.append(record(session=session, record_id="r%d" % self.ids, body={"text": "x" * 900}))
+                batch.append(record(session=session, record_id="r%d" % self.ids,
+                                    body={"text": "x" * 900}))
             self.store.push(self.owner, project, *validated(batch))
         return self.store.feed(self.owner, project)
 
@@ -3588,26 +3813,32 @@ class CompactorTest(unittest.TestCase):
         with open(feed.path, "rb") as f:
             return f.read()
 
-    def test_a_feed_of_over_1_mib_of_superseded_metadata_is_compacted_and_a_smaller_one_is_not(self):
+    def test_a_feed_of_over_1_mib_of_superseded_metadata_is_compacted_and_a_smaller_one_is_not(
+        self):
         big = self.push_metadata("big", 1300)
         small = self.push_metadata("small", 900)
         size = big.index.offsets[-1]
         self.assertGreaterEqual(big.superseded_bytes, sync.COMPACT_MIN_BYTES)
-        self.assertLess(small.index.offsets[-1], sync.COMPACT_MIN_BYTES)  # (all but one line droppable)
+        # (all but one line droppable)
+        self.assertLess(small.index.offsets[-1], sync.COMPACT_MIN_BYTES)
         small_before = self.contents(small)
         self.compactor.run_once()
         self.assertEqual(len(self.log_lines), 1)
-        self.assertRegex(self.log_lines[0], r"^compacted %s: %s -> [0-9]+ bytes \(0 records erased\) in [0-9.]+ s$"
+        self.assertRegex(self.log_lines[0],
+                         r"^compacted %s: %s -> [0-9]+ bytes \(0 records erased\) in [0-9.]+ s$"
                          % (re.escape(big.path), re.escape(sync.format_bytes(size))))
-        self.assertEqual(list(feed_file_lines(big.path)), [1300])  # the winner alone, with its number
+        # the winner alone, with its number
+        self.assertEqual(list(feed_file_lines(big.path)), [1300])
         self.assertEqual(big.superseded_bytes, 0)
         page = self.store.pull(self.owner, "big", 0, 500)
-        self.assertEqual(([json.loads(event)["gen"] for event in page.sessions], page.cursor, page.more),
+        self.assertEqual(([json.loads(event)["gen"] for event in page.sessions], page.cursor,
+                          page.more),
                          ([1299], 1300, False))
         self.assertEqual(list(self.store.pull(self.owner, "big", 1300, 500).sessions), [])
         self.assertEqual(self.contents(small), small_before)
         self.assertEqual(self.store.push(self.owner, "big", *validated([record()])), (1301, 1))
-        self.assertLessEqual(sync.COMPACT_CHECK_SECONDS, 60)  # a feed worth it is compacted within a minute
+        # a feed worth it is compacted within a minute
+        self.assertLessEqual(sync.COMPACT_CHECK_SECONDS, 60)
 
     def test_a_feed_whose_droppable_bytes_are_under_half_or_under_1_mib_is_left_alone(self):
         half = self.push_metadata("half", 720)
@@ -3618,22 +3849,27 @@ class CompactorTest(unittest.TestCase):
         self.assertLess(half.superseded_bytes, sync.COMPACT_MIN_BYTES)
         under = self.push_metadata("under", 1100)
         self.push_records("under", 1300)
-        self.assertGreaterEqual(under.superseded_bytes, sync.COMPACT_MIN_BYTES)  # 1 MiB, but under half
+        # 1 MiB, but under half
+        self.assertGreaterEqual(under.superseded_bytes, sync.COMPACT_MIN_BYTES)
         self.assertLess(under.superseded_bytes * 2, under.index.offsets[-1])
         before = (self.contents(half), self.contents(under))
         self.compactor.run_once()
-        self.assertEqual((self.contents(half), self.contents(under), self.log_lines), before + ([],))
+        self.assertEqual((self.contents(half), self.contents(under), self.log_lines), before
+                         + ([],))
         self.push_metadata("under", 400)  # now half of it
         self.assertGreaterEqual(under.superseded_bytes * 2, under.index.offsets[-1])
         self.compactor.run_once()
         self.assertEqual(len(self.log_lines), 1)
-        self.assertTrue(self.log_lines[0].startswith("compacted %s: " % under.path), self.log_lines)
+        self.assertTrue(self.log_lines[0].startswith("compacted %s: " % under.path),
+                        self.log_lines)
         self.assertEqual(self.contents(half), before[0])
 
-    def test_the_records_of_a_deletion_older_than_the_retention_are_counted_by_reading_and_erased(self):
+    def test_the_records_of_a_deletion_older_than_the_retention_are_counted_by_reading_and_erased(
+        self):
         feed = self.push_records("p", 1200, session="gone")
         self.push_records("p", 3, session="kept")
-        self.store.push(self.owner, "p", *validated([], [meta("gone", gen=1, updated_at=1, deleted=True)]))
+        self.store.push(self.owner, "p",
+                        *validated([], [meta("gone", gen=1, updated_at=1, deleted=True)]))
         deleted_at = self.now[0]
         real_summarize = sync.summarize_feed
         with mock.patch.object(sync, "summarize_feed", side_effect=real_summarize) as summarize:
@@ -3650,13 +3886,15 @@ class CompactorTest(unittest.TestCase):
         self.assertEqual(([kind for kind, _, _, _ in lines.values()], list(lines)),
                          ([b"x"] * 1200 + [b"r"] * 3 + [b"s"], list(range(1, 1205))))
         page = self.store.pull(self.owner, "p", 0, 500)
-        self.assertEqual(([json.loads(event)["session"] for event in page.records], len(page.sessions),
+        self.assertEqual(([json.loads(event)["session"] for event in page.records],
+                          len(page.sessions),
                           page.cursor), (["kept"] * 3, 1, 1204))
         self.assertEqual(feed.erased, {"gone"})
         gone = validated([record(session="gone", record_id="r1", body={"text": "x" * 900})])
         self.assertEqual(self.store.push(self.owner, "p", *gone), (1204, 0))
 
-    def test_an_aged_deletion_worth_too_little_is_read_again_only_once_the_file_grew_by_1_mib(self):
+    def test_an_aged_deletion_worth_too_little_is_read_again_only_once_the_file_grew_by_1_mib(
+        self):
         feed = self.push_records("p", 1100)
         self.push_records("p", 5, session="gone")
         self.store.push(self.owner, "p", *validated([], [meta("gone", deleted=True)]))
@@ -3677,10 +3915,13 @@ class CompactorTest(unittest.TestCase):
         feed = self.push_metadata("p", 1300)
         needed = feed.index.offsets[-1] - feed.superseded_bytes + sync.COMPACT_MIN_BYTES
         before = self.contents(feed)
-        with mock.patch.object(sync.shutil, "disk_usage", return_value=mock.Mock(free=needed - 1)) as usage:
+        with mock.patch.object(sync.shutil, "disk_usage",
+                               return_value=mock.Mock(free=needed - 1)) as usage:
             self.compactor.run_once()
         usage.assert_called_once_with(os.path.dirname(feed.path))
-        self.assertEqual(self.log_lines, ["compaction of %s waits: the disk has no room for its new file" % feed.path])
+        self.assertEqual(self.log_lines,
+                         ["compaction of %s waits: the disk has no room for its new file"
+                          % feed.path])
         self.assertEqual(self.contents(feed), before)
         with mock.patch.object(sync.shutil, "disk_usage", return_value=mock.Mock(free=needed)):
             self.compactor.run_once()
@@ -3694,7 +3935,8 @@ class CompactorTest(unittest.TestCase):
         compactor = self.compactor
         real_pause = compactor.pause
 
-        def pause():  # once the new file is being written aside, wait for the stop, then pause as usual
+        # once the new file is being written aside, wait for the stop, then pause as usual
+        def pause():
             if os.path.exists(feed.path + sync.COMPACT_SUFFIX):
                 entered.set()
                 deadline = time.monotonic() + 10
@@ -3731,10 +3973,12 @@ class PurgedFeedNumberingTest(unittest.TestCase):
         self.assertEqual(store.push(owner, "p", *validated([record(record_id="a")])), (41, 1))
         for since in (0, 40):
             page = store.pull(owner, "p", since, 500)
-            self.assertEqual(([json.loads(event)["id"] for event in page.records], page.cursor, page.more),
+            self.assertEqual(([json.loads(event)["id"] for event in page.records], page.cursor,
+                              page.more),
                              (["a"], 41, False))
         self.assertEqual(list(store.pull(owner, "p", 41, 500).records), [])
-        self.assertEqual(store.push(owner, "q", *validated([record()])), (1, 1))  # another name starts at 1
+        # another name starts at 1
+        self.assertEqual(store.push(owner, "q", *validated([record()])), (1, 1))
         self.assertEqual(store.push(("t", "alice"), "p", *validated([record()])), (1, 1))
         reopened = feed_store(data_dir)
         self.addCleanup(close_store, reopened)
@@ -3751,7 +3995,8 @@ PROJECT = sync.MemoryScope("proj-1")
 
 
 def memory_note(note_id="n1", **fields):
-    doc = {"id": note_id, "summary": "about " + note_id, "body": "body of " + note_id, "tags": ["t"],
+    doc = {"id": note_id, "summary": "about " + note_id, "body": "body of " + note_id,
+           "tags": ["t"],
            "createdAt": 1}
     doc.update(fields)
     return doc
@@ -3778,8 +4023,8 @@ def commit_body(changes, etag=None, **fields):
 
 
 def memory_request(kind, doc, principal):
-    """A memory body's checks, as the server makes them (SyncApp.memory_request): the envelope, then the
-    route's own fields."""
+    """A memory body's checks, as the server makes them (SyncApp.memory_request): the envelope,
+    then the route's own fields."""
     sync.check_memory_envelope(kind, doc, principal)
     return sync.memory_fields(kind, doc)
 
@@ -3834,16 +4079,22 @@ class ValidationTest(unittest.TestCase):
     def test_valid_requests(self):
         request = memory_request("identity", memory_body(), P)
         self.assertIsNone(request.scope)
-        request = memory_request("snapshot", memory_body(scope="user", knownEtag="e", have={"n1": "a" * 64}), P)
+        request = memory_request("snapshot",
+                                 memory_body(scope="user", knownEtag="e", have={"n1": "a" * 64}),
+                                 P)
         self.assertEqual(request.scope, sync.USER_SCOPE)
         self.assertEqual((request.known_etag, request.have), ("e", {"n1": "a" * 64}))
         request = memory_request("snapshot", memory_body(project="p", knownEtag=None), P)
-        self.assertEqual((request.scope, request.known_etag, request.have), (sync.MemoryScope("p"), None, None))
-        change = dict(memory_put("n1", updatedAt=5), note=memory_note("n1", createdAt=1.0, updatedAt=5))
-        request = memory_request("commit", commit_body([change, memory_delete("n2")], etag="e", have={}), P)
+        self.assertEqual((request.scope, request.known_etag, request.have),
+                         (sync.MemoryScope("p"), None, None))
+        change = dict(memory_put("n1", updatedAt=5),
+                      note=memory_note("n1", createdAt=1.0, updatedAt=5))
+        request = memory_request("commit",
+                                 commit_body([change, memory_delete("n2")], etag="e", have={}), P)
         self.assertEqual((request.scope, request.etag, request.have), (PROJECT, "e", {}))
         first, second = request.changes
-        self.assertEqual((first.id, first.hash, first.note["createdAt"]), ("n1", change["hash"], 1))
+        self.assertEqual((first.id, first.hash, first.note["createdAt"]),
+                         ("n1", change["hash"], 1))
         self.assertIs(type(first.note["createdAt"]), int)
         self.assertEqual((second.id, second.hash, second.note), ("n2", None, None))
 
@@ -3854,7 +4105,8 @@ class ValidationTest(unittest.TestCase):
             self.assertRefused("identity", {"expectedPrincipal": principal}, 400, "invalid_body")
         self.assertRefused("identity", {}, 400, "invalid_body")
         self.assertRefused("snapshot", memory_body(project="p", knownEtag=5), 400, "invalid_body")
-        self.assertRefused("commit", memory_body(project="p", changes=[memory_put()]), 400, "invalid_body")  # no etag
+        self.assertRefused("commit", memory_body(project="p", changes=[memory_put()]), 400,
+                           "invalid_body")  # no etag
         self.assertRefused("commit", commit_body([memory_put()], etag=7), 400, "invalid_body")
 
     def test_account_mismatch(self):
@@ -3864,17 +4116,20 @@ class ValidationTest(unittest.TestCase):
     def test_unknown_field_at_every_level_and_first(self):
         self.assertRefused("identity", memory_body(project="p"), 400, "unknown_field")
         self.assertRefused("snapshot", memory_body(project="p", etag=None), 400, "unknown_field")
-        self.assertRefused("commit", commit_body([memory_put()], knownEtag=None), 400, "unknown_field")
+        self.assertRefused("commit", commit_body([memory_put()], knownEtag=None), 400,
+                           "unknown_field")
         change = dict(memory_put(), extra=1)
         self.assertRefused("commit", commit_body([change]), 400, "unknown_field")
-        self.assertRefused("commit", commit_body([dict(memory_delete("n"), extra=1)]), 400, "unknown_field")
+        self.assertRefused("commit", commit_body([dict(memory_delete("n"), extra=1)]), 400,
+                           "unknown_field")
         change = memory_put()
         change["note"]["color"] = "red"
         self.assertRefused("commit", commit_body([change]), 400, "unknown_field")
         # Before every other check: a bad principal, another account, a bad scope, bad changes.
         self.assertRefused("snapshot", {"x": 1}, 400, "unknown_field")
         self.assertRefused("snapshot", {"expectedPrincipal": "bob", "x": 1}, 400, "unknown_field")
-        self.assertRefused("commit", memory_body(etag=None, changes=[dict(memory_delete("n"), x=1), "junk"]),
+        self.assertRefused("commit",
+                           memory_body(etag=None, changes=[dict(memory_delete("n"), x=1), "junk"]),
                            400, "unknown_field")
         # Changes and notes are only looked into where they are objects.
         self.assertRefused("commit", commit_body(["junk", {"id": "n", "hash": "h", "note": [1]}]),
@@ -3882,28 +4137,37 @@ class ValidationTest(unittest.TestCase):
 
     def test_invalid_scope(self):
         self.assertRefused("snapshot", memory_body(), 400, "invalid_scope")
-        self.assertRefused("snapshot", memory_body(project="p", scope="user"), 400, "invalid_scope")
-        self.assertRefused("snapshot", memory_body(project=None, scope="user"), 400, "invalid_scope")
+        self.assertRefused("snapshot", memory_body(project="p", scope="user"), 400,
+                           "invalid_scope")
+        self.assertRefused("snapshot", memory_body(project=None, scope="user"), 400,
+                           "invalid_scope")
         for scope in ("project", "User", None, 1, ["user"]):
             self.assertRefused("snapshot", memory_body(scope=scope), 400, "invalid_scope")
-        self.assertRefused("commit", memory_body(etag=None, changes=[memory_put()]), 400, "invalid_scope")
+        self.assertRefused("commit", memory_body(etag=None, changes=[memory_put()]), 400,
+                           "invalid_scope")
 
     def test_invalid_project(self):
         for project in (None, "", 5, "a/b", "a.b", "__proto__", "constructor", "x" * 129):
             self.assertRefused("snapshot", memory_body(project=project), 400, "invalid_project")
-        self.assertEqual(memory_request("snapshot", memory_body(project="x" * 128), P).scope.project, "x" * 128)
+        self.assertEqual(memory_request("snapshot", memory_body(project="x" * 128),
+                                        P).scope.project, "x" * 128)
 
     def test_invalid_have(self):
         good = "0123456789abcdef" * 4
-        for have in (None, [], "x", {"a b": good}, {"__proto__": good}, {"n": good.upper()}, {"n": good[:-1]},
+        for have in (None, [], "x", {"a b": good}, {"__proto__": good}, {"n": good.upper()},
+                     {"n": good[:-1]},
                      {"n": good + "0"}, {"n": "g" * 64}, {"n": 5}, {"n": None}, {"a\nb": good},
-                     {"a": good, "b\n": good}, {"": good}, {"n": good[:-1] + " "}, {"n": "\u0660" * 64},
+                     {"a": good, "b\n": good}, {"": good}, {"n": good[:-1] + " "},
+                     {"n": "\u0660" * 64},
                      {"n": "\xe9" * 64}, {"a": good, "b": [good]}):
-            self.assertRefused("snapshot", memory_body(project="p", have=have), 400, "invalid_have")
-            self.assertRefused("commit", commit_body([memory_put()], have=have), 400, "invalid_have")
+            self.assertRefused("snapshot", memory_body(project="p", have=have), 400,
+                               "invalid_have")
+            self.assertRefused("commit", commit_body([memory_put()], have=have), 400,
+                               "invalid_have")
         limit = 5000 * 2 + 1000
         have = {"n%d" % i: good for i in range(limit)}
-        self.assertEqual(len(memory_request("snapshot", memory_body(project="p", have=have), P).have), limit)
+        self.assertEqual(len(memory_request("snapshot", memory_body(project="p", have=have),
+                                            P).have), limit)
         have["one-more"] = good
         self.assertRefused("snapshot", memory_body(project="p", have=have), 400, "invalid_have")
 
@@ -3933,13 +4197,17 @@ class ValidationTest(unittest.TestCase):
         for name, value in cases.items():
             with self.subTest(name):
                 self.assertRefused("commit", commit_body(value), 400, "invalid_changes")
-        self.assertRefused("commit", memory_body(project="p", etag=None), 400, "invalid_changes")  # changes missing
-        # 500 changes are fine; ids differing only in case are not duplicates here (see id_case_conflict).
-        self.assertEqual(len(memory_changes_of(*[memory_delete("n%d" % i) for i in range(500)])), 500)
+        # changes missing
+        self.assertRefused("commit", memory_body(project="p", etag=None), 400, "invalid_changes")
+        # 500 changes are fine; ids differing only in case are not duplicates here (see
+        # id_case_conflict).
+        self.assertEqual(len(memory_changes_of(*[memory_delete("n%d" % i) for i in range(500)])),
+                         500)
         self.assertEqual(len(memory_changes_of(memory_put("a"), memory_put("A"))), 2)
 
     def test_invalid_note(self):
-        for fields in ({"summary": "trailing "}, {"type": None}, {"tags": ["a b"]}, {"createdAt": -1},
+        for fields in ({"summary": "trailing "}, {"type": None}, {"tags": ["a b"]},
+                       {"createdAt": -1},
                        {"body": "x" * 131073}):
             with self.subTest(fields):
                 change = memory_put("n1")
@@ -3949,20 +4217,29 @@ class ValidationTest(unittest.TestCase):
     def test_hash_mismatch(self):
         right = memory_put("n1")["hash"]
         for wrong in (memory_put("n2")["hash"], right.upper(), right[:-1], "", "not a hash"):
-            self.assertRefused("commit", commit_body([dict(memory_put("n1"), hash=wrong)]), 400, "hash_mismatch")
+            self.assertRefused("commit", commit_body([dict(memory_put("n1"), hash=wrong)]), 400,
+                               "hash_mismatch")
         # updatedAt is not hashed; type is.
-        self.assertEqual(memory_changes_of(dict(memory_put("n1"), note=memory_note("n1", updatedAt=9)))[0].hash, right)
-        self.assertRefused("commit", commit_body([dict(memory_put("n1"), note=memory_note("n1", type="user"))]),
+        self.assertEqual(memory_changes_of(dict(memory_put("n1"),
+                                                note=memory_note("n1", updatedAt=9)))[0].hash,
+                                                right)
+        self.assertRefused("commit",
+                           commit_body([dict(memory_put("n1"),
+                                             note=memory_note("n1", type="user"))]),
                            400, "hash_mismatch")
 
     def test_order_within_changes(self):
         bad_note = memory_put("n1")
         bad_note["note"]["summary"] = " x"
         wrong_hash = dict(memory_put("n2"), hash="0" * 64)
-        self.assertRefused("commit", commit_body([bad_note, memory_delete("n3"), memory_delete("n3")]), 400, "invalid_changes")
+        self.assertRefused("commit",
+                           commit_body([bad_note, memory_delete("n3"), memory_delete("n3")]), 400,
+                           "invalid_changes")
         self.assertRefused("commit", commit_body([wrong_hash, bad_note]), 400, "invalid_note")
-        self.assertRefused("commit", memory_body(scope="x", etag=None, changes=[]), 400, "invalid_scope")
-        self.assertRefused("commit", memory_body(expectedPrincipal="bob", scope="x", changes=[]), 403, "account_mismatch")
+        self.assertRefused("commit", memory_body(scope="x", etag=None, changes=[]), 400,
+                           "invalid_scope")
+        self.assertRefused("commit", memory_body(expectedPrincipal="bob", scope="x", changes=[]),
+                           403, "account_mismatch")
 
 
 class StoreTest(unittest.TestCase):
@@ -3977,7 +4254,8 @@ class StoreTest(unittest.TestCase):
         return memory_store(self.dir, clock=lambda: self.now)
 
     def commit(self, docs, etag=None, scope=PROJECT, principal=P, have=None, store=None):
-        return as_doc((store or self.store).commit(principal, scope, etag, memory_changes_of(*docs), have))
+        return as_doc((store or self.store).commit(principal, scope, etag,
+                                                   memory_changes_of(*docs), have))
 
     def refused(self, call, *args, **kwargs):
         """The status and code a memory route answers for what call raises."""
@@ -4002,7 +4280,8 @@ class StoreTest(unittest.TestCase):
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT)),
                          {"principal": P, "etag": None, "entries": [], "quota": sync.MEMORY_QUOTA})
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=None))["entries"], [])
-        self.assertFalse(os.path.exists(os.path.join(self.dir, "memory")))  # reading creates nothing
+        # reading creates nothing
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "memory")))
 
     def test_commit_then_snapshot(self):
         answer = self.commit([memory_put("b"), memory_put("a", type="user"), memory_put("C")])
@@ -4010,12 +4289,15 @@ class StoreTest(unittest.TestCase):
         self.assertRegex(etag, r"^[0-9a-f]{32}$")
         self.assertEqual(answer["quota"], sync.MEMORY_QUOTA)
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["C", "a", "b"])
-        self.assertEqual(answer["entries"][1], {"id": "a", "hash": memory_put("a", type="user")["hash"],
-                                                "note": memory_note("a", type="user")})
+        self.assertEqual(answer["entries"][1],
+                         {"id": "a", "hash": memory_put("a", type="user")["hash"],
+                          "note": memory_note("a", type="user")})
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT)), answer)
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag)),
-                         {"principal": P, "etag": etag, "unchanged": True, "quota": sync.MEMORY_QUOTA})
-        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag="old"))["entries"], answer["entries"])
+                         {"principal": P, "etag": etag, "unchanged": True,
+                          "quota": sync.MEMORY_QUOTA})
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag="old"))["entries"],
+                         answer["entries"])
         # An update replaces the note and changes the etag.
         answer = self.commit([memory_put("a", body="new", updatedAt=7)], etag=etag)
         self.assertNotEqual(answer["etag"], etag)
@@ -4026,10 +4308,12 @@ class StoreTest(unittest.TestCase):
         have = {"a": memory_put("a")["hash"], "b": "0" * 64, "zzz": "1" * 64}
         entries = as_doc(self.store.snapshot(P, PROJECT, have=have))["entries"]
         self.assertEqual(entries, [{"id": "a", "hash": have["a"]},
-                                   {"id": "b", "hash": memory_put("b")["hash"], "note": memory_note("b")}])
+                                   {"id": "b", "hash": memory_put("b")["hash"],
+                                    "note": memory_note("b")}])
         os.remove(self.object_path("a"))
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, have=have))["entries"], entries)
-        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "missing_memory_object"))
+        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT),
+                         (502, "missing_memory_object"))
         # The commit answer honours have as well.
         answer = self.commit([memory_put("c")], etag=etag, have=have)
         self.assertEqual([len(entry) for entry in answer["entries"]], [2, 3, 3])
@@ -4037,14 +4321,18 @@ class StoreTest(unittest.TestCase):
     def test_a_have_of_every_note_gets_every_entry_and_reads_no_note(self):
         etag = self.commit([memory_put("a"), memory_put("b"), memory_put("c")])["etag"]
         self.commit([memory_delete("b")], etag=etag)
-        have = {"a": memory_put("a")["hash"], "c": memory_put("c")["hash"], "gone-elsewhere": "1" * 64}
+        have = {"a": memory_put("a")["hash"], "c": memory_put("c")["hash"],
+                "gone-elsewhere": "1" * 64}
         shutil.rmtree(self.files().objects)  # nothing may be read
         for store in (self.store, self.open_store()):
             answer = as_doc(store.snapshot(P, PROJECT, have=have))
-            self.assertEqual(answer["entries"], [{"id": "a", "hash": have["a"]}, {"id": "b", "hash": None},
-                                                 {"id": "c", "hash": have["c"]}])
-        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT, have=dict(have, c="2" * 64)),
-                         (502, "missing_memory_object"))  # one hash the client lacks: that note is read
+            self.assertEqual(answer["entries"],
+                             [{"id": "a", "hash": have["a"]}, {"id": "b", "hash": None},
+                              {"id": "c", "hash": have["c"]}])
+        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT,
+                                      have=dict(have, c="2" * 64)),
+                         # one hash the client lacks: that note is read
+                         (502, "missing_memory_object"))
 
     def test_unchanged_reads_nothing(self):
         etag = self.commit([memory_put("a")])["etag"]
@@ -4054,36 +4342,46 @@ class StoreTest(unittest.TestCase):
     def test_unchanged_only_for_the_current_etag_with_a_cold_or_warm_cache(self):
         first = self.commit([memory_put("a")])["etag"]
         second = self.commit([memory_put("b")], etag=first)["etag"]
-        for store in (self.open_store(), self.store):  # a restarted server's empty cache, then a warm one
+        # a restarted server's empty cache, then a warm one
+        for store in (self.open_store(), self.store):
             with self.subTest(cold=store is not self.store):
                 self.assertEqual(as_doc(store.snapshot(P, PROJECT, known_etag=second)),
-                                 {"principal": P, "etag": second, "unchanged": True, "quota": sync.MEMORY_QUOTA})
+                                 {"principal": P, "etag": second, "unchanged": True,
+                                  "quota": sync.MEMORY_QUOTA})
                 stale = as_doc(store.snapshot(P, PROJECT, known_etag=first))
-                self.assertEqual((stale["etag"], [entry["id"] for entry in stale["entries"]]), (second, ["a", "b"]))
-        self.assertEqual(as_doc(self.store.snapshot(P, sync.USER_SCOPE, known_etag="anything"))["entries"], [])
+                self.assertEqual((stale["etag"], [entry["id"] for entry in stale["entries"]]),
+                                 (second, ["a", "b"]))
+        self.assertEqual(as_doc(self.store.snapshot(P, sync.USER_SCOPE,
+                                                    known_etag="anything"))["entries"], [])
 
     def test_a_changed_quota_is_what_answers_advertise(self):
         etag = self.commit([memory_put("a")])["etag"]
-        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag))["quota"], sync.MEMORY_QUOTA)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag))["quota"],
+                         sync.MEMORY_QUOTA)
         self.store.quota["maxNotes"] = 7
         expected = dict(sync.MEMORY_QUOTA, maxNotes=7)
-        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag))["quota"], expected)
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag))["quota"],
+                         expected)
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["quota"], expected)
 
     def test_revision_conflict(self):
         etag = self.commit([memory_put("a")])["etag"]
         for stale in (None, "0" * 32, etag.upper()):
-            self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=stale), (409, "revision_conflict"))
-        self.assertEqual(self.refused(self.commit, [memory_put("a")], etag="x", scope=sync.USER_SCOPE),
+            self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=stale),
+                             (409, "revision_conflict"))
+        self.assertEqual(self.refused(self.commit, [memory_put("a")], etag="x",
+                                      scope=sync.USER_SCOPE),
                          (409, "revision_conflict"))  # no manifest there: only null matches
         snapshot = as_doc(self.store.snapshot(P, PROJECT))
-        self.assertEqual((snapshot["etag"], [entry["id"] for entry in snapshot["entries"]]), (etag, ["a"]))
+        self.assertEqual((snapshot["etag"], [entry["id"] for entry in snapshot["entries"]]),
+                         (etag, ["a"]))
 
     def test_deletes_and_tombstones(self):
         etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
         answer = self.commit([memory_delete("a"), memory_delete("never")], etag=etag)
         self.assertEqual(answer["entries"], [{"id": "a", "hash": None},
-                                             {"id": "b", "hash": memory_put("b")["hash"], "note": memory_note("b")},
+                                             {"id": "b", "hash": memory_put("b")["hash"],
+                                              "note": memory_note("b")},
                                              {"id": "never", "hash": None}])
         with open(self.files().manifest, "rb") as stream:
             deleted_at = json.loads(stream.read())["entries"]["a"]
@@ -4101,23 +4399,28 @@ class StoreTest(unittest.TestCase):
         etag = self.commit([memory_delete("a")], etag=etag)["etag"]
         self.now += 90 * 86400  # exactly tombstoneDays old: kept
         etag = self.commit([memory_put("c")], etag=etag)["etag"]
-        self.assertIn({"id": "a", "hash": None}, as_doc(self.store.snapshot(P, PROJECT))["entries"])
+        self.assertIn({"id": "a", "hash": None},
+                      as_doc(self.store.snapshot(P, PROJECT))["entries"])
         self.now += 1
-        self.assertIn({"id": "a", "hash": None}, as_doc(self.store.snapshot(P, PROJECT))["entries"])  # until a commit
+        self.assertIn({"id": "a", "hash": None},
+                      as_doc(self.store.snapshot(P, PROJECT))["entries"])  # until a commit
         answer = self.commit([memory_put("d")], etag=etag)
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["b", "c", "d"])
 
     def test_id_case_conflict(self):
         etag = self.commit([memory_put("note-a")])["etag"]
-        self.assertEqual(self.refused(self.commit, [memory_put("Note-A")], etag=etag), (400, "id_case_conflict"))
-        self.assertEqual(self.refused(self.commit, [memory_put("x"), memory_put("X")], etag=etag), (400, "id_case_conflict"))
+        self.assertEqual(self.refused(self.commit, [memory_put("Note-A")], etag=etag),
+                         (400, "id_case_conflict"))
+        self.assertEqual(self.refused(self.commit, [memory_put("x"), memory_put("X")], etag=etag),
+                         (400, "id_case_conflict"))
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["etag"], etag)
         # A rename in one commit is fine, and so is updating the note under its own id.
         answer = self.commit([memory_delete("note-a"), memory_put("Note-A")], etag=etag)
         self.assertEqual(answer["entries"][0]["id"], "Note-A")
         self.assertEqual(answer["entries"][1], {"id": "note-a", "hash": None})
         answer = self.commit([memory_put("Note-A", body="v2")], etag=answer["etag"])
-        self.assertEqual(self.refused(self.commit, [memory_put("note-a")], etag=answer["etag"]), (400, "id_case_conflict"))
+        self.assertEqual(self.refused(self.commit, [memory_put("note-a")], etag=answer["etag"]),
+                         (400, "id_case_conflict"))
         # A tombstone does not conflict with a live note of another case.
         answer = self.commit([memory_delete("Note-A"), memory_put("x")], etag=answer["etag"])
         answer = self.commit([memory_put("NOTE-A")], etag=answer["etag"])
@@ -4130,19 +4433,23 @@ class StoreTest(unittest.TestCase):
         self.commit([memory_put("b")], principal="bob")
         self.commit([memory_put("c")], principal="Alice")
         self.commit([memory_put("d")], scope=sync.MemoryScope("user"))  # a project called "user"
-        ids = lambda principal, scope: [e["id"] for e in as_doc(self.store.snapshot(principal, scope))["entries"]]
+        ids = lambda principal, scope: [e["id"]
+                                        for e in as_doc(self.store.snapshot(principal,
+                                                                            scope))["entries"]]
         self.assertEqual(ids(P, PROJECT), ["a"])
         self.assertEqual(ids(P, sync.USER_SCOPE), ["u"])
         self.assertEqual(ids("bob", PROJECT), ["b"])
         self.assertEqual(ids("Alice", PROJECT), ["c"])
         self.assertEqual(ids(P, sync.MemoryScope("user")), ["d"])
         self.assertEqual(ids("bob", sync.USER_SCOPE), [])
-        self.assertEqual(sorted(os.listdir(os.path.join(self.dir, "memory"))), ["u-_alice", "u-alice", "u-bob"])
+        self.assertEqual(sorted(os.listdir(os.path.join(self.dir, "memory"))),
+                         ["u-_alice", "u-alice", "u-bob"])
         self.assertEqual(sorted(os.listdir(os.path.join(self.dir, "memory", "u-alice"))),
                          ["p-proj-1", "p-user", "user"])
 
     def test_no_raw_ids_in_paths(self):
-        for principal, project in (("../x", "p"), ("a", "../../x"), ("a/b", "p"), ("__proto__", "p")):
+        for principal, project in (("../x", "p"), ("a", "../../x"), ("a/b", "p"),
+                                   ("__proto__", "p")):
             with self.assertRaises(ValueError):
                 as_doc(self.store.snapshot(principal, sync.MemoryScope(project)))
 
@@ -4153,7 +4460,8 @@ class StoreTest(unittest.TestCase):
         again = self.open_store()
         self.assertEqual(as_doc(again.snapshot(P, PROJECT)), before)
         self.assertTrue(as_doc(again.snapshot(P, PROJECT, known_etag=before["etag"]))["unchanged"])
-        self.assertEqual(self.refused(self.commit, [memory_put("c")], etag=etag, store=again), (409, "revision_conflict"))
+        self.assertEqual(self.refused(self.commit, [memory_put("c")], etag=etag, store=again),
+                         (409, "revision_conflict"))
         self.commit([memory_put("c")], etag=before["etag"], store=again)
 
     # -- quotas ------------------------------------------------------------------
@@ -4162,28 +4470,36 @@ class StoreTest(unittest.TestCase):
         etag = self.commit([memory_put("n%d" % i) for i in range(5)])["etag"]
         self.store.quota["maxNotes"] = 3
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["quota"]["maxNotes"], 3)
-        self.assertEqual(self.refused(self.commit, [memory_put("n9")], etag=etag), (413, "memory_quota_exceeded"))
-        etag = self.commit([memory_delete("n0")], etag=etag)["etag"]  # 4 live: still above, but fewer
-        etag = self.commit([memory_delete("n1"), memory_put("n9")], etag=etag)["etag"]  # 4 live: not more than before
-        self.assertEqual(self.refused(self.commit, [memory_put("n8")], etag=etag), (413, "memory_quota_exceeded"))
+        self.assertEqual(self.refused(self.commit, [memory_put("n9")], etag=etag),
+                         (413, "memory_quota_exceeded"))
+        # 4 live: still above, but fewer
+        etag = self.commit([memory_delete("n0")], etag=etag)["etag"]
+        # 4 live: not more than before
+        etag = self.commit([memory_delete("n1"), memory_put("n9")], etag=etag)["etag"]
+        self.assertEqual(self.refused(self.commit, [memory_put("n8")], etag=etag),
+                         (413, "memory_quota_exceeded"))
         self.assertEqual(sync.MEMORY_QUOTA["maxNotes"], 5000)  # the store has its own copy
 
     def test_snapshot_size_limit(self):
-        self.commit([memory_put("a"), memory_put("b", body="\u00e9" * 100)], scope=sync.USER_SCOPE)  # to measure the answer
+        # to measure the answer
+        self.commit([memory_put("a"), memory_put("b", body="\u00e9" * 100)], scope=sync.USER_SCOPE)
         size = len(sync.encode_json(as_doc(self.store.snapshot(P, sync.USER_SCOPE))["entries"]))
         etag = self.commit([memory_put("a")])["etag"]
         self.store.max_snapshot_bytes = size - 1
-        self.assertEqual(self.refused(self.commit, [memory_put("b", body="\u00e9" * 100)], etag=etag),
+        self.assertEqual(self.refused(self.commit, [memory_put("b", body="\u00e9" * 100)],
+                                      etag=etag),
                          (413, "memory_quota_exceeded"))
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["etag"], etag)
         self.store.max_snapshot_bytes = size
         etag = self.commit([memory_put("b", body="\u00e9" * 100)], etag=etag)["etag"]
         self.store.max_snapshot_bytes = 10
         etag = self.commit([memory_delete("a")], etag=etag)["etag"]  # shrinking is always allowed
-        self.assertEqual(self.refused(self.commit, [memory_delete("c")], etag=etag), (413, "memory_quota_exceeded"))
+        self.assertEqual(self.refused(self.commit, [memory_delete("c")], etag=etag),
+                         (413, "memory_quota_exceeded"))
 
     def test_entry_size_matches_the_answer(self):
-        docs = [memory_put("a", body="caf\u00e9 \U0001f600"), memory_put("b", body='"quotes" \\ and \x01', type="project")]
+        docs = [memory_put("a", body="caf\u00e9 \U0001f600"),
+                memory_put("b", body='"quotes" \\ and \x01', type="project")]
         self.commit(docs + [memory_delete("c")])
         manifest = self.store._manifest(self.files())
         entries = as_doc(self.store.snapshot(P, PROJECT))["entries"]
@@ -4201,14 +4517,17 @@ class StoreTest(unittest.TestCase):
         path = self.object_path("a")
         with open(path, "wb") as stream:
             stream.write(json.dumps(memory_note("a", body="tampered")).encode())
-        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "memory_integrity_error"))
+        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT),
+                         (502, "memory_integrity_error"))
         for data in (b"{not json", b"[]", b'{"id":"a"}', b""):
             with open(path, "wb") as stream:
                 stream.write(data)
-            self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "memory_integrity_error"))
+            self.assertEqual(self.refused(self.store.snapshot, P, PROJECT),
+                             (502, "memory_integrity_error"))
         self.assertTrue(as_doc(self.store.snapshot(P, PROJECT, known_etag=etag))["unchanged"])
         os.remove(path)
-        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT), (502, "missing_memory_object"))
+        self.assertEqual(self.refused(self.store.snapshot, P, PROJECT),
+                         (502, "missing_memory_object"))
 
     def test_invalid_manifest(self):
         etag = self.commit([memory_put("a")])["etag"]
@@ -4221,38 +4540,48 @@ class StoreTest(unittest.TestCase):
             b"[]",
             json.dumps(dict(good, version=2)).encode(),
             json.dumps(dict(good, etag=None)).encode(),
-            json.dumps(dict(good, entries={"a": {"hash": memory_put("a")["hash"], "rev": "../../x", "size": 1}})).encode(),
+            json.dumps(dict(good,
+                            entries={"a": {"hash": memory_put("a")["hash"], "rev": "../../x",
+                                           "size": 1}})).encode(),
             json.dumps(dict(good, entries={"a/b": good["entries"]["a"]})).encode(),
             json.dumps(dict(good, entries={"a": {"hash": None}})).encode(),
-            json.dumps(dict(good, entries={"a": {"hash": "A" * 64, "rev": rev, "size": 1}})).encode(),
+            json.dumps(dict(good,
+                            entries={"a": {"hash": "A" * 64, "rev": rev, "size": 1}})).encode(),
         ]
         for data in bad_docs:
             with self.subTest(data[:40]):
                 with open(path, "wb") as stream:
                     stream.write(data)
                 store = self.open_store()
-                self.assertEqual(self.refused(store.snapshot, P, PROJECT), (502, "invalid_manifest"))
-                self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=etag, store=store),
+                self.assertEqual(self.refused(store.snapshot, P, PROJECT),
+                                 (502, "invalid_manifest"))
+                self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=etag,
+                                              store=store),
                                  (502, "invalid_manifest"))
         os.remove(path)
         os.mkdir(path)  # unreadable
-        self.assertEqual(self.refused(self.open_store().snapshot, P, PROJECT), (502, "invalid_manifest"))
+        self.assertEqual(self.refused(self.open_store().snapshot, P, PROJECT),
+                         (502, "invalid_manifest"))
 
     # -- durability -----------------------------------------------------------------
 
     def test_manifest_write_failure_keeps_the_old_state(self):
         etag = self.commit([memory_put("a")])["etag"]
         before = as_doc(self.store.snapshot(P, PROJECT))
-        with mock.patch.object(sync, "write_atomically", side_effect=OSError(errno.ENOSPC, "full")):
-            self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=etag), (502, "memory_sync_failed"))
+        with mock.patch.object(sync, "write_atomically",
+                               side_effect=OSError(errno.ENOSPC, "full")):
+            self.assertEqual(self.refused(self.commit, [memory_put("b")], etag=etag),
+                             (502, "memory_sync_failed"))
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT)), before)
         self.assertEqual(as_doc(self.open_store().snapshot(P, PROJECT)), before)
         answer = self.commit([memory_put("b")], etag=etag)
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["a", "b"])
 
     def test_first_manifest_write_failure(self):
-        with mock.patch.object(sync, "write_atomically", side_effect=OSError(errno.ENOSPC, "full")):
-            self.assertEqual(self.refused(self.commit, [memory_put("a")]), (502, "memory_sync_failed"))
+        with mock.patch.object(sync, "write_atomically",
+                               side_effect=OSError(errno.ENOSPC, "full")):
+            self.assertEqual(self.refused(self.commit, [memory_put("a")]),
+                             (502, "memory_sync_failed"))
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["etag"], None)
         self.commit([memory_put("a")])
 
@@ -4268,12 +4597,15 @@ class StoreTest(unittest.TestCase):
                 raise OSError(errno.EIO, "I/O error")
 
         with mock.patch.object(sync, "sync_file", failing_sync):
-            self.assertEqual(self.refused(self.commit, [memory_put("b"), memory_put("c"), memory_put("d")], etag=etag),
+            self.assertEqual(self.refused(self.commit,
+                                          [memory_put("b"), memory_put("c"), memory_put("d")],
+                                          etag=etag),
                              (502, "memory_sync_failed"))
         self.assertEqual(len(calls), 2)
         self.assertEqual(as_doc(self.store.snapshot(P, PROJECT)), before)
         self.assertEqual(as_doc(self.open_store().snapshot(P, PROJECT)), before)
-        self.assertEqual(sorted(os.listdir(self.files().objects)), objects_before)  # the new ones are removed
+        # the new ones are removed
+        self.assertEqual(sorted(os.listdir(self.files().objects)), objects_before)
         self.commit([memory_put("b")], etag=etag)
 
     def test_objects_are_durable_before_the_manifest(self):
@@ -4298,7 +4630,8 @@ class StoreTest(unittest.TestCase):
         self.assertEqual(names[:manifest_at], ["sync_file", "sync_file", "sync_dir"])
         self.assertEqual(events[2], ("sync_dir", "objects"))
         self.assertEqual(events[manifest_at], ("manifest", "manifest.json"))
-        # The manifest's own temp-file fsync and directory fsync come after, inside write_atomically.
+        # The manifest's own temp-file fsync and directory fsync come after, inside
+        # write_atomically.
         self.assertEqual(names[manifest_at + 1:], ["sync_file", "sync_dir"])
 
     def test_concurrent_commits_from_one_etag(self):
@@ -4324,7 +4657,8 @@ class StoreTest(unittest.TestCase):
         for store in (self.store, self.open_store()):
             snapshot = as_doc(store.snapshot(P, PROJECT))
             self.assertEqual(snapshot["etag"], results[winners[0]])
-            self.assertEqual([entry["id"] for entry in snapshot["entries"]], ["base", "t%d" % winners[0]])
+            self.assertEqual([entry["id"] for entry in snapshot["entries"]],
+                             ["base", "t%d" % winners[0]])
 
     def test_garbage_collection(self):
         etag = self.commit([memory_put("a"), memory_put("b")])["etag"]
@@ -4334,14 +4668,17 @@ class StoreTest(unittest.TestCase):
         self.assertEqual(len(os.listdir(objects)), 3)  # replaced revisions stay for garbage_age
         with open(os.path.join(objects, "not-ours.txt"), "wb"):
             pass
-        etag = self.commit([memory_put("d")], etag=etag)["etag"]  # a commit collects: none is old enough yet
+        # a commit collects: none is old enough yet
+        etag = self.commit([memory_put("d")], etag=etag)["etag"]
         self.assertEqual(len(os.listdir(objects)), 5)  # a's two revisions, b, d, not-ours.txt
         self.now = time.time() + sync.GARBAGE_AGE_SECONDS + 1
-        etag = self.commit([memory_put("e")], etag=etag)["etag"]  # now the replaced a and the deleted b go
+        # now the replaced a and the deleted b go
+        etag = self.commit([memory_put("e")], etag=etag)["etag"]
         self.assertEqual(sorted(os.listdir(objects)), sorted(
             [os.path.basename(self.object_path(note_id)) for note_id in "ade"] + ["not-ours.txt"]))
         self.assertNotIn(old_a, os.listdir(objects))
-        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["entries"][0]["note"]["body"], "v2")
+        self.assertEqual(as_doc(self.store.snapshot(P, PROJECT))["entries"][0]["note"]["body"],
+                         "v2")
         self.commit([memory_put("a", body="v3")], etag=etag)
         self.now += sync.GARBAGE_AGE_SECONDS + 1
         self.commit([memory_put("c")], etag=as_doc(self.store.snapshot(P, PROJECT))["etag"])
@@ -4361,28 +4698,32 @@ class StoreTest(unittest.TestCase):
         self.assertEqual(len(objects), 3)  # the two new revisions are on disk, unreferenced
         restarted = self.open_store()
         self.assertEqual(as_doc(restarted.snapshot(P, PROJECT)), before)
-        answer = self.commit([memory_put("c")], etag=etag, store=restarted)  # the old etag is still current
+        # the old etag is still current
+        answer = self.commit([memory_put("c")], etag=etag, store=restarted)
         self.assertEqual([entry["id"] for entry in answer["entries"]], ["a", "c"])
         self.now = time.time() + sync.GARBAGE_AGE_SECONDS + 1  # file times are the real clock's
         kept = sorted(os.path.basename(self.object_path(note_id)) for note_id in "ac")
         self.commit([memory_put("d")], etag=answer["etag"], store=restarted)  # a commit collects
         kept.append(os.path.basename(self.object_path("d")))
-        self.assertEqual(sorted(os.listdir(self.files().objects)), sorted(kept))  # the crash's two went
+        # the crash's two went
+        self.assertEqual(sorted(os.listdir(self.files().objects)), sorted(kept))
 
     def test_a_replaced_old_revision_stays_for_garbage_age_after_its_replacement(self):
         etag = self.commit([memory_put("a")])["etag"]
         old_object = self.object_path("a")
         os.utime(old_object, (self.now - 2 * 86400,) * 2)  # written two days ago
-        self.commit([memory_put("a", body="v2")], etag=etag)  # replaced now, and this commit collects
-        self.assertTrue(os.path.exists(old_object))  # a backup copying the old manifest still finds it
+        # replaced now, and this commit collects
+        self.commit([memory_put("a", body="v2")], etag=etag)
+        # a backup copying the old manifest still finds it
+        self.assertTrue(os.path.exists(old_object))
         self.now += sync.GARBAGE_AGE_SECONDS + 1
         self.commit([memory_put("b")], etag=as_doc(self.store.snapshot(P, PROJECT))["etag"])
         self.assertFalse(os.path.exists(old_object))
 
 
 class FullScopeTest(unittest.TestCase):
-    """One scope filled to the 5,000-note quota in commits of 500 (built once: creating 5,000 files is slow
-    on some disks, so the fsyncs are patched out here)."""
+    """One scope filled to the 5,000-note quota in commits of 500 (built once: creating 5,000 files
+    is slow on some disks, so the fsyncs are patched out here)."""
 
     @classmethod
     def setUpClass(cls):
@@ -4394,7 +4735,8 @@ class FullScopeTest(unittest.TestCase):
             for start in range(0, 5000, 500):
                 docs = [memory_put("n%04d" % i) for i in range(start, start + 500)]
                 cls.have.update((doc["id"], doc["hash"]) for doc in docs)
-                cls.answer = as_doc(cls.store.commit(P, PROJECT, cls.etag, memory_changes_of(*docs), cls.have))
+                cls.answer = as_doc(cls.store.commit(P, PROJECT, cls.etag,
+                                                     memory_changes_of(*docs), cls.have))
                 cls.etag = cls.answer["etag"]
         finally:
             restore_fsync()
@@ -4407,13 +4749,15 @@ class FullScopeTest(unittest.TestCase):
         self.assertEqual(len(self.answer["entries"]), 5000)
         self.assertEqual(self.answer["entries"][-1], {"id": "n4999", "hash": self.have["n4999"]})
         with self.assertRaises(sync.QuotaExceeded) as caught:
-            as_doc(self.store.commit(P, PROJECT, self.etag, memory_changes_of(memory_put("n5000"))))
+            as_doc(self.store.commit(P, PROJECT, self.etag,
+                                     memory_changes_of(memory_put("n5000"))))
         self.assertEqual(str(caught.exception), "more than 5000 live notes")
         self.assertTrue(as_doc(self.store.snapshot(P, PROJECT, known_etag=self.etag))["unchanged"])
 
     def test_full_have_snapshot_is_fast(self):
         store = memory_store(self.dir)
-        self.assertTrue(as_doc(store.snapshot(P, PROJECT, known_etag=self.etag))["unchanged"])  # loads the manifest
+        # loads the manifest
+        self.assertTrue(as_doc(store.snapshot(P, PROJECT, known_etag=self.etag))["unchanged"])
         best = float("inf")
         for _ in range(5):
             started = time.perf_counter()
@@ -4421,7 +4765,8 @@ class FullScopeTest(unittest.TestCase):
             best = min(best, time.perf_counter() - started)
         self.assertEqual(len(answer["entries"]), 5000)
         self.assertNotIn("note", answer["entries"][0])
-        self.assertLess(best, 0.020, "a 5,000-note snapshot with full have took %.1f ms" % (best * 1000))
+        self.assertLess(best, 0.020, "a 5,000-note snapshot with full have took %.1f ms"
+                        % (best * 1000))
 
     def test_full_snapshot_reads_every_note(self):
         started = time.perf_counter()
@@ -4449,10 +4794,12 @@ class FsckTest(unittest.TestCase):
     def setUpClass(cls):
         cls.healthy = tempfile.mkdtemp(prefix="ohs-test-")
         feeds = feed_store(cls.healthy)
-        feeds.push(("u", "alice"), "p", *validated([record(record_id=str(i)) for i in range(5)], [meta()]))
+        feeds.push(("u", "alice"), "p",
+                   *validated([record(record_id=str(i)) for i in range(5)], [meta()]))
         feeds.push(("t", "team"), "q", *validated([record()]))
         memory = memory_store(cls.healthy)
-        memory.commit("alice", sync.MemoryScope("p"), None, memory_changes_of(memory_put("a"), memory_put("b")))
+        memory.commit("alice", sync.MemoryScope("p"), None,
+                      memory_changes_of(memory_put("a"), memory_put("b")))
         memory.commit("alice", sync.USER_SCOPE, None, memory_changes_of(memory_put("u")))
         sync.TokenStore(cls.healthy).issue("alice")
 
@@ -4483,39 +4830,51 @@ class FsckTest(unittest.TestCase):
 
     def object_of(self, note_id):
         with open(os.path.join(self.scope, "manifest.json")) as f:
-            return os.path.join(self.scope, "objects", json.load(f)["entries"][note_id]["rev"] + ".json")
+            return os.path.join(self.scope, "objects", json.load(f)["entries"][note_id]["rev"]
+                                + ".json")
 
     def test_a_healthy_dir_is_clean(self):
         code, lines = self.fsck()
         self.assertEqual(code, 0, lines)
-        self.assertEqual(lines, ["fsck %s: 2 feeds with 7 events, 2 memory scopes with 3 live notes, 1 token: "
-                                 "0 problems" % self.data_dir])
+        self.assertEqual(lines,
+                         ["fsck %s: 2 feeds with 7 events, 2 memory scopes with 3 live notes, 1 "
+                          "token: "
+                          "0 problems" % self.data_dir])
 
     def test_a_flipped_byte_is_named_with_its_line_and_repair_drops_only_that_line(self):
         with open(self.feed, "rb") as f:
             good = f.read().splitlines(True)
-        self.edit_lines(self.feed, lambda lines: lines.__setitem__(2, lines[2].replace(b'"laptop"', b'"laptoq"')))
+        self.edit_lines(self.feed,
+                        lambda lines: lines.__setitem__(2,
+                                                        lines[2].replace(b'"laptop"',
+                                                                         b'"laptoq"')))
         code, lines = self.fsck()
         self.assertEqual(code, 1)
-        self.assertEqual(self.problems(lines), ["problem: %s:3: checksum mismatch; --repair drops this line and keeps "
-                                                "the others (the server refuses the feed until then)" % self.feed])
+        self.assertEqual(self.problems(lines),
+                         ["problem: %s:3: checksum mismatch; --repair drops this line and keeps "
+                          "the others (the server refuses the feed until then)" % self.feed])
         code, lines = self.fsck("--repair")
         self.assertEqual(code, 0, lines)
-        self.assertIn("repaired: %s:3: dropped a damaged line (checksum mismatch)" % self.feed, lines)
-        with open(self.feed, "rb") as f:  # one line lost, not the four after it; its number is a gap
+        self.assertIn("repaired: %s:3: dropped a damaged line (checksum mismatch)" % self.feed,
+                      lines)
+        # one line lost, not the four after it; its number is a gap
+        with open(self.feed, "rb") as f:
             self.assertEqual(f.read(), b"".join(good[:2] + good[3:]))
         store = feed_store(self.data_dir)
         page = store.pull(("u", "alice"), "p", 0, 500)
-        self.assertEqual(([json.loads(r)["id"] for r in page.records], page.cursor), (["0", "1", "3", "4"], 6))
-        self.assertEqual(store.push(("u", "alice"), "p", *validated([record(record_id="2")])), (7, 1))
+        self.assertEqual(([json.loads(r)["id"] for r in page.records], page.cursor),
+                         (["0", "1", "3", "4"], 6))
+        self.assertEqual(store.push(("u", "alice"), "p", *validated([record(record_id="2")])),
+                         (7, 1))
 
     def test_event_numbers_may_skip_but_never_go_back(self):
         self.edit_lines(self.feed, lambda lines: lines.__delitem__(1))
         self.assertEqual(self.fsck()[0], 0)  # a gap: what a compaction or a repair leaves
         self.edit_lines(self.feed, lambda lines: lines.insert(2, lines[0]))
         code, lines = self.fsck()
-        self.assertEqual(self.problems(lines), ["problem: %s:3: event number 1 after 3; --repair drops this line and "
-                                                "keeps the others (the server refuses the feed until then)" % self.feed])
+        self.assertEqual(self.problems(lines),
+                         ["problem: %s:3: event number 1 after 3; --repair drops this line and "
+                          "keeps the others (the server refuses the feed until then)" % self.feed])
 
     def test_a_record_stored_twice(self):
         def duplicate(lines):
@@ -4524,7 +4883,8 @@ class FsckTest(unittest.TestCase):
         self.edit_lines(self.feed, duplicate)
         code, lines = self.fsck()
         self.assertEqual(self.problems(lines),
-                         ["problem: %s:7: a record (session, id) stored a second time" % self.feed])
+                         ["problem: %s:7: a record (session, id) stored a second time"
+                          % self.feed])
 
     def test_a_torn_tail_is_reported_and_repaired_keeping_its_number(self):
         with open(self.feed, "rb") as f:
@@ -4537,18 +4897,21 @@ class FsckTest(unittest.TestCase):
         self.assertIn("%s:7: torn or damaged last line" % self.feed, lines[0])
         code, lines = self.fsck("--repair")
         self.assertEqual(code, 0, lines)
-        self.assertIn("repaired: %s:7: cut a torn or damaged last line (incomplete or malformed line); its number 7 "
+        self.assertIn("repaired: %s:7: cut a torn or damaged last line (incomplete or malformed "
+                      "line); its number 7 "
                       "stays used" % self.feed, lines)
         with open(self.feed, "rb") as f:
             self.assertEqual(f.read(), good + sync.feed_line(7, b"x"))
         # A torn line after a damaged middle one: both mended in one rewrite.
-        self.edit_lines(self.feed, lambda lines: lines.__setitem__(1, lines[1][:20] + b"X" + lines[1][21:]))
+        self.edit_lines(self.feed,
+                        lambda lines: lines.__setitem__(1, lines[1][:20] + b"X" + lines[1][21:]))
         with open(self.feed, "ab") as f:
             f.write(b"{")
         code, lines = self.fsck("--repair")
         self.assertEqual(code, 0, lines)
         with open(self.feed, "rb") as f:
-            self.assertEqual(f.read().splitlines(True), good.splitlines(True)[:1] + good.splitlines(True)[2:]
+            self.assertEqual(f.read().splitlines(True), good.splitlines(True)[:1]
+                             + good.splitlines(True)[2:]
                              + [sync.feed_line(7, b"x"), sync.feed_line(8, b"x")])
 
     def test_memory_faults_are_named_by_note(self):
@@ -4572,17 +4935,21 @@ class FsckTest(unittest.TestCase):
         code, lines = self.fsck()
         problems = self.problems(lines)
         self.assertEqual(len(problems), 2, lines)
-        self.assertTrue(problems[0].startswith("problem: %s: manifest does not parse" % os.path.join(
+        self.assertTrue(problems[0].startswith("problem: %s: manifest does not parse"
+                                               % os.path.join(
             self.scope, "manifest.json")))
-        self.assertTrue(problems[1].startswith("problem: %s: token file does not parse" % os.path.join(
+        self.assertTrue(problems[1].startswith("problem: %s: token file does not parse"
+                                               % os.path.join(
             self.data_dir, "tokens.json")))
 
     def test_a_purged_feeds_file_that_cannot_be_read_is_said_so(self):
-        os.makedirs(os.path.join(self.data_dir, "feeds", "purged.json"))  # (root reads any file: a directory)
+        # (root reads any file: a directory)
+        os.makedirs(os.path.join(self.data_dir, "feeds", "purged.json"))
         code, lines = self.fsck()
         self.assertEqual(code, 1)
         self.assertEqual(self.problems(lines), ["problem: cannot read %s: Is a directory"
-                                                % os.path.join(self.data_dir, "feeds", "purged.json")])
+                                                % os.path.join(self.data_dir, "feeds",
+                                                               "purged.json")])
 
     def test_unreferenced_objects_are_a_note_and_repair_removes_them(self):
         orphan = os.path.join(self.scope, "objects", "0" * 32 + ".json")
@@ -4604,7 +4971,8 @@ class FsckTest(unittest.TestCase):
             before = {path: os.stat(path).st_mtime_ns for path in self.all_files()}
             result = run_module("fsck", "--data", self.data_dir)
             self.assertEqual(result.returncode, 0, result.stdout)
-            self.assertEqual({path: os.stat(path).st_mtime_ns for path in self.all_files()}, before)
+            self.assertEqual({path: os.stat(path).st_mtime_ns for path in self.all_files()},
+                             before)
             result = run_module("fsck", "--data", self.data_dir, "--repair")
             self.assertEqual(result.returncode, 2)
             self.assertIn("stop the server", result.stderr)
@@ -4612,15 +4980,20 @@ class FsckTest(unittest.TestCase):
             server.stop()
 
     def all_files(self):
-        return [os.path.join(root, name) for root, _, names in os.walk(self.data_dir) for name in names]
+        return [os.path.join(root, name) for root, _, names in os.walk(self.data_dir)
+                for name in names]
 
     def test_damage_ends_with_the_exact_commands_that_mend_it(self):
-        # A --data path a shell would split or end a quote at: the commands must still be run as printed.
+        # A --data path a shell would split or end a quote at: the commands must still be run as
+        # printed.
         moved = os.path.join(os.path.dirname(self.data_dir), "data dir's copy")
         os.rename(self.data_dir, moved)
         self.data_dir, self.feed = moved, os.path.join(moved, "feeds", "u-alice", "p-p.jsonl")
         team_feed = os.path.join(moved, "feeds", "t-team", "p-q.jsonl")
-        self.edit_lines(self.feed, lambda lines: lines.__setitem__(2, lines[2].replace(b'"laptop"', b'"laptoq"')))
+        self.edit_lines(self.feed,
+                        lambda lines: lines.__setitem__(2,
+                                                        lines[2].replace(b'"laptop"',
+                                                                         b'"laptoq"')))
         with open(self.feed, "rb") as f:
             offset = len(b"".join(f.read().splitlines(True)[:2]))
         with open(team_feed, "ab") as f:
@@ -4631,12 +5004,16 @@ class FsckTest(unittest.TestCase):
         repair = lines[-1]
         prefix = "to repair, with the server stopped: "
         self.assertTrue(repair.startswith(prefix), repair)
-        self.assertEqual(shlex.split(repair[len(prefix):]), [sys.executable, MODULE, "fsck", "--data", moved,
-                                                             "--repair"])
-        self.assertEqual(subprocess.run(shlex.split(repair[len(prefix):]), stdout=subprocess.PIPE).returncode, 0)
+        self.assertEqual(shlex.split(repair[len(prefix):]),
+                         [sys.executable, MODULE, "fsck", "--data", moved,
+                          "--repair"])
+        self.assertEqual(subprocess.run(shlex.split(repair[len(prefix):]),
+                                        stdout=subprocess.PIPE).returncode, 0)
         code, lines = self.fsck()
-        self.assertEqual(lines, ["fsck %s: 2 feeds with 6 events, 2 memory scopes with 3 live notes, 1 token: "
-                                 "0 problems" % moved])
+        self.assertEqual(lines,
+                         ["fsck %s: 2 feeds with 6 events, 2 memory scopes with 3 live notes, 1 "
+                          "token: "
+                          "0 problems" % moved])
         self.assertLess(offset, os.path.getsize(self.feed))
 
     def test_unreferenced_objects_alone_name_the_repair_command(self):
@@ -4644,11 +5021,14 @@ class FsckTest(unittest.TestCase):
             f.write(b"{}")
         code, lines = self.fsck()
         self.assertEqual(code, 0)
-        self.assertEqual(lines[-1], "to tidy up what is harmless, with the server stopped: %s %s fsck --data %s --repair" % (
+        self.assertEqual(lines[-1],
+                         "to tidy up what is harmless, with the server stopped: %s %s fsck --data "
+                         "%s --repair" % (
             shlex.quote(sys.executable), shlex.quote(MODULE), shlex.quote(self.data_dir)))
 
     def test_a_clean_dir_or_a_duplicate_record_names_no_command(self):
-        # a record stored twice is damage the server lives with: cutting the feed would lose data for nothing
+        # a record stored twice is damage the server lives with: cutting the feed would lose data
+        # for nothing
         self.assertEqual(self.fsck()[1][-1][:5], "fsck ")
 
         def duplicate(lines):
@@ -4673,8 +5053,10 @@ class FsckTest(unittest.TestCase):
         self.assertEqual((code, out), (quiet_code, quiet_out))  # stdout is the same
         size = sum(os.path.getsize(path) for path in self.all_files() if path.endswith(".jsonl"))
         shown = terminal.getvalue().split("\r")
-        self.assertEqual(shown[:2], ["", "fsck: feeds 0/2, 0 bytes of %s" % sync.format_bytes(size)])
-        self.assertRegex(shown[-1], r"^fsck: feeds 2/2, %s of %s in \d+\.\d s\n$" % ((sync.format_bytes(size),) * 2))
+        self.assertEqual(shown[:2],
+                         ["", "fsck: feeds 0/2, 0 bytes of %s" % sync.format_bytes(size)])
+        self.assertRegex(shown[-1], r"^fsck: feeds 2/2, %s of %s in \d+\.\d s\n$"
+                         % ((sync.format_bytes(size),) * 2))
 
     def test_progress_is_reported_within_a_big_feed(self):
         calls = []
@@ -4691,8 +5073,10 @@ class FsckTest(unittest.TestCase):
     def test_the_progress_line_is_rewritten_in_place_a_few_times_a_second(self):
         now, stream = [0.0], io.StringIO()
         progress = sync.FsckProgress(stream, clock=lambda: now[0])
-        for at, state in ((0.0, (0, 3, 0, 3 << 30)), (0.1, (0, 3, 5 << 10, 3 << 30)),  # too soon: not shown
-                          (0.3, (1, 3, 999 << 10, 3 << 30)), (0.4, (1, 3, 1536 << 20, 3 << 30)),  # too soon
+        # too soon: not shown
+        for at, state in ((0.0, (0, 3, 0, 3 << 30)), (0.1, (0, 3, 5 << 10, 3 << 30)),
+                          # too soon
+                          (0.3, (1, 3, 999 << 10, 3 << 30)), (0.4, (1, 3, 1536 << 20, 3 << 30)),
                           (0.6, (3, 3, 3 << 30, 3 << 30))):
             now[0] = at
             progress(*state)
@@ -4700,13 +5084,14 @@ class FsckTest(unittest.TestCase):
         progress.finish()
         self.assertEqual(stream.getvalue(), "\rfsck: feeds 0/3, 0 bytes of 3.0 GiB"
                                             "\rfsck: feeds 1/3, 999.0 KiB of 3.0 GiB"
-                                            "\rfsck: feeds 3/3, 3.0 GiB of 3.0 GiB  "  # blanks the longer line's end
+                                            # blanks the longer line's end
+                                            "\rfsck: feeds 3/3, 3.0 GiB of 3.0 GiB  "
                                             "\rfsck: feeds 3/3, 3.0 GiB of 3.0 GiB in 2.5 s\n")
 
 
 def main_in_child(argv, uid=None, timeout=30):
-    """(exit code, stdout, stderr) of sync.main(argv) in a forked child of this process (mocks and all), run as uid
-    (and gid uid, no other group; root only) when given."""
+    """(exit code, stdout, stderr) of sync.main(argv) in a forked child of this process (mocks and
+    all), run as uid (and gid uid, no other group; root only) when given."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         pid = os.fork()
         if pid == 0:  # (the child: never back into the test runner)
@@ -4751,14 +5136,13 @@ def give_tree(path, uid):
 class DataDirToolCase(unittest.TestCase):
     """usage, compact and purge on a copy of one data dir, built directly:
 
-    alice's feed proj-x   1-2 records of session "gone", 3 its metadata, 4 "gone" deleted, stored 100 days ago (past
-                          the 90-day window); 5-6 records of s1, 7 its metadata; 8 a record of "recent", 9 "recent"
-                          deleted now (kept); 10 s1's metadata again (gen 1: 3 and 7 are superseded)
-    team platform's proj-x  1 a record, 2 its metadata
-    bob's feed proj-b     1-3 records, 4 metadata
-    memory                alice's project/proj-x (a live, b deleted: a tombstone), alice's user scope (u), bob's (v)
-    tokens                alice's "laptop" (team platform), alice's unnamed one, bob's
-    """
+    alice's feed proj-x   1-2 records of session "gone", 3 its metadata, 4 "gone" deleted, stored
+    100 days ago (past the 90-day window); 5-6 records of s1, 7 its metadata; 8 a record of
+    "recent", 9 "recent" deleted now (kept); 10 s1's metadata again (gen 1: 3 and 7 are superseded)
+    team platform's proj-x  1 a record, 2 its metadata bob's feed proj-b     1-3 records, 4
+    metadata memory                alice's project/proj-x (a live, b deleted: a tombstone), alice's
+    user scope (u), bob's (v) tokens                alice's "laptop" (team platform), alice's
+    unnamed one, bob's """
 
     ALICE, TEAM, BOB = ("u", "alice"), ("t", "platform"), ("u", "bob")
 
@@ -4767,14 +5151,18 @@ class DataDirToolCase(unittest.TestCase):
         cls.built = tempfile.mkdtemp(prefix="ohs-test-")
         past = time.time() - 100 * 86400
         old = feed_store(cls.built, clock=lambda: past)
-        old.push(cls.ALICE, "proj-x", *validated([record("gone", "g1"), record("gone", "g2", seq=2)], [meta("gone")]))
+        old.push(cls.ALICE, "proj-x",
+                 *validated([record("gone", "g1"), record("gone", "g2", seq=2)], [meta("gone")]))
         old.push(cls.ALICE, "proj-x", *validated([], [meta("gone", gen=1, deleted=True)]))
         feeds = feed_store(cls.built)
-        feeds.push(cls.ALICE, "proj-x", *validated([record("s1", "r1"), record("s1", "r2", seq=2)], [meta("s1")]))
-        feeds.push(cls.ALICE, "proj-x", *validated([record("recent", "k1")], [meta("recent", deleted=True)]))
+        feeds.push(cls.ALICE, "proj-x",
+                   *validated([record("s1", "r1"), record("s1", "r2", seq=2)], [meta("s1")]))
+        feeds.push(cls.ALICE, "proj-x",
+                   *validated([record("recent", "k1")], [meta("recent", deleted=True)]))
         feeds.push(cls.ALICE, "proj-x", *validated([], [meta("s1", gen=1)]))
         feeds.push(cls.TEAM, "proj-x", *validated([record("t1", "a")], [meta("t1")]))
-        feeds.push(cls.BOB, "proj-b", *validated([record("b1", str(i), seq=i) for i in (1, 2, 3)], [meta("b1")]))
+        feeds.push(cls.BOB, "proj-b",
+                   *validated([record("b1", str(i), seq=i) for i in (1, 2, 3)], [meta("b1")]))
         memory = memory_store(cls.built)
         first = memory.commit("alice", sync.MemoryScope("proj-x"), None,
                               memory_changes_of(memory_put("a"), memory_put("b")))
@@ -4804,17 +5192,20 @@ class DataDirToolCase(unittest.TestCase):
         """What purge --principal alice says of each thing of hers ("removed", "would remove")."""
         return ["purge: %s alice's token %s (laptop)" % (verb, self.alice_tokens[0]),
                 "purge: %s alice's token %s" % (verb, self.alice_tokens[1]),
-                "purge: %s alice's feed proj-x: 10 events, %s (pushed to again, it numbers on after 10)"
+                "purge: %s alice's feed proj-x: 10 events, %s (pushed to again, it numbers on "
+                "after 10)"
                 % (verb, sync.format_bytes(os.path.getsize(self.alice_feed))),
                 "purge: %s alice's memory project/proj-x" % verb,
                 "purge: %s alice's memory user" % verb,
                 "purge: team feeds stay (they belong to the team): platform"]
 
     def run_tool(self, *argv):
-        """(exit code, stdout, stderr) of the command line, run in this process; in a forked child when root runs it
-        on another user's data dir (it works as them from then on: never this process)."""
+        """(exit code, stdout, stderr) of the command line, run in this process; in a forked child
+        when root runs it on another user's data dir (it works as them from then on: never this
+        process)."""
         data_dir = argv[argv.index("--data") + 1] if "--data" in argv else None
-        if os.geteuid() == 0 and data_dir is not None and os.path.isdir(data_dir) and os.stat(data_dir).st_uid:
+        if (os.geteuid() == 0 and data_dir is not None and os.path.isdir(data_dir)
+                and os.stat(data_dir).st_uid):
             return main_in_child(list(argv))
         return run_main(*argv)
 
@@ -4824,8 +5215,8 @@ class DataDirToolCase(unittest.TestCase):
         give_tree(self.data_dir, 65534)
 
     def tree(self, path=None):
-        """Every directory and file under path (the data dir): {relative path: (bytes or None, mtime in ns,
-        mode)}."""
+        """Every directory and file under path (the data dir): {relative path: (bytes or None,
+        mtime in ns, mode)}."""
         path = path or self.data_dir
         found = {}
         for root, dirs, files in os.walk(path):
@@ -4844,8 +5235,9 @@ class DataDirToolCase(unittest.TestCase):
             return f.read().splitlines(True)
 
     def compacted_alice_feed(self):
-        """alice's feed as a compaction must leave it, worked out here: the superseded metadata lines (3 and 7)
-        gone, the records of the session deleted 100 days ago (1 and 2) left as their numbers and keys."""
+        """alice's feed as a compaction must leave it, worked out here: the superseded metadata
+        lines (3 and 7) gone, the records of the session deleted 100 days ago (1 and 2) left as
+        their numbers and keys."""
         kept = []
         for line in self.lines_of(self.alice_feed):
             number, kind, key, _, _ = sync.parse_feed_line(line)
@@ -4859,7 +5251,8 @@ class DataDirToolCase(unittest.TestCase):
 
     def scope_bytes(self, principal, scope):
         files = self.layout.scope_files(principal, scope)
-        return os.path.getsize(files.manifest) + sum(entry.stat().st_size for entry in os.scandir(files.objects))
+        return os.path.getsize(files.manifest) + sum(entry.stat().st_size
+                                                     for entry in os.scandir(files.objects))
 
     def feed_row(self, path, owner, team, project, **counts):
         row = {"owner": owner, "team": team, "project": project, "bytes": os.path.getsize(path),
@@ -4869,10 +5262,14 @@ class DataDirToolCase(unittest.TestCase):
         return row
 
     def expected_report(self, free):
-        feeds = [self.feed_row(self.team_feed, "platform", True, "proj-x", events=2, records=1, sessions=1),
-                 self.feed_row(self.alice_feed, "alice", False, "proj-x", events=10, records=5, recordsToErase=2,
-                               sessions=1, deletedSessions=2, keptBytes=len(self.compacted_alice_feed())),
-                 self.feed_row(self.bob_feed, "bob", False, "proj-b", events=4, records=3, sessions=1)]
+        feeds = [self.feed_row(self.team_feed, "platform", True, "proj-x", events=2, records=1,
+                               sessions=1),
+                 self.feed_row(self.alice_feed, "alice", False, "proj-x", events=10, records=5,
+                               recordsToErase=2,
+                               sessions=1, deletedSessions=2,
+                               keptBytes=len(self.compacted_alice_feed())),
+                 self.feed_row(self.bob_feed, "bob", False, "proj-b", events=4, records=3,
+                               sessions=1)]
         memory = [{"principal": "alice", "scope": "project/proj-x", "notes": 1, "tombstones": 1,
                    "bytes": self.scope_bytes("alice", sync.MemoryScope("proj-x"))},
                   {"principal": "alice", "scope": "user", "notes": 1, "tombstones": 0,
@@ -4880,14 +5277,19 @@ class DataDirToolCase(unittest.TestCase):
                   {"principal": "bob", "scope": "user", "notes": 1, "tombstones": 0,
                    "bytes": self.scope_bytes("bob", sync.USER_SCOPE)}]
         totals = {name: sum(row[name] for row in feeds)
-                  for name in ("events", "records", "recordsToErase", "sessions", "deletedSessions", "bytes",
+                  for name in ("events", "records", "recordsToErase", "sessions",
+                               "deletedSessions", "bytes",
                                "keptBytes")}
-        totals.update(feeds=3, scopes=3, notes=3, tombstones=1, memoryBytes=sum(row["bytes"] for row in memory))
-        principals = [{"principal": "alice", "bytes": feeds[1]["bytes"] + memory[0]["bytes"] + memory[1]["bytes"],
+        totals.update(feeds=3, scopes=3, notes=3, tombstones=1,
+                      memoryBytes=sum(row["bytes"] for row in memory))
+        principals = [{"principal": "alice", "bytes": feeds[1]["bytes"] + memory[0]["bytes"]
+                       + memory[1]["bytes"],
                        "quota": None, "served": True},
-                      {"principal": "bob", "bytes": feeds[2]["bytes"] + memory[2]["bytes"], "quota": None,
+                      {"principal": "bob", "bytes": feeds[2]["bytes"] + memory[2]["bytes"],
+                       "quota": None,
                        "served": True}]
-        return {"dataDir": self.data_dir, "retainDeletedDays": 90, "feeds": feeds, "memory": memory,
+        return {"dataDir": self.data_dir, "retainDeletedDays": 90, "feeds": feeds,
+                "memory": memory,
                 "principals": principals, "totals": totals, "diskFreeBytes": free}
 
     def usage(self, *flags, free=123 << 30):
@@ -4911,7 +5313,8 @@ class UsageCommandTest(DataDirToolCase):
         self.assertLess(report["feeds"][1]["keptBytes"], report["feeds"][1]["bytes"])
 
     def test_the_retention_window_decides_which_deleted_sessions_count_to_erase(self):
-        for days, erase in (("0", 3), ("99", 2), ("101", 0)):  # "recent": deleted now; "gone": 100 days ago
+        # "recent": deleted now; "gone": 100 days ago
+        for days, erase in (("0", 3), ("99", 2), ("101", 0)):
             code, out, err = self.usage("--json", "--retain-deleted-days", days)
             self.assertEqual((code, err), (0, ""), days)
             report = json.loads(out)
@@ -4924,7 +5327,8 @@ class UsageCommandTest(DataDirToolCase):
         self.assertEqual(os.path.getsize(self.alice_feed), kept)
         row = json.loads(self.usage("--json")[1])["feeds"][1]
         self.assertEqual((row["events"], row["records"], row["recordsToErase"], row["sessions"],
-                          row["deletedSessions"], row["bytes"], row["keptBytes"]), (6, 3, 0, 1, 2, kept, kept))
+                          row["deletedSessions"], row["bytes"], row["keptBytes"]),
+                          (6, 3, 0, 1, 2, kept, kept))
 
     def test_the_table_has_a_row_per_feed_and_scope_and_the_totals(self):
         code, out, err = self.usage()
@@ -4934,46 +5338,63 @@ class UsageCommandTest(DataDirToolCase):
 
         def in_bytes(row):  # (bytes and local times vary: the rest of each row is spelled out)
             return " %10s %10s  %s" % (fb(row["bytes"]), fb(row["keptBytes"]),
-                                       time.strftime("%Y-%m-%d %H:%M", time.localtime(row["lastEvent"] / 1000)))
+                                       time.strftime("%Y-%m-%d %H:%M",
+                                                     time.localtime(row["lastEvent"] / 1000)))
 
         team, alice, bob = report["feeds"]
         scopes = report["memory"]
         self.assertEqual(out.splitlines(), [
-            "feeds of %s (a compaction keeps what a deletion of 90 days or more leaves):" % self.data_dir,
-            "  owner                    project                     events   records      sessions    on disk"
+            "feeds of %s (a compaction keeps what a deletion of 90 days or more leaves):"
+            % self.data_dir,
+            "  owner                    project                     events   records      "
+            "sessions    on disk"
             "       kept  last event",
-            "  team platform            proj-x                           2         1      1+0     " + in_bytes(team),
-            "  alice                    proj-x                          10         5      1+2     " + in_bytes(alice),
-            "  bob                      proj-b                           4         3      1+0     " + in_bytes(bob),
+            "  team platform            proj-x                           2         1      1+0     "
+            + in_bytes(team),
+            "  alice                    proj-x                          10         5      1+2     "
+            + in_bytes(alice),
+            "  bob                      proj-b                           4         3      1+0     "
+            + in_bytes(bob),
             "  (sessions: live+deleted)",
             "memory:",
             "  principal                scope                        notes  tombstones    on disk",
-            "  alice                    project/proj-x                   1           1 %10s" % fb(scopes[0]["bytes"]),
-            "  alice                    user                             1           0 %10s" % fb(scopes[1]["bytes"]),
-            "  bob                      user                             1           0 %10s" % fb(scopes[2]["bytes"]),
+            "  alice                    project/proj-x                   1           1 %10s"
+            % fb(scopes[0]["bytes"]),
+            "  alice                    user                             1           0 %10s"
+            % fb(scopes[1]["bytes"]),
+            "  bob                      user                             1           0 %10s"
+            % fb(scopes[2]["bytes"]),
             "principals (their own feeds and memory; a team's feeds count against no one):",
             "  principal                    stored        quota",
             "  alice                    %10s            -" % fb(report["principals"][0]["bytes"]),
             "  bob                      %10s            -" % fb(report["principals"][1]["bytes"]),
-            "in all: 3 feeds with 16 events, %s on disk, %s after a compaction; 3 memory scopes with 3 notes, %s; "
-            "the disk has 123.0 GiB free" % (fb(report["totals"]["bytes"]), fb(report["totals"]["keptBytes"]),
-                                             fb(report["totals"]["memoryBytes"]))])
+            "in all: 3 feeds with 16 events, %s on disk, %s after a compaction; 3 memory scopes "
+            "with 3 notes, %s; "
+            "the disk has 123.0 GiB free"
+            % (fb(report["totals"]["bytes"]), fb(report["totals"]["keptBytes"]),
+               fb(report["totals"]["memoryBytes"]))])
 
     def test_a_long_name_widens_its_column_and_a_count_of_one_is_singular(self):
         long_project = "ohs-check-3272a261-bodies-" + "x" * 10  # 36 characters
-        feed_store(self.data_dir).push(("u", "carol"), long_project, *validated([record("c1", "c")]))
-        table = sync.usage_table(sync.usage_report(self.data_dir, int(time.time() * 1000), 90 * sync.DAY_MS))
-        self.assertEqual(table[1][:2 + 24 + 1 + 36 + 10], "  %-24s %-36s %9s" % ("owner", "project", "events"))
+        feed_store(self.data_dir).push(("u", "carol"), long_project,
+                                       *validated([record("c1", "c")]))
+        table = sync.usage_table(sync.usage_report(self.data_dir, int(time.time() * 1000),
+                                                   90 * sync.DAY_MS))
+        self.assertEqual(table[1][:2 + 24 + 1 + 36 + 10], "  %-24s %-36s %9s"
+                         % ("owner", "project", "events"))
         row = [line for line in table if "carol" in line][0]
-        self.assertEqual(row[:2 + 24 + 1 + 36 + 20], "  %-24s %-36s %9d %9d" % ("carol", long_project, 1, 1))
-        self.assertEqual(table[7 + 1][:2 + 24 + 1 + 36 + 10], "  %-24s %-36s %9s" % ("principal", "scope", "notes"))
+        self.assertEqual(row[:2 + 24 + 1 + 36 + 20], "  %-24s %-36s %9d %9d"
+                         % ("carol", long_project, 1, 1))
+        self.assertEqual(table[7 + 1][:2 + 24 + 1 + 36 + 10], "  %-24s %-36s %9s"
+                         % ("principal", "scope", "notes"))
         shutil.rmtree(os.path.join(self.data_dir, "memory", "u-bob"))
         shutil.rmtree(os.path.join(self.data_dir, "memory", "u-alice"))
         memory = memory_store(self.data_dir)
         memory.commit("alice", sync.USER_SCOPE, None, memory_changes_of(memory_put("u")))
         shutil.rmtree(os.path.join(self.data_dir, "feeds"))
         feed_store(self.data_dir).push(self.BOB, "proj-b", *validated([record("b1", "1")]))
-        total = sync.usage_table(sync.usage_report(self.data_dir, int(time.time() * 1000), 90 * sync.DAY_MS))[-1]
+        total = sync.usage_table(sync.usage_report(self.data_dir, int(time.time() * 1000),
+                                                   90 * sync.DAY_MS))[-1]
         self.assertTrue(total.startswith("in all: 1 feed with 1 event, "), total)
         self.assertIn("; 1 memory scope with 1 note, ", total)
 
@@ -5003,8 +5424,10 @@ class UsageCommandTest(DataDirToolCase):
         with open(path, "w") as f:
             f.write("bob 2 GiBs\n")
         self.assertEqual(self.usage("--principals-file", path),
-                         (2, "", "oharness-sync: error: cannot use the principals file %s: line 1: '2 GiBs' is not "
-                                 "a size (such as 500MiB, 2GiB or 1TB)\n" % path))
+                         (2, "",
+                          "oharness-sync: error: cannot use the principals file %s: line 1: '2 "
+                          "GiBs' is not "
+                          "a size (such as 500MiB, 2GiB or 1TB)\n" % path))
 
     def test_usage_is_read_only(self):
         before = self.tree()
@@ -5020,7 +5443,9 @@ class UsageCommandTest(DataDirToolCase):
         code, out, err = self.usage("--json")
         self.assertEqual((code, err), (0, ""))
         row = json.loads(out)["feeds"][2]
-        self.assertEqual(row, self.feed_row(self.bob_feed, "bob", False, "proj-b", events=4, records=3, sessions=1))
+        self.assertEqual(row,
+                         self.feed_row(self.bob_feed, "bob", False, "proj-b", events=4, records=3,
+                                       sessions=1))
         self.assertEqual(self.tree(), before)  # not cut: a server may be writing it
 
     def test_a_damaged_middle_line_is_that_feeds_problem_and_the_others_are_counted(self):
@@ -5032,12 +5457,14 @@ class UsageCommandTest(DataDirToolCase):
         self.assertEqual((code, err), (0, ""))
         report = json.loads(out)
         self.assertEqual(report["feeds"][2], {
-            "owner": "bob", "team": False, "project": "proj-b", "bytes": os.path.getsize(self.bob_feed),
+            "owner": "bob", "team": False, "project": "proj-b",
+            "bytes": os.path.getsize(self.bob_feed),
             "lastEvent": int(os.stat(self.bob_feed).st_mtime * 1000),
             "problem": "%s:2: checksum mismatch" % self.bob_feed})
         self.assertEqual(report["totals"]["events"], 12)
         table = self.usage()[1].splitlines()
-        self.assertEqual(table[4], "  %-24s %-24s %s:2: checksum mismatch" % ("bob", "proj-b", self.bob_feed))
+        self.assertEqual(table[4], "  %-24s %-24s %s:2: checksum mismatch"
+                         % ("bob", "proj-b", self.bob_feed))
 
     def test_a_manifest_that_does_not_parse_is_that_scopes_problem(self):
         with open(self.layout.scope_files("alice", sync.USER_SCOPE).manifest, "w") as f:
@@ -5045,11 +5472,13 @@ class UsageCommandTest(DataDirToolCase):
         code, out, err = self.usage("--json")
         self.assertEqual((code, err), (0, ""))
         report = json.loads(out)
-        self.assertEqual(report["memory"][1], {"principal": "alice", "scope": "user", "notes": 0, "tombstones": 0,
-                                               "bytes": 0, "problem": "body is not valid JSON"})
+        self.assertEqual(report["memory"][1],
+                         {"principal": "alice", "scope": "user", "notes": 0, "tombstones": 0,
+                          "bytes": 0, "problem": "body is not valid JSON"})
         self.assertEqual((report["totals"]["scopes"], report["totals"]["notes"]), (3, 2))
         table = self.usage()[1].splitlines()
-        self.assertEqual(table[9], "  %-24s %-24s %s" % ("alice", "user", "body is not valid JSON"))
+        self.assertEqual(table[9], "  %-24s %-24s %s"
+                         % ("alice", "user", "body is not valid JSON"))
 
 
 class CompactCommandTest(DataDirToolCase):
@@ -5072,11 +5501,15 @@ class CompactCommandTest(DataDirToolCase):
         alice = os.path.relpath(self.alice_feed, self.data_dir)
         changed = (alice, os.path.dirname(alice), "server.lock")  # (the directory: a rename in it)
         self.assertEqual({path: value for path, value in after.items() if path not in changed},
-                         {path: value for path, value in before.items() if path not in changed})  # the others
-        self.assertEqual(sorted(after), sorted(set(before) | {"server.lock"}))  # no file left aside
-        # Pulls: from every cursor, the events after it, less the erased records and superseded metadata.
+                         # the others
+                         {path: value for path, value in before.items() if path not in changed})
+        # no file left aside
+        self.assertEqual(sorted(after), sorted(set(before) | {"server.lock"}))
+        # Pulls: from every cursor, the events after it, less the erased records and superseded
+        # metadata.
         kept = [(number, kind, event) for number, kind, _, _, event in map(sync.parse_feed_line,
-                                                                           self.lines_of(self.alice_feed))
+                                                                           self.lines_of(
+                                                                               self.alice_feed))
                 if kind != b"x"]
         self.assertEqual([number for number, _, _ in kept], [4, 5, 6, 8, 9, 10])
         for since in range(0, 12):
@@ -5094,24 +5527,32 @@ class CompactCommandTest(DataDirToolCase):
             if not more:
                 break
         self.assertEqual(cursors, [4, 5, 6, 8, 9, 10])
-        # The erased records are gone for good: pushed again, they are known (their keys stay); numbers go on.
+        # The erased records are gone for good: pushed again, they are known (their keys stay);
+        # numbers go on.
         store = feed_store(self.data_dir)
-        self.assertEqual(store.push(self.ALICE, "proj-x", *validated([record("gone", "g1")])), (10, 0))
-        self.assertEqual(store.push(self.ALICE, "proj-x", *validated([record("s1", "r3", seq=3)])), (11, 1))
+        self.assertEqual(store.push(self.ALICE, "proj-x", *validated([record("gone", "g1")])),
+                         (10, 0))
+        self.assertEqual(store.push(self.ALICE, "proj-x", *validated([record("s1", "r3", seq=3)])),
+                         (11, 1))
 
     def test_a_second_compaction_frees_nothing(self):
         self.assertEqual(self.run_tool("compact", "--data", self.data_dir)[0], 0)
         before = self.tree()
-        code, out, err = self.run_tool("compact", "--data", self.data_dir, "--retain-deleted-days", "90")
+        code, out, err = self.run_tool("compact", "--data", self.data_dir, "--retain-deleted-days",
+                                       "90")
         self.assertEqual((code, err), (0, ""))
         self.assertEqual(out, "compact: 0 bytes freed; 3 feeds with nothing to drop\n")
-        # Every file as it was (alice's is written again, as it has a deletion past the window: the same bytes).
-        self.assertEqual({path: value[::2] for path, value in self.tree().items() if path != "server.lock"},
-                         {path: value[::2] for path, value in before.items() if path != "server.lock"})
+        # Every file as it was (alice's is written again, as it has a deletion past the window: the
+        # same bytes).
+        self.assertEqual({path: value[::2] for path, value in self.tree().items()
+                          if path != "server.lock"},
+                         {path: value[::2] for path, value in before.items()
+                          if path != "server.lock"})
 
     def test_a_compaction_or_repair_keeps_the_feeds_mode_and_owner(self):
-        # A feed is 0600 (its sessions are no other user's to read) and its server's: a rewrite keeps both, whatever
-        # the umask, and when it runs as root (which works as the data dir's owner: in a child process then).
+        # A feed is 0600 (its sessions are no other user's to read) and its server's: a rewrite
+        # keeps both, whatever the umask, and when it runs as root (which works as the data dir's
+        # owner: in a child process then).
         self.addCleanup(os.umask, os.umask(0o022))
         owner, run_tool = (os.getuid(), os.getgid()), self.run_tool
         if os.geteuid() == 0:
@@ -5122,12 +5563,14 @@ class CompactCommandTest(DataDirToolCase):
 
         def assertKept(path, what):
             info = os.stat(path)
-            self.assertEqual((info.st_mode & 0o7777, info.st_uid, info.st_gid), (0o600,) + owner, what)
+            self.assertEqual((info.st_mode & 0o7777, info.st_uid, info.st_gid), (0o600,) + owner,
+                             what)
 
         code, out, _ = run_tool("compact", "--data", self.data_dir)
         self.assertIn(" freed, 2 records erased", out.splitlines()[0])
         assertKept(self.alice_feed, "compact")
-        # The server's own compaction, in the background: "recent" deleted now, erased with a window of 0.
+        # The server's own compaction, in the background: "recent" deleted now, erased with a
+        # window of 0.
         lines = self.lines_of(self.bob_feed)
         lines[1] = lines[1].replace(b'"laptop"', b'"laptoq"')
         with open(self.bob_feed, "wb") as f:
@@ -5141,11 +5584,13 @@ class CompactCommandTest(DataDirToolCase):
         self.assertEqual(os.stat(self.alice_feed).st_mode & 0o7777, 0o600)
 
     def test_the_retention_window_is_the_flags(self):
-        code, out, err = self.run_tool("compact", "--data", self.data_dir, "--retain-deleted-days", "0")
+        code, out, err = self.run_tool("compact", "--data", self.data_dir, "--retain-deleted-days",
+                                       "0")
         self.assertEqual((code, err), (0, ""))
         self.assertTrue(out.splitlines()[0].endswith(" freed, 3 records erased"), out)
         records = self.pull_all(self.ALICE, "proj-x", 0)[1]
-        self.assertEqual([json.loads(r)["id"] for r in records], ["r1", "r2"])  # "recent"'s k1 erased too
+        # "recent"'s k1 erased too
+        self.assertEqual([json.loads(r)["id"] for r in records], ["r1", "r2"])
 
     def test_a_feed_with_a_damaged_middle_line_is_left_as_it_is_and_exit_1(self):
         lines = self.lines_of(self.alice_feed)
@@ -5156,20 +5601,25 @@ class CompactCommandTest(DataDirToolCase):
         code, out, err = self.run_tool("compact", "--data", self.data_dir)
         self.assertEqual((code, err), (1, ""))
         self.assertEqual(out.splitlines(), [
-            "compact: %s: left as it is: %s:5: checksum mismatch (fsck --repair mends a damaged line)" % (
+            "compact: %s: left as it is: %s:5: checksum mismatch (fsck --repair mends a damaged "
+            "line)" % (
                 self.alice_feed, self.alice_feed),
             "compact: 0 bytes freed; 2 feeds with nothing to drop; 1 feed left as it was"])
-        self.assertEqual({path: value for path, value in self.tree().items() if path != "server.lock"}, before)
+        self.assertEqual({path: value for path, value in self.tree().items()
+                          if path != "server.lock"}, before)
 
 
 class PurgeCommandTest(DataDirToolCase):
-    """purge: a principal's tokens, own feeds and memory go; team feeds and others stay; numbering goes on."""
+    """purge: a principal's tokens, own feeds and memory go; team feeds and others stay; numbering
+    goes on."""
 
     def test_a_dry_run_prints_the_report_and_changes_nothing(self):
         before = self.tree()
-        code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "alice", "--dry-run")
+        code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "alice",
+                                       "--dry-run")
         self.assertEqual((code, err), (0, ""))
-        self.assertEqual(out.splitlines(), self.purge_report("would remove") + ["purge: --dry-run: nothing was changed"])
+        self.assertEqual(out.splitlines(), self.purge_report("would remove")
+                         + ["purge: --dry-run: nothing was changed"])
         self.assertEqual(self.tree(), before)  # not even a lock file made
 
     def test_a_dry_run_on_a_dir_a_server_ran_on_leaves_its_lock_file_as_it_was(self):
@@ -5177,7 +5627,8 @@ class PurgeCommandTest(DataDirToolCase):
             f.write(b"12345\n")  # the last server's process id
         os.utime(self.layout.lock, ns=(1, 1))
         before = self.tree()
-        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "alice", "--dry-run")[0], 0)
+        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "alice",
+                                       "--dry-run")[0], 0)
         self.assertEqual(self.tree(), before)
 
     def test_purge_erases_the_principal_and_leaves_team_feeds_and_others(self):
@@ -5185,7 +5636,8 @@ class PurgeCommandTest(DataDirToolCase):
         before = self.tree()
         code, out, err = self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")
         self.assertEqual((code, err), (0, ""))
-        self.assertEqual(out.splitlines(), [line.replace("would remove", "removed") for line in report]
+        self.assertEqual(out.splitlines(),
+                         [line.replace("would remove", "removed") for line in report]
                          + ["purge: alice is erased (2 tokens, 1 feed, 2 memory scopes)"])
         after = self.tree()
         gone = sorted(path for path in before if path not in after)
@@ -5194,7 +5646,8 @@ class PurgeCommandTest(DataDirToolCase):
         self.assertEqual(sorted(path for path in after if path not in before),
                          [os.path.join("feeds", "purged.json"), "server.lock"])
         changed = sorted(path for path in after if path in before and after[path] != before[path])
-        self.assertEqual(changed, ["feeds", "memory", "tokens.json"])  # (directories: an entry less)
+        # (directories: an entry less)
+        self.assertEqual(changed, ["feeds", "memory", "tokens.json"])
         # Tokens: alice's revoked, bob's kept.
         code, out, err = self.run_tool("token", "list", "--data", self.data_dir)
         self.assertEqual(code, 0)
@@ -5209,11 +5662,13 @@ class PurgeCommandTest(DataDirToolCase):
         # The team's feed is as it was, and so are bob's feed and memory.
         self.assertEqual(self.pull_all(self.TEAM, "proj-x", 0)[0], 2)
         memory = memory_store(self.data_dir)
-        self.assertEqual([json.loads(e)["id"] for e in memory.snapshot("bob", sync.USER_SCOPE).entries], ["v"])
+        self.assertEqual([json.loads(e)["id"]
+                          for e in memory.snapshot("bob", sync.USER_SCOPE).entries], ["v"])
         self.assertEqual(as_doc(memory.snapshot("alice", sync.USER_SCOPE))["entries"], [])
 
     def test_purge_run_as_root_leaves_what_it_writes_to_the_data_dirs_owner(self):
-        # Else the server, run as that owner, cannot read feeds/purged.json and answers every push 500.
+        # Else the server, run as that owner, cannot read feeds/purged.json and answers every push
+        # 500.
         owner, run_tool = (os.getuid(), os.getgid()), self.run_tool
         if os.geteuid() == 0:
             owner, run_tool = (65534, 65534), run_module  # a service user's data dir, with sudo
@@ -5221,22 +5676,26 @@ class PurgeCommandTest(DataDirToolCase):
         self.assertEqual(run_tool("purge", "--data", self.data_dir, "--principal", "alice")[0], 0)
         for path in (self.layout.purged, self.layout.lock):
             info = os.stat(path)
-            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), owner + (0o600,), path)
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), owner + (0o600,),
+                             path)
         self.assertEqual(run_tool("purge", "--data", self.data_dir, "--principal", "bob")[0], 0)
         info = os.stat(self.layout.purged)  # rewritten: still theirs
         self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), owner + (0o600,))
 
     def test_a_purged_feed_pushed_to_again_numbers_on_after_its_old_end(self):
-        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal", "alice")[0], 0)
+        self.assertEqual(self.run_tool("purge", "--data", self.data_dir, "--principal",
+                                       "alice")[0], 0)
         store = feed_store(self.data_dir)
         self.assertEqual(store.projects(self.ALICE), [])
         self.assertEqual(self.pull_all(self.ALICE, "proj-x", 10), (10, [], [], False))
         new = record("s9", "n1")
         self.assertEqual(store.push(self.ALICE, "proj-x", *validated([new])), (11, 1))
-        # A client that had pulled the old feed to its end (10) gets the new event, and so does a new one.
+        # A client that had pulled the old feed to its end (10) gets the new event, and so does a
+        # new one.
         for since in (0, 10):
             cursor, records, sessions, more = self.pull_all(self.ALICE, "proj-x", since)
-            self.assertEqual((cursor, [json.loads(r) for r in records], sessions, more), (11, [new], [], False))
+            self.assertEqual((cursor, [json.loads(r) for r in records], sessions, more),
+                             (11, [new], [], False))
         self.assertEqual(sync.parse_feed_line(self.lines_of(self.alice_feed)[0])[0], 11)
         self.assertEqual(feed_store(self.data_dir).projects(self.ALICE), ["proj-x"])
         # Another project of the same owner starts at 1.
@@ -5325,12 +5784,13 @@ class PurgeCommandTest(DataDirToolCase):
             "purge: dave is erased (0 tokens, 0 feeds, 1 memory scope)"], ""))
         self.assertFalse(os.path.exists(os.path.join(self.layout.memory, "u-dave")))
         self.assertFalse(os.path.exists(self.layout.purged))  # no feed went: no numbering to keep
-        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["alice", "alice", "bob"])
+        self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()],
+                         ["alice", "alice", "bob"])
 
 
 class BackupCommandTest(DataDirToolCase):
-    """backup --to and --tar: a copy that is itself a data dir, marked as a copy, written aside and renamed into
-    place; read-only against the data dir."""
+    """backup --to and --tar: a copy that is itself a data dir, marked as a copy, written aside and
+    renamed into place; read-only against the data dir."""
 
     SUMMARY = re.compile(r"backup: copied (\S+) to (.+) in [0-9.]+ s: (.*)\n")
 
@@ -5340,15 +5800,18 @@ class BackupCommandTest(DataDirToolCase):
         self.dest = os.path.join(self.parent, "copy")
 
     def expected_copy(self):
-        """The data dir's tree as a backup must copy it: feeds, tokens, manifests and the objects they name (not
-        alice's replaced note "b", kept an hour for readers), no lock file; and the mark."""
+        """The data dir's tree as a backup must copy it: feeds, tokens, manifests and the objects
+        they name (not alice's replaced note "b", kept an hour for readers), no lock file; and the
+        mark."""
         source = self.tree()
         kept = {path: value[0] for path, value in source.items() if value[0] is not None
                 and not path.endswith(".lock")}
         manifest = self.layout.scope_files("alice", sync.MemoryScope("proj-x")).manifest
         with open(manifest, "rb") as f:
-            live = {entry["rev"] for entry in json.loads(f.read())["entries"].values() if entry["hash"]}
-        objects = [path for path in kept if "objects" in path and os.path.basename(path)[:-5] not in live
+            live = {entry["rev"] for entry in json.loads(f.read())["entries"].values()
+                    if entry["hash"]}
+        objects = [path for path in kept if "objects" in path
+                   and os.path.basename(path)[:-5] not in live
                    and path.startswith(os.path.join("memory", "u-alice", "p-proj-x"))]
         self.assertEqual(len(objects), 1)  # the replaced note, left for garbage collection
         del kept[objects[0]]
@@ -5365,20 +5828,25 @@ class BackupCommandTest(DataDirToolCase):
         self.assertEqual((mark["version"], mark["by"]), (1, "backup"))
         self.assertTrue(before <= mark["taken"] <= after, mark)
 
-    def test_a_backup_is_a_marked_data_dir_that_fsck_passes_and_the_data_dir_is_left_as_it_was(self):
+    def test_a_backup_is_a_marked_data_dir_that_fsck_passes_and_the_data_dir_is_left_as_it_was(
+        self):
         before, started = self.tree(), int(time.time() * 1000)
         code, out, err = self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)
         self.assertEqual((code, err), (0, ""))
-        copied = sum(len(data) for data in self.expected_copy().values()) + 49  # (the mark's 49 bytes)
+        # (the mark's 49 bytes)
+        copied = sum(len(data) for data in self.expected_copy().values()) + 49
         self.assertEqual(self.SUMMARY.fullmatch(out).groups(), (
             self.data_dir, self.dest,
-            "3 feeds (%s in all), 3 memory scopes with 3 notes, 3 tokens" % sync.format_bytes(copied)))
+            "3 feeds (%s in all), 3 memory scopes with 3 notes, 3 tokens"
+            % sync.format_bytes(copied)))
         self.assertEqual(self.tree(), before)
         files, mark = self.copied(self.dest)
         self.assertEqual(files, self.expected_copy())
         self.assertMark(mark, started, int(time.time() * 1000))
-        for path, (_, mtime, mode) in self.tree(self.dest).items():  # the owner's alone; a feed's time kept
-            self.assertEqual(mode & 0o777, 0o700 if os.path.isdir(os.path.join(self.dest, path)) else 0o600, path)
+        # the owner's alone; a feed's time kept
+        for path, (_, mtime, mode) in self.tree(self.dest).items():
+            self.assertEqual(mode & 0o777, 0o700 if os.path.isdir(os.path.join(self.dest, path))
+                             else 0o600, path)
             if path.endswith(".jsonl"):
                 self.assertEqual(mtime, before[path][1])
         self.assertEqual(sorted(os.listdir(self.parent)), ["copy", "data"])  # nothing left aside
@@ -5391,7 +5859,8 @@ class BackupCommandTest(DataDirToolCase):
         self.assertEqual((code, err, self.SUMMARY.fullmatch(out).group(2)), (0, "", archive))
         restored = os.path.join(self.parent, "restored")
         os.mkdir(restored)
-        result = subprocess.run(["tar", "-x", "-f", archive, "-C", restored], stdout=subprocess.PIPE,
+        result = subprocess.run(["tar", "-x", "-f", archive, "-C", restored],
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
         self.assertEqual((result.returncode, result.stderr), (0, b""))
         files, mark = self.copied(restored)
@@ -5399,12 +5868,15 @@ class BackupCommandTest(DataDirToolCase):
         self.assertMark(mark, started, int(time.time() * 1000))
         with tarfile.open(archive) as tar:
             members = tar.getmembers()
-        self.assertEqual(members[0].name, "restored-from-backup.json")  # first: even a torn archive is marked
-        self.assertEqual({(m.mode, m.uid) for m in members}, {(0o600, os.getuid()), (0o700, os.getuid())})
+        # first: even a torn archive is marked
+        self.assertEqual(members[0].name, "restored-from-backup.json")
+        self.assertEqual({(m.mode, m.uid) for m in members},
+                         {(0o600, os.getuid()), (0o700, os.getuid())})
         self.assertEqual(sorted(os.listdir(self.parent)), ["data", "data.tar", "restored"])
 
     def test_an_archive_cut_short_at_a_members_end_is_refused_by_the_server(self):
-        # tar -x takes it for a whole one; the mark it begins with says otherwise, until the last member replaces it.
+        # tar -x takes it for a whole one; the mark it begins with says otherwise, until the last
+        # member replaces it.
         archive = os.path.join(self.parent, "data.tar")
         self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--tar", archive)[0], 0)
         with tarfile.open(archive) as tar:
@@ -5415,21 +5887,27 @@ class BackupCommandTest(DataDirToolCase):
             f.write(data[:cut])
         restored = os.path.join(self.parent, "restored")
         os.mkdir(restored)
-        self.assertEqual(subprocess.run(["tar", "-x", "-f", archive, "-C", restored]).returncode, 0)
+        self.assertEqual(subprocess.run(["tar", "-x", "-f", archive, "-C", restored]).returncode,
+                         0)
         with self.assertRaises(sync.UsageError) as caught:
             sync.build_server(restored, server_config(), CapturingLog([]))
         self.assertEqual(str(caught.exception), (
-            "cannot start on the restored copy %s: the backup archive this copy came from was cut short (%s says "
-            "so): restore a whole one" % (restored, os.path.join(restored, "restored-from-backup.json"))))
+            "cannot start on the restored copy %s: the backup archive this copy came from was cut "
+            "short (%s says "
+            "so): restore a whole one"
+            % (restored, os.path.join(restored, "restored-from-backup.json"))))
 
     def test_tar_to_standard_output_reports_on_standard_error(self):
-        result = subprocess.run([sys.executable, MODULE, "backup", "--data", self.data_dir, "--tar", "-"],
+        result = subprocess.run([sys.executable, MODULE, "backup", "--data", self.data_dir,
+                                 "--tar", "-"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
         self.assertEqual(result.returncode, 0, result.stderr)
-        self.assertEqual(self.SUMMARY.fullmatch(result.stderr.decode()).group(2), "standard output")
+        self.assertEqual(self.SUMMARY.fullmatch(result.stderr.decode()).group(2),
+                         "standard output")
         with tarfile.open(fileobj=io.BytesIO(result.stdout)) as tar:
             names = tar.getnames()
-            data = {name: tar.extractfile(name).read() for name in names if tar.getmember(name).isfile()}
+            data = {name: tar.extractfile(name).read() for name in names
+                    if tar.getmember(name).isfile()}
         data.pop("restored-from-backup.json")
         self.assertEqual(data, self.expected_copy())
 
@@ -5456,14 +5934,18 @@ class BackupCommandTest(DataDirToolCase):
         inside = os.path.join(self.data_dir, "feeds", "copy")
         before = self.tree(self.parent)
         for flag, dest, message in (
-                ("--to", self.dest, "--to %s exists and is not empty: a backup never writes over anything"
+                ("--to", self.dest,
+                 "--to %s exists and is not empty: a backup never writes over anything"
                  % self.dest),
-                ("--tar", tar_file, "--tar %s exists and is not empty: a backup never writes over anything"
+                ("--tar", tar_file,
+                 "--tar %s exists and is not empty: a backup never writes over anything"
                  % tar_file),
                 ("--to", self.data_dir, "--to %s is inside the data dir %s: put the copy elsewhere"
                  % (self.data_dir, self.data_dir)),
-                ("--to", inside, "--to %s is inside the data dir %s: put the copy elsewhere" % (inside, self.data_dir)),
-                ("--tar", os.path.join(self.parent, "no", "x.tar"), "--tar %s: no such directory %s" % (
+                ("--to", inside, "--to %s is inside the data dir %s: put the copy elsewhere"
+                 % (inside, self.data_dir)),
+                ("--tar", os.path.join(self.parent, "no", "x.tar"),
+                 "--tar %s: no such directory %s" % (
                     os.path.join(self.parent, "no", "x.tar"), os.path.join(self.parent, "no")))):
             self.assertEqual(self.run_tool("backup", "--data", self.data_dir, flag, dest),
                              (2, "", "oharness-sync: error: %s\n" % message), flag)
@@ -5486,11 +5968,13 @@ class BackupCommandTest(DataDirToolCase):
             with mock.patch.object(sync.DataDirCopy, "copy_scope", stop_at_the_second_scope):
                 with self.assertRaises(KeyboardInterrupt):
                     self.run_tool("backup", "--data", self.data_dir, flag, dest)
-            self.assertEqual(sorted(os.listdir(self.parent)), ["data"], flag)  # (what was aside is gone too)
+            # (what was aside is gone too)
+            self.assertEqual(sorted(os.listdir(self.parent)), ["data"], flag)
             copied_scopes.clear()
 
     def test_a_backup_killed_at_any_moment_leaves_no_destination_that_looks_whole(self):
-        # The child says each file it has copied and waits; it is killed after the n-th, for each n.
+        # The child says each file it has copied and waits; it is killed after the n-th, for each
+        # n.
         script = ("import sys, time; sys.path.insert(0, %r); import oharness_sync as sync\n"
                   "add = sync.BackupDir.add\n"
                   "def slow_add(self, *args):\n"
@@ -5499,7 +5983,8 @@ class BackupCommandTest(DataDirToolCase):
                   "sys.exit(sync.main(sys.argv[1:]))\n" % HERE)
         files = len(self.expected_copy()) + 1
         for kill_after in range(files + 1):
-            child = subprocess.Popen([sys.executable, "-c", script, "backup", "--data", self.data_dir, "--to",
+            child = subprocess.Popen([sys.executable, "-c", script, "backup", "--data",
+                                      self.data_dir, "--to",
                                       self.dest], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             for _ in range(kill_after):
                 self.assertTrue(child.stdout.readline())
@@ -5516,7 +6001,8 @@ class BackupCommandTest(DataDirToolCase):
                     self.assertTrue(name.startswith("copy.partial-"), name)
                     shutil.rmtree(os.path.join(self.parent, name))
         # Let through, it finishes.
-        child = subprocess.run([sys.executable, "-c", script, "backup", "--data", self.data_dir, "--to", self.dest],
+        child = subprocess.run([sys.executable, "-c", script, "backup", "--data", self.data_dir,
+                                "--to", self.dest],
                                input=b"\n" * files, stdout=subprocess.PIPE, timeout=60)
         self.assertEqual(child.returncode, 0)
         self.assertEqual(self.copied(self.dest)[0], self.expected_copy())
@@ -5533,8 +6019,11 @@ class BackupCommandTest(DataDirToolCase):
             os.path.relpath(self.bob_feed, self.data_dir)][:-len(b'{"n":5,"k":"r"')]
         del expected[os.path.relpath(self.team_feed, self.data_dir)]
         code, out, err = self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)
-        self.assertEqual((code, err), (1, "backup: %s is a link: not followed, not copied (fsck --data %s says more)\n"
-                                       % (self.team_feed, self.data_dir)))
+        self.assertEqual((code, err),
+                         (1,
+                          "backup: %s is a link: not followed, not copied (fsck --data %s says "
+                          "more)\n"
+                          % (self.team_feed, self.data_dir)))
         self.assertTrue(out.endswith("; 1 link skipped\n"), out)
         self.assertEqual(self.copied(self.dest)[0], expected)
 
@@ -5549,9 +6038,13 @@ class BackupCommandTest(DataDirToolCase):
             return fd
 
         with mock.patch.object(sync, "open_no_link", open_then_compact):
-            self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)[0], 0)
-        self.assertEqual(self.lines_of(self.alice_feed), self.compacted_alice_feed().splitlines(True))  # (it ran)
-        self.assertEqual(self.lines_of(os.path.join(self.dest, os.path.relpath(self.alice_feed, self.data_dir))),
+            self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--to",
+                                           self.dest)[0], 0)
+        self.assertEqual(self.lines_of(self.alice_feed),
+                         self.compacted_alice_feed().splitlines(True))  # (it ran)
+        self.assertEqual(self.lines_of(os.path.join(self.dest,
+                                                    os.path.relpath(self.alice_feed,
+                                                                    self.data_dir))),
                          old)
 
     def test_a_scope_committed_to_while_it_is_read_is_read_again(self):
@@ -5571,7 +6064,8 @@ class BackupCommandTest(DataDirToolCase):
             return data, info
 
         with mock.patch.object(sync.DataDirCopy, "read_small", commit_once_the_manifest_is_read):
-            self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--to", self.dest)[0], 0)
+            self.assertEqual(self.run_tool("backup", "--data", self.data_dir, "--to",
+                                           self.dest)[0], 0)
         copy = memory_store(self.dest)
         self.assertEqual(as_doc(copy.snapshot("bob", sync.USER_SCOPE))["entries"],
                          [wire_entry("v", body="new")])
@@ -5588,25 +6082,31 @@ class BackupCommandTest(DataDirToolCase):
         code, out, err = self.run_tool("backup", "--mark-restored", "--data", copy)
         taken = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(int(newest * 1000) / 1000))
         self.assertEqual((code, out, err), (0, (
-            "backup: marked %s as a copy taken by %s: its next start makes every feed number on past what was "
+            "backup: marked %s as a copy taken by %s: its next start makes every feed number on "
+            "past what was "
             "handed out since, and gives every memory scope a new etag\n" % (copy, taken)), ""))
         with open(os.path.join(copy, "restored-from-backup.json")) as f:
-            self.assertEqual(json.load(f), {"version": 1, "taken": int(newest * 1000), "by": "backup --mark-restored"})
+            self.assertEqual(json.load(f),
+                             {"version": 1, "taken": int(newest * 1000),
+                              "by": "backup --mark-restored"})
         self.assertEqual(self.run_tool("backup", "--mark-restored", "--data", copy), (0, (
             "backup: %s is marked already: its next start applies the restore\n" % copy), ""))
         server = SubprocessServer(copy)  # a server runs on it: refused
         try:
-            self.assertFalse(os.path.exists(os.path.join(copy, "restored-from-backup.json")))  # (applied)
+            # (applied)
+            self.assertFalse(os.path.exists(os.path.join(copy, "restored-from-backup.json")))
             self.assertEqual(self.run_tool("backup", "--mark-restored", "--data", copy), (2, "", (
-                "oharness-sync: error: a server is using %s: stop it first (backup --mark-restored needs the data "
+                "oharness-sync: error: a server is using %s: stop it first (backup "
+                "--mark-restored needs the data "
                 "dir to itself)\n" % copy)))
         finally:
             server.stop()
 
 
 class RestoreMarkTest(DataDirToolCase):
-    """apply_restore, a server's first start on a marked copy: every feed numbers on past the floor, every memory
-    scope gets a new etag, one line is logged, and the mark goes; a start that crashed half-way does the rest once."""
+    """apply_restore, a server's first start on a marked copy: every feed numbers on past the
+    floor, every memory scope gets a new etag, one line is logged, and the mark goes; a start that
+    crashed half-way does the rest once."""
 
     NOW = 1796400000.0  # a server's clock, in seconds
 
@@ -5619,7 +6119,8 @@ class RestoreMarkTest(DataDirToolCase):
     def apply(self, lines=None):
         feeds, memory = feed_store(self.data_dir), memory_store(self.data_dir)
         self.addCleanup(close_store, feeds)
-        sync.apply_restore(feeds, memory, (lines if lines is not None else []).append, clock=lambda: self.NOW)
+        sync.apply_restore(feeds, memory, (lines if lines is not None else []).append,
+                           clock=lambda: self.NOW)
         return feeds, memory
 
     def etags(self):
@@ -5639,8 +6140,10 @@ class RestoreMarkTest(DataDirToolCase):
         feeds, memory = self.apply(lines)
         floor = 10 + 2 ** 32 + 1024 * 5000  # alice's feed, at 10, has the highest number
         taken = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.NOW - 5))
-        self.assertEqual(lines, ["restored from a copy taken %s UTC (backup): feeds number on after %d (3 feeds "
-                                 "jumped), 3 memory scopes got a new etag" % (taken, floor)])
+        self.assertEqual(lines,
+                         ["restored from a copy taken %s UTC (backup): feeds number on after %d "
+                          "(3 feeds "
+                          "jumped), 3 memory scopes got a new etag" % (taken, floor)])
         for path in (self.alice_feed, self.team_feed, self.bob_feed):
             self.assertEqual(self.last_line(path), (floor, b"x"))
         after = self.etags()
@@ -5657,7 +6160,8 @@ class RestoreMarkTest(DataDirToolCase):
         self.assertEqual(feeds.push(self.BOB, "proj-new", *validated([new])), (floor + 1, 1))
         cursor, records, _, _ = self.pull_all(self.BOB, "proj-b", 6)
         self.assertEqual((cursor, [json.loads(r) for r in records]), (floor + 1, [new]))
-        self.assertEqual(feed_store(self.data_dir).push(self.ALICE, "other", *validated([new])), (floor + 1, 1))
+        self.assertEqual(feed_store(self.data_dir).push(self.ALICE, "other", *validated([new])),
+                         (floor + 1, 1))
         # A second start: nothing more.
         lines, etags = [], self.etags()
         self.apply(lines)
@@ -5681,7 +6185,8 @@ class RestoreMarkTest(DataDirToolCase):
         shutil.rmtree(self.data_dir)
         shutil.copytree(copy, self.data_dir)
         self.mark(taken)
-        self.NOW += 1.0  # a second later: 1024 numbers a millisecond past the first restore's floor, which no feed
+        # a second later: 1024 numbers a millisecond past the first restore's floor, which no feed
+        self.NOW += 1.0
         # can have taken in the meanwhile
         self.apply()
         self.assertEqual(self.last_line(self.bob_feed)[0], first + 1024 * 1000)
@@ -5704,8 +6209,9 @@ class RestoreMarkTest(DataDirToolCase):
                 self.apply()
         floor = 10 + 2 ** 32
         with open(self.layout.restore_mark) as f:
-            self.assertEqual(json.load(f), {"version": 1, "taken": int(self.NOW * 1000), "by": "backup",
-                                            "floor": floor})
+            self.assertEqual(json.load(f),
+                             {"version": 1, "taken": int(self.NOW * 1000), "by": "backup",
+                              "floor": floor})
         jumped = calls[0]
         self.assertEqual(self.last_line(jumped), (floor, b"x"))
         self.NOW += 3600  # an hour later: the floor stays the one chosen
@@ -5714,7 +6220,8 @@ class RestoreMarkTest(DataDirToolCase):
         self.assertEqual(len(lines), 1)
         for path in (self.alice_feed, self.team_feed, self.bob_feed):
             self.assertEqual(self.last_line(path), (floor, b"x"))
-            self.assertEqual(sum(1 for line in self.lines_of(path) if sync.parse_feed_line(line)[0] == floor), 1)
+            self.assertEqual(sum(1 for line in self.lines_of(path)
+                                 if sync.parse_feed_line(line)[0] == floor), 1)
         self.assertTrue(all(etag != before[scope][0] for scope, (etag, _) in self.etags().items()))
         self.assertFalse(os.path.exists(self.layout.restore_mark))
 
@@ -5728,8 +6235,9 @@ class RestoreMarkTest(DataDirToolCase):
                 f.write(mark)
             with self.assertRaises(sync.UsageError) as caught:
                 sync.build_server(self.data_dir, server_config(), log)
-            self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: %s" % (self.data_dir,
-                                                                                                 message))
+            self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: %s"
+                             % (self.data_dir,
+                               message))
         elsewhere = os.path.join(os.path.dirname(self.data_dir), "mark")
         with open(elsewhere, "w") as f:
             json.dump({"version": 1, "taken": 0, "by": "backup"}, f)
@@ -5737,7 +6245,8 @@ class RestoreMarkTest(DataDirToolCase):
         os.symlink(elsewhere, self.layout.restore_mark)  # never followed
         with self.assertRaises(sync.UsageError) as caught:
             sync.build_server(self.data_dir, server_config(), log)
-        self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: %s: a link, refused: nothing "
+        self.assertEqual(str(caught.exception),
+                         "cannot start on the restored copy %s: %s: a link, refused: nothing "
                          "in a data dir is ever followed through a link (fsck --repair removes it)"
                          % (self.data_dir, self.layout.restore_mark))
         os.unlink(self.layout.restore_mark)
@@ -5746,16 +6255,18 @@ class RestoreMarkTest(DataDirToolCase):
         self.mark(int(time.time() * 1000))
         with self.assertRaises(sync.UsageError) as caught:
             sync.build_server(self.data_dir, server_config(), log)
-        self.assertEqual(str(caught.exception), "cannot start on the restored copy %s: feed numbers would pass 2**53 "
-                         "(at %d): no room for another restore" % (self.data_dir, 2 ** 53 - 2 ** 32))
+        self.assertEqual(str(caught.exception),
+                         "cannot start on the restored copy %s: feed numbers would pass 2**53 "
+                         "(at %d): no room for another restore"
+                         % (self.data_dir, 2 ** 53 - 2 ** 32))
         self.assertEqual(log.lines, [])
 
 
 class BackupRestoreWireTest(ServerCase):
-    """The issue's walk: push 4 events, back up, push 2 more and let a device pull to 6; stop, restore the backup,
-    start, push 2 more: that device, pulling on from 6, gets both; a device holding the latest etag gets 409, then
-    a snapshot equal to the restored one. Restored from backup --to, from backup --tar - by tar -x, and from a cp -a
-    copy marked by hand."""
+    """The issue's walk: push 4 events, back up, push 2 more and let a device pull to 6; stop,
+    restore the backup, start, push 2 more: that device, pulling on from 6, gets both; a device
+    holding the latest etag gets 409, then a snapshot equal to the restored one. Restored from
+    backup --to, from backup --tar - by tar -x, and from a cp -a copy marked by hand."""
 
     def pushed(self, *ids):
         for record_id in ids:
@@ -5764,7 +6275,8 @@ class BackupRestoreWireTest(ServerCase):
     def walk(self, back_up, restore):
         self.pushed("r1", "r2", "r3", "r4")
         restored_notes = [wire_entry("n1")]
-        backed_up_etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=restored_notes)
+        backed_up_etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]),
+                                        entries=restored_notes)
         back_up()
         self.pushed("r5", "r6")
         device = self.pull(self.alice, since=0).json
@@ -5775,7 +6287,8 @@ class BackupRestoreWireTest(ServerCase):
         restore()
         self.start_server()
         self.assertEqual(len(self.log_lines), 1, self.log_lines)
-        self.assertTrue(self.log_lines[0].startswith("restored from a copy taken "), self.log_lines)
+        self.assertTrue(self.log_lines[0].startswith("restored from a copy taken "),
+                        self.log_lines)
         self.pushed("r7", "r8")
         answer = self.pull(self.alice, since=device["cursor"])
         self.assertAnswer(answer, 200)
@@ -5783,11 +6296,13 @@ class BackupRestoreWireTest(ServerCase):
         self.assertEqual(answer.json["more"], False)
         self.assertEqual([r["id"] for r in self.pull(self.alice, since=0).json["records"]],
                          ["r1", "r2", "r3", "r4", "r7", "r8"])
-        wire_assert_code(self, wire_commit(self, [memory_put("n3")], latest_etag), 409, "revision_conflict")
+        wire_assert_code(self, wire_commit(self, [memory_put("n3")], latest_etag), 409,
+                         "revision_conflict")
         snapshot = wire_snapshot(self, knownEtag=latest_etag)
         etag = wire_assert_ok(self, snapshot, entries=restored_notes)
         self.assertNotIn(etag, (backed_up_etag, latest_etag))
-        wire_assert_code(self, wire_commit(self, [memory_put("n3")], backed_up_etag), 409, "revision_conflict")
+        wire_assert_code(self, wire_commit(self, [memory_put("n3")], backed_up_etag), 409,
+                         "revision_conflict")
         # A start after it jumps nothing more.
         self.restart_server()
         self.assertEqual(self.log_lines, [])
@@ -5801,7 +6316,8 @@ class BackupRestoreWireTest(ServerCase):
 
     def replace_data_dir(self, command):
         shutil.rmtree(self.data_dir)
-        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                timeout=60)
         self.assertEqual((result.returncode, result.stderr), (0, b""), command)
 
     def test_restored_from_backup_to(self):
@@ -5817,13 +6333,15 @@ class BackupRestoreWireTest(ServerCase):
 
         def back_up():
             with open(archive, "wb") as out:
-                result = subprocess.run([sys.executable, MODULE, "backup", "--data", self.data_dir, "--tar", "-"],
+                result = subprocess.run([sys.executable, MODULE, "backup", "--data", self.data_dir,
+                                         "--tar", "-"],
                                         stdout=out, stderr=subprocess.PIPE, timeout=60)
             self.assertEqual(result.returncode, 0, result.stderr)
 
         def restore():
             self.replace_data_dir(["mkdir", self.data_dir])
-            result = subprocess.run(["tar", "-x", "-f", archive, "-C", self.data_dir], stderr=subprocess.PIPE)
+            result = subprocess.run(["tar", "-x", "-f", archive, "-C", self.data_dir],
+                                    stderr=subprocess.PIPE)
             self.assertEqual((result.returncode, result.stderr), (0, b""))
 
         self.walk(back_up, restore)
@@ -5844,7 +6362,8 @@ class PlantedLinksTest(DataDirToolCase):
 
     def setUp(self):
         super().setUp()
-        if os.geteuid() == 0:  # a service user's data dir, tended by root as the README says (working as nobody)
+        # a service user's data dir, tended by root as the README says (working as nobody)
+        if os.geteuid() == 0:
             self.give_to_nobody()
         self.outside = outside_file(self)
         self.outside_before = file_state(self.outside)
@@ -5857,7 +6376,8 @@ class PlantedLinksTest(DataDirToolCase):
 
     def running_as(self):
         """What a tool says first on stderr here: as root, that it works as nobody."""
-        return ("running as nobody (uid 65534), the owner of %s\n" % self.data_dir) if os.geteuid() == 0 else ""
+        return ("running as nobody (uid 65534), the owner of %s\n"
+                % self.data_dir) if os.geteuid() == 0 else ""
 
     def test_compact_makes_its_aside_file_afresh_and_never_writes_through_a_link_there(self):
         aside = self.alice_feed + sync.COMPACT_SUFFIX
@@ -5972,16 +6492,18 @@ class PlantedLinksTest(DataDirToolCase):
 
 
 class BackupUnderLoadTest(ServerCase):
-    """backup while two clients push without a pause: the copy passes fsck and holds every push answered before the
-    backup began (and every note committed before it)."""
+    """backup while two clients push without a pause: the copy passes fsck and holds every push
+    answered before the backup began (and every note committed before it)."""
 
     FEEDS = 20
 
     def test_a_backup_under_a_steady_push_load_holds_every_push_answered_before_it_began(self):
         projects = ["p%d" % i for i in range(self.FEEDS)]
         for project in projects:
-            self.assertAnswer(self.push(self.alice, project, records=[record(record_id="first")]), 200)
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n0")]), entries=[wire_entry("n0")])
+            self.assertAnswer(self.push(self.alice, project, records=[record(record_id="first")]),
+                              200)
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n0")]),
+                              entries=[wire_entry("n0")])
         answered, stop = [], threading.Event()  # (project, record id, when its 200 came)
         notes = []  # (etag, when its commit was answered)
 
@@ -5998,7 +6520,8 @@ class BackupUnderLoadTest(ServerCase):
                     answer = wire_commit(self, [memory_put("n%d" % i)], etag)
                     self.assertEqual(answer.status, 200, answer.raw)
                     etag = answer.json["etag"]
-                    notes.append((sorted(entry["id"] for entry in answer.json["entries"]), time.monotonic()))
+                    notes.append((sorted(entry["id"] for entry in answer.json["entries"]),
+                                  time.monotonic()))
                 i += 1
 
         clients = [threading.Thread(target=client, args=(name,)) for name in "ab"]
@@ -6035,12 +6558,13 @@ class BackupUnderLoadTest(ServerCase):
         self.assertEqual(missing, [])
         snapshot = as_doc(memory_store(dest).snapshot("alice", sync.MemoryScope("proj")))
         ids = sorted(entry["id"] for entry in snapshot["entries"])
-        self.assertTrue(all(set(before) <= set(ids) for before, when in notes if when < began), ids)
+        self.assertTrue(all(set(before) <= set(ids) for before, when in notes if when < began),
+                        ids)
 
 
 class ToolsWithAServerUpTest(DataDirToolCase):
-    """usage and purge --dry-run read a data dir a server runs on; compact and purge refuse it, and leave it as it
-    was."""
+    """usage and purge --dry-run read a data dir a server runs on; compact and purge refuse it, and
+    leave it as it was."""
 
     def test_usage_and_a_dry_run_read_while_a_server_runs_and_compact_and_purge_refuse(self):
         server = SubprocessServer(self.data_dir)
@@ -6053,9 +6577,11 @@ class ToolsWithAServerUpTest(DataDirToolCase):
             for command in (["compact"], ["purge", "--principal", "alice"]):
                 result = run_module(command[0], "--data", self.data_dir, *command[1:])
                 self.assertEqual((result.returncode, result.stdout, result.stderr), (2, "", (
-                    "oharness-sync: error: a server is using %s: stop it first (%s needs the data dir to itself)\n"
+                    "oharness-sync: error: a server is using %s: stop it first (%s needs the data "
+                    "dir to itself)\n"
                     % (self.data_dir, command[0]))), command)
-            result = run_module("purge", "--data", self.data_dir, "--principal", "alice", "--dry-run")
+            result = run_module("purge", "--data", self.data_dir, "--principal", "alice",
+                                "--dry-run")
             self.assertEqual((result.returncode, result.stderr), (0, ""))
             self.assertEqual(result.stdout.splitlines(), self.purge_report("would remove") + [
                 "purge: --dry-run: nothing was changed",
@@ -6066,7 +6592,8 @@ class ToolsWithAServerUpTest(DataDirToolCase):
 
 
 class ToolsBadInputTest(DataDirToolCase):
-    """usage, compact and purge answer bad input with one line and exit 2, and leave the data dir as it was."""
+    """usage, compact and purge answer bad input with one line and exit 2, and leave the data dir
+    as it was."""
 
     def assertRefused(self, argv, message):
         parent = os.path.dirname(self.data_dir)
@@ -6078,7 +6605,8 @@ class ToolsBadInputTest(DataDirToolCase):
     def test_a_missing_data_dir_is_named_and_not_made(self):
         missing = os.path.join(os.path.dirname(self.data_dir), "missing")
         for argv in (["usage", "--data", missing], ["usage", "--data", missing, "--json"],
-                     ["compact", "--data", missing], ["purge", "--data", missing, "--principal", "alice"],
+                     ["compact", "--data", missing],
+                     ["purge", "--data", missing, "--principal", "alice"],
                      ["purge", "--data", missing, "--principal", "alice", "--dry-run"]):
             self.assertRefused(argv, "%s is not a directory" % missing)
             self.assertFalse(os.path.exists(missing))
@@ -6095,17 +6623,21 @@ class ToolsBadInputTest(DataDirToolCase):
                                "argument --retain-deleted-days: invalid int value: 'x'")
 
     def test_an_unknown_principal_or_a_team_is_no_principal_to_purge(self):
-        for principal in ("carol", "platform"):  # platform: a team, whose feed is not a principal's
+        # platform: a team, whose feed is not a principal's
+        for principal in ("carol", "platform"):
             for flags in ((), ("--dry-run",)):
-                self.assertRefused(["purge", "--data", self.data_dir, "--principal", principal] + list(flags),
-                                   "no principal %s in %s: no token, feed or memory scope of theirs"
+                self.assertRefused(["purge", "--data", self.data_dir, "--principal", principal]
+                                   + list(flags),
+                                   "no principal %s in %s: no token, feed or memory scope of "
+                                   "theirs"
                                    % (principal, self.data_dir))
 
     def test_an_invalid_or_missing_principal_id(self):
         for principal in ("a/b", "", "x" * 129, "../alice"):
             self.assertRefused(["purge", "--data", self.data_dir, "--principal", principal],
                                "--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
-        self.assertRefused(["purge", "--data", self.data_dir], "the following arguments are required: --principal")
+        self.assertRefused(["purge", "--data", self.data_dir],
+                           "the following arguments are required: --principal")
 
     def test_a_damaged_feed_of_the_principal_stops_a_purge_before_anything_goes(self):
         lines = self.lines_of(self.alice_feed)
@@ -6113,7 +6645,8 @@ class ToolsBadInputTest(DataDirToolCase):
         with open(self.alice_feed, "wb") as f:
             f.write(b"".join(lines))
         for flags in ((), ("--dry-run",)):
-            self.assertRefused(["purge", "--data", self.data_dir, "--principal", "alice"] + list(flags),
+            self.assertRefused(["purge", "--data", self.data_dir, "--principal", "alice"]
+                               + list(flags),
                                "cannot read %s: %s:5: checksum mismatch (fsck --repair first)"
                                % (self.alice_feed, self.alice_feed))
 
@@ -6134,8 +6667,10 @@ class HealthAndAuthTest(ServerCase):
         lines = [line for line in self.log_lines if " 401 " in line]
         self.assertEqual([re.sub(r"\d+\.\dms", "Nms", line) for line in lines],
                          ["127.0.0.1 GET /v1/projects 401 Nms - (unknown or revoked token)",
-                          "127.0.0.1 POST /v1/memory/identity 401 Nms - (unknown or revoked token)",
-                          "127.0.0.1 GET /v1/projects 401 Nms - (missing or malformed bearer token)"])
+                          "127.0.0.1 POST /v1/memory/identity 401 Nms - (unknown or revoked "
+                          "token)",
+                          "127.0.0.1 GET /v1/projects 401 Nms - (missing or malformed bearer "
+                          "token)"])
         self.assertNotIn(bad, "\n".join(self.log_lines))
 
     def test_every_data_route_refuses_a_missing_or_bad_token(self):
@@ -6145,7 +6680,8 @@ class HealthAndAuthTest(ServerCase):
         self.tokens.revoke(revoked["id"])
         expired = self.issue("dave", expires_days=1e-9)
         for method, path, body in calls:
-            for token in (None, "", "garbage", "ohs_000000000000_" + "x" * 43, revoked_token, expired,
+            for token in (None, "", "garbage", "ohs_000000000000_" + "x" * 43, revoked_token,
+                          expired,
                           self.alice + "x"):
                 answer = self.request(method, path, body, token=token)
                 self.assertAnswer(answer, 401)
@@ -6179,11 +6715,15 @@ class HealthAndAuthTest(ServerCase):
 
 class PushPullTest(ServerCase):
     def test_seed_smoke_test(self):
-        body = {"project": "conformance", "records": [record(body={"value": "unchanged"})], "sessions": []}
-        self.assertAnswer(self.request("POST", "/v1/push", body, self.alice), 200, {"cursor": 1, "accepted": 1})
-        self.assertAnswer(self.request("POST", "/v1/push", body, self.alice), 200, {"cursor": 1, "accepted": 0})
+        body = {"project": "conformance", "records": [record(body={"value": "unchanged"})],
+                "sessions": []}
+        self.assertAnswer(self.request("POST", "/v1/push", body, self.alice), 200,
+                          {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.request("POST", "/v1/push", body, self.alice), 200,
+                          {"cursor": 1, "accepted": 0})
         self.assertAnswer(self.pull(self.alice, "conformance", 0, limit=500), 200,
-                          {"cursor": 1, "records": [record(body={"value": "unchanged"})], "sessions": [],
+                          {"cursor": 1, "records": [record(body={"value": "unchanged"})],
+                           "sessions": [],
                            "more": False})
         self.assertAnswer(self.pull(self.alice, "conformance", 1), 200,
                           {"cursor": 1, "records": [], "sessions": [], "more": False})
@@ -6226,8 +6766,9 @@ class PushPullTest(ServerCase):
         self.assertEqual(sorted(projects), sorted("p%d" % i for i in range(40)))
 
     def test_dedupe_across_and_within_requests(self):
-        answer = self.push(self.alice, records=[record(record_id="a"), record(record_id="a", seq=2),
-                                                record(record_id="b")])
+        answer = self.push(self.alice,
+                           records=[record(record_id="a"), record(record_id="a", seq=2),
+                                    record(record_id="b")])
         self.assertAnswer(answer, 200, {"cursor": 2, "accepted": 2})
         answer = self.push(self.alice, records=[record(record_id="b"), record(record_id="c"),
                                                 record(session="s2", record_id="a")])
@@ -6237,7 +6778,9 @@ class PushPullTest(ServerCase):
                          [("s1", "a", 1), ("s1", "b", 1), ("s1", "c", 1), ("s2", "a", 1)])
 
     def test_metadata_last_writer_wins_and_tombstones_reach_an_offline_reader(self):
-        self.assertAnswer(self.push(self.alice, sessions=[meta(gen=1, updated_at=10, body={"title": "one"})]), 200,
+        self.assertAnswer(self.push(self.alice,
+                                    sessions=[meta(gen=1, updated_at=10, body={"title": "one"})]),
+                                    200,
                           {"cursor": 1, "accepted": 1})
         offline_cursor = 1  # a second device read up to here, then went offline
         cases = [
@@ -6245,13 +6788,16 @@ class PushPullTest(ServerCase):
             (meta(gen=1, updated_at=9), 0),                            # older updatedAt
             (meta(gen=0, updated_at=99), 0),                           # older gen
             (meta(gen=1, updated_at=11, body={"title": "two"}), 1),    # later updatedAt wins
-            (meta(gen=2, updated_at=1, deleted=True), 1),              # higher gen wins: a tombstone
+            # higher gen wins: a tombstone
+            (meta(gen=2, updated_at=1, deleted=True), 1),
         ]
         for entry, accepted in cases:
-            self.assertEqual(self.push(self.alice, sessions=[entry]).json["accepted"], accepted, entry)
+            self.assertEqual(self.push(self.alice, sessions=[entry]).json["accepted"], accepted,
+                             entry)
         # In one request, entries for one session apply in order.
-        answer = self.push(self.alice, sessions=[meta(gen=3, updated_at=1), meta(gen=3, updated_at=2),
-                                                 meta(gen=3, updated_at=1)])
+        answer = self.push(self.alice,
+                           sessions=[meta(gen=3, updated_at=1), meta(gen=3, updated_at=2),
+                                     meta(gen=3, updated_at=1)])
         self.assertAnswer(answer, 200, {"cursor": 5, "accepted": 2})
         sessions = self.pull(self.alice, since=offline_cursor).json["sessions"]
         self.assertEqual(sessions, [meta(gen=1, updated_at=11, body={"title": "two"}),
@@ -6274,15 +6820,18 @@ class PushPullTest(ServerCase):
                           {"cursor": 0, "records": [], "sessions": [], "more": False})
         self.assertAnswer(self.pull(self.alice, "never", 7), 200,
                           {"cursor": 7, "records": [], "sessions": [], "more": False})
-        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200, {"projects": []})
+        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200,
+                          {"projects": []})
         self.assertEqual(self.feed_files(), [])
 
     def test_paging_with_more(self):
-        self.push(self.alice, records=[record(record_id=str(i)) for i in range(5)], sessions=[meta()])
+        self.push(self.alice, records=[record(record_id=str(i)) for i in range(5)],
+                  sessions=[meta()])
         pages, since = [], 0
         while True:
             page = self.pull(self.alice, since=since, limit=2).json
-            pages.append((page["cursor"], len(page["records"]) + len(page["sessions"]), page["more"]))
+            pages.append((page["cursor"], len(page["records"]) + len(page["sessions"]),
+                          page["more"]))
             since = page["cursor"]
             if not page["more"]:
                 break
@@ -6314,27 +6863,37 @@ class TenancyTest(ServerCase):
     def test_two_principals_with_one_project_id_see_only_their_own(self):
         self.push(self.alice, "shared", [record(body="alice's")])
         self.push(self.bob, "shared", [record(body="bob's")])
-        self.assertEqual([r["body"] for r in self.pull(self.alice, "shared").json["records"]], ["alice's"])
-        self.assertEqual([r["body"] for r in self.pull(self.bob, "shared").json["records"]], ["bob's"])
-        self.assertEqual(self.push(self.bob, "shared", [record(body="again")]).json, {"cursor": 1, "accepted": 0})
+        self.assertEqual([r["body"] for r in self.pull(self.alice, "shared").json["records"]],
+                         ["alice's"])
+        self.assertEqual([r["body"] for r in self.pull(self.bob, "shared").json["records"]],
+                         ["bob's"])
+        self.assertEqual(self.push(self.bob, "shared", [record(body="again")]).json,
+                         {"cursor": 1, "accepted": 0})
 
     def test_team_feed_is_separate_from_personal_feeds(self):
         self.push(self.alice, "p", [record(record_id="personal")])
-        self.assertAnswer(self.push(self.alice, "p", [record(record_id="team")], team="platform"), 200,
+        self.assertAnswer(self.push(self.alice, "p", [record(record_id="team")], team="platform"),
+                          200,
                           {"cursor": 1, "accepted": 1})
-        self.assertEqual([r["id"] for r in self.pull(self.alice, "p").json["records"]], ["personal"])
-        self.assertEqual([r["id"] for r in self.pull(self.alice, "p", team="platform").json["records"]], ["team"])
+        self.assertEqual([r["id"] for r in self.pull(self.alice, "p").json["records"]],
+                         ["personal"])
+        self.assertEqual([r["id"]
+                          for r in self.pull(self.alice, "p", team="platform").json["records"]],
+                          ["team"])
         carol = self.issue("carol", ["platform"])
-        self.assertEqual([r["id"] for r in self.pull(carol, "p", team="platform").json["records"]], ["team"])
+        self.assertEqual([r["id"] for r in self.pull(carol, "p", team="platform").json["records"]],
+                         ["team"])
         self.assertEqual(self.pull(carol, "p").json["records"], [])
-        self.assertEqual(self.request("GET", "/v1/projects?team=platform", token=carol).json, {"projects": ["p"]})
+        self.assertEqual(self.request("GET", "/v1/projects?team=platform", token=carol).json,
+                         {"projects": ["p"]})
         self.assertEqual(self.request("GET", "/v1/projects", token=carol).json, {"projects": []})
 
     def test_a_principal_and_a_team_with_one_id_do_not_share_a_feed(self):
         platform_user = self.issue("platform")
         self.push(platform_user, "p", [record(record_id="principal")])
         self.push(self.alice, "p", [record(record_id="team")], team="platform")
-        self.assertEqual([r["id"] for r in self.pull(platform_user, "p").json["records"]], ["principal"])
+        self.assertEqual([r["id"] for r in self.pull(platform_user, "p").json["records"]],
+                         ["principal"])
 
     def test_a_team_not_in_the_token_is_403_never_a_fallback(self):
         self.push(self.bob, "p", [record()])
@@ -6353,7 +6912,8 @@ class TenancyTest(ServerCase):
         self.push(upper, "proj", [record(body="upper, lower-case project")])
         self.assertEqual(self.pull(self.alice, "Proj").json["records"][0]["body"], "lower")
         self.assertEqual(self.pull(upper, "Proj").json["records"][0]["body"], "upper")
-        self.assertEqual(self.request("GET", "/v1/projects", token=upper).json, {"projects": ["Proj", "proj"]})
+        self.assertEqual(self.request("GET", "/v1/projects", token=upper).json,
+                         {"projects": ["Proj", "proj"]})
         names = [os.path.relpath(path, self.data_dir) for path in self.feed_files()]
         self.assertEqual(len({name.lower() for name in names}), 3, names)
 
@@ -6368,8 +6928,8 @@ EMPTY_PULL = {"cursor": 0, "records": [], "sessions": [], "more": False}
 
 @contextlib.contextmanager
 def fsyncs_held():
-    """Every sync_file waits for release: yields (entered, release), two Events; entered is set by the
-    first sync to start."""
+    """Every sync_file waits for release: yields (entered, release), two Events; entered is set by
+    the first sync to start."""
     entered, release = threading.Event(), threading.Event()
     real_sync = sync.sync_file
 
@@ -6405,7 +6965,8 @@ def raw_exchange(sock, request=b"", more=False):
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         if not chunk:
-            raise AssertionError("connection closed before a whole answer arrived: %r" % data[:300])
+            raise AssertionError("connection closed before a whole answer arrived: %r"
+                                 % data[:300])
         data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
@@ -6619,7 +7180,8 @@ class SessionWireMixin:
         """No event in the pull, no feed file on disk, no project listed."""
         self.assertAnswer(self.pull(self.alice, project), 200, EMPTY_PULL)
         self.assertEqual(self.feed_files(), [])
-        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200, {"projects": []})
+        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200,
+                          {"projects": []})
 
     def push_raw(self, data):
         return self.request("POST", "/v1/push", body=data, token=self.alice)
@@ -6636,7 +7198,8 @@ class PushValidationTest(SessionWireMixin, ServerCase):
         self.assertNothingStored()
 
     def refuse_record_cases(self, cases):
-        """Each case: a record (dict) pushed after a good one; all are refused and store nothing."""
+        """Each case: a record (dict) pushed after a good one; all are refused and store
+        nothing."""
         for label, bad in cases:
             with self.subTest(label):
                 self.assertRefused({"project": "proj", "records": [self.GOOD, bad]})
@@ -6662,7 +7225,8 @@ class PushValidationTest(SessionWireMixin, ServerCase):
 
     def test_bad_project_is_refused(self):
         for label, project in (("missing", None), ("empty", ""), ("129 characters", "p" * 129),
-                               ("slash", "a/b"), ("__proto__", "__proto__"), ("constructor", "constructor"),
+                               ("slash", "a/b"), ("__proto__", "__proto__"),
+                               ("constructor", "constructor"),
                                ("prototype", "prototype"), ("number", 5), ("dot", "a.b"),
                                ("space", "a b"), ("non-ASCII", "pr\u00f6j")):
             with self.subTest(label):
@@ -6688,7 +7252,8 @@ class PushValidationTest(SessionWireMixin, ServerCase):
         bad = record("s2", "r2")
         self.refuse_record_cases([
             ("missing", self.without(bad, "session")), ("empty", self.but(bad, session="")),
-            ("1025 characters", self.but(bad, session="s" * 1025)), ("number", self.but(bad, session=7)),
+            ("1025 characters", self.but(bad, session="s" * 1025)),
+            ("number", self.but(bad, session=7)),
             ("null", self.but(bad, session=None))])
 
     def test_bad_record_id_is_refused(self):
@@ -6711,7 +7276,8 @@ class PushValidationTest(SessionWireMixin, ServerCase):
         for name in ("seq", "at"):
             bad = record("s2", "r2")
             cases = [("%s missing" % name, self.without(bad, name))]
-            cases += [("%s %s" % (name, label), self.but(bad, **{name: value})) for label, value in self.BAD_INTEGERS]
+            cases += [("%s %s" % (name, label), self.but(bad, **{name: value})) for label,
+                      value in self.BAD_INTEGERS]
             self.refuse_record_cases(cases)
 
     def test_record_without_body_is_refused(self):
@@ -6720,20 +7286,24 @@ class PushValidationTest(SessionWireMixin, ServerCase):
     def test_record_with_null_body_is_stored_and_pulled_back_with_null(self):
         entry = record("s1", "r1")
         entry["body"] = None
-        self.assertAnswer(self.push(self.alice, records=[entry]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[entry]), 200,
+                          {"cursor": 1, "accepted": 1})
         pulled = self.pull(self.alice)
-        self.assertAnswer(pulled, 200, {"cursor": 1, "records": [entry], "sessions": [], "more": False})
+        self.assertAnswer(pulled, 200,
+                          {"cursor": 1, "records": [entry], "sessions": [], "more": False})
         self.assertIn(b'"body":null', pulled.raw)
 
     def test_session_entry_that_is_not_an_object_is_refused(self):
         for value in (None, "s1", 5, [], [meta()], True):
             with self.subTest(value=value):
-                self.assertRefused({"project": "proj", "records": [self.GOOD], "sessions": [meta("s0"), value]})
+                self.assertRefused({"project": "proj", "records": [self.GOOD],
+                                    "sessions": [meta("s0"), value]})
 
     def refuse_session_cases(self, cases):
         for label, bad in cases:
             with self.subTest(label):
-                self.assertRefused({"project": "proj", "records": [self.GOOD], "sessions": [meta("s0"), bad]})
+                self.assertRefused({"project": "proj", "records": [self.GOOD],
+                                    "sessions": [meta("s0"), bad]})
 
     def test_bad_session_entry_id_is_refused(self):
         bad = meta("s2")
@@ -6745,7 +7315,8 @@ class PushValidationTest(SessionWireMixin, ServerCase):
         for name in ("gen", "updatedAt"):
             bad = meta("s2")
             cases = [("%s missing" % name, self.without(bad, name))]
-            cases += [("%s %s" % (name, label), self.but(bad, **{name: value})) for label, value in self.BAD_INTEGERS]
+            cases += [("%s %s" % (name, label), self.but(bad, **{name: value})) for label,
+                      value in self.BAD_INTEGERS]
             self.refuse_session_cases(cases)
 
     def test_session_deleted_that_is_not_a_boolean_is_refused(self):
@@ -6765,8 +7336,10 @@ class PushValidationTest(SessionWireMixin, ServerCase):
         self.assertIn(b'"seq": 12.0', raw)
         self.assertAnswer(self.push_raw(raw), 200, {"cursor": 2, "accepted": 2})
         pulled = self.pull(self.alice)
-        self.assertAnswer(pulled, 200, {"cursor": 2, "records": [record("s1", "r1", seq=12, at=1789344000000)],
-                                        "sessions": [meta("s1", gen=3, updated_at=1789344000001)], "more": False})
+        self.assertAnswer(pulled, 200,
+                          {"cursor": 2, "records": [record("s1", "r1", seq=12, at=1789344000000)],
+                           "sessions": [meta("s1", gen=3, updated_at=1789344000001)],
+                           "more": False})
         self.assertIs(type(pulled.json["records"][0]["seq"]), int)
         self.assertIs(type(pulled.json["records"][0]["at"]), int)
         self.assertIs(type(pulled.json["sessions"][0]["gen"]), int)
@@ -6776,7 +7349,8 @@ class PushValidationTest(SessionWireMixin, ServerCase):
         project = "p" * 128
         entry = record("s" * 1024, "r" * 1024, seq=2 ** 53 - 1, at=2 ** 53 - 1, device="")
         session = meta("s" * 1024, gen=2 ** 53 - 1, updated_at=2 ** 53 - 1)
-        self.assertAnswer(self.push(self.alice, project=project, records=[entry], sessions=[session]), 200,
+        self.assertAnswer(self.push(self.alice, project=project, records=[entry],
+                                    sessions=[session]), 200,
                           {"cursor": 2, "accepted": 2})
         self.assertAnswer(self.pull(self.alice, project), 200,
                           {"cursor": 2, "records": [entry], "sessions": [session], "more": False})
@@ -6786,17 +7360,21 @@ class PushValidationTest(SessionWireMixin, ServerCase):
         session = meta("s1", deleted=False, body={"title": "t"})
         doc = {"project": "proj", "device": "laptop", "somethingNew": {"a": [1, 2]},
                "records": [dict(entry, x=1)], "sessions": [dict(session, y="z")]}
-        self.assertAnswer(self.request("POST", "/v1/push", doc, self.alice), 200, {"cursor": 2, "accepted": 2})
+        self.assertAnswer(self.request("POST", "/v1/push", doc, self.alice), 200,
+                          {"cursor": 2, "accepted": 2})
         pulled = self.pull(self.alice)
-        self.assertAnswer(pulled, 200, {"cursor": 2, "records": [entry], "sessions": [session], "more": False})
-        self.assertEqual(sorted(pulled.json["records"][0]), ["at", "body", "device", "id", "seq", "session"])
-        self.assertEqual(sorted(pulled.json["sessions"][0]), ["body", "deleted", "gen", "id", "updatedAt"])
+        self.assertAnswer(pulled, 200,
+                          {"cursor": 2, "records": [entry], "sessions": [session], "more": False})
+        self.assertEqual(sorted(pulled.json["records"][0]),
+                         ["at", "body", "device", "id", "seq", "session"])
+        self.assertEqual(sorted(pulled.json["sessions"][0]),
+                         ["body", "deleted", "gen", "id", "updatedAt"])
         self.assertNotIn(b"somethingNew", pulled.raw)
 
 
 class BadBytesTest(SessionWireMixin, ServerCase):
-    """Contract 3: bad JSON, JSON nested too deeply, invalid UTF-8 and NaN/Infinity literals are 400, never 500,
-    and store nothing."""
+    """Contract 3: bad JSON, JSON nested too deeply, invalid UTF-8 and NaN/Infinity literals are
+    400, never 500, and store nothing."""
 
     GOOD = json.dumps(record("s-good", "r-good")).encode()
 
@@ -6806,7 +7384,8 @@ class BadBytesTest(SessionWireMixin, ServerCase):
 
     def with_body(self, body_text):
         """Raw JSON of a record whose body is body_text."""
-        return b'{"session":"s2","id":"r2","seq":2,"device":"laptop","at":1789344000000,"body":' + body_text + b"}"
+        return (b'{"session":"s2","id":"r2","seq":2,"device":"laptop","at":1789344000000,"bo'
+                b'dy":') + body_text + b"}"
 
     def assertBadBytes(self, data):
         self.assertError(self.push_raw(data), 400)
@@ -6827,8 +7406,10 @@ class BadBytesTest(SessionWireMixin, ServerCase):
 
     def test_invalid_utf8_is_refused(self):
         for data in (b'{"project":"p\xff"}', self.records_push(self.with_body(b'"caf\xe9"')),
-                     self.records_push(self.with_body(b'"\xc0\xaf"')),           # overlong encoding
-                     self.records_push(self.with_body(b'"\xed\xa0\x80"')),       # an encoded surrogate
+                     # overlong encoding
+                     self.records_push(self.with_body(b'"\xc0\xaf"')),
+                     # an encoded surrogate
+                     self.records_push(self.with_body(b'"\xed\xa0\x80"')),
                      self.records_push(self.with_body(b'"\xe2\x82"'))):          # a cut sequence
             with self.subTest(data=data[-40:]):
                 self.assertBadBytes(data)
@@ -6846,17 +7427,20 @@ class BadBytesTest(SessionWireMixin, ServerCase):
             with self.subTest(literal=literal):
                 self.assertBadBytes(self.records_push(self.with_body(literal)))
         self.assertBadBytes(self.records_push(
-            b'{"session":"s2","id":"r2","seq":1e400,"device":"laptop","at":1789344000000,"body":1}'))
+            b'{"session":"s2","id":"r2","seq":1e400,"device":"laptop","at":1789344000000,"body'
+            b'":1}'))
 
     def test_deeply_nested_arrays_are_refused(self):
         self.assertBadBytes(b"[" * 100000 + b"]" * 100000)
 
     def test_deeply_nested_objects_in_a_record_body_are_refused(self):
-        self.assertBadBytes(self.records_push(self.with_body(b'{"a":' * 100000 + b"1" + b"}" * 100000)))
+        self.assertBadBytes(self.records_push(self.with_body(b'{"a":' * 100000 + b"1"
+                                                             + b"}" * 100000)))
 
     def test_brackets_inside_strings_are_not_nesting(self):
         body = "[" * 100000 + '\\"{' * 1000 + "\\"
-        self.assertAnswer(self.push(self.alice, records=[record(body=body)]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record(body=body)]), 200,
+                          {"cursor": 1, "accepted": 1})
         pulled = self.pull(self.alice)
         self.assertEqual(pulled.json["records"], [record(body=body)])
 
@@ -6877,13 +7461,16 @@ class BadBytesTest(SessionWireMixin, ServerCase):
         is_str = isinstance(value, str)
         if where == "top":
             if field == "project":
-                return 400                          # never an id: null, "", 2000 chars, non-strings
+                # never an id: null, "", 2000 chars, non-strings
+                return 400
             if field == "team":
                 if value is None:
                     return 200                      # null team: no team, the personal feed
-                return 403 if is_str else 400       # a string the token does not list; else not a string
+                # a string the token does not list; else not a string
+                return 403 if is_str else 400
             if field in ("records", "sessions"):
-                return 200 if value is None or value == [] else 400   # missing or null arrays are empty
+                # missing or null arrays are empty
+                return 200 if value is None or value == [] else 400
         if where == "record":
             if field == "body":
                 return 200                          # any JSON value, null included
@@ -6891,24 +7478,29 @@ class BadBytesTest(SessionWireMixin, ServerCase):
                 return 200 if is_str else 400       # any string, "" and 2000 characters included
             if field in ("session", "id"):
                 return 400                          # "" is empty, 2000 characters is over 1024
-            return 400                              # seq, at: none of the values is a safe integer >= 0
+            # seq, at: none of the values is a safe integer >= 0
+            return 400
         if where == "session":
             if field == "body":
                 return 200                          # any JSON value if present
             if field == "id":
-                return 200 if is_str and value else 400   # a non-empty string (no length limit in the contract)
+                # a non-empty string (no length limit in the contract)
+                return 200 if is_str and value else 400
             if field == "deleted":
                 return 200 if value is True else 400
             return 400                              # gen, updatedAt
-        return 400                                  # a whole record or session entry replaced: not an object
+        # a whole record or session entry replaced: not an object
+        return 400
 
     def test_wrong_types_everywhere(self):
-        """Each field of a valid push replaced in turn by each of null, true, 1.5, -1, "", [], {}, "x"*2000."""
+        """Each field of a valid push replaced in turn by each of null, true, 1.5, -1, "", [], {},
+        "x"*2000."""
         fields = ([("top", name) for name in ("project", "team", "records", "sessions")]
                   + [("record", name) for name in ("session", "id", "seq", "device", "at", "body")]
                   + [("session", name) for name in ("id", "gen", "updatedAt", "deleted", "body")]
                   + [("whole", "record"), ("whole", "session")])
-        events = {"platform": 0, None: 0}           # events expected in the team feed and the personal feed
+        # events expected in the team feed and the personal feed
+        events = {"platform": 0, None: 0}
         case = 0
         for where, field in fields:
             for value in self.MUTATIONS:
@@ -6918,7 +7510,8 @@ class BadBytesTest(SessionWireMixin, ServerCase):
                 good_meta = meta("m%d-a" % case, deleted=False, body={"t": 1})
                 target_meta = meta("m%d-b" % case, deleted=False, body={"t": 2})
                 doc = {"project": "proj", "team": "platform",
-                       "records": [good_record, target_record], "sessions": [good_meta, target_meta]}
+                       "records": [good_record, target_record],
+                       "sessions": [good_meta, target_meta]}
                 if where == "top":
                     doc[field] = value
                 elif where == "record":
@@ -6930,14 +7523,16 @@ class BadBytesTest(SessionWireMixin, ServerCase):
                 else:
                     doc["sessions"][1] = value
                 status = self.expected_status(where, field, value)
-                with self.subTest(where=where, field=field, value=value if value != "x" * 2000 else "x*2000",
+                with self.subTest(where=where, field=field, value=value if value != "x" * 2000
+                                  else "x*2000",
                                   expected=status):
                     answer = self.request("POST", "/v1/push", doc, self.alice)
                     if status != 200:
                         self.assertError(answer, status)
                         continue
                     feed = doc["team"]
-                    added = (len(doc["records"] or []) if isinstance(doc["records"], list) else 0) \
+                    added = (len(doc["records"] or []) if isinstance(doc["records"], list)
+                             else 0) \
                         + (len(doc["sessions"] or []) if isinstance(doc["sessions"], list) else 0)
                     events[feed] += added
                     self.assertAnswer(answer, 200, {"cursor": events[feed], "accepted": added})
@@ -6948,10 +7543,12 @@ class BadBytesTest(SessionWireMixin, ServerCase):
         team_pull = self.pull(self.alice, team="platform")
         self.assertAnswer(team_pull, 200)
         self.assertEqual(team_pull.json["cursor"], events["platform"])
-        self.assertEqual(len(team_pull.json["records"]) + len(team_pull.json["sessions"]), events["platform"])
+        self.assertEqual(len(team_pull.json["records"]) + len(team_pull.json["sessions"]),
+                         events["platform"])
         personal = self.pull(self.alice)
         self.assertEqual(personal.json["cursor"], events[None])
-        self.assertEqual(len(personal.json["records"]) + len(personal.json["sessions"]), events[None])
+        self.assertEqual(len(personal.json["records"]) + len(personal.json["sessions"]),
+                         events[None])
         # The server still answers.
         self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
         self.assertAnswer(self.push(self.alice, project="after", records=[record()]), 200,
@@ -6959,13 +7556,15 @@ class BadBytesTest(SessionWireMixin, ServerCase):
 
 
 class LimitsTest(SessionWireMixin, ServerCase):
-    """Contract 3: push size limits (413), pull limit/wait clamping, cursor and parameter validation."""
+    """Contract 3: push size limits (413), pull limit/wait clamping, cursor and parameter
+    validation."""
 
     def test_a_content_length_of_thousands_of_digits_is_413_not_500(self):
         # int() refuses strings of more than 4,300 digits (found by the mutation test).
         for digits in ("9" * 5000, "0" * 5001):
             sock = open_raw(self.url)
-            sock.sendall(b"POST /v1/push HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + self.alice.encode()
+            sock.sendall(b"POST /v1/push HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         + self.alice.encode()
                          + b"\r\nContent-Length: " + digits.encode() + b"\r\n\r\n")
             status, headers, body, _ = raw_exchange(sock)
             sock.close()
@@ -6975,7 +7574,8 @@ class LimitsTest(SessionWireMixin, ServerCase):
                 self.assertEqual(status, 400, body)
 
     def fill(self):
-        """One push of 500 records and 500 session entries; returns (records, sessions) as pushed."""
+        """One push of 500 records and 500 session entries; returns (records, sessions) as
+        pushed."""
         records = [record("s1", "r%03d" % i, seq=i) for i in range(500)]
         sessions = [meta("s%03d" % i) for i in range(500)]
         self.assertAnswer(self.push(self.alice, records=records, sessions=sessions), 200,
@@ -7031,7 +7631,8 @@ class LimitsTest(SessionWireMixin, ServerCase):
                           {"cursor": 1, "accepted": 1})
 
     def assertEarly413(self, length):
-        """Headers declaring `length` body bytes, and no body: a prompt 413 that closes the connection."""
+        """Headers declaring `length` body bytes, and no body: a prompt 413 that closes the
+        connection."""
         with open_raw(self.url, timeout=5) as sock:
             sock.sendall(push_head(self.alice, length=length))
             started = time.monotonic()
@@ -7049,7 +7650,8 @@ class LimitsTest(SessionWireMixin, ServerCase):
         self.assertEarly413(8 * 1024 * 1024 + 1)
 
     def test_refusal_before_a_large_body_closes_the_connection(self):
-        """A 401 sent before the body was read closes the connection: the unread bytes are never a request."""
+        """A 401 sent before the body was read closes the connection: the unread bytes are never a
+        request."""
         with open_raw(self.url, timeout=5) as sock:
             sock.sendall(push_head("ohs_000000000000_" + "x" * 40, length=9000000))
             status, headers, body, _ = raw_exchange(sock)
@@ -7060,10 +7662,12 @@ class LimitsTest(SessionWireMixin, ServerCase):
         self.assertNothingStored()
 
     def test_chunked_push_is_accepted(self):
-        data = json.dumps({"project": "proj", "records": [record()], "sessions": [meta()]}).encode()
+        data = json.dumps({"project": "proj", "records": [record()],
+                           "sessions": [meta()]}).encode()
         pieces = [data[:7], data[7:50], data[50:]]
         chunked = (b"%x\r\n%s\r\n" % (len(pieces[0]), pieces[0])
-                   + b"%X;name=value\r\n%s\r\n" % (len(pieces[1]), pieces[1])    # a chunk extension
+                   # a chunk extension
+                   + b"%X;name=value\r\n%s\r\n" % (len(pieces[1]), pieces[1])
                    + b"%x\r\n%s\r\n" % (len(pieces[2]), pieces[2])
                    + b"0\r\nX-Trailer: ignored\r\n\r\n")                        # a trailer field
         with open_raw(self.url) as sock:
@@ -7077,7 +7681,8 @@ class LimitsTest(SessionWireMixin, ServerCase):
             status, headers, body, _ = raw_exchange(sock)
             self.assertEqual((status, json.loads(body)), (200, {"ok": True}))
         self.assertAnswer(self.pull(self.alice), 200,
-                          {"cursor": 2, "records": [record()], "sessions": [meta()], "more": False})
+                          {"cursor": 2, "records": [record()], "sessions": [meta()],
+                           "more": False})
 
     def test_chunked_body_over_8_mib_is_413(self):
         mib = b"x" * (1024 * 1024)
@@ -7097,16 +7702,20 @@ class LimitsTest(SessionWireMixin, ServerCase):
         for value in ("0", "-5", "-99999999999999999999999"):
             with self.subTest(limit=value):
                 self.assertAnswer(self.pull(self.alice, limit=value), 200,
-                                  {"cursor": 1, "records": records[:1], "sessions": [], "more": True})
+                                  {"cursor": 1, "records": records[:1], "sessions": [],
+                                   "more": True})
 
     def test_limit_is_clamped_to_500(self):
         records, sessions = self.fill()
         for query in ("limit=501", "limit=99999999999999999999999", "limit=500", None):
             with self.subTest(query=query):
-                self.assertAnswer(self.pull_query("project=proj&since=0" + ("&" + query if query else "")), 200,
-                                  {"cursor": 500, "records": records, "sessions": [], "more": True})
+                self.assertAnswer(self.pull_query("project=proj&since=0"
+                                                  + ("&" + query if query else "")), 200,
+                                  {"cursor": 500, "records": records, "sessions": [],
+                                   "more": True})
         self.assertAnswer(self.pull(self.alice, since=499, limit=2), 200,
-                          {"cursor": 501, "records": records[499:], "sessions": sessions[:1], "more": True})
+                          {"cursor": 501, "records": records[499:], "sessions": sessions[:1],
+                           "more": True})
 
     def test_limit_that_is_not_an_integer_is_400(self):
         self.fill()
@@ -7115,7 +7724,8 @@ class LimitsTest(SessionWireMixin, ServerCase):
                 self.assertError(self.pull(self.alice, limit=value), 400)
 
     def test_negative_wait_answers_at_once(self):
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
         started = time.monotonic()
         self.assertAnswer(self.pull(self.alice, since=1, wait=-3), 200,
                           {"cursor": 1, "records": [], "sessions": [], "more": False})
@@ -7137,42 +7747,51 @@ class LimitsTest(SessionWireMixin, ServerCase):
         thread.start()
         time.sleep(0.3)
         self.assertEqual(results, [], "the pull did not wait")
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
         thread.join(10)
         self.assertFalse(thread.is_alive(), "the parked pull was not woken by the push")
         answer, finished = results[0]
-        self.assertAnswer(answer, 200, {"cursor": 1, "records": [record()], "sessions": [], "more": False})
+        self.assertAnswer(answer, 200,
+                          {"cursor": 1, "records": [record()], "sessions": [], "more": False})
         self.assertLess(finished - started, 5)
 
     def test_bad_cursors_are_400(self):
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
-        for value in ("-1", "1.5", "abc", "9007199254740992", "99999999999999999999", "", "0x1", "1e3"):
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
+        for value in ("-1", "1.5", "abc", "9007199254740992", "99999999999999999999", "", "0x1",
+                      "1e3"):
             with self.subTest(since=value):
                 self.assertError(self.pull(self.alice, since=value), 400)
 
     def test_largest_cursor_is_accepted(self):
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
         for project in ("proj", "unknown"):
             with self.subTest(project=project):
                 self.assertAnswer(self.pull(self.alice, project, since=9007199254740991), 200,
-                                  {"cursor": 9007199254740991, "records": [], "sessions": [], "more": False})
+                                  {"cursor": 9007199254740991, "records": [], "sessions": [],
+                                   "more": False})
         self.assertEqual(len(self.feed_files()), 1)
 
     def test_missing_since_means_0(self):
         self.assertAnswer(self.push(self.alice, records=[record()], sessions=[meta()]), 200,
                           {"cursor": 2, "accepted": 2})
         self.assertAnswer(self.pull_query("project=proj"), 200,
-                          {"cursor": 2, "records": [record()], "sessions": [meta()], "more": False})
+                          {"cursor": 2, "records": [record()], "sessions": [meta()],
+                           "more": False})
 
     def test_pull_without_a_valid_project_is_400(self):
-        for query in ("since=0", "project=&since=0", "project=a/b&since=0", "project=a%2Fb&since=0",
+        for query in ("since=0", "project=&since=0", "project=a/b&since=0",
+                      "project=a%2Fb&since=0",
                       "project=__proto__&since=0", "project=%s&since=0" % ("p" * 129)):
             with self.subTest(query=query):
                 self.assertError(self.pull_query(query), 400)
         self.assertEqual(self.feed_files(), [])
 
     def test_repeated_query_parameter_is_400(self):
-        self.assertAnswer(self.push(self.alice, records=[record(record_id="r1"), record(record_id="r2")]), 200,
+        self.assertAnswer(self.push(self.alice,
+                                    records=[record(record_id="r1"), record(record_id="r2")]), 200,
                           {"cursor": 2, "accepted": 2})
         for query in ("project=proj&since=1&since=2", "project=proj&since=1&since=1"):
             with self.subTest(query=query):
@@ -7183,7 +7802,8 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
     """Contract 3 (Errors) and 6: routes and methods, JSON on every answer, bad request lines,
     keep-alive, and the total request time that disconnects slow clients."""
 
-    ROUTES = {"/v1/health": "GET", "/v1/projects": "GET", "/v1/push": "POST", "/v1/pull?project=proj": "GET"}
+    ROUTES = {"/v1/health": "GET", "/v1/projects": "GET", "/v1/push": "POST",
+              "/v1/pull?project=proj": "GET"}
     METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD")
 
     server_options = {"request_seconds": 1.0}  # a short total request time (--request-timeout)
@@ -7195,15 +7815,17 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         return conn
 
     def test_a_long_poll_that_declares_a_body_waits_past_the_request_deadline(self):
-        """The request deadline bounds the arrival of a request; a parked pull's wait bounds the wait.
-        The body a GET declared is never read, so its answer closes the connection."""
+        """The request deadline bounds the arrival of a request; a parked pull's wait bounds the
+        wait. The body a GET declared is never read, so its answer closes the connection."""
         with open_raw(self.url) as sock:
-            sock.sendall(("GET /v1/pull?project=proj&since=0&wait=10 HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
+            sock.sendall(("GET /v1/pull?project=proj&since=0&wait=10 HTTP/1.1\r\nHost: "
+                          "t\r\nContent-Length: 5\r\n"
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
             time.sleep(1.6)  # past the 1 s request deadline, parked
             self.assertAnswer(self.push(self.alice, records=[record()]), 200)
             status, headers, body, _ = raw_exchange(sock)
-            self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]), (200, ["r1"]))
+            self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]),
+                             (200, ["r1"]))
             self.assertEqual(headers.get("connection"), "close")
             self.assertTrue(server_closed(sock, 5))
         self.assertEqual([line for line in self.log_lines if "did not arrive" in line], [])
@@ -7213,14 +7835,16 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
         health = b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n"
         with open_raw(self.url) as sock:
-            sock.sendall(push_head(self.alice, len(body)) + body + b"\r\n" + health + b"\n" + health)
+            sock.sendall(push_head(self.alice, len(body)) + body + b"\r\n" + health + b"\n"
+                         + health)
             answers = [raw_exchange(sock, more=True)[::2] for _ in range(3)]
             self.assertEqual(answers, [(200, b'{"cursor":1,"accepted":1}'), (200, b'{"ok":true}'),
                                        (200, b'{"ok":true}')])
         with open_raw(self.url) as sock:  # one is skipped, not any number
             sock.sendall(b"\r\n\r\n" + health)
             self.assertRawError(raw_exchange(sock), 400)
-        with open_raw(self.url) as sock:  # a CRLF and then nothing: an idle connection, not a late request
+        # a CRLF and then nothing: an idle connection, not a late request
+        with open_raw(self.url) as sock:
             sock.sendall(health + b"\r\n")
             self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
             time.sleep(1.6)  # past the 1 s request deadline
@@ -7229,7 +7853,8 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         self.assertEqual([line for line in self.log_lines if "did not arrive" in line], [])
 
     def test_unknown_route_is_404(self):
-        for method, path in (("GET", "/index.html"), ("GET", "/v1"), ("GET", "/v1/nope"), ("GET", "/v1/health/"),
+        for method, path in (("GET", "/index.html"), ("GET", "/v1"), ("GET", "/v1/nope"),
+                             ("GET", "/v1/health/"),
                              ("GET", "/v1/HEALTH"), ("GET", "/v2/health"), ("POST", "/v1/pushes"),
                              ("GET", "/v1/pull/x?project=proj")):
             with self.subTest(method=method, path=path):
@@ -7263,14 +7888,16 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
                         self.assertError(Answer(response.status, headers, raw), 405)
 
     def assertHeadHasNoBody(self, path):
-        """On a raw socket: the HEAD answer is a head only; the next answer on the connection is intact."""
+        """On a raw socket: the HEAD answer is a head only; the next answer on the connection is
+        intact."""
         with open_raw(self.url) as sock:
             sock.sendall(("HEAD %s HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer %s\r\n\r\n"
                           % (path, self.alice)).encode("latin-1"))
             data = b""
             while b"\r\n\r\n" not in data:
                 chunk = sock.recv(65536)
-                self.assertTrue(chunk, "connection closed before the head of the HEAD answer: %r" % data)
+                self.assertTrue(chunk, "connection closed before the head of the HEAD answer: %r"
+                                % data)
                 data += chunk
             head, _, rest = data.partition(b"\r\n\r\n")
             self.assertTrue(head.startswith(b"HTTP/1.1 405 "), head)
@@ -7286,7 +7913,8 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
                 with self.subTest(method=method, path=path):
                     answer = self.request(method, path, token=self.alice)
                     self.assertError(answer, 405)
-                    self.assertEqual({name.strip() for name in answer.headers.get("allow", "").split(",")},
+                    self.assertEqual({name.strip()
+                                      for name in answer.headers.get("allow", "").split(",")},
                                      self.allowed(right))
 
     def test_every_answer_is_json_with_a_content_length(self):
@@ -7305,7 +7933,8 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
             (self.request("GET", "/v1/projects?team=elsewhere", token=self.alice), 403),
             (self.request("GET", "/v1/nope"), 404),
             (self.request("DELETE", "/v1/push", token=self.alice), 405),
-            (self.push(self.alice, records=[record(record_id="r%d" % i) for i in range(501)]), 413),
+            (self.push(self.alice, records=[record(record_id="r%d" % i) for i in range(501)]),
+             413),
         ]
         for answer, status in answers:
             with self.subTest(answer=answer):
@@ -7318,14 +7947,16 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
 
     def test_malformed_request_line_is_a_400_json_answer(self):
         for line in (b"THIS IS NOT HTTP\r\n\r\n", b"GET /v1/health HTTP/1.1 extra\r\n\r\n",
-                     b"GET /v1/health HTTP/one.one\r\n\r\n", b"POST\r\n\r\n", b"POST /v1/push\r\n\r\n",
+                     b"GET /v1/health HTTP/one.one\r\n\r\n", b"POST\r\n\r\n",
+                     b"POST /v1/push\r\n\r\n",
                      b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n"):
             with self.subTest(line=line):
                 with open_raw(self.url) as sock:
                     sock.sendall(line)
                     status, headers, body, _ = raw_exchange(sock)
                     self.assertRawError((status, headers, body, None), 400)
-                    self.assertTrue(server_closed(sock, 5), "the server kept a confused connection open")
+                    self.assertTrue(server_closed(sock, 5),
+                                    "the server kept a confused connection open")
         self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
 
     def test_keep_alive_requests_are_fast(self):
@@ -7356,7 +7987,8 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         self.assertIs(conn.sock, sock, "the idle connection was closed")
 
     def assertDisconnected(self, head, drip):
-        """Send head, then one byte a second: the server must close the connection within about 3 s."""
+        """Send head, then one byte a second: the server must close the connection within about 3
+        s."""
         with open_raw(self.url, timeout=5) as sock:
             sock.sendall(head)
             started = time.monotonic()
@@ -7376,7 +8008,8 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
                 if not data:
                     closed = True
                     break
-                answer += data                       # an answer before closing (a 408, say) is allowed
+                # an answer before closing (a 408, say) is allowed
+                answer += data
             elapsed = time.monotonic() - started
             self.assertTrue(closed, "a slow client was not disconnected after %.1f s" % elapsed)
             self.assertLess(elapsed, 3.5)
@@ -7394,8 +8027,9 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
 
 
 class HostileHeadTest(SessionWireMixin, ServerCase):
-    """RFC 9112's stricter rules on top of http.server: only SP and HTAB as whitespace, no control bytes,
-    one framing of a body, Connection tokens matched whole, and every refused head logged, escaped."""
+    """RFC 9112's stricter rules on top of http.server: only SP and HTAB as whitespace, no control
+    bytes, one framing of a body, Connection tokens matched whole, and every refused head logged,
+    escaped."""
 
     def refused(self, data, status=400):
         """data's answer: status, JSON, Connection: close, then closed; nothing stored."""
@@ -7414,17 +8048,21 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
             (b"GET\xa0/v1/health\xa0HTTP/1.1\r\nHost: t\r\n\r\n", "bad request line"),
             (b"GET  /v1/health HTTP/1.1\r\nHost: t\r\n\r\n", "bad request line"),
             (b"GET /v1/health HTTP/1.1\x0b\r\nHost: t\r\n\r\n", "bad request line"),
-            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth + b"Transfer-Encoding: chunked\x0b\r\n\r\n"
+            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth
+             + b"Transfer-Encoding: chunked\x0b\r\n\r\n"
              b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body), "malformed header line"),
             (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth + b"Content-Length: \xa0%d\r\n\r\n%s"
              % (len(body), body), "bad Content-Length"),
-            (b"GET /v1/health HTTP/1.1\r\nHost: t\r\nX-Nul: a\x00b\r\n\r\n", "malformed header line"),
+            (b"GET /v1/health HTTP/1.1\r\nHost: t\r\nX-Nul: a\x00b\r\n\r\n",
+             "malformed header line"),
             (b"GET /v1/health HTTP/1.1\r\nHost: t\r\nX-Cr: a\rb\r\n\r\n", "malformed header line"),
             (b"GET /v1/health HTTP/1.1\r\nHost: t\r\nX-Fs: \x1c\r\n\r\n", "malformed header line"),
             (b"GET /v1/health HTTP/1.1\r\nHost: t\r\n Folded: x\r\n\r\n", "malformed header line"),
-            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth + b"Transfer-Encoding: chunked\r\n\r\n"
+            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth
+             + b"Transfer-Encoding: chunked\r\n\r\n"
              b"%x\n%s\r\n0\r\n\r\n" % (len(body), body), "bad chunk size"),
-            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth + b"Content-Length: 5\r\nContent-Length: 5\r\n\r\n"
+            (b"POST /v1/push HTTP/1.1\r\nHost: t\r\n" + auth
+             + b"Content-Length: 5\r\nContent-Length: 5\r\n\r\n"
              b"12345", "bad Content-Length"),
         ]
         for data, error in cases:
@@ -7445,17 +8083,20 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
     def test_a_field_name_is_a_token_right_before_its_colon(self):
         for line in (b"Name : x", b": x", b"Na me: x", b"\tFolded: x", b"X-\xe9: x", b"NoColon"):
             with self.subTest(line=line):
-                self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\nHost: t\r\n" + line + b"\r\n\r\n"),
+                self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\nHost: t\r\n" + line
+                                              + b"\r\n\r\n"),
                                  "malformed header line")
 
     def test_only_http_1_0_and_1_1_are_served(self):
         for version in (b"HTTP/2.0", b"HTTP/1.2", b"HTTP/0.9", b"HTTP/3.0"):
             with self.subTest(version=version):
-                self.assertEqual(self.refused(b"GET /v1/health " + version + b"\r\nHost: t\r\n\r\n", 505),
+                self.assertEqual(self.refused(b"GET /v1/health " + version
+                                              + b"\r\nHost: t\r\n\r\n", 505),
                                  "HTTP/1.1 only")
         for version in (b"HTTP/x.y", b"http/1.1", b"HTTP/1.1 ", b"HTTP/10.10", b"HTTP/1"):
             with self.subTest(version=version):
-                self.assertEqual(self.refused(b"GET /v1/health " + version + b"\r\nHost: t\r\n\r\n"),
+                self.assertEqual(self.refused(b"GET /v1/health " + version
+                                              + b"\r\nHost: t\r\n\r\n"),
                                  "bad request line")
 
     def test_100_header_fields_are_431_and_99_are_served(self):
@@ -7472,33 +8113,40 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
         with open_raw(self.url) as sock:
             sock.sendall(request_line + b"X: " + b"a" * pad + b"\r\n" + end)
             self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
-        self.assertEqual(self.refused(request_line + b"X: " + b"a" * (pad + 1) + b"\r\n" + end, 431),
+        self.assertEqual(self.refused(request_line + b"X: " + b"a" * (pad + 1) + b"\r\n" + end,
+                                      431),
                          "request head larger than 65536 bytes or with more than 99 header fields")
 
     def test_a_path_that_begins_with_two_slashes_is_read_as_one(self):
-        """As http.server reads it: a client whose base URL ends in "/" still reaches the routes."""
+        """As http.server reads it: a client whose base URL ends in "/" still reaches the
+        routes."""
         with open_raw(self.url) as sock:
             sock.sendall(b"GET //v1/health HTTP/1.1\r\nHost: t\r\n\r\n")
             self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
 
     def test_each_request_on_a_connection_is_its_own_tenants(self):
         """A keep-alive connection whose requests change their Authorization line: each answers for
-        the token it carries (a line known from the last head is taken only when its bytes are equal)."""
+        the token it carries (a line known from the last head is taken only when its bytes are
+        equal)."""
         body = json.dumps({"project": "only-alice", "records": [record()]}).encode()
         with open_raw(self.url) as sock:
             sock.sendall(push_head(self.alice, len(body)) + body)
             self.assertEqual(raw_exchange(sock)[0], 200)
-            for token, projects in ((self.bob, b'{"projects":[]}'), (self.alice, b'{"projects":["only-alice"]}'),
+            for token, projects in ((self.bob, b'{"projects":[]}'),
+                                    (self.alice, b'{"projects":["only-alice"]}'),
                                     (self.bob, b'{"projects":[]}')):
-                sock.sendall(b"GET /v1/projects HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n\r\n"
+                sock.sendall(b"GET /v1/projects HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+                             b"%s\r\n\r\n"
                              % token.encode())
                 self.assertEqual(raw_exchange(sock)[::2], (200, projects))
 
     def test_the_head_is_read_once_without_the_email_package(self):
-        """http.server's own head parse (http.client.parse_headers, through the email package) is not
-        run: the handler's strict read is the only one. (The client here writes and reads by hand.)"""
+        """http.server's own head parse (http.client.parse_headers, through the email package) is
+        not run: the handler's strict read is the only one. (The client here writes and reads by
+        hand.)"""
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
-        with mock.patch("http.client.parse_headers", side_effect=AssertionError("parse_headers was called")), \
+        with mock.patch("http.client.parse_headers",
+                        side_effect=AssertionError("parse_headers was called")), \
                 open_raw(self.url) as sock:
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n")
             self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
@@ -7506,14 +8154,17 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
             self.assertEqual(raw_exchange(sock)[::2], (200, b'{"cursor":1,"accepted":1}'))
 
     def test_a_head_over_64_kib_in_all_is_431_and_the_request_line_over_64_kib_is_414(self):
-        lines = b"".join(b"X-Pad%d: %s\r\n" % (i, b"p" * 1000) for i in range(70))  # 70 KiB, each line short
+        # 70 KiB, each line short
+        lines = b"".join(b"X-Pad%d: %s\r\n" % (i, b"p" * 1000) for i in range(70))
         self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\n" + lines + b"\r\n", 431),
                          "request head larger than 65536 bytes or with more than 99 header fields")
         self.assertEqual(self.refused(b"GET /" + b"a" * 65536 + b" HTTP/1.1\r\n\r\n", 414),
                          "request line too long")
-        self.assertEqual(self.log_lines[-1], "refused a malformed request (414 request line too long): GET /"
+        self.assertEqual(self.log_lines[-1],
+                         "refused a malformed request (414 request line too long): GET /"
                          + "a" * 195)  # its first 200 bytes
-        self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\n" + b"X: a\r\n" * 101 + b"\r\n", 431),
+        self.assertEqual(self.refused(b"GET /v1/health HTTP/1.1\r\n" + b"X: a\r\n" * 101 + b"\r\n",
+                                      431),
                          "request head larger than 65536 bytes or with more than 99 header fields")
         with open_raw(self.url) as sock:  # 99 header fields: still a request
             sock.sendall(b"GET /v1/health HTTP/1.1\r\n" + b"X: a\r\n" * 99 + b"\r\n")
@@ -7522,21 +8173,27 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
     def test_http_1_0_with_a_chunked_body_closes_after_its_answer(self):
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
         with open_raw(self.url) as sock:
-            sock.sendall(b"POST /v1/push HTTP/1.0\r\nConnection: keep-alive\r\nAuthorization: Bearer "
-                         + self.alice.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+            sock.sendall(b"POST /v1/push HTTP/1.0\r\nConnection: keep-alive\r\nAuthorization: "
+                         b"Bearer "
+                         + self.alice.encode()
+                         + b"\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
                          % (len(body), body))
             status, headers, answer, _ = raw_exchange(sock)
-            self.assertEqual((status, answer, headers.get("connection")), (200, b'{"cursor":1,"accepted":1}', "close"))
+            self.assertEqual((status, answer, headers.get("connection")),
+                             (200, b'{"cursor":1,"accepted":1}', "close"))
             self.assertTrue(server_closed(sock, 5))
 
     def test_connection_tokens_are_matched_whole(self):
         with open_raw(self.url) as sock:
             for connection in (b"notclose", b"keep-alive, upgrade", b"Close"):
-                sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\nConnection: %s\r\n\r\n" % connection)
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: t\r\nConnection: %s\r\n\r\n"
+                             % connection)
                 status, headers, _, _ = raw_exchange(sock)
-                self.assertEqual((status, headers.get("connection")), (200, "close" if connection == b"Close" else None))
+                self.assertEqual((status, headers.get("connection")),
+                                 (200, "close" if connection == b"Close" else None))
             self.assertTrue(server_closed(sock, 5))
-        with open_raw(self.url) as sock:  # HTTP/1.0 keeps the connection only when asked, by a whole token
+        # HTTP/1.0 keeps the connection only when asked, by a whole token
+        with open_raw(self.url) as sock:
             sock.sendall(b"GET /v1/health HTTP/1.0\r\nConnection: keep-alive-ish\r\n\r\n")
             self.assertEqual(raw_exchange(sock)[1].get("connection"), "close")
             self.assertTrue(server_closed(sock, 5))
@@ -7550,7 +8207,8 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
             "refused a malformed request (400 bad request line): GET /\\x1b[2J HTTP/1.1",
             "refused a malformed request (400 malformed header line): GET /v1/health HTTP/1.1"])
         self.log_lines.clear()
-        # A request that passes the checks but has a path of bytes beyond ASCII: the access line escapes them.
+        # A request that passes the checks but has a path of bytes beyond ASCII: the access line
+        # escapes them.
         self.request("GET", "/v1/caf%C3%A9")
         http_request(self.url, "GET", "/v1/health")
         with open_raw(self.url) as sock:
@@ -7558,13 +8216,16 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
             self.assertEqual(raw_exchange(sock)[0], 400)
         self.assertEqual([line.rsplit(" ", 2)[0] for line in self.log_lines[:2]],
                          ["127.0.0.1 GET /v1/caf%C3%A9 404", "127.0.0.1 GET /v1/health 200"])
-        self.assertEqual(self.log_lines[2], "refused a malformed request (400 bad request line): GET /v1/caf\\xc3\\xa9 "
-                                            "HTTP/1.1")
+        self.assertEqual(self.log_lines[2],
+                         "refused a malformed request (400 bad request line): GET "
+                         "/v1/caf\\xc3\\xa9 "
+                         "HTTP/1.1")
 
     def test_a_refused_head_is_logged_without_its_query(self):
         self.refused(b"GET /v1/pull?project=p&access_token=s3cret HTTP/1.1\r\nX: \x07\r\n\r\n")
         self.refused(b"GET /v1/pull?access_token=s3cret\x01 HTTP/1.1\r\n\r\n")
-        self.refused(b"GET /v1/pull?project=p access_token=s3cret HTTP/1.1\r\n\r\n")  # a space in the query
+        # a space in the query
+        self.refused(b"GET /v1/pull?project=p access_token=s3cret HTTP/1.1\r\n\r\n")
         self.refused(b"GET /v1/pull HTTP/1.1?access_token=s3cret\r\n\r\n")
         self.assertEqual(self.log_lines, [
             "refused a malformed request (400 malformed header line): GET /v1/pull HTTP/1.1",
@@ -7574,14 +8235,16 @@ class HostileHeadTest(SessionWireMixin, ServerCase):
 
 
 class FrontPageTest(ServerCase):
-    """GET / is a small page for a person with a browser: what this is, and how to point a client at it."""
+    """GET / is a small page for a person with a browser: what this is, and how to point a client
+    at it."""
 
     def test_the_front_page_is_html_with_the_version_the_protocol_and_a_client_config(self):
         self.assertAnswer(self.push(self.alice, "secret-project", [record()], [meta()]), 200)
         answer = self.request("GET", "/", headers={"Host": "sync.example.com:8787"})
         self.assertEqual(answer.status, 200)
         self.assertEqual(answer.headers["content-type"], "text/html; charset=utf-8")
-        self.assertEqual(answer.headers["content-security-policy"], "default-src 'none'; style-src 'unsafe-inline'")
+        self.assertEqual(answer.headers["content-security-policy"],
+                         "default-src 'none'; style-src 'unsafe-inline'")
         self.assertEqual(answer.headers["x-content-type-options"], "nosniff")
         self.assertEqual(int(answer.headers["content-length"]), len(answer.raw))
         page = answer.raw.decode("utf-8")
@@ -7595,21 +8258,27 @@ class FrontPageTest(ServerCase):
 
     def test_the_page_shows_the_address_a_client_should_use_behind_a_proxy_too(self):
         cases = [({"Host": "sync.example.com:8787"}, "http://sync.example.com:8787"),
-                 ({"Host": "pi.home.arpa", "X-Forwarded-Proto": "https"}, "https://pi.home.arpa"),  # Caddy
-                 ({"Host": "127.0.0.1:8787", "X-Forwarded-Proto": "https", "X-Forwarded-Host": "pi.home.arpa"},
+                 # Caddy
+                 ({"Host": "pi.home.arpa", "X-Forwarded-Proto": "https"}, "https://pi.home.arpa"),
+                 ({"Host": "127.0.0.1:8787", "X-Forwarded-Proto": "https",
+                   "X-Forwarded-Host": "pi.home.arpa"},
                   "https://pi.home.arpa"),
-                 ({"Host": "127.0.0.1:8787", "Forwarded": 'for=192.0.2.7;proto=https;host="pi.home.arpa:8443", '
-                                                          "for=10.0.0.1;proto=http"}, "https://pi.home.arpa:8443"),
-                 ({"Host": "h", "X-Forwarded-Proto": "gopher"}, "http://h")]  # not a scheme: the connection's
+                 ({"Host": "127.0.0.1:8787",
+                   "Forwarded": 'for=192.0.2.7;proto=https;host="pi.home.arpa:8443", '
+                                "for=10.0.0.1;proto=http"}, "https://pi.home.arpa:8443"),
+                 # not a scheme: the connection's
+                 ({"Host": "h", "X-Forwarded-Proto": "gopher"}, "http://h")]
         for headers, url in cases:
             with self.subTest(headers=headers):
                 page = self.request("GET", "/", headers=headers).raw.decode("utf-8")
                 self.assertIn('"url": "%s"' % url, page)
-                self.assertEqual("plain <code>http://</code> only for localhost" in page, url.startswith("http:"))
+                self.assertEqual("plain <code>http://</code> only for localhost" in page,
+                                 url.startswith("http:"))
 
     def test_the_config_snippet_holds_only_what_a_reader_fills_in_and_says_what_each_is(self):
         page = self.request("GET", "/", headers={"Host": "h"}).raw.decode("utf-8")
-        snippet = json.loads(page[page.index("<pre>") + 5:page.index("</pre>")].replace("&quot;", '"'))
+        snippet = json.loads(page[page.index("<pre>") + 5:page.index("</pre>")].replace("&quot;",
+                                                                                        '"'))
         self.assertEqual(snippet, {"sync": {"url": "http://h", "token": "ohs_..."}})
         for field in ("<code>url</code>", "<code>token</code>", '<code>"team": "ID"</code>',
                       '<code>"enabled": false</code>'):
@@ -7620,7 +8289,8 @@ class FrontPageTest(ServerCase):
         headers = {"X-Forwarded-Proto": "https", "Forwarded": "for=127.0.0.1;proto=https",
                    "X-Forwarded-For": "127.0.0.1"}
         self.assertAnswer(self.request("GET", "/v1/projects", headers=headers), 401)
-        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice, headers=headers), 200,
+        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice, headers=headers),
+                          200,
                           {"projects": []})
 
     def test_a_host_header_is_escaped_in_the_page(self):
@@ -7630,9 +8300,11 @@ class FrontPageTest(ServerCase):
         self.assertIn('"url": "http://&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;"', page)
 
     def test_head_answers_the_heads_of_get_without_a_body(self):
-        for path, content_type in (("/", "text/html; charset=utf-8"), ("/v1/health", "application/json")):
+        for path, content_type in (("/", "text/html; charset=utf-8"),
+                                   ("/v1/health", "application/json")):
             with self.subTest(path=path), open_raw(self.url) as sock:
-                sock.sendall(b"HEAD %s HTTP/1.1\r\nHost: t\r\n\r\nGET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n"
+                sock.sendall(b"HEAD %s HTTP/1.1\r\nHost: t\r\n\r\nGET /v1/health "
+                             b"HTTP/1.1\r\nHost: t\r\n\r\n"
                              % path.encode())
                 reader = sock.makefile("rb")
                 head = []
@@ -7752,7 +8424,8 @@ _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
 class MetricFamily:
-    """One metric family of a scrape: its type, help and samples [(name, {label: value}, value)]."""
+    """One metric family of a scrape: its type, help and samples [(name, {label: value},
+    value)]."""
 
     def __init__(self, kind, help_text):
         self.kind = kind
@@ -7765,8 +8438,8 @@ def _unescape_label(value):
 
 
 def parse_exposition(text):
-    """A scrape in Prometheus' text format 0.0.4, parsed strictly: {family name: MetricFamily}, in order.
-    AssertionError names the first line that breaks a rule."""
+    """A scrape in Prometheus' text format 0.0.4, parsed strictly: {family name: MetricFamily}, in
+    order. AssertionError names the first line that breaks a rule."""
     if not text.endswith("\n") or "\r" in text:
         raise AssertionError("a scrape is lines each ended by \\n, with no \\r")
     families, family, helped, series = {}, None, None, set()
@@ -7783,7 +8456,8 @@ def parse_exposition(text):
                 continue
             match = _TYPE_LINE.fullmatch(line)
             if match is None:
-                fail("a comment that is neither # HELP name text nor # TYPE name counter|gauge|histogram")
+                fail("a comment that is neither # HELP name text nor # TYPE name "
+                     "counter|gauge|histogram")
             name, kind = match.groups()
             if name in families:
                 fail("a second TYPE for a family")
@@ -7804,7 +8478,8 @@ def parse_exposition(text):
         name, labels_text, value = match.groups()
         if family is None or helped is not None:
             fail("a sample before its family's TYPE")
-        allowed = ([family.name + suffix for suffix in _HISTOGRAM_SUFFIXES] if family.kind == "histogram"
+        allowed = ([family.name + suffix for suffix in _HISTOGRAM_SUFFIXES]
+                   if family.kind == "histogram"
                    else [family.name])
         if name not in allowed:
             fail("a sample of another family than the last TYPE's (%s)" % family.name)
@@ -7831,8 +8506,8 @@ def parse_exposition(text):
 
 
 def check_histogram(name, family):
-    """Each series of a histogram: buckets with ascending le, counts cumulative (never less), +Inf last and
-    equal to _count, one _sum and one _count."""
+    """Each series of a histogram: buckets with ascending le, counts cumulative (never less), +Inf
+    last and equal to _count, one _sum and one _count."""
     groups = {}
     for sample, labels, value in family.samples:
         rest = tuple(sorted((label, text) for label, text in labels.items() if label != "le"))
@@ -7858,7 +8533,8 @@ def check_histogram(name, family):
         if len(group["_sum"]) != 1 or len(group["_count"]) != 1:
             raise AssertionError("%s: not one _sum and one _count" % where)
         if group["_count"][0] != counts[-1]:
-            raise AssertionError("%s: +Inf bucket %r, _count %r" % (where, counts[-1], group["_count"][0]))
+            raise AssertionError("%s: +Inf bucket %r, _count %r"
+                                 % (where, counts[-1], group["_count"][0]))
 
 
 def metric_value(families, name, sample=None, **labels):
@@ -7871,7 +8547,8 @@ def metric_value(families, name, sample=None, **labels):
 
 def bucket_counts(families, name, **labels):
     """{le: cumulative count} of one histogram series."""
-    return {sample_labels["le"]: value for sample_name, sample_labels, value in families[name].samples
+    return {sample_labels["le"]: value for sample_name, sample_labels,
+            value in families[name].samples
             if sample_name == name + "_bucket"
             and {label: text for label, text in sample_labels.items() if label != "le"} == labels}
 
@@ -7887,7 +8564,8 @@ def write_feed_file(data_dir, owner, project, count):
 
 
 def disk_bytes(top):
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(top) for name in names)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(top)
+               for name in names)
 
 
 EXPECTED_FAMILIES = {
@@ -7917,37 +8595,42 @@ EXPECTED_FAMILIES = {
     "process_start_time_seconds": "gauge",
     "process_open_fds": "gauge",
 }
-# What a label may be named, and the values a route label may hold: never a principal, project or token.
+# What a label may be named, and the values a route label may hold: never a principal, project or
+# token.
 METRIC_LABELS = {"route", "method", "status", "le", "kind", "result", "version", "protocol"}
 METRIC_ROUTES = {"/", "/v1/health", "/v1/projects", "/v1/push", "/v1/pull", "/v1/memory/identity",
                  "/v1/memory/snapshot", "/v1/memory/commit", "/metrics", "other"}
 
 
 class MetricsTest(ServerCase):
-    """GET /metrics with a metrics token: the whole scrape parsed strictly, and counters that move exactly as
-    requests are made."""
+    """GET /metrics with a metrics token: the whole scrape parsed strictly, and counters that move
+    exactly as requests are made."""
 
     def setUp(self):
         self.server_options = {"metrics_token": METRICS_TOKEN,
                                "jwt": JwtVerifier(SECRET, JwksSource(no_log, path=JWKS_PATH))}
         super().setUp()
-        self.server.app.auth.failures.clock = FakeClock(1000.0)  # no failed check is forgiven meanwhile
+        # no failed check is forgiven meanwhile
+        self.server.app.auth.failures.clock = FakeClock(1000.0)
 
     def scrape(self):
         """The parsed scrape, its text checked for what a scrape must be."""
         answer = self.request("GET", "/metrics", token=METRICS_TOKEN)
         self.assertEqual(answer.status, 200, answer.raw)
-        self.assertEqual(answer.headers["content-type"], "text/plain; version=0.0.4; charset=utf-8")
+        self.assertEqual(answer.headers["content-type"],
+                         "text/plain; version=0.0.4; charset=utf-8")
         self.assertEqual(int(answer.headers["content-length"]), len(answer.raw))
         self.last_text = answer.raw.decode("utf-8")
         return parse_exposition(self.last_text)
 
     def requests_of(self, families, route, method, status):
-        return metric_value(families, "oharness_sync_http_requests_total", route=route, method=method,
+        return metric_value(families, "oharness_sync_http_requests_total", route=route,
+                            method=method,
                             status=status)
 
     def requests_moved(self, before, after):
-        """{(route, method, status class): requests counted between the scrapes before and after}."""
+        """{(route, method, status class): requests counted between the scrapes before and
+        after}."""
         moved = {}
         for _, labels, value in after["oharness_sync_http_requests_total"].samples:
             delta = value - self.requests_of(before, **labels)
@@ -7966,13 +8649,15 @@ class MetricsTest(ServerCase):
         self.request("GET", "/v1/health")
         families = self.scrape()
         kinds = {name: family.kind for name, family in families.items()}
-        if not os.path.exists("/proc/self/stat"):  # (elsewhere: CPU time, threads and start time only)
+        # (elsewhere: CPU time, threads and start time only)
+        if not os.path.exists("/proc/self/stat"):
             self.skipTest("no /proc here")
         self.assertEqual(kinds, EXPECTED_FAMILIES)
         for family in families.values():
             self.assertTrue(family.help.endswith("."), family.help)
         self.assertEqual(families["oharness_sync_info"].samples,
-                         [("oharness_sync_info", {"version": sync.__version__, "protocol": "1"}, 1)])
+                         [("oharness_sync_info", {"version": sync.__version__, "protocol": "1"},
+                           1)])
         for name in EXPECTED_FAMILIES:
             self.assertTrue(families[name].samples, name)  # every family has its series at once
         started = metric_value(families, "process_start_time_seconds")
@@ -7988,29 +8673,36 @@ class MetricsTest(ServerCase):
                          disk_bytes(os.path.join(self.data_dir, "feeds")))
 
     def test_a_fresh_servers_first_scrape_has_the_main_series_at_0_not_absent(self):
-        """Prometheus cannot tell an absent series from no data: a rate() of pushes, or an error ratio, on a
-        server that has had none must read 0. Each route with its method, for 2xx, 4xx and 5xx; events by
-        kind; memory commits by result; token failures by kind."""
+        """Prometheus cannot tell an absent series from no data: a rate() of pushes, or an error
+        ratio, on a server that has had none must read 0. Each route with its method, for 2xx, 4xx
+        and 5xx; events by kind; memory commits by result; token failures by kind."""
         families = self.scrape()  # the server's first request
-        routes = [("/", "GET"), ("/v1/health", "GET"), ("/v1/projects", "GET"), ("/v1/push", "POST"),
-                  ("/v1/pull", "GET"), ("/v1/memory/identity", "POST"), ("/v1/memory/snapshot", "POST"),
+        routes = [("/", "GET"), ("/v1/health", "GET"), ("/v1/projects", "GET"),
+                  ("/v1/push", "POST"),
+                  ("/v1/pull", "GET"), ("/v1/memory/identity", "POST"),
+                  ("/v1/memory/snapshot", "POST"),
                   ("/v1/memory/commit", "POST"), ("/metrics", "GET")]
         self.assertEqual(sorted((labels["route"], labels["method"], labels["status"], value)
-                                for _, labels, value in families["oharness_sync_http_requests_total"].samples),
+                                for _, labels,
+                                value in families["oharness_sync_http_requests_total"].samples),
                          sorted((route, method, status, 0) for route, method in routes
                                 for status in ("2xx", "4xx", "5xx")))
         name = "oharness_sync_http_request_duration_seconds"
-        self.assertEqual({labels["route"]: value for sample, labels, value in families[name].samples
+        self.assertEqual({labels["route"]: value for sample, labels,
+                          value in families[name].samples
                           if sample == name + "_count"}, {route: 0 for route, _ in routes})
         for family, label, values in (
                 ("oharness_sync_events_appended_total", "kind", ("record", "session")),
                 ("oharness_sync_memory_commits_total", "result", ("ok", "conflict", "quota")),
-                ("oharness_sync_token_checks_failed_total", "kind", ("local", "jwt", "supabase", "other"))):
+                ("oharness_sync_token_checks_failed_total", "kind",
+                 ("local", "jwt", "supabase", "other"))):
             self.assertEqual([(labels, value) for _, labels, value in families[family].samples],
                              [({label: value}, 0) for value in values], family)
-        for family in ("oharness_sync_fsync_duration_seconds", "oharness_sync_group_commit_pushes"):
+        for family in ("oharness_sync_fsync_duration_seconds",
+                       "oharness_sync_group_commit_pushes"):
             self.assertEqual(metric_value(families, family, family + "_count"), 0)
-        self.assertEqual(self.requests_of(self.scrape(), "/metrics", "GET", "2xx"), 1)  # and then it counts
+        # and then it counts
+        self.assertEqual(self.requests_of(self.scrape(), "/metrics", "GET", "2xx"), 1)
 
     def test_requests_are_counted_by_route_method_and_status_class_with_their_durations(self):
         before = self.scrape()
@@ -8035,19 +8727,24 @@ class MetricsTest(ServerCase):
         # A route's durations count its requests, of every method and status.
         name = "oharness_sync_http_request_duration_seconds"
         for route in METRIC_ROUTES:
-            counted = sum(value for _, labels, value in after["oharness_sync_http_requests_total"].samples
+            counted = sum(value for _, labels,
+                          value in after["oharness_sync_http_requests_total"].samples
                           if labels["route"] == route)
-            self.assertEqual(metric_value(after, name, name + "_count", route=route), counted, route)
+            self.assertEqual(metric_value(after, name, name + "_count", route=route), counted,
+                             route)
         self.assertEqual(bucket_counts(after, name, route="/v1/health")["+Inf"],
                          metric_value(before, name, name + "_count", route="/v1/health") + 5)
         self.assertGreater(metric_value(after, name, name + "_sum", route="/v1/health"), 0)
 
-    def test_one_connections_requests_are_each_counted_under_their_own_route_method_and_status(self):
-        """A connection remembers the row of its request before: one that differs only in method, status or
-        path is still counted apart, and an unknown path that comes again is still "other"."""
+    def test_one_connections_requests_are_each_counted_under_their_own_route_method_and_status(
+        self):
+        """A connection remembers the row of its request before: one that differs only in method,
+        status or path is still counted apart, and an unknown path that comes again is still
+        "other"."""
         before = self.scrape()
         heads = [("GET", "/v1/health", ""), ("GET", "/v1/health", ""), ("HEAD", "/v1/health", ""),
-                 ("GET", "/v1/health", ""), ("GET", "/v1/projects", "garbage"), ("GET", "/v1/projects", self.alice),
+                 ("GET", "/v1/health", ""), ("GET", "/v1/projects", "garbage"),
+                 ("GET", "/v1/projects", self.alice),
                  ("GET", "/v1/projects", "garbage"), ("GET", "/nope", ""), ("GET", "/nope", ""),
                  ("GET", "/v1/nope", ""), ("POST", "/v1/health", ""), ("GET", "/v1/health", "")]
         with open_raw(self.url) as sock:
@@ -8066,23 +8763,29 @@ class MetricsTest(ServerCase):
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
                 reader.read(0 if method == "HEAD" else length)
-            self.assertEqual(statuses, [200, 200, 200, 200, 401, 200, 401, 404, 404, 404, 405, 200])
+            self.assertEqual(statuses,
+                             [200, 200, 200, 200, 401, 200, 401, 404, 404, 404, 405, 200])
             after = self.scrape()  # (the connection is open: its Tally is read as it is)
         moved = self.requests_moved(before, after)
         self.assertEqual(moved, {("/v1/health", "GET", "2xx"): 4, ("/v1/health", "HEAD", "2xx"): 1,
-                                 ("/v1/projects", "GET", "4xx"): 2, ("/v1/projects", "GET", "2xx"): 1,
+                                 ("/v1/projects", "GET", "4xx"): 2,
+                                 ("/v1/projects", "GET", "2xx"): 1,
                                  ("other", "GET", "4xx"): 3, ("/v1/health", "POST", "4xx"): 1,
                                  ("/metrics", "GET", "2xx"): 1})
 
     def test_events_group_commits_and_their_fsyncs_are_counted(self):
         before = self.scrape()
-        self.assertAnswer(self.push(self.alice, records=[record(record_id="a"), record(record_id="b")],
-                                    sessions=[meta("s1"), meta("s2")]), 200, {"cursor": 4, "accepted": 4})
-        self.assertAnswer(self.push(self.alice, records=[record(record_id="a"), record(record_id="c")]), 200,
+        self.assertAnswer(self.push(self.alice,
+                                    records=[record(record_id="a"), record(record_id="b")],
+                                    sessions=[meta("s1"), meta("s2")]), 200,
+                                    {"cursor": 4, "accepted": 4})
+        self.assertAnswer(self.push(self.alice,
+                                    records=[record(record_id="a"), record(record_id="c")]), 200,
                           {"cursor": 5, "accepted": 1})  # a duplicate is no event
         self.assertAnswer(self.push(self.alice, records=[record(record_id="a")]), 200,
                           {"cursor": 5, "accepted": 0})  # nothing new: no group commit
-        # Four pushes in two group commits: the first holds its fsync while three more queue behind it.
+        # Four pushes in two group commits: the first holds its fsync while three more queue behind
+        # it.
         feed = self.server.app.feeds.feed(("u", "alice"), "grouped", create=True)
         threads = []
         with fsyncs_held() as (entered, release):
@@ -8098,7 +8801,8 @@ class MetricsTest(ServerCase):
                 thread.join(5)
         after = self.scrape()
         events = "oharness_sync_events_appended_total"
-        self.assertEqual(metric_value(after, events, kind="record") - metric_value(before, events, kind="record"),
+        self.assertEqual(metric_value(after, events, kind="record") - metric_value(before, events,
+                                                                                   kind="record"),
                          3 + 4)
         self.assertEqual(metric_value(after, events, kind="session")
                          - metric_value(before, events, kind="session"), 2)
@@ -8116,22 +8820,28 @@ class MetricsTest(ServerCase):
 
     def test_memory_commits_are_counted_by_result_and_their_bytes_follow_the_disk(self):
         before = self.scrape()
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
-        wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag="0" * 32), 409, "revision_conflict")
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]),
+                              entries=[wire_entry("n1")])
+        wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag="0" * 32), 409,
+                         "revision_conflict")
         self.server.app.memory.quota["maxNotes"] = 1
-        wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag=etag), 413, "memory_quota_exceeded")
-        wire_assert_code(self, wire_commit(self, [{"id": "n3"}], etag=etag), 400, "invalid_changes")  # not a commit
+        wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag=etag), 413,
+                         "memory_quota_exceeded")
+        wire_assert_code(self, wire_commit(self, [{"id": "n3"}], etag=etag), 400,
+                         "invalid_changes")  # not a commit
         after = self.scrape()
         commits = "oharness_sync_memory_commits_total"
         self.assertEqual({result: metric_value(after, commits, result=result)
-                          - metric_value(before, commits, result=result) for result in ("ok", "conflict", "quota")},
+                          - metric_value(before, commits, result=result)
+                          for result in ("ok", "conflict", "quota")},
                          {"ok": 1, "conflict": 1, "quota": 1})
         self.assertEqual(metric_value(before, "oharness_sync_memory_bytes"), 0)
         self.assertEqual(metric_value(after, "oharness_sync_memory_bytes"),
                          disk_bytes(os.path.join(self.data_dir, "memory")))
 
     def test_memory_bytes_stay_true_after_a_failed_manifest_write_and_garbage_collection(self):
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]),
+                              entries=[wire_entry("n1")])
         real = sync.write_atomically
 
         def failing(path, data, owner=None):
@@ -8139,20 +8849,27 @@ class MetricsTest(ServerCase):
                 raise OSError(errno.ENOSPC, "no space left on device")
             return real(path, data, owner)
         with mock.patch.object(sync, "write_atomically", failing):  # its objects are left behind
-            wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag=etag), 502, "memory_sync_failed")
+            wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag=etag), 502,
+                             "memory_sync_failed")
         memory_dir = os.path.join(self.data_dir, "memory")
-        self.assertEqual(metric_value(self.scrape(), "oharness_sync_memory_bytes"), disk_bytes(memory_dir))
-        self.server.app.memory.garbage_age = 0  # the next commit removes the leftovers and replaced revisions
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="changed")], etag=etag),
+        self.assertEqual(metric_value(self.scrape(), "oharness_sync_memory_bytes"),
+                         disk_bytes(memory_dir))
+        # the next commit removes the leftovers and replaced revisions
+        self.server.app.memory.garbage_age = 0
+        etag = wire_assert_ok(self,
+                              wire_commit(self, [memory_put("n1", body="changed")], etag=etag),
                               entries=[wire_entry("n1", body="changed")])
-        self.assertEqual(metric_value(self.scrape(), "oharness_sync_memory_bytes"), disk_bytes(memory_dir))
+        self.assertEqual(metric_value(self.scrape(), "oharness_sync_memory_bytes"),
+                         disk_bytes(memory_dir))
 
     def test_failed_and_throttled_token_checks_are_counted_by_token_kind(self):
         before = self.scrape()
         for token in ("ohs_000000000000_" + "x" * 43, self.alice + "x"):
             self.assertAnswer(self.pull(token), 401)
         self.assertAnswer(self.pull("garbage"), 401)
-        wire_assert_code(self, wire_commit(self, [memory_put("n1")], token="ohs_000000000000_" + "y" * 43),
+        wire_assert_code(self,
+                         wire_commit(self, [memory_put("n1")], token="ohs_000000000000_"
+                                     + "y" * 43),
                          401, "sign_in_required")
         for number in range(1, 11):  # the failures one client may have...
             self.assertAnswer(self.pull(forged_es256(number)), 401)
@@ -8161,9 +8878,11 @@ class MetricsTest(ServerCase):
         after = self.scrape()
 
         def moved(name, kinds):
-            return {kind: metric_value(after, name, kind=kind) - metric_value(before, name, kind=kind)
+            return {kind: metric_value(after, name, kind=kind) - metric_value(before, name,
+                                                                              kind=kind)
                     for kind in kinds}
-        self.assertEqual(moved("oharness_sync_token_checks_failed_total", ("local", "jwt", "supabase", "other")),
+        self.assertEqual(moved("oharness_sync_token_checks_failed_total",
+                               ("local", "jwt", "supabase", "other")),
                          {"local": 3, "jwt": 10, "supabase": 0, "other": 1})
         self.assertEqual(moved("oharness_sync_token_checks_throttled_total", ("jwt", "supabase")),
                          {"jwt": 1, "supabase": 0})
@@ -8176,7 +8895,8 @@ class MetricsTest(ServerCase):
         families = self.scrape()
         self.assertEqual(metric_value(families, "oharness_sync_long_polls_parked"), 1)
         self.assertEqual(metric_value(families, "oharness_sync_long_polls_woken_total"), 0)
-        self.assertEqual(metric_value(families, "oharness_sync_connections_open"), 2)  # the poll's, the scrape's
+        # the poll's, the scrape's
+        self.assertEqual(metric_value(families, "oharness_sync_connections_open"), 2)
         self.assertAnswer(self.push(self.alice, records=[record()]), 200)
         thread.join(5)
         self.assertEqual([len(answer.json["records"]) for answer in results], [1])
@@ -8184,7 +8904,8 @@ class MetricsTest(ServerCase):
         families = self.scrape()
         self.assertEqual(metric_value(families, "oharness_sync_long_polls_woken_total"), 1)
         duration = "oharness_sync_http_request_duration_seconds"
-        self.assertEqual(bucket_counts(families, duration, route="/v1/pull")["0.005"], 0)  # it waited
+        # it waited
+        self.assertEqual(bucket_counts(families, duration, route="/v1/pull")["0.005"], 0)
 
     def test_a_connection_refused_at_the_cap_is_counted(self):
         self.wait_for(lambda: self.server.connections == 0)
@@ -8199,25 +8920,33 @@ class MetricsTest(ServerCase):
         self.wait_for(lambda: self.server.connections == 1)
         families = self.scrape()
         self.assertEqual(metric_value(families, "oharness_sync_connections_refused_total"), 1)
-        self.assertEqual(metric_value(families, "oharness_sync_connections_open"), 2)  # one held, the scrape
+        # one held, the scrape
+        self.assertEqual(metric_value(families, "oharness_sync_connections_open"), 2)
 
     def test_no_principal_project_team_or_token_appears_in_a_scrape(self):
         zelda = self.issue("zelda-principal-q7", ["team-umbrella-x9"])
         self.assertAnswer(self.push(zelda, "project-narwhal-k3", [record()], [meta()]), 200)
-        self.assertAnswer(self.push(zelda, "project-okapi-m2", [record()], team="team-umbrella-x9"), 200)
+        self.assertAnswer(self.push(zelda, "project-okapi-m2", [record()],
+                                    team="team-umbrella-x9"), 200)
         self.assertAnswer(self.pull(zelda, "project-narwhal-k3"), 200)
         self.assertAnswer(self.pull(zelda, "project-okapi-m2", team="team-wombat-z5"), 403)
-        self.assertAnswer(self.request("GET", "/v1/projects?team=team-umbrella-x9", token=zelda), 200)
-        wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=zelda, principal="zelda-principal-q7",
-                                         project="memory-project-quokka"), principal="zelda-principal-q7",
+        self.assertAnswer(self.request("GET", "/v1/projects?team=team-umbrella-x9", token=zelda),
+                          200)
+        wire_assert_ok(self,
+                       wire_commit(self, [memory_put("n1")], token=zelda,
+                                   principal="zelda-principal-q7",
+                                   project="memory-project-quokka"),
+                                   principal="zelda-principal-q7",
                        entries=[wire_entry("n1")])
         self.assertAnswer(self.pull(zelda + "tail", "project-narwhal-k3"), 401)
         self.assertAnswer(self.request("GET", "/v1/zelda-principal-q7/project-narwhal-k3"), 404)
         self.request("GET", "/metrics", token="wrong-" + METRICS_TOKEN)
         families = self.scrape()
         text = self.last_text
-        for private in ("zelda", "principal-q7", "narwhal", "okapi", "quokka", "umbrella", "wombat", "alice",
-                        "platform", zelda, zelda[:20], self.alice, METRICS_TOKEN, "wrong-", "s1", "laptop"):
+        for private in ("zelda", "principal-q7", "narwhal", "okapi", "quokka", "umbrella",
+                        "wombat", "alice",
+                        "platform", zelda, zelda[:20], self.alice, METRICS_TOKEN, "wrong-", "s1",
+                        "laptop"):
             self.assertNotIn(private, text)
         for family in families.values():
             for _, labels, _ in family.samples:
@@ -8227,7 +8956,8 @@ class MetricsTest(ServerCase):
                 self.assertRegex(labels.get("status", "2xx"), r"^[1-5]xx$")
 
     def test_without_the_token_or_with_another_it_is_401(self):
-        for token in (None, "", "wrong", METRICS_TOKEN + "x", METRICS_TOKEN[:-1], self.alice, METRICS_TOKEN.upper()):
+        for token in (None, "", "wrong", METRICS_TOKEN + "x", METRICS_TOKEN[:-1], self.alice,
+                      METRICS_TOKEN.upper()):
             with self.subTest(token=token):
                 answer = self.request("GET", "/metrics", token=token)
                 self.assertAnswer(answer, 401)
@@ -8235,8 +8965,10 @@ class MetricsTest(ServerCase):
                 self.assertEqual(sorted(answer.json), ["error"])
                 self.assertIsInstance(answer.json["error"], str)
                 self.assertNotIn(METRICS_TOKEN, answer.raw.decode())
-        for header in ("Basic " + METRICS_TOKEN, METRICS_TOKEN, "Bearer " + METRICS_TOKEN + " extra"):
-            self.assertAnswer(self.request("GET", "/metrics", headers={"Authorization": header}), 401)
+        for header in ("Basic " + METRICS_TOKEN, METRICS_TOKEN, "Bearer " + METRICS_TOKEN
+                       + " extra"):
+            self.assertAnswer(self.request("GET", "/metrics", headers={"Authorization": header}),
+                              401)
         answer = self.request("POST", "/metrics", b"", token=METRICS_TOKEN)
         self.assertAnswer(answer, 405)
         self.assertEqual(answer.headers["allow"], "GET, HEAD")
@@ -8255,7 +8987,8 @@ class MetricsTest(ServerCase):
                 head.append(line.decode("latin-1").strip())
             self.assertEqual(head[0], "HTTP/1.1 200 OK")
             self.assertIn("Content-Type: text/plain; version=0.0.4; charset=utf-8", head)
-            self.assertGreater(int([line for line in head if line.startswith("Content-Length: ")][0].split()[1]),
+            self.assertGreater(int([line for line in head
+                                    if line.startswith("Content-Length: ")][0].split()[1]),
                                1000)
             self.assertEqual(reader.readline(), b"HTTP/1.1 200 OK\r\n")  # no body came between
         with open_raw(self.url) as sock:
@@ -8276,13 +9009,17 @@ class MetricsTest(ServerCase):
                 f.write(unusable)
             sync.reload_files(self.server)
             self.assertIn("kept the metrics token in force", self.log_lines[-1])
-            self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status, 200)
+            self.assertEqual(self.request("GET", "/metrics", token="the-next-token-8Hq2").status,
+                             200)
         hangups = [line for line in self.log_lines if line.startswith("SIGHUP: ")]
         self.assertTrue(hangups[-2].endswith(
-            '; kept the metrics token in force: the token on --metrics-token-file %s is 11 characters: use one of 16 '
-            'or more, e.g. python3 -c "import secrets; print(secrets.token_urlsafe(32))"' % path), hangups[-2])
+            '; kept the metrics token in force: the token on --metrics-token-file %s is 11 '
+            'characters: use one of 16 '
+            'or more, e.g. python3 -c "import secrets; print(secrets.token_urlsafe(32))"' % path),
+            hangups[-2])
         self.assertTrue(hangups[-1].endswith(
-            '; kept the metrics token in force: --metrics-token-file %s starts with "Bearer ": drop it, the file '
+            '; kept the metrics token in force: --metrics-token-file %s starts with "Bearer ": '
+            'drop it, the file '
             'holds the token alone ("Bearer " is added when it is sent)' % path), hangups[-1])
         self.assertAnswer(self.request("GET", "/metrics", token="short-tok3n"), 401)
         os.unlink(path)
@@ -8317,21 +9054,25 @@ class MetricsTest(ServerCase):
         self.assertEqual(metric_value(families, "oharness_sync_feeds_damaged"), 0)
 
     def test_a_damaged_feed_is_counted(self):
-        self.assertAnswer(self.push(self.alice, "hurt", [record(record_id=str(i)) for i in range(3)]), 200)
+        self.assertAnswer(self.push(self.alice, "hurt",
+                                    [record(record_id=str(i)) for i in range(3)]), 200)
         self.stop_server(self.server, self.server_thread)
         path = self.feed_files()[0]
         with open(path, "rb") as f:
             lines = f.readlines()
         with open(path, "wb") as f:
-            f.write(lines[0] + lines[1].replace(b"hello", b"hellO") + lines[2])  # a middle line's checksum fails
+            # a middle line's checksum fails
+            f.write(lines[0] + lines[1].replace(b"hello", b"hellO") + lines[2])
         self.start_server()
-        self.assertEqual(metric_value(self.scrape(), "oharness_sync_feeds_damaged"), 0)  # not known until read
+        # not known until read
+        self.assertEqual(metric_value(self.scrape(), "oharness_sync_feeds_damaged"), 0)
         self.assertEqual(self.pull(self.alice, "hurt").status, 500)
         self.assertEqual(metric_value(self.scrape(), "oharness_sync_feeds_damaged"), 1)
 
 
 class TokenFileMistakeTest(unittest.TestCase):
-    """Two mistakes of a first week, each refused at start with one line (exit 2) that says the fix."""
+    """Two mistakes of a first week, each refused at start with one line (exit 2) that says the
+    fix."""
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="ohs-test-")
@@ -8344,35 +9085,42 @@ class TokenFileMistakeTest(unittest.TestCase):
         return path
 
     def test_a_token_file_that_starts_with_bearer_is_refused_with_a_hint_to_drop_it(self):
-        """What an Authorization header shows, pasted whole: before, "does not hold a token (... no spaces ...)"
-        left the owner to guess which space."""
+        """What an Authorization header shows, pasted whole: before, "does not hold a token (... no
+        spaces ...)" left the owner to guess which space."""
         bearer = self.file("bearer.token", "Bearer " + METRICS_TOKEN + "\n")
         good = self.file("good.token", METRICS_TOKEN + "\n")
         data = os.path.join(self.dir, "data")
         url = "http://127.0.0.1:9"
         for flag, argv in (
-                ("--metrics-token-file", ["--data", data, "--port", "0", "--metrics-token-file", bearer]),
+                ("--metrics-token-file",
+                 ["--data", data, "--port", "0", "--metrics-token-file", bearer]),
                 ("--token-file", ["check", "--url", url, "--token-file", bearer]),
                 ("--other-token-file", ["check", "--url", url, "--token-file", good,
                                         "--other-token-file", bearer]),
                 ("--token-file", ["bench", "--url", url, "--token-file", bearer]),
                 ("--from-token-file", ["replicate", "--from", url, "--to", "http://127.0.0.1:10",
                                        "--from-token-file", bearer, "--to-token-file", good])):
-            self.assertEqual(run_main(*argv), (2, "", 'oharness-sync: error: %s %s starts with "Bearer ": drop it, '
-                                                       'the file holds the token alone ("Bearer " is added when it '
-                                                       'is sent)\n' % (flag, bearer)), argv)
+            self.assertEqual(run_main(*argv),
+                             (2, "", 'oharness-sync: error: %s %s starts with "Bearer ": drop it, '
+                                      'the file holds the token alone ("Bearer " is added when it '
+                                      'is sent)\n' % (flag, bearer)), argv)
         self.assertFalse(os.path.exists(data))
         self.assertEqual(run_main("check", "--url", url, "--token", "bearer x"),
-                         (2, "", 'oharness-sync: error: --token starts with "Bearer ": give the token alone\n'))
+                         (2, "",
+                          'oharness-sync: error: --token starts with "Bearer ": give the token '
+                          'alone\n'))
 
     def test_a_metrics_token_under_16_characters_stops_the_start_with_a_hint(self):
         data = os.path.join(self.dir, "data")
         short = self.file("metrics.token", "x" * 15 + "\n")
         self.assertEqual(run_main("--data", data, "--port", "0", "--metrics-token-file", short), (
-            2, "", 'oharness-sync: error: the token on --metrics-token-file %s is 15 characters: use one of 16 or '
-                   'more, e.g. python3 -c "import secrets; print(secrets.token_urlsafe(32))"\n' % short))
+            2, "",
+            'oharness-sync: error: the token on --metrics-token-file %s is 15 characters: use one '
+            'of 16 or '
+            'more, e.g. python3 -c "import secrets; print(secrets.token_urlsafe(32))"\n' % short))
         self.assertFalse(os.path.exists(data))
-        self.assertEqual(sync.read_metrics_token(self.file("sixteen.token", "y" * 16 + "\n")), "y" * 16)
+        self.assertEqual(sync.read_metrics_token(self.file("sixteen.token", "y" * 16 + "\n")),
+                         "y" * 16)
 
 
 class MetricsOffTest(ServerCase):
@@ -8408,7 +9156,8 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
             self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
             started = time.monotonic()
-            self.assertTrue(server_closed(sock, 4), "an idle connection was kept past the idle limit")
+            self.assertTrue(server_closed(sock, 4),
+                            "an idle connection was kept past the idle limit")
             self.assertGreater(time.monotonic() - started, 0.7)
         self.assertEqual(self.wait_for_connections(0, 2), 0)
         self.assertEqual([line for line in self.log_lines if "did not arrive" in line], [])
@@ -8422,7 +9171,8 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
         with open_raw(self.url) as sock:
             for request in range(4):
                 if request:
-                    time.sleep(0.4)  # 1.2 s from first to last, more than the limit; each pause within it
+                    # 1.2 s from first to last, more than the limit; each pause within it
+                    time.sleep(0.4)
                 sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
                 self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
 
@@ -8441,29 +9191,36 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
         with open_raw(self.url) as sock:
             sock.sendall(("GET /v1/pull?project=proj&since=0&wait=10 HTTP/1.1\r\nHost: test\r\n"
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
-            time.sleep(1.1)  # parked longer than the idle limit: waiting for the feed is not idleness
+            # parked longer than the idle limit: waiting for the feed is not idleness
+            time.sleep(1.1)
             self.assertAnswer(self.push(self.alice, records=[record()]), 200)
             status, _, body, _ = raw_exchange(sock)  # answered when the push woke it
-            self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]), (200, ["r1"]))
+            self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]),
+                             (200, ["r1"]))
             self.assertTrue(server_closed(sock, 4), "the connection was kept past the idle limit")
         self.assertEqual(self.wait_for_connections(0, 2), 0)
 
     def test_a_client_that_does_not_read_its_answer_is_cut_off(self):
         text = "x" * 20000
         for start in range(0, 400, 100):
-            self.assertAnswer(self.push(self.alice, records=[record(record_id="r%d" % i, body={"text": text})
-                                                             for i in range(start, start + 100)]), 200)
+            self.assertAnswer(self.push(self.alice,
+                                        records=[record(record_id="r%d" % i, body={"text": text})
+                                                 for i in range(start, start + 100)]), 200)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        # before connecting: a small window
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.settimeout(5)
         sock.connect(self.server.server_address[:2])
         with sock:
             sock.sendall(("GET /v1/pull?project=proj&since=0 HTTP/1.1\r\nHost: test\r\n"
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
             time.sleep(0.3)
-            self.assertEqual(self.server.connections, 1, "the pull's connection is not being answered")
-            # An 8 MB answer cannot fit the socket buffers: the send waits until the idle limit ends it.
-            self.assertEqual(self.wait_for_connections(0, 4), 0, "a stuck send held its connection")
+            self.assertEqual(self.server.connections, 1,
+                             "the pull's connection is not being answered")
+            # An 8 MB answer cannot fit the socket buffers: the send waits until the idle limit
+            # ends it.
+            self.assertEqual(self.wait_for_connections(0, 4), 0,
+                             "a stuck send held its connection")
         self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
 
 
@@ -8478,9 +9235,12 @@ class ConnectionCapTest(ServerCase):
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
         with socket.create_connection(self.server.server_address[:2], timeout=5) as sock:
-            status, headers, body, closed = raw_exchange(sock, b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, headers, body, closed = raw_exchange(sock,
+                                                         b"GET /v1/health HTTP/1.1\r\nHost: "
+                                                         b"x\r\n\r\n")
         self.assertEqual((status, closed), (503, True), body)
-        self.assertEqual([headers.get(name) for name in ("content-type", "connection", "cache-control")],
+        self.assertEqual([headers.get(name)
+                          for name in ("content-type", "connection", "cache-control")],
                          ["application/json", "close", "no-store"])
         self.assertIsInstance(json.loads(body)["error"], str)
         for sock in held:
@@ -8532,7 +9292,8 @@ class PerAddressCapTest(ServerCase):
     def test_an_address_holding_its_share_does_not_keep_another_from_a_200(self):
         self.hold(10)
         status, headers, body, _ = health_from(self, "127.0.0.1")
-        self.assertEqual((status, headers["retry-after"], headers["cache-control"], json.loads(body)),
+        self.assertEqual((status, headers["retry-after"], headers["cache-control"],
+                          json.loads(body)),
                          (503, "1", "no-store",
                           {"error": "too many connections from this address; try again shortly"}))
         status, _, body, seconds = health_from(self, "127.0.0.2")
@@ -8567,7 +9328,8 @@ class ParkedCapTest(ServerCase):
 
     def test_past_the_parked_cap_wait_is_treated_as_0(self):
         results = []
-        threads = [threading.Thread(target=lambda token=token: results.append(self.pull(token, wait=10)))
+        threads = [threading.Thread(target=lambda token=token: results.append(self.pull(token,
+                                                                                        wait=10)))
                    for token in (self.alice, self.bob)]  # (one principal may park half the places)
         for thread in threads:
             thread.start()
@@ -8576,11 +9338,14 @@ class ParkedCapTest(ServerCase):
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.01)
         started = time.monotonic()
-        answer = self.pull(self.issue("carol"), wait=10)  # a third long-poll: answered at once, empty
+        # a third long-poll: answered at once, empty
+        answer = self.pull(self.issue("carol"), wait=10)
         self.assertLess(time.monotonic() - started, 1.0)
         self.assertAnswer(answer, 200, {"cursor": 0, "records": [], "sessions": [], "more": False})
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
-        self.assertAnswer(self.push(self.bob, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.bob, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
         for thread in threads:
             thread.join(5)
         self.assertEqual([len(answer.json["records"]) for answer in results], [1, 1])
@@ -8751,7 +9516,8 @@ class RevokedParkedPullTest(ServerCase):
         with mock.patch.object(threading.Thread, "start", start):
             thread = self.park(self.bob, answers)
             self.wait_parked(1)
-        self.assertIn("cannot watch the parked pulls' tokens: can't start new thread", self.log_lines)
+        self.assertIn("cannot watch the parked pulls' tokens: can't start new thread",
+                      self.log_lines)
         self.assertAnswer(self.push(self.bob, records=[record()]), 200)
         thread.join(5)
         self.assertEqual(len(answers[0][0].json["records"]), 1)
@@ -8768,31 +9534,36 @@ class RevokedParkedPullTest(ServerCase):
 class FeedFaultsOnTheWireTest(ServerCase):
     def test_a_feed_that_cannot_be_read_answers_500_saying_so_logged_once(self):
         # Never "nothing was stored" for a pull, and never logged at every poll of every device.
-        self.assertAnswer(self.push(self.alice, records=[record(record_id="a")]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="a")]), 200,
+                          {"cursor": 1, "accepted": 1})
         self.restart_server()  # (its feed not loaded yet)
         path = self.feed_files()[0]
         denied = PermissionError(errno.EACCES, "Permission denied", path)
         with mock.patch.object(sync.Feed, "_load", side_effect=denied):
             for _ in range(2):
-                self.assertAnswer(self.pull(self.alice), 500, {"error": "storage failure: the server cannot read what "
-                                                                        "was asked for; its log names the file"})
+                self.assertAnswer(self.pull(self.alice), 500,
+                                  {"error": "storage failure: the server cannot read what "
+                                            "was asked for; its log names the file"})
         self.assertEqual([line for line in self.log_lines if " GET /v1/pull " not in line],
                          ["storage failure: cannot read %s: Permission denied" % path])
         self.assertEqual(self.pull(self.alice).json["cursor"], 1)  # read once it can be
 
     def test_enospc_and_eio_during_append_answer_500_and_change_nothing(self):
-        self.assertAnswer(self.push(self.alice, records=[record(record_id="a")]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="a")]), 200,
+                          {"cursor": 1, "accepted": 1})
         path = self.feed_files()[0]
         with open(path, "rb") as f:
             before = f.read()
         for error in (errno.ENOSPC, errno.EIO):
-            with mock.patch.object(sync, "sync_file", side_effect=OSError(error, os.strerror(error))):
+            with mock.patch.object(sync, "sync_file",
+                                   side_effect=OSError(error, os.strerror(error))):
                 answer = self.push(self.alice, records=[record(record_id="b")], sessions=[meta()])
             self.assertAnswer(answer, 500, {"error": "storage failure; nothing was stored"})
             with open(path, "rb") as f:
                 self.assertEqual(f.read(), before)
             self.assertEqual(self.pull(self.alice).json["cursor"], 1)
-        self.assertAnswer(self.push(self.alice, records=[record(record_id="b")], sessions=[meta()]), 200,
+        self.assertAnswer(self.push(self.alice, records=[record(record_id="b")],
+                                    sessions=[meta()]), 200,
                           {"cursor": 3, "accepted": 2})
         self.assertTrue(any("No space left on device" in line for line in self.log_lines))
 
@@ -8807,11 +9578,16 @@ class FeedFaultsOnTheWireTest(ServerCase):
         with open(alice_feed, "wb") as f:
             f.write(b"".join(lines))
         self.start_server()
-        for answer in (self.pull(self.alice), self.push(self.alice, records=[record(record_id="new")])):
-            self.assertAnswer(answer, 500, {"error": "this feed is damaged; the server log names the file and line"})
-        self.assertTrue(any("%s:2: checksum mismatch" % alice_feed in line for line in self.log_lines), self.log_lines)
+        for answer in (self.pull(self.alice),
+                       self.push(self.alice, records=[record(record_id="new")])):
+            self.assertAnswer(answer, 500,
+                              {"error": "this feed is damaged; the server log names the file and "
+                                        "line"})
+        self.assertTrue(any("%s:2: checksum mismatch" % alice_feed in line
+                            for line in self.log_lines), self.log_lines)
         self.assertEqual(len(self.pull(self.bob).json["records"]), 1)
-        self.assertAnswer(self.push(self.alice, "other", [record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, "other", [record()]), 200,
+                          {"cursor": 1, "accepted": 1})
 
 
 class LinkedFeedOnTheWireTest(ServerCase):
@@ -8913,43 +9689,53 @@ class JwtOnTheWireTest(ServerCase):
         for name in ("hs256_valid_no_exp", "rs256_2048_valid_no_exp", "rs256_4096_valid_no_exp",
                      "es256_valid_exp_2100"):
             token = TOKENS[name]
-            self.assertAnswer(self.push(token, "jwt", [record(record_id=name)]), 200, {"cursor": 1, "accepted": 1})
+            self.assertAnswer(self.push(token, "jwt", [record(record_id=name)]), 200,
+                              {"cursor": 1, "accepted": 1})
             sub = json.loads(b64url_decode(token.split(".")[1]))["sub"]
-            self.assertEqual(self.request("GET", "/v1/projects", token=token).json, {"projects": ["jwt"]}, sub)
+            self.assertEqual(self.request("GET", "/v1/projects", token=token).json,
+                             {"projects": ["jwt"]}, sub)
 
     def test_teams_come_from_the_teams_claim(self):
         token = TOKENS["rs256_with_teams"]
         teams = json.loads(b64url_decode(token.split(".")[1]))["teams"]
-        self.assertAnswer(self.push(token, "p", [record()], team=teams[0]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(token, "p", [record()], team=teams[0]), 200,
+                          {"cursor": 1, "accepted": 1})
         self.assertAnswer(self.push(token, "p", [record()], team="not-" + teams[0]), 403)
 
     def test_bad_tokens_are_401_with_www_authenticate(self):
-        for name in ("alg_none", "hs256_signed_with_rsa_public_pem", "rs256_expired", "rs256_nbf_2100",
-                     "rs256_tampered_payload", "es256_r_zero", "rs256_unknown_kid", "rs256_sub_proto"):
+        for name in ("alg_none", "hs256_signed_with_rsa_public_pem", "rs256_expired",
+                     "rs256_nbf_2100",
+                     "rs256_tampered_payload", "es256_r_zero", "rs256_unknown_kid",
+                     "rs256_sub_proto"):
             answer = self.pull(TOKENS[name], "p")
             self.assertAnswer(answer, 401)
             self.assertEqual(answer.headers.get("www-authenticate"), "Bearer", name)
         self.assertEqual(self.feed_files(), [])
 
     def test_a_jwks_url_that_cannot_be_fetched_gives_503_and_502_never_401(self):
-        # A 401 would stop the client's mirror for a token that may be good: its keys just cannot be read.
+        # A 401 would stop the client's mirror for a token that may be good: its keys just cannot
+        # be read.
         url = "http://127.0.0.1:%d/jwks.json" % closed_port()
         source = JwksSource(lambda line: self.log_lines.append(line), url=url, timeout=1.0)
         wire_restart(self, jwt=JwtVerifier(jwks=source))
         token = TOKENS["rs256_2048_valid_no_exp"]
         self.assertAnswer(self.push(token, "p", [record()]), 503, {
-            "error": "cannot check this token now (its signing keys cannot be read); try again later"})
-        wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "user_rsa2048"}, token),
+            "error": "cannot check this token now (its signing keys cannot be read); try again "
+                     "later"})
+        wire_assert_code(self,
+                         wire_post(self, "identity", {"expectedPrincipal": "user_rsa2048"}, token),
                          502, "auth_unavailable")
         self.assertEqual(self.feed_files(), [])
-        fetch_failures = [line for line in self.log_lines if line.startswith("cannot fetch the JWKS from " + url)]
-        self.assertEqual(len(fetch_failures), 1, self.log_lines)  # tried once: again a minute later at most
+        fetch_failures = [line for line in self.log_lines
+                          if line.startswith("cannot fetch the JWKS from " + url)]
+        # tried once: again a minute later at most
+        self.assertEqual(len(fetch_failures), 1, self.log_lines)
         self.assertNotIn(token, "\n".join(self.log_lines))
 
 
 class PrincipalsOnTheWireTest(ServerCase):
-    """With --principals-file only the principals it lists are served, whatever their token's kind; anonymous JWTs
-    are refused on every route, file or no file."""
+    """With --principals-file only the principals it lists are served, whatever their token's kind;
+    anonymous JWTs are refused on every route, file or no file."""
 
     def setUp(self):
         self.principals_path = os.path.join(tempfile.mkdtemp(prefix="ohs-test-"), "principals")
@@ -8970,7 +9756,9 @@ class PrincipalsOnTheWireTest(ServerCase):
                 ("projects", self.request("GET", "/v1/projects", token=token)),
                 ("identity", wire_post(self, "identity", {"expectedPrincipal": principal}, token)),
                 ("snapshot", wire_post(self, "snapshot", memory, token)),
-                ("commit", wire_post(self, "commit", dict(memory, etag=None, changes=[memory_put("n1")]), token))]
+                ("commit",
+                 wire_post(self, "commit", dict(memory, etag=None, changes=[memory_put("n1")]),
+                           token))]
 
     def test_an_unlisted_principal_gets_403_on_every_route_and_writes_nothing(self):
         unlisted_jwt = hs256_token({"sub": "stranger"})
@@ -8982,7 +9770,8 @@ class PrincipalsOnTheWireTest(ServerCase):
                             "%s is not among the principals this server serves" % principal)})
                     else:
                         self.assertAnswer(answer, 403, {
-                            "error": "%s is not among the principals this server serves" % principal})
+                            "error": "%s is not among the principals this server serves"
+                            % principal})
         self.assertEqual(self.feed_files(), [])
         self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
 
@@ -8990,9 +9779,11 @@ class PrincipalsOnTheWireTest(ServerCase):
         listed_jwt = hs256_token({"sub": "listed-jwt"})
         for token, principal in ((listed_jwt, "listed-jwt"), (self.alice, "alice")):
             with self.subTest(principal=principal):
-                self.assertAnswer(self.push(token, "p", [record()]), 200, {"cursor": 1, "accepted": 1})
+                self.assertAnswer(self.push(token, "p", [record()]), 200,
+                                  {"cursor": 1, "accepted": 1})
                 self.assertEqual(len(self.pull(token, "p").json["records"]), 1)
-                self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": principal}, token), 200,
+                self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": principal},
+                                            token), 200,
                                   {"principal": principal, "quota": WIRE_QUOTA})
 
     def test_a_reload_takes_a_good_file_and_keeps_the_list_when_the_new_one_is_broken(self):
@@ -9000,12 +9791,15 @@ class PrincipalsOnTheWireTest(ServerCase):
         self.assertAnswer(self.push(carol, "p", [record()]), 403)
         self.write_principals("alice\ncarol\n")
         sync.reload_files(self.server)
-        self.assertIn("reloaded the principals file %s (2 principals)" % self.principals_path, self.log_lines[-1])
+        self.assertIn("reloaded the principals file %s (2 principals)" % self.principals_path,
+                      self.log_lines[-1])
         self.assertAnswer(self.push(carol, "p", [record()]), 200, {"cursor": 1, "accepted": 1})
         self.write_principals("alice\ncarol 2 parsecs\n")
         sync.reload_files(self.server)
-        self.assertIn("kept the principals in force: cannot use the principals file %s: line 2: '2 parsecs' is not "
-                      "a size (such as 500MiB, 2GiB or 1TB)" % self.principals_path, self.log_lines[-1])
+        self.assertIn("kept the principals in force: cannot use the principals file %s: line 2: "
+                      "'2 parsecs' is not "
+                      "a size (such as 500MiB, 2GiB or 1TB)" % self.principals_path,
+                      self.log_lines[-1])
         self.assertAnswer(self.push(carol, "p", [record("s2")]), 200, {"cursor": 2, "accepted": 1})
         self.assertAnswer(self.push(self.bob, "p", [record()]), 403)
 
@@ -9022,12 +9816,14 @@ class PrincipalsOnTheWireTest(ServerCase):
             self.assertEqual((pushed(alice, "a1"), pushed(carol, "c1")), (200, 403))
             self.write_principals("alice\ncarol\n")
             server.process.send_signal(signal.SIGHUP)
-            self.assertIn("; reloaded the principals file %s (2 principals)" % self.principals_path,
+            self.assertIn("; reloaded the principals file %s (2 principals)"
+                          % self.principals_path,
                           server.next_log_line())
             self.assertEqual(pushed(carol, "c2"), 200)
             self.write_principals("carol\nbob 2 parsecs\n")
             server.process.send_signal(signal.SIGHUP)
-            self.assertIn("; kept the principals in force: cannot use the principals file %s: line 2: '2 parsecs' "
+            self.assertIn("; kept the principals in force: cannot use the principals file %s: "
+                          "line 2: '2 parsecs' "
                           "is not a size" % self.principals_path, server.next_log_line())
             self.assertEqual((pushed(alice, "a3"), pushed(carol, "c3")), (200, 200))
         finally:
@@ -9038,21 +9834,25 @@ class PrincipalsOnTheWireTest(ServerCase):
         for with_file in (True, False):
             if not with_file:
                 wire_restart(self, jwt=JwtVerifier(SECRET), principals=None)
-            for claims in ({"sub": "alice", "is_anonymous": True}, {"sub": "alice", "role": "anon"}):
+            for claims in ({"sub": "alice", "is_anonymous": True},
+                           {"sub": "alice", "role": "anon"}):
                 for route, answer in self.every_route(hs256_token(claims), "alice"):
                     with self.subTest(with_file=with_file, claims=claims, route=route):
                         if route in ("identity", "snapshot", "commit"):
                             wire_assert_code(self, answer, 401, "sign_in_required")
                         else:
-                            self.assertAnswer(answer, 401, {"error": "anonymous accounts are not accepted here"})
+                            self.assertAnswer(answer, 401,
+                                              {"error": "anonymous accounts are not accepted "
+                                                        "here"})
                         self.assertEqual(answer.headers.get("www-authenticate"), "Bearer")
         self.assertEqual(self.feed_files(), [])
         self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
 
 
 class QuotaOnTheWireTest(ServerCase):
-    """A principal's own feeds and memory count against their quota in the principals file: past it a push is 507
-    and a memory commit 413 memory_quota_exceeded, whole; reads, team feeds and what frees room go on."""
+    """A principal's own feeds and memory count against their quota in the principals file: past it
+    a push is 507 and a memory commit 413 memory_quota_exceeded, whole; reads, team feeds and what
+    frees room go on."""
 
     QUOTA = 8 << 10
 
@@ -9067,10 +9867,12 @@ class QuotaOnTheWireTest(ServerCase):
 
     def stored(self):
         """What alice stores on disk: her own feeds and her memory."""
-        return sum(disk_bytes(os.path.join(self.data_dir, top, "u-alice")) for top in ("feeds", "memory"))
+        return sum(disk_bytes(os.path.join(self.data_dir, top, "u-alice"))
+                   for top in ("feeds", "memory"))
 
     def refusal(self):
-        return ("storage quota of 8 KiB reached (%s stored); nothing was stored: delete sessions or notes to make room, or "
+        return ("storage quota of 8 KiB reached (%s stored); nothing was stored: delete sessions "
+                "or notes to make room, or "
                 "ask the server's operator for more" % sync.format_bytes(self.stored()))
 
     def fill(self):
@@ -9091,52 +9893,69 @@ class QuotaOnTheWireTest(ServerCase):
         size = os.path.getsize(feed)
         self.assertLessEqual(size, self.QUOTA)
         # Refused whole: the small record before the big one is not stored either.
-        self.assertAnswer(self.push(self.alice, "p", [record("s1", "small", body=""), record("s1", "big", body="y" * 2048)]),
+        self.assertAnswer(self.push(self.alice, "p",
+                                    [record("s1", "small", body=""),
+                                     record("s1", "big", body="y" * 2048)]),
                           507, {"error": self.refusal()})
         self.assertEqual(os.path.getsize(feed), size)
-        self.assertEqual([r["id"] for r in self.pull(self.alice, "p").json["records"]], acknowledged)
-        self.assertEqual(self.request("GET", "/v1/projects", token=self.alice).json, {"projects": ["p"]})
+        self.assertEqual([r["id"] for r in self.pull(self.alice, "p").json["records"]],
+                         acknowledged)
+        self.assertEqual(self.request("GET", "/v1/projects", token=self.alice).json,
+                         {"projects": ["p"]})
         # A team's feed counts against no one, and bob has no quota.
-        self.assertAnswer(self.push(self.alice, "p", [record(body="z" * 4096)], team="platform"), 200)
+        self.assertAnswer(self.push(self.alice, "p", [record(body="z" * 4096)], team="platform"),
+                          200)
         self.assertAnswer(self.push(self.bob, "p", [record(body="z" * 16384)]), 200)
 
     def test_a_memory_commit_past_the_quota_is_413_and_snapshots_go_on(self):
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=self.alice, principal="alice"),
+        etag = wire_assert_ok(self,
+                              wire_commit(self, [memory_put("n1")], token=self.alice,
+                                          principal="alice"),
                               entries=[wire_entry("n1")], principal="alice")
         self.fill()
-        answer = wire_commit(self, [memory_put("n2", body="x" * 2048)], etag=etag, token=self.alice,
+        answer = wire_commit(self, [memory_put("n2", body="x" * 2048)], etag=etag,
+                             token=self.alice,
                              principal="alice")
         self.assertAnswer(answer, 413, {"code": "memory_quota_exceeded", "error": self.refusal()})
-        wire_assert_ok(self, wire_snapshot(self, self.alice, "alice"), etag, [wire_entry("n1")], principal="alice")
-        self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": "alice"}, self.alice), 200)
+        wire_assert_ok(self, wire_snapshot(self, self.alice, "alice"), etag, [wire_entry("n1")],
+                       principal="alice")
+        self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": "alice"}, self.alice),
+                          200)
         # A commit that does not grow what she stores (a deletion) goes ahead.
-        wire_assert_ok(self, wire_commit(self, [memory_delete("n1")], etag=etag, token=self.alice, principal="alice"),
+        wire_assert_ok(self,
+                       wire_commit(self, [memory_delete("n1")], etag=etag, token=self.alice,
+                                   principal="alice"),
                        entries=[{"id": "n1", "hash": None}], principal="alice")
         self.assertEqual(self.server.app.metrics.stored("alice"), self.stored())
 
     def test_deleting_sessions_then_a_compaction_makes_room(self):
         self.fill()
-        self.assertAnswer(self.push(self.alice, "p", sessions=[meta("s1", gen=1, deleted=True)]), 200)
-        self.assertAnswer(self.push(self.alice, "p", [record("s2", "after", body="x" * 1024)]), 507)
+        self.assertAnswer(self.push(self.alice, "p", sessions=[meta("s1", gen=1, deleted=True)]),
+                          200)
+        self.assertAnswer(self.push(self.alice, "p", [record("s2", "after", body="x" * 1024)]),
+                          507)
         feed = self.server.app.feeds.feed(("u", "alice"), "p")
         before, after, erased = feed.compact(int(time.time() * 1000), retain_ms=0)
         self.assertEqual(erased, 6)
         self.assertLess(after, before)
-        self.assertAnswer(self.push(self.alice, "p", [record("s2", "after", body="x" * 1024)]), 200)
+        self.assertAnswer(self.push(self.alice, "p", [record("s2", "after", body="x" * 1024)]),
+                          200)
         self.assertEqual(self.server.app.metrics.stored("alice"), self.stored())
 
     def test_stored_bytes_follow_pushes_evictions_reloads_and_compactions(self):
         data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, data_dir, True)
         metrics = sync.Metrics()
-        store = sync.FeedStore(data_dir, no_log, metrics, max_open=2)  # 5 feeds: each evicted and loaded again
+        # 5 feeds: each evicted and loaded again
+        store = sync.FeedStore(data_dir, no_log, metrics, max_open=2)
         store.push(("u", "alice"), "p0", *validated([record("s0", "first")]))
         store = feed_store(data_dir, max_open=2)  # a start on what is there
         store.count_bytes()
         for round_number in range(3):
             for i in range(5):
                 store.push(("u", "alice"), "p%d" % i, *validated(
-                    [record("s%d" % i, "r%d" % round_number, body="x" * 100)], [meta("s%d" % i, gen=round_number)]))
+                    [record("s%d" % i, "r%d" % round_number, body="x" * 100)],
+                    [meta("s%d" % i, gen=round_number)]))
             store.push(("t", "platform"), "p", *validated([record("t", "r%d" % round_number)]))
         store.push(("u", "alice"), "p1", *validated([], [meta("s1", gen=9, deleted=True)]))
         store.feed(("u", "alice"), "p1").compact(int(time.time() * 1000), retain_ms=0)
@@ -9153,8 +9972,9 @@ class QuotaOnTheWireTest(ServerCase):
 
 
 class DiskReserveOnTheWireTest(ServerCase):
-    """Below --reserve-disk a push and a memory commit answer 507, whole; reads go on, /metrics shows it, and
-    pushes go ahead by themselves once there is room (the disk's free space is a stand-in here)."""
+    """Below --reserve-disk a push and a memory commit answer 507, whole; reads go on, /metrics
+    shows it, and pushes go ahead by themselves once there is room (the disk's free space is a
+    stand-in here)."""
 
     server_options = {"reserve_disk": 16 << 20, "metrics_token": METRICS_TOKEN}
 
@@ -9172,26 +9992,32 @@ class DiskReserveOnTheWireTest(ServerCase):
                 metric_value(families, "oharness_sync_disk_reserve_bytes"))
 
     def test_below_the_reserve_writes_are_507_reads_go_on_and_room_lets_them_in_again(self):
-        self.assertAnswer(self.push(self.alice, "p", [record("s1", "r1")]), 200, {"cursor": 1, "accepted": 1})
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=self.alice, principal="alice"),
+        self.assertAnswer(self.push(self.alice, "p", [record("s1", "r1")]), 200,
+                          {"cursor": 1, "accepted": 1})
+        etag = wire_assert_ok(self,
+                              wire_commit(self, [memory_put("n1")], token=self.alice,
+                                          principal="alice"),
                               entries=[wire_entry("n1")], principal="alice")
         self.assertEqual(self.reached(), (0, 16 << 20))
         self.free[0] = (16 << 20) - 1000
         self.clock.advance(1.0)
         feed = self.server.app.feeds.layout.feed_path(("u", "alice"), "p")
         size = os.path.getsize(feed)
-        full = ("the server's disk is almost full (%s free, 16 MiB kept in reserve); nothing was stored: try again "
+        full = ("the server's disk is almost full (%s free, 16 MiB kept in reserve); nothing was "
+                "stored: try again "
                 "later" % sync.format_bytes((16 << 20) - 1000))
         answer = self.push(self.alice, "p", [record("s1", "r2", body="x" * 2000)])
         self.assertAnswer(answer, 507, {"error": full})
         self.assertEqual(answer.headers.get("retry-after"), "60")
         self.assertAnswer(self.push(self.bob, "p", [record()]), 507)
         self.assertAnswer(self.push(self.alice, "p", [record()], team="platform"), 507)
-        answer = wire_commit(self, [memory_put("n2")], etag=etag, token=self.alice, principal="alice")
+        answer = wire_commit(self, [memory_put("n2")], etag=etag, token=self.alice,
+                             principal="alice")
         self.assertAnswer(answer, 507, {"code": "memory_sync_failed", "error": full})
         self.assertEqual(os.path.getsize(feed), size)
         self.assertEqual([r["id"] for r in self.pull(self.alice, "p").json["records"]], ["r1"])
-        wire_assert_ok(self, wire_snapshot(self, self.alice, "alice"), etag, [wire_entry("n1")], principal="alice")
+        wire_assert_ok(self, wire_snapshot(self, self.alice, "alice"), etag, [wire_entry("n1")],
+                       principal="alice")
         self.assertEqual(self.reached(), (1, 16 << 20))
         self.free[0] = 1 << 30
         self.clock.advance(1.0)
@@ -9199,9 +10025,12 @@ class DiskReserveOnTheWireTest(ServerCase):
                           {"cursor": 2, "accepted": 1})
         self.assertEqual(self.reached(), (0, 16 << 20))
         self.assertEqual([line for line in self.log_lines if line.startswith("the disk of ")], [
-            "the disk of %s is down to its reserve (%s free, 16 MiB kept): pushes and memory commits are refused "
-            "until there is room; reads and compaction go on" % (self.data_dir, sync.format_bytes((16 << 20) - 1000)),
-            "the disk of %s has room again (1.0 GiB free, 16 MiB kept): pushes and memory commits go ahead"
+            "the disk of %s is down to its reserve (%s free, 16 MiB kept): pushes and memory "
+            "commits are refused "
+            "until there is room; reads and compaction go on"
+            % (self.data_dir, sync.format_bytes((16 << 20) - 1000)),
+            "the disk of %s has room again (1.0 GiB free, 16 MiB kept): pushes and memory commits "
+            "go ahead"
             % self.data_dir])
 
     def test_off_with_0(self):
@@ -9212,7 +10041,8 @@ class DiskReserveOnTheWireTest(ServerCase):
 
 
 class ForgedTokenOnTheWireTest(ServerCase):
-    """Forged JWTs on a real server: refused tokens remembered, failed checks bounded per client address."""
+    """Forged JWTs on a real server: refused tokens remembered, failed checks bounded per client
+    address."""
 
     THROTTLED = "too many tokens from this client failed verification lately"
 
@@ -9232,19 +10062,24 @@ class ForgedTokenOnTheWireTest(ServerCase):
         self.assertNotIn("www-authenticate", answer.headers)
 
     def test_past_the_burst_429_with_retry_after_and_the_memory_shape(self):
-        self.assertAnswer(self.pull(ES256_VALID, "p"), 200, EMPTY_PULL)  # verified before the flood
+        # verified before the flood
+        self.assertAnswer(self.pull(ES256_VALID, "p"), 200, EMPTY_PULL)
         with signature_spies() as spies:
             for number in range(1, 11):
                 self.assertRefused(self.pull(forged_es256(number), "p"), "bad token signature")
-            self.assertThrottled(self.pull(forged_es256(11), "p"), {"error": self.THROTTLED + "; try again later"})
+            self.assertThrottled(self.pull(forged_es256(11), "p"),
+                                 {"error": self.THROTTLED + "; try again later"})
             self.assertThrottled(self.request("GET", "/v1/projects", token=forged_es256(12)),
                                  {"error": self.THROTTLED + "; try again later"})
-            self.assertThrottled(wire_post(self, "identity", {"expectedPrincipal": "user_ec"}, forged_es256(13)),
+            self.assertThrottled(wire_post(self, "identity", {"expectedPrincipal": "user_ec"},
+                                           forged_es256(13)),
                                  {"code": "rate_limited", "error": self.THROTTLED})
-            # A token refused before gets its 401 again, unchecked; one verified before still works.
+            # A token refused before gets its 401 again, unchecked; one verified before still
+            # works.
             self.assertRefused(self.pull(forged_es256(1), "p"), "bad token signature")
             self.assertAnswer(self.pull(ES256_VALID, "p"), 200, EMPTY_PULL)
-            self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": "user_ec"}, ES256_VALID), 200,
+            self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": "user_ec"},
+                                        ES256_VALID), 200,
                               {"principal": "user_ec", "quota": WIRE_QUOTA})
             self.assertEqual(spies["ES256"].call_count, 10)
         # Local tokens are not throttled.
@@ -9258,7 +10093,9 @@ class ForgedTokenOnTheWireTest(ServerCase):
             for _ in range(20):
                 self.assertRefused(self.pull(token, "p"), "bad token signature")
             for _ in range(20):
-                wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "user_ec"}, token),
+                wire_assert_code(self,
+                                 wire_post(self, "identity", {"expectedPrincipal": "user_ec"},
+                                           token),
                                  401, "sign_in_required")
             self.assertEqual(spies["ES256"].call_count, 1)
 
@@ -9267,15 +10104,18 @@ class ForgedTokenOnTheWireTest(ServerCase):
             self.pull(forged_es256(number), "p")
         self.assertEqual(self.pull(forged_es256(12), "p").status, 429)
         port = int(self.url.rsplit(":", 1)[1])
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=("127.0.0.2", 0))
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10,
+                                          source_address=("127.0.0.2", 0))
         try:
             try:
                 conn.connect()
             except OSError as exc:  # only Linux routes all of 127/8 to loopback
                 self.skipTest("cannot connect from 127.0.0.2: %s" % exc)
-            conn.request("GET", "/v1/pull?project=p", headers={"Authorization": "Bearer " + forged_es256(12)})
+            conn.request("GET", "/v1/pull?project=p",
+                         headers={"Authorization": "Bearer " + forged_es256(12)})
             response = conn.getresponse()
-            self.assertEqual((response.status, json.loads(response.read())), (401, {"error": "bad token signature"}))
+            self.assertEqual((response.status, json.loads(response.read())),
+                             (401, {"error": "bad token signature"}))
         finally:
             conn.close()
 
@@ -9314,7 +10154,8 @@ class TrustedProxyTest(ServerCase):
 
     def test_forwarded_headers_from_another_peer_are_ignored(self):
         for number in range(1, 11):
-            self.assertEqual(self.forged(number, "127.0.0.2", X_Forwarded_For="198.51.100.%d" % number,
+            self.assertEqual(self.forged(number, "127.0.0.2", X_Forwarded_For="198.51.100.%d"
+                                         % number,
                                          Forwarded="for=198.51.100.%d" % number), 401)
         self.assertEqual(self.forged(11, "127.0.0.2", X_Forwarded_For="198.51.100.99"), 429)
         self.assertEqual(self.forged(12, "127.0.0.1", X_Forwarded_For="198.51.100.99"), 401)
@@ -9371,13 +10212,15 @@ class LongPollTest(ServerCase):
         for thread in threads:
             thread.join(5)
         self.assertEqual(len(results), 50)
-        self.assertEqual(sum(answer.json["records"][0]["id"] == "later" for _, answer in results), 49)
+        self.assertEqual(sum(answer.json["records"][0]["id"] == "later" for _, answer in results),
+                         49)
 
     def test_a_large_woken_page_is_sent_by_its_own_thread_and_arrives_whole(self):
         results = []
         thread = self.pull_in_thread(results, wait=10)
         self.wait_parked(1)
-        big = [record(record_id=str(i), body="x" * 1000) for i in range(100)]  # about 130 KB of answer
+        # about 130 KB of answer
+        big = [record(record_id=str(i), body="x" * 1000) for i in range(100)]
         self.push(self.alice, records=big)
         thread.join(5)
         self.assertGreater(len(results[0][1].raw), 100000)
@@ -9390,13 +10233,15 @@ class LongPollTest(ServerCase):
         sock.connect(self.server.server_address[:2])
         sock.settimeout(10)
         self.addCleanup(sock.close)
-        sock.sendall(b"GET /v1/pull?project=%s&since=%d&wait=%d HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n\r\n"
+        sock.sendall(b"GET /v1/pull?project=%s&since=%d&wait=%d HTTP/1.1\r\nHost: "
+                     b"x\r\nAuthorization: Bearer %s\r\n\r\n"
                      % (project.encode(), since, wait, self.alice.encode()))
         return sock
 
     def test_the_push_that_wakes_a_parked_pull_sends_its_answer(self):
-        # The pull's own thread is held in release() until its client has read the whole answer: only
-        # the pushing thread can have sent it. The connection then serves its next request as usual.
+        # The pull's own thread is held in release() until its client has read the whole answer:
+        # only the pushing thread can have sent it. The connection then serves its next request as
+        # usual.
         gate = threading.Event()
         real_release = sync.SyncRequestHandler.release
 
@@ -9412,12 +10257,15 @@ class LongPollTest(ServerCase):
             self.assertFalse(gate.is_set())
             gate.set()
         self.assertEqual((status, json.loads(body)),
-                         (200, {"cursor": 1, "records": [record()], "sessions": [], "more": False}))
+                         (200,
+                          {"cursor": 1, "records": [record()], "sessions": [], "more": False}))
         sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
-        self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))  # (nothing of the first was left)
+        # (nothing of the first was left)
+        self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
 
     def test_an_early_answer_the_socket_cannot_take_at_once_is_finished_byte_for_byte(self):
-        # A socket takes what its buffer holds (up to some MB here): the early send is cut to 64 KiB.
+        # A socket takes what its buffer holds (up to some MB here): the early send is cut to 64
+        # KiB.
         real_send, offered = socket.socket.send, []
 
         def short_send(sock, data, *flags):
@@ -9439,9 +10287,10 @@ class LongPollTest(ServerCase):
         self.assertNotEqual(headers.get("connection"), "close")
 
     def test_a_late_wake_never_answers_the_connections_next_pull(self):
-        # From a review: the push that woke alice's pull was slow to reach it (a thousand others first);
-        # her pull answered itself at its check, her connection (a proxy's, say) carried bob's pull next,
-        # and the late wake sent him alice's record. The wake is widened here to a second.
+        # From a review: the push that woke alice's pull was slow to reach it (a thousand others
+        # first); her pull answered itself at its check, her connection (a proxy's, say) carried
+        # bob's pull next, and the late wake sent him alice's record. The wake is widened here to a
+        # second.
         real_wake = sync.wake_waiters
 
         def slow_wake(pulls, log):
@@ -9449,24 +10298,27 @@ class LongPollTest(ServerCase):
                 time.sleep(1.0)
             real_wake(pulls, log)
 
-        with mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.3), mock.patch.object(sync, "wake_waiters", slow_wake):
+        with mock.patch.object(sync, "PARKED_CHECK_SECONDS",
+                               0.3), mock.patch.object(sync, "wake_waiters", slow_wake):
             sock = self.raw_pull("a")
             self.wait_parked(1)
             pusher = threading.Thread(target=lambda: self.push(self.alice, "a", [record()]))
             pusher.start()
             self.addCleanup(pusher.join, 5)
-            status, _, body, _ = raw_exchange(sock)  # answered by its own thread, at its 0.3 s check
+            # answered by its own thread, at its 0.3 s check
+            status, _, body, _ = raw_exchange(sock)
             self.assertEqual((status, json.loads(body)["records"]), (200, [record()]))
             sock.sendall(b"GET /v1/pull?project=b&since=0&wait=2 HTTP/1.1\r\nHost: x\r\n"
                          b"Authorization: Bearer " + self.bob.encode() + b"\r\n\r\n")
             started = time.monotonic()
             status, _, body, _ = raw_exchange(sock)
-        self.assertEqual((status, json.loads(body)), (200, {"cursor": 0, "records": [], "sessions": [], "more": False}))
+        self.assertEqual((status, json.loads(body)),
+                         (200, {"cursor": 0, "records": [], "sessions": [], "more": False}))
         self.assertGreaterEqual(time.monotonic() - started, 1.9)  # it waited out its own wait
 
     def test_an_unexpected_error_while_answering_a_woken_pull_early_loses_no_answer(self):
-        # The pushing thread answers the pulls it wakes; when building one's answer fails there, that
-        # pull's own thread answers it, and later wakes work as before.
+        # The pushing thread answers the pulls it wakes; when building one's answer fails there,
+        # that pull's own thread answers it, and later wakes work as before.
         results = []
         thread = self.pull_in_thread(results, wait=10)
         self.wait_parked(1)
@@ -9499,14 +10351,16 @@ class LongPollTest(ServerCase):
         stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.addCleanup(stuck.close)
         stuck.sendall(b"GET /v1/pull?project=stuck&since=0&wait=20 HTTP/1.1\r\nHost: x\r\n"
-                      b"Authorization: Bearer " + self.alice.encode() + b"\r\n\r\n")  # and never reads
+                      # and never reads
+                      b"Authorization: Bearer " + self.alice.encode() + b"\r\n\r\n")
         results = []
         other = self.pull_in_thread(results, token=self.bob, project="other", wait=20)
         self.wait_parked(2)
         huge = "z" * 15000
         for batch in range(2):  # about 7 MB of answer: far more than the socket buffers hold
-            answer = self.push(self.alice, "stuck", [record(record_id="%d-%d" % (batch, i), body=huge)
-                                                     for i in range(240)])
+            answer = self.push(self.alice, "stuck",
+                               [record(record_id="%d-%d" % (batch, i), body=huge)
+                                for i in range(240)])
             self.assertEqual(answer.status, 200)
         pushed = time.monotonic()
         self.push(self.bob, "other", [record()])
@@ -9539,7 +10393,8 @@ class LongPollTest(ServerCase):
             thread.join(10)
         self.assertEqual(len(results), 200)
         for elapsed, answer in results:
-            self.assertEqual((answer.status, answer.json["cursor"], len(answer.json["records"])), (200, 1, 1))
+            self.assertEqual((answer.status, answer.json["cursor"], len(answer.json["records"])),
+                             (200, 1, 1))
 
     def test_a_client_that_leaves_mid_wait_harms_nothing(self):
         sock = socket.create_connection(self.server.server_address[:2])
@@ -9552,7 +10407,8 @@ class LongPollTest(ServerCase):
             while len(self.server.app.parked) and time.monotonic() < deadline:
                 time.sleep(0.01)
         self.assertEqual(len(self.server.app.parked), 0)  # the abandoned pull is forgotten at once
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
         self.assertAnswer(self.pull(self.alice), 200)
         self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
         self.assertEqual([line for line in self.log_lines if "error" in line.lower()], [])
@@ -9570,7 +10426,8 @@ def tls_client_context():
 
 def https_health(url, timeout=5):
     host, port = url.split("//", 1)[1].rsplit(":", 1)
-    conn = http.client.HTTPSConnection(host, int(port), timeout=timeout, context=tls_client_context())
+    conn = http.client.HTTPSConnection(host, int(port), timeout=timeout,
+                                       context=tls_client_context())
     try:
         conn.request("GET", "/v1/health")
         response = conn.getresponse()
@@ -9589,16 +10446,19 @@ class TlsTest(ServerCase):
     def test_a_tls_long_poll_whose_client_stops_reading_is_cut_off_quietly(self):
         self.assertAnswer(self.push(self.alice, records=[record(record_id="first")]), 200)
         raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        # before connecting: a small window
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         raw.settimeout(10)
         raw.connect(self.server.server_address[:2])
         with tls_client_context().wrap_socket(raw, server_hostname="localhost") as sock:
             sock.sendall(("GET /v1/pull?project=proj&since=1&wait=20 HTTP/1.1\r\nHost: test\r\n"
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
             time.sleep(0.3)  # parked
-            text = "x" * 40000  # one push wakes the poll with an 8 MB answer, which the client never reads
-            self.assertAnswer(self.push(self.alice, records=[record(record_id="r%d" % i, body={"text": text})
-                                                             for i in range(200)]), 200)
+            # one push wakes the poll with an 8 MB answer, which the client never reads
+            text = "x" * 40000
+            self.assertAnswer(self.push(self.alice,
+                                        records=[record(record_id="r%d" % i, body={"text": text})
+                                                 for i in range(200)]), 200)
             deadline = time.monotonic() + 8
             while self.server.connections and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -9609,7 +10469,8 @@ class TlsTest(ServerCase):
     def test_a_slow_tls_body_is_cut_off_quietly(self):
         raw = socket.create_connection(self.server.server_address[:2], timeout=6)
         with tls_client_context().wrap_socket(raw, server_hostname="localhost") as sock:
-            sock.sendall(push_head(self.alice, length=100) + b'{"project":')  # and the rest never comes
+            # and the rest never comes
+            sock.sendall(push_head(self.alice, length=100) + b'{"project":')
             started = time.monotonic()
             self.assertTrue(server_closed(sock, 6), "a request whose body never arrived was kept")
             self.assertLess(time.monotonic() - started, 3.5)
@@ -9620,7 +10481,8 @@ class TlsTest(ServerCase):
         raw = socket.create_connection(self.server.server_address[:2], timeout=6)
         with tls_client_context().wrap_socket(raw, server_hostname="localhost") as sock:
             sock.sendall(push_head(self.alice, length=100))
-            os.write(sock.fileno(), b"\x17\x03\x03\x00\x20" + b"\x00" * 32)  # a record no key decrypts
+            # a record no key decrypts
+            os.write(sock.fileno(), b"\x17\x03\x03\x00\x20" + b"\x00" * 32)
             self.assertTrue(server_closed(sock, 6))
         self.assertEqual([line for line in self.log_lines if "internal error" in line], [])
         self.assertEqual(self.feed_files(), [])
@@ -9651,8 +10513,8 @@ class TlsTest(ServerCase):
         self.assertLess(time.monotonic() - started, 1.0)
 
     def test_plain_http_to_the_tls_port_is_closed_harms_nothing_and_is_logged_once_a_run(self):
-        """An owner who typed http:// sees only a closed connection: the log says why, once (a client
-        retrying must not fill it)."""
+        """An owner who typed http:// sees only a closed connection: the log says why, once (a
+        client retrying must not fill it)."""
         for _ in range(3):
             sock = socket.create_connection(self.server.server_address[:2], timeout=5)
             sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -9669,9 +10531,11 @@ class TlsTest(ServerCase):
                 sock.recv(1024)
             except ConnectionResetError:
                 pass
-        events = [line for line in self.log_lines if not line.startswith("127.0.0.1 GET /v1/health 200 ")]
-        self.assertEqual(events, ["a client spoke plain HTTP to this TLS port (127.0.0.1): it needs "
-                                          "https://; said once a run, others are not logged"])
+        events = [line for line in self.log_lines
+                  if not line.startswith("127.0.0.1 GET /v1/health 200 ")]
+        self.assertEqual(events,
+                         ["a client spoke plain HTTP to this TLS port (127.0.0.1): it needs "
+                                  "https://; said once a run, others are not logged"])
 
 
 class TlsCommandLineTest(unittest.TestCase):
@@ -9679,7 +10543,8 @@ class TlsCommandLineTest(unittest.TestCase):
         self.data_dir = tempfile.mkdtemp(prefix="ohs-test-")
         self.addCleanup(shutil.rmtree, self.data_dir, True)
 
-    def test_sighup_rereads_a_renewed_certificate_and_keeps_it_when_the_new_files_are_unusable(self):
+    def test_sighup_rereads_a_renewed_certificate_and_keeps_it_when_the_new_files_are_unusable(
+        self):
         cert, key = os.path.join(self.data_dir, "cert.pem"), os.path.join(self.data_dir, "key.pem")
         shutil.copy(os.path.join(TLS_DATA, "cert.pem"), cert)
         shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)
@@ -9692,14 +10557,17 @@ class TlsCommandLineTest(unittest.TestCase):
             shutil.copy(os.path.join(TLS_DATA, "cert2.pem"), cert)
             shutil.copy(os.path.join(TLS_DATA, "key2.pem"), key)
             server.process.send_signal(signal.SIGHUP)
-            self.assertEqual(server.next_log_line(), "SIGHUP: reloaded the token file %s (0 tokens); reloaded the "
-                                                     "TLS certificate %s and key %s" % (tokens, cert, key))
+            self.assertEqual(server.next_log_line(),
+                             "SIGHUP: reloaded the token file %s (0 tokens); reloaded the "
+                             "TLS certificate %s and key %s" % (tokens, cert, key))
             self.assertEqual(subject(https_health(server.url)[2]), "localhost renewed")
-            shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)  # a renewal half done: the key of another
+            # a renewal half done: the key of another
+            shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)
             server.process.send_signal(signal.SIGHUP)
-            self.assertEqual(server.next_log_line(), "SIGHUP: reloaded the token file %s (0 tokens); kept the TLS "
-                                                     "certificate in force: the TLS key %s does not match the "
-                                                     "certificate %s" % (tokens, key, cert))
+            self.assertEqual(server.next_log_line(),
+                             "SIGHUP: reloaded the token file %s (0 tokens); kept the TLS "
+                             "certificate in force: the TLS key %s does not match the "
+                             "certificate %s" % (tokens, key, cert))
             self.assertEqual(subject(https_health(server.url)[2]), "localhost renewed")
         finally:
             code, stderr = server.stop()
@@ -9719,15 +10587,23 @@ class TlsCommandLineTest(unittest.TestCase):
             f.write("not a certificate\n")
         data_dir = os.path.join(self.data_dir, "data")
         for flags, message in (
-                ((cert, missing), "cannot read the TLS key %s: No such file or directory" % missing),
-                ((missing, key), "cannot read the TLS certificate %s: No such file or directory" % missing),
-                ((self.data_dir, key), "cannot read the TLS certificate %s: Is a directory" % self.data_dir),
-                ((text, key), "the TLS certificate %s is not PEM (no -----BEGIN CERTIFICATE----- line)" % text),
-                ((cert, cert), "the TLS key %s is not PEM (no -----BEGIN PRIVATE KEY----- line)" % cert),
-                ((cert, os.path.join(TLS_DATA, "key2.pem")), "the TLS key %s does not match the certificate %s"
+                ((cert, missing), "cannot read the TLS key %s: No such file or directory"
+                 % missing),
+                ((missing, key), "cannot read the TLS certificate %s: No such file or directory"
+                 % missing),
+                ((self.data_dir, key), "cannot read the TLS certificate %s: Is a directory"
+                 % self.data_dir),
+                ((text, key),
+                 "the TLS certificate %s is not PEM (no -----BEGIN CERTIFICATE----- line)" % text),
+                ((cert, cert), "the TLS key %s is not PEM (no -----BEGIN PRIVATE KEY----- line)"
+                 % cert),
+                ((cert, os.path.join(TLS_DATA, "key2.pem")),
+                 "the TLS key %s does not match the certificate %s"
                  % (os.path.join(TLS_DATA, "key2.pem"), cert)),
-                ((cert, os.path.join(TLS_DATA, "key-encrypted.pem")), "the TLS key %s is encrypted: give the server "
-                 "an unencrypted key that only its user can read" % os.path.join(TLS_DATA, "key-encrypted.pem"))):
+                ((cert, os.path.join(TLS_DATA, "key-encrypted.pem")),
+                 "the TLS key %s is encrypted: give the server "
+                 "an unencrypted key that only its user can read"
+                 % os.path.join(TLS_DATA, "key-encrypted.pem"))):
             result = run_module("--data", data_dir, "--port", "0", "--tls-cert", flags[0],
                                 "--tls-key", flags[1])
             self.assertEqual((result.returncode, result.stdout, result.stderr),
@@ -9736,7 +10612,8 @@ class TlsCommandLineTest(unittest.TestCase):
 
     def test_tls_flags_must_come_together_and_be_usable(self):
         for flags in (["--tls-cert", os.path.join(TLS_DATA, "cert.pem")],
-                      ["--tls-cert", os.path.join(TLS_DATA, "cert.pem"), "--tls-key", os.path.join(TLS_DATA, "key2.pem")],
+                      ["--tls-cert", os.path.join(TLS_DATA, "cert.pem"), "--tls-key",
+                       os.path.join(TLS_DATA, "key2.pem")],
                       ["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.pem"]):
             result = run_module("--data", self.data_dir, "--port", "0", *flags)
             self.assertEqual(result.returncode, 2, flags)
@@ -9762,7 +10639,8 @@ class WatchdogTest(unittest.TestCase):
         watchdog.disarm(disarmed)
         watchdog.arm(again, 0, "armed again")
         watchdog.arm(again, 60)
-        for _ in range(2):  # a second sweep (or the watchdog's own, meanwhile) finds nothing more to end
+        # a second sweep (or the watchdog's own, meanwhile) finds nothing more to end
+        for _ in range(2):
             watchdog._end_late(time.monotonic() + 1)
         self.assertEqual(logged, ["late"])
         late_peer.settimeout(1)
@@ -9776,8 +10654,9 @@ class WatchdogTest(unittest.TestCase):
         self.assertEqual(logged, ["late"])
 
     def test_a_late_socket_is_ended_before_anyone_can_arm_it_again(self):
-        # From a review: the decision and the end were apart, so a request that began right at the idle
-        # deadline (and armed its own) could still be cut. Now arm() waits for the sweep to finish.
+        # From a review: the decision and the end were apart, so a request that began right at the
+        # idle deadline (and armed its own) could still be cut. Now arm() waits for the sweep to
+        # finish.
         watchdog = sync.Watchdog(lambda line: None)
         self.addCleanup(watchdog.stop)
         sock, peer = socket.socketpair()
@@ -9817,24 +10696,29 @@ class EarlyAnswerTest(unittest.TestCase):
         answer = sync.Response(200, b'{"cursor":1}')
         handler.hold(request)
         handler.respond_early(request, lambda: built.append(1) or answer)
-        handler.respond_early(request, lambda: built.append(2) or sync.Response(200, b"{}"))  # a second wake
+        # a second wake
+        handler.respond_early(request, lambda: built.append(2) or sync.Response(200, b"{}"))
         self.assertIs(handler.release(), answer)
         self.assertEqual(built, [1])  # the second answer was not even built
-        self.assertEqual(client.recv(1000), b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                                            b"Content-Length: 12\r\n\r\n{\"cursor\":1}")
+        self.assertEqual(client.recv(1000),
+                         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 12\r\n\r\n{\"cursor\":1}")
         with self.assertRaises(socket.timeout):
             client.recv(1000)
         self.assertEqual(handler.early, (answer, b""))
 
-    def test_after_release_under_tls_or_without_a_send_that_does_not_wait_nothing_is_sent_early(self):
+    def test_after_release_under_tls_or_without_a_send_that_does_not_wait_nothing_is_sent_early(
+        self):
         for tls, dont_wait in ((None, sync._DONT_WAIT), (object(), sync._DONT_WAIT), (None, None)):
             handler, client = self.handler(tls)
             request, built = object(), []
             handler.hold(request)
             if tls is None and dont_wait is not None:
-                self.assertIsNone(handler.release())  # the wait timed out: the pull's own thread answers
+                # the wait timed out: the pull's own thread answers
+                self.assertIsNone(handler.release())
             with mock.patch.object(sync, "_DONT_WAIT", dont_wait):
-                handler.respond_early(request, lambda: built.append(1) or sync.Response(200, b"{}"))
+                handler.respond_early(request, lambda: built.append(1)
+                                      or sync.Response(200, b"{}"))
             self.assertEqual(built, [])
             self.assertIsNone(handler.release())
             self.assertIsNone(handler.early)
@@ -9842,9 +10726,10 @@ class EarlyAnswerTest(unittest.TestCase):
                 client.recv(1000)
 
     def test_a_late_wake_of_an_earlier_pull_does_not_answer_the_next_request(self):
-        # From a review: a pull answered by its own thread (its check timed out while the push that woke
-        # it was still answering others), then the connection's next pull parked, and the late wake sent
-        # the first pull's page (another project, maybe another tenant's behind a proxy) as its answer.
+        # From a review: a pull answered by its own thread (its check timed out while the push that
+        # woke it was still answering others), then the connection's next pull parked, and the late
+        # wake sent the first pull's page (another project, maybe another tenant's behind a proxy)
+        # as its answer.
         handler, client = self.handler()
         first, second = object(), object()
         handler.hold(first)
@@ -9884,10 +10769,14 @@ class HeadCheckTest(unittest.TestCase):
     """The pure rules the transport adds to http.server's reading of a head."""
 
     def test_a_request_line_is_method_sp_target_sp_version_crlf(self):
-        good_lines = [b"GET /v1/health HTTP/1.1\r\n", b"POST /v1/push?x=1 HTTP/1.0\r\n", b"GET / HTTP/2.0\r\n"]
-        bad_lines = [b"GET  /v1/health HTTP/1.1\r\n", b"GET\xa0/v1/health\xa0HTTP/1.1\r\n", b"GET /\r\n",
-                     b"GET /a\x00b HTTP/1.1\r\n", b"GET / HTTP/1.1 x\r\n", b"G(T / HTTP/1.1\r\n", b"GET / HTTP/1.1\r\r\n",
-                     b"GET / HTTP/1.1\n", b"GET\t/ HTTP/1.1\r\n", b"GET / http/1.1\r\n", b"GET / HTTP/10.1\r\n",
+        good_lines = [b"GET /v1/health HTTP/1.1\r\n", b"POST /v1/push?x=1 HTTP/1.0\r\n",
+                      b"GET / HTTP/2.0\r\n"]
+        bad_lines = [b"GET  /v1/health HTTP/1.1\r\n", b"GET\xa0/v1/health\xa0HTTP/1.1\r\n",
+                     b"GET /\r\n",
+                     b"GET /a\x00b HTTP/1.1\r\n", b"GET / HTTP/1.1 x\r\n", b"G(T / HTTP/1.1\r\n",
+                     b"GET / HTTP/1.1\r\r\n",
+                     b"GET / HTTP/1.1\n", b"GET\t/ HTTP/1.1\r\n", b"GET / http/1.1\r\n",
+                     b"GET / HTTP/10.1\r\n",
                      b"GET /caf\xc3\xa9 HTTP/1.1\r\n", b" GET / HTTP/1.1\r\n"]
         for line in good_lines:
             self.assertIsNotNone(sync._REQUEST_LINE.fullmatch(line.decode("latin-1")), line)
@@ -9905,19 +10794,26 @@ class HeadCheckTest(unittest.TestCase):
         return fields, rfile.read()
 
     def test_fields_are_by_lower_case_name_repeats_joined_and_trimmed_of_sp_and_htab_only(self):
-        self.assertEqual(self.fields_of(b"Host: x\r\nX-Tag: a\r\nx-tag:  b \t\r\nContent-Length: \xa016\r\n"
-                                        b"X-Empty:\r\nX-Tab:\ta\tb \r\nX-Latin: caf\xe9\r\nName:: v\r\n\r\nNEXT"),
-                         ({"host": "x", "x-tag": "a, b", "content-length": "\xa016", "x-empty": "", "x-tab": "a\tb",
+        self.assertEqual(self.fields_of(b"Host: x\r\nX-Tag: a\r\nx-tag:  b \t\r\nContent-Length: "
+                                        b"\xa016\r\n"
+                                        b"X-Empty:\r\nX-Tab:\ta\tb \r\nX-Latin: caf\xe9\r\nName:: "
+                                        b"v\r\n\r\nNEXT"),
+                         ({"host": "x", "x-tag": "a, b", "content-length": "\xa016", "x-empty": "",
+                           "x-tab": "a\tb",
                            "x-latin": "caf\xe9", "name": ": v"}, b"NEXT"))
 
     def test_a_field_line_is_token_colon_value_crlf_with_no_control_byte_but_htab(self):
-        bad_lines = [b" Folded: x\r\n", b"\tFolded: x\r\n", b"Name : x\r\n", b"No colon\r\n", b": empty name\r\n",
-                     b"Na me: v\r\n", b"X: a\x00b\r\n", b"X: a\rb\r\n", b"Transfer-Encoding: chunked\x0b\r\n",
-                     b"X: \x1c\r\n", b"X: a\x7f\r\n", b"X: a\r\r\n", b"Bare: lf\n", b"\n", b"\xff: x\r\n"]
+        bad_lines = [b" Folded: x\r\n", b"\tFolded: x\r\n", b"Name : x\r\n", b"No colon\r\n",
+                     b": empty name\r\n",
+                     b"Na me: v\r\n", b"X: a\x00b\r\n", b"X: a\rb\r\n",
+                     b"Transfer-Encoding: chunked\x0b\r\n",
+                     b"X: \x1c\r\n", b"X: a\x7f\r\n", b"X: a\r\r\n", b"Bare: lf\n", b"\n",
+                     b"\xff: x\r\n"]
         for line in bad_lines:
             with self.subTest(line=line), self.assertRaises(sync.HeadRefused) as caught:
                 self.fields_of(b"Host: x\r\n" + line + b"\r\n")
-            self.assertEqual((caught.exception.status, caught.exception.text), (400, "malformed header line"))
+            self.assertEqual((caught.exception.status, caught.exception.text),
+                             (400, "malformed header line"))
 
     def test_fields_stop_at_their_byte_budget_and_at_99_fields(self):
         head = b"X: a\r\nY: b\r\n\r\n"  # 14 bytes, the blank line included
@@ -9925,25 +10821,34 @@ class HeadCheckTest(unittest.TestCase):
         for left in (13, 12, 7, 0):
             with self.subTest(left=left), self.assertRaises(sync.HeadRefused) as caught:
                 self.fields_of(head, left=left)
-            self.assertEqual((caught.exception.status, caught.exception.text), (431, sync.HEAD_TOO_LARGE))
-        self.assertEqual(len(self.fields_of(b"".join(b"X%d: a\r\n" % i for i in range(99)) + b"\r\n")[0]), 99)
+            self.assertEqual((caught.exception.status, caught.exception.text),
+                             (431, sync.HEAD_TOO_LARGE))
+        self.assertEqual(len(self.fields_of(b"".join(b"X%d: a\r\n" % i for i in range(99))
+                                            + b"\r\n")[0]), 99)
         with self.assertRaises(sync.HeadRefused) as caught:
             self.fields_of(b"".join(b"X%d: a\r\n" % i for i in range(100)) + b"\r\n")
         self.assertEqual(caught.exception.status, 431)
-        self.assertEqual(sync.HEAD_TOO_LARGE, "request head larger than 65536 bytes or with more than 99 header fields")
+        self.assertEqual(sync.HEAD_TOO_LARGE,
+                         "request head larger than 65536 bytes or with more than 99 header fields")
 
     def test_lines_of_the_last_head_are_taken_as_parsed_and_only_those_bytes(self):
         first = io.BufferedReader(io.BytesIO(b"Host: x\r\nAuthorization: Bearer a\r\n\r\n"))
         fields = {}
         known = sync.read_fields(first, 1000, fields)
-        self.assertEqual(known, {b"Host: x\r\n": ("host", "x"), b"Authorization: Bearer a\r\n": ("authorization", "Bearer a")})
+        self.assertEqual(known,
+                         {b"Host: x\r\n": ("host", "x"),
+                          b"Authorization: Bearer a\r\n": ("authorization", "Bearer a")})
         again = {}
-        sync.read_fields(io.BufferedReader(io.BytesIO(b"Host: x\r\nAuthorization: Bearer b\r\n\r\n")), 1000, again, known)
+        sync.read_fields(io.BufferedReader(io.BytesIO(b"Host: x\r\nAuthorization: Bearer "
+                                                      b"b\r\n\r\n")), 1000, again, known)
         self.assertEqual(again, {"host": "x", "authorization": "Bearer b"})
-        with self.assertRaises(sync.HeadRefused):  # a line that differs is checked, however like a known one it is
-            sync.read_fields(io.BufferedReader(io.BytesIO(b"Host: x\r\nHost: x\x00\r\n\r\n")), 1000, {}, known)
+        # a line that differs is checked, however like a known one it is
+        with self.assertRaises(sync.HeadRefused):
+            sync.read_fields(io.BufferedReader(io.BytesIO(b"Host: x\r\nHost: x\x00\r\n\r\n")),
+                             1000, {}, known)
         with self.assertRaises(sync.HeadRefused) as caught:  # the caps hold for known lines too
-            sync.read_fields(io.BufferedReader(io.BytesIO(b"Host: x\r\n" * 100 + b"\r\n")), 10000, {}, known)
+            sync.read_fields(io.BufferedReader(io.BytesIO(b"Host: x\r\n" * 100 + b"\r\n")), 10000,
+                             {}, known)
         self.assertEqual(caught.exception.status, 431)
 
     def test_a_head_cut_short_is_a_client_gone(self):
@@ -9952,14 +10857,18 @@ class HeadCheckTest(unittest.TestCase):
                 self.fields_of(data)
 
     def test_connection_tokens_are_matched_whole(self):
-        self.assertEqual(sync.connection_tokens({"connection": "Keep-Alive, CLOSE"}), {"keep-alive", "close"})
+        self.assertEqual(sync.connection_tokens({"connection": "Keep-Alive, CLOSE"}),
+                         {"keep-alive", "close"})
         self.assertNotIn("close", sync.connection_tokens({"connection": "notclose"}))
         self.assertEqual(sync.connection_tokens({}), set())
 
     def test_declared_bodies_are_checked_before_any_of_them_is_read(self):
-        for headers, status in (({"content-length": "12x"}, 400), ({"content-length": "0" * 5000 + "9" * 17}, 413),
-                                ({"content-length": "\xa016"}, 400), ({"content-length": "5, 5"}, 400),
-                                ({"transfer-encoding": "gzip"}, 400), ({"transfer-encoding": "chunked\x0b"}, 400),
+        for headers, status in (({"content-length": "12x"}, 400),
+                                ({"content-length": "0" * 5000 + "9" * 17}, 413),
+                                ({"content-length": "\xa016"}, 400),
+                                ({"content-length": "5, 5"}, 400),
+                                ({"transfer-encoding": "gzip"}, 400),
+                                ({"transfer-encoding": "chunked\x0b"}, 400),
                                 ({"transfer-encoding": "chunked", "content-length": "3"}, 400),
                                 ({"content-length": "11"}, 413)):
             with self.assertRaises(sync.ApiError) as caught:
@@ -9968,7 +10877,8 @@ class HeadCheckTest(unittest.TestCase):
         self.assertEqual(sync.body_length({"content-length": "007"}, 10), 7)
         self.assertIsNone(sync.body_length({"transfer-encoding": "Chunked"}, 10))
 
-    CHUNKED = b"4;ext=1\r\nWiki\r\n5\r\npedia\r\nE\r\n in\r\n\r\nchunks.\r\n0\r\nTrailer: x\r\n\r\nNEXT"
+    CHUNKED = (b"4;ext=1\r\nWiki\r\n5\r\npedia\r\nE\r\n in\r\n\r\nchunks.\r\n0\r\nTrailer: "
+               b"x\r\n\r\nNEXT")
 
     def test_a_chunked_body_is_read_whole_and_leaves_what_follows(self):
         rfile = io.BufferedReader(io.BytesIO(self.CHUNKED))
@@ -9976,7 +10886,8 @@ class HeadCheckTest(unittest.TestCase):
         self.assertEqual(rfile.read(), b"NEXT")
 
     def test_trailer_fields_are_read_and_dropped(self):
-        rfile = io.BufferedReader(io.BytesIO(b"2\r\nab\r\n0\r\nX-Sum: 1\r\nX-Other:\tv\r\n\r\nNEXT"))
+        rfile = io.BufferedReader(io.BytesIO(b"2\r\nab\r\n0\r\nX-Sum: "
+                                             b"1\r\nX-Other:\tv\r\n\r\nNEXT"))
         self.assertEqual(sync.read_chunked(rfile, 1000), b"ab")
         self.assertEqual(rfile.read(), b"NEXT")
 
@@ -9987,31 +10898,37 @@ class HeadCheckTest(unittest.TestCase):
                 (b"3\nabc\r\n", 400, "bad chunk size"),
                 (b"3;x\x00\r\nabc\r\n", 400, "bad chunk size"),
                 (b"3 \r\nabc\r\n", 400, "bad chunk size"),
-                (b"0\r\n\nGET / HTTP/1.1\r\n\r\n", 400, "malformed trailer field"),  # a bare LF ends nothing
+                # a bare LF ends nothing
+                (b"0\r\n\nGET / HTTP/1.1\r\n\r\n", 400, "malformed trailer field"),
                 (b"0\r\nT: x\n\r\n", 400, "malformed trailer field"),
                 (b"0\r\nT x\r\n\r\n", 400, "malformed trailer field"),
                 (b"0\r\nT: \x00\r\n\r\n", 400, "malformed trailer field"),
-                (b"0\r\n" + b"T: x\r\n" * sync.MAX_HEADERS + b"\r\n", 400, "trailer fields over 65536 bytes or 99 fields"),
-                (b"0\r\nT: " + b"x" * 65536 + b"\r\n\r\n", 400, "trailer fields over 65536 bytes or 99 fields")):
+                (b"0\r\n" + b"T: x\r\n" * sync.MAX_HEADERS + b"\r\n", 400,
+                 "trailer fields over 65536 bytes or 99 fields"),
+                (b"0\r\nT: " + b"x" * 65536 + b"\r\n\r\n", 400,
+                 "trailer fields over 65536 bytes or 99 fields")):
             with self.assertRaises(sync.ApiError) as caught:
                 sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15)
-            self.assertEqual((caught.exception.status, caught.exception.text), (status, text), data)
+            self.assertEqual((caught.exception.status, caught.exception.text), (status, text),
+                             data)
         for data in (b"3\r\nabcX\r\n", b"3\r\nabc\n0\r\n\r\n"):  # the connection alive: refused
             with self.assertRaises(sync.ApiError) as caught:
                 sync.read_chunked(io.BufferedReader(io.BytesIO(data + b"more")), 15)
-            self.assertEqual((caught.exception.status, caught.exception.text), (400, "a chunk not followed by CRLF"))
+            self.assertEqual((caught.exception.status, caught.exception.text),
+                             (400, "a chunk not followed by CRLF"))
         for data in (b"1" * 1100, b"3\r\nab", b"3\r\nabc\r", b"0\r\nT: x\r\n"):
             with self.assertRaises(sync.ClientGone):
                 sync.read_chunked(io.BufferedReader(io.BytesIO(data)), 15)
 
     def test_log_text_escapes_everything_outside_printable_ascii(self):
         self.assertEqual(sync.printable("GET /v1/health"), "GET /v1/health")
-        self.assertEqual(sync.printable("GET /\x1b[2J\x00\xa0\u2028"), "GET /\\x1b[2J\\x00\\xa0\\u2028")
+        self.assertEqual(sync.printable("GET /\x1b[2J\x00\xa0\u2028"),
+                         "GET /\\x1b[2J\\x00\\xa0\\u2028")
 
 
 class TransportTest(ServerCase):
-    """The transport on the wire: one request's wait holds up no other, pipelining, heads over their
-    cap, clients that leave early."""
+    """The transport on the wire: one request's wait holds up no other, pipelining, heads over
+    their cap, clients that leave early."""
 
     def test_a_request_waiting_for_the_network_does_not_hold_up_others(self):
         release = threading.Event()
@@ -10023,7 +10940,8 @@ class TransportTest(ServerCase):
         fake = FakeServer(slow_supabase)
         self.addCleanup(fake.stop)
         self.addCleanup(release.set)
-        wire_restart(self, memory_mode="supabase", supabase=SupabaseVerifier(fake.url, "anon-key-123", timeout=5))
+        wire_restart(self, memory_mode="supabase",
+                     supabase=SupabaseVerifier(fake.url, "anon-key-123", timeout=5))
         results = []
         thread = threading.Thread(target=lambda: results.append(
             wire_post(self, "identity", {"expectedPrincipal": USER_ID}, "normal")))
@@ -10035,7 +10953,8 @@ class TransportTest(ServerCase):
         started = time.monotonic()
         for _ in range(5):
             self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
         self.assertLess(time.monotonic() - started, 2.0)
         self.assertEqual(results, [])  # still waiting for the identity service
         release.set()
@@ -10058,8 +10977,8 @@ class TransportTest(ServerCase):
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
 
     def test_a_head_over_its_cap_is_refused_431_though_the_client_goes_on_sending(self):
-        """The request line and headers are read to MAX_HEAD_BYTES in all, not 100 lines of 64 KiB each:
-        the answer comes while the client is still sending, and reaches it."""
+        """The request line and headers are read to MAX_HEAD_BYTES in all, not 100 lines of 64 KiB
+        each: the answer comes while the client is still sending, and reaches it."""
         with open_raw(self.url) as sock:
             sock.sendall(b"GET /v1/health HTTP/1.1\r\n")
 
@@ -10073,10 +10992,12 @@ class TransportTest(ServerCase):
             sender.start()
             status, headers, body, _ = raw_exchange(sock)
             sender.join(10)
-        self.assertEqual((status, json.loads(body)), (431, {"error": "request head larger than 65536 bytes or with "
-                                                            "more than 99 header fields"}))
+        self.assertEqual((status, json.loads(body)),
+                         (431, {"error": "request head larger than 65536 bytes or with "
+                                "more than 99 header fields"}))
         self.assertEqual(headers.get("connection"), "close")
-        self.assertEqual(len([line for line in self.log_lines if line.startswith("refused a malformed request (431")]), 1)
+        self.assertEqual(len([line for line in self.log_lines
+                              if line.startswith("refused a malformed request (431")]), 1)
 
     def test_a_head_that_arrives_in_pieces_is_read_on(self):
         with open_raw(self.url) as sock:
@@ -10089,13 +11010,15 @@ class TransportTest(ServerCase):
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
         health = b"GET /v1/health HTTP/1.1\r\nHost: t\r\n\r\n"
         with open_raw(self.url) as sock:
-            # A push (answered after its fsync, in a flusher thread) and pipelined requests, then EOF.
+            # A push (answered after its fsync, in a flusher thread) and pipelined requests, then
+            # EOF.
             sock.sendall(health * 3 + push_head(self.alice, len(body)) + body + health * 2)
             sock.shutdown(socket.SHUT_WR)
             answers = [raw_exchange(sock, more=True)[::2] for _ in range(6)]
             self.assertTrue(server_closed(sock, 5))  # then closed, nothing more
         health_answer = (200, b'{"ok":true}')
-        self.assertEqual(answers, [health_answer] * 3 + [(200, b'{"cursor":1,"accepted":1}')] + [health_answer] * 2)
+        self.assertEqual(answers, [health_answer] * 3 + [(200, b'{"cursor":1,"accepted":1}')]
+                         + [health_answer] * 2)
         with open_raw(self.url) as sock:  # an unfinished request at EOF: closed, nothing answered
             sock.sendall(health + health[:20])
             sock.shutdown(socket.SHUT_WR)
@@ -10107,11 +11030,12 @@ class TransportTest(ServerCase):
         self.assertEqual((self.server.connections, self.server.busy), (0, 0))
 
     def test_a_half_closed_connection_does_not_linger_after_an_early_answer(self):
-        # The EOF comes while a push is in flight; the next request (a 401 before its body is read) would
-        # close by lingering, waiting LINGER_SECONDS for bytes that can no longer come.
+        # The EOF comes while a push is in flight; the next request (a 401 before its body is read)
+        # would close by lingering, waiting LINGER_SECONDS for bytes that can no longer come.
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
         with fsyncs_held() as (entered, gate), open_raw(self.url) as sock:
-            sock.sendall(push_head(self.alice, len(body)) + body + push_head("unknown", len(body)) + body)
+            sock.sendall(push_head(self.alice, len(body)) + body + push_head("unknown", len(body))
+                         + body)
             sock.shutdown(socket.SHUT_WR)
             self.assertTrue(entered.wait(5))
             gate.set()
@@ -10124,29 +11048,32 @@ class TransportTest(ServerCase):
         self.assertEqual((self.server.connections, self.server.busy), (0, 0))
 
     def park_and_leave(self, since):
-        """Park a pull on alice's proj after since, close its connection, and see its place given back
-        (a parked pull looks for its client every PARKED_CHECK_SECONDS, here 0.2 s, until it is
-        answered: a look begun as the client closed would otherwise wait the real 5 s)."""
+        """Park a pull on alice's proj after since, close its connection, and see its place given
+        back (a parked pull looks for its client every PARKED_CHECK_SECONDS, here 0.2 s, until it
+        is answered: a look begun as the client closed would otherwise wait the real 5 s)."""
         patched = mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.2)
         patched.start()
         self.addCleanup(patched.stop)
         with open_raw(self.url) as sock:
             sock.sendall(("GET /v1/pull?project=proj&since=%d&wait=30 HTTP/1.1\r\nHost: t\r\n"
-                          "Authorization: Bearer %s\r\n\r\n" % (since, self.alice)).encode("ascii"))
+                          "Authorization: Bearer %s\r\n\r\n"
+                          % (since, self.alice)).encode("ascii"))
             deadline = time.monotonic() + 5
             while len(self.server.app.parked) != 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
             self.assertEqual(len(self.server.app.parked), 1)
         left = time.monotonic()
         deadline = left + 5
-        while (len(self.server.app.parked) or self.server.connections) and time.monotonic() < deadline:
+        while (len(self.server.app.parked)
+               or self.server.connections) and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.assertEqual((len(self.server.app.parked), self.server.connections, self.server.busy), (0, 0, 0))
+        self.assertEqual((len(self.server.app.parked), self.server.connections, self.server.busy),
+                         (0, 0, 0))
         self.assertLess(time.monotonic() - left, 1.0)
 
     def test_a_parked_pull_whose_client_half_closes_is_answered_within_a_check(self):
-        """A client that sent its pull and shut its sending side still reads: it gets the page as it is
-        now (empty) within PARKED_CHECK_SECONDS, not nothing."""
+        """A client that sent its pull and shut its sending side still reads: it gets the page as
+        it is now (empty) within PARKED_CHECK_SECONDS, not nothing."""
         with mock.patch.object(sync, "PARKED_CHECK_SECONDS", 0.2), open_raw(self.url) as sock:
             sock.sendall(("GET /v1/pull?project=proj&since=0&wait=30 HTTP/1.1\r\nHost: t\r\n"
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
@@ -10160,16 +11087,19 @@ class TransportTest(ServerCase):
 
     def test_a_parked_pull_whose_client_leaves_gives_its_place_back_within_a_check(self):
         self.park_and_leave(since=0)
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
         self.assertEqual([line for line in self.log_lines if "error" in line], [])
 
     def test_an_early_answer_reaches_a_client_still_sending_its_body(self):
-        """A 401 sent before a 4 MiB body was read: the connection lingers, dropping the body, so closing
-        it does not reset the answer away before a client that sends first and reads after sees it."""
+        """A 401 sent before a 4 MiB body was read: the connection lingers, dropping the body, so
+        closing it does not reset the answer away before a client that sends first and reads after
+        sees it."""
         body = b"x" * (4 * 1024 * 1024)
         for _ in range(3):
             connection = http.client.HTTPConnection(*self.server.server_address[:2], timeout=10)
-            connection.request("POST", "/v1/push", body=body, headers={"Authorization": "Bearer nope"})
+            connection.request("POST", "/v1/push", body=body,
+                               headers={"Authorization": "Bearer nope"})
             answer = connection.getresponse()
             self.assertEqual((answer.status, answer.getheader("Connection")), (401, "close"))
             self.assertIsInstance(json.loads(answer.read())["error"], str)
@@ -10187,8 +11117,9 @@ class TransportTest(ServerCase):
         self.park_and_leave(since=1)
 
     def test_an_answered_request_is_freed_at_once_not_by_the_garbage_collector(self):
-        """No reference cycle runs through a request, a push's or a long-poll's: it holds the body and, for
-        memory sync, the checked fields (a full `have` is megabytes), which would wait for a collection."""
+        """No reference cycle runs through a request, a push's or a long-poll's: it holds the body
+        and, for memory sync, the checked fields (a full `have` is megabytes), which would wait for
+        a collection."""
         seen, real_handle = [], self.server.app.handle
 
         def handle(request):
@@ -10201,7 +11132,8 @@ class TransportTest(ServerCase):
         with mock.patch.object(self.server.app, "handle", handle):
             self.assertAnswer(self.push(self.alice, records=[record()]), 200)
             results = []
-            thread = threading.Thread(target=lambda: results.append(self.pull(self.alice, since=1, wait=10)))
+            thread = threading.Thread(target=lambda: results.append(self.pull(self.alice, since=1,
+                                                                              wait=10)))
             thread.start()
             deadline = time.monotonic() + 5
             while len(self.server.app.parked) != 1 and time.monotonic() < deadline:
@@ -10209,7 +11141,8 @@ class TransportTest(ServerCase):
             self.assertAnswer(self.push(self.alice, records=[record(record_id="r2")]), 200)
             thread.join(5)
             self.assertEqual(len(results[0].json["records"]), 1)
-            self.assertAnswer(wire_post(self, "snapshot", memory_body(project="proj"), self.alice), 200)
+            self.assertAnswer(wire_post(self, "snapshot", memory_body(project="proj"), self.alice),
+                              200)
         deadline = time.monotonic() + 2
         while any(ref() is not None for ref in seen) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -10222,8 +11155,8 @@ class TransportTest(ServerCase):
             with open_raw(self.url) as sock:
                 sock.sendall(push_head(self.alice, len(body)) + body)
                 self.assertTrue(entered.wait(5))
-            # Still in flight: a graceful stop waits for it (wait_idle), though its client has gone (its
-            # connection is kept for the answer: an EOF may be a half-close).
+            # Still in flight: a graceful stop waits for it (wait_idle), though its client has gone
+            # (its connection is kept for the answer: an EOF may be a half-close).
             self.assertEqual((self.server.busy, self.server.wait_idle(0.1)), (1, False))
             gate.set()
         self.assertTrue(self.server.wait_idle(5))
@@ -10324,7 +11257,8 @@ def wire_entry(note_id, **fields):
 
 
 def wire_assert_code(case, answer, status, code):
-    """A memory error: exact status, and a body {"code": code} with at most an "error" text besides."""
+    """A memory error: exact status, and a body {"code": code} with at most an "error" text
+    besides."""
     case.assertAnswer(answer, status)
     case.assertIsInstance(answer.json, dict, answer.raw)
     case.assertEqual(answer.json.get("code"), code, answer.raw)
@@ -10334,7 +11268,8 @@ def wire_assert_code(case, answer, status, code):
 
 
 def wire_assert_ok(case, answer, etag=None, entries=(), principal=P, quota=None):
-    """A 200 snapshot or commit answer; returns its etag (a fresh one is only checked to be a string)."""
+    """A 200 snapshot or commit answer; returns its etag (a fresh one is only checked to be a
+    string)."""
     case.assertAnswer(answer, 200)
     body = answer.json
     case.assertEqual(set(body), {"principal", "etag", "entries", "quota"}, answer.raw)
@@ -10350,7 +11285,8 @@ def wire_assert_ok(case, answer, etag=None, entries=(), principal=P, quota=None)
 
 
 def wire_restart(case, **options):
-    """Stop the case's server and start a new one on the same data dir (options: ServerConfig's)."""
+    """Stop the case's server and start a new one on the same data dir (options:
+    ServerConfig's)."""
     case.server.stop(0)
     if options:
         case.server_options = options
@@ -10393,7 +11329,8 @@ class MemoryWireFlowTest(ServerCase):
         self.assertAnswer(wire_snapshot(self), 200, empty)
         self.assertAnswer(wire_snapshot(self, project=None, scope="user"), 200, empty)
         self.assertAnswer(wire_snapshot(self, knownEtag=None), 200, empty)
-        self.assertAnswer(wire_snapshot(self, knownEtag="nothing-yet", have={"n1": "0" * 64}), 200, empty)
+        self.assertAnswer(wire_snapshot(self, knownEtag="nothing-yet", have={"n1": "0" * 64}), 200,
+                          empty)
         self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory", "u-alice")),
                          "a snapshot must not create a scope")
 
@@ -10406,35 +11343,43 @@ class MemoryWireFlowTest(ServerCase):
         wire_assert_ok(self, wire_snapshot(self, knownEtag="some-other-etag"), etag, expected)
 
     def test_a_repeated_snapshot_body_is_answered_as_if_new(self):
-        """The same bytes again (a client polling): another principal's token still gets account_mismatch,
-        and a stale knownEtag still gets the whole snapshot."""
-        first = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        """The same bytes again (a client polling): another principal's token still gets
+        account_mismatch, and a stale knownEtag still gets the whole snapshot."""
+        first = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]),
+                               entries=[wire_entry("n1")])
         body = wire_scope_body(P, "proj", {"knownEtag": first})
         unchanged = {"principal": "alice", "etag": first, "unchanged": True, "quota": WIRE_QUOTA}
         for _ in range(2):
             self.assertAnswer(wire_post(self, "snapshot", body, self.alice), 200, unchanged)
-            wire_assert_code(self, wire_post(self, "snapshot", body, self.bob), 403, "account_mismatch")
+            wire_assert_code(self, wire_post(self, "snapshot", body, self.bob), 403,
+                             "account_mismatch")
         second = wire_assert_ok(self, wire_commit(self, [memory_put("n2")], first),
                                 entries=[wire_entry("n1"), wire_entry("n2")])
         wire_assert_ok(self, wire_post(self, "snapshot", body, self.alice), second,
                        [wire_entry("n1"), wire_entry("n2")])
-        wire_assert_code(self, wire_post(self, "snapshot", dict(body, knownEtag=5), self.alice), 400, "invalid_body")
+        wire_assert_code(self, wire_post(self, "snapshot", dict(body, knownEtag=5), self.alice),
+                         400, "invalid_body")
 
     def test_known_etag_is_unchanged(self):
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]),
+                              entries=[wire_entry("n1")])
         self.assertAnswer(wire_snapshot(self, knownEtag=etag), 200,
-                          {"principal": "alice", "etag": etag, "unchanged": True, "quota": WIRE_QUOTA})
+                          {"principal": "alice", "etag": etag, "unchanged": True,
+                           "quota": WIRE_QUOTA})
         self.assertAnswer(wire_snapshot(self, knownEtag=etag, have={"n1": "0" * 64}), 200,
-                          {"principal": "alice", "etag": etag, "unchanged": True, "quota": WIRE_QUOTA})
+                          {"principal": "alice", "etag": etag, "unchanged": True,
+                           "quota": WIRE_QUOTA})
 
     def test_stale_etag_is_a_conflict_and_changes_nothing(self):
-        first = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        first = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]),
+                               entries=[wire_entry("n1")])
         second = wire_assert_ok(self, wire_commit(self, [memory_put("n2")], first),
                                 entries=[wire_entry("n1"), wire_entry("n2")])
         self.assertNotEqual(first, second)
         for etag in (first, None, "made-up"):
             with self.subTest(etag=etag):
-                wire_assert_code(self, wire_commit(self, [memory_put("n3"), memory_delete("n1")], etag),
+                wire_assert_code(self,
+                                 wire_commit(self, [memory_put("n3"), memory_delete("n1")], etag),
                                  409, "revision_conflict")
         wire_assert_ok(self, wire_snapshot(self), second, [wire_entry("n1"), wire_entry("n2")])
         # A commit from no manifest with an etag that never existed is a conflict too.
@@ -10445,9 +11390,11 @@ class MemoryWireFlowTest(ServerCase):
 
     def test_delete_leaves_a_tombstone_for_a_device_that_syncs_later(self):
         laptop, desktop = self.alice, self.issue("alice")
-        one = wire_assert_ok(self, wire_commit(self, [memory_put("n1"), memory_put("n2")], token=laptop),
+        one = wire_assert_ok(self,
+                             wire_commit(self, [memory_put("n1"), memory_put("n2")], token=laptop),
                              entries=[wire_entry("n1"), wire_entry("n2")])
-        wire_assert_ok(self, wire_snapshot(self, desktop), one, [wire_entry("n1"), wire_entry("n2")])
+        wire_assert_ok(self, wire_snapshot(self, desktop), one,
+                       [wire_entry("n1"), wire_entry("n2")])
         two = wire_assert_ok(self, wire_commit(self, [memory_delete("n1")], one, token=laptop),
                              entries=[{"id": "n1", "hash": None}, wire_entry("n2")])
         have = {"n1": wire_entry("n1")["hash"], "n2": wire_entry("n2")["hash"]}
@@ -10470,17 +11417,22 @@ class MemoryWireFlowTest(ServerCase):
                        [{"id": "n1", "hash": h1}, {"id": "n2", "hash": h2}])
         # A commit's answer honours have too.
         h3 = wire_entry("n3")["hash"]
-        wire_assert_ok(self, wire_commit(self, [memory_put("n3")], etag, have={"n1": h1, "n3": h3}),
-                       entries=[{"id": "n1", "hash": h1}, wire_entry("n2"), {"id": "n3", "hash": h3}])
+        wire_assert_ok(self,
+                       wire_commit(self, [memory_put("n3")], etag, have={"n1": h1, "n3": h3}),
+                       entries=[{"id": "n1", "hash": h1}, wire_entry("n2"),
+                                {"id": "n3", "hash": h3}])
 
     def test_project_and_user_scope_are_separate(self):
-        in_project = wire_assert_ok(self, wire_commit(self, [memory_put("p1")]), entries=[wire_entry("p1")])
-        in_user = wire_assert_ok(self, wire_commit(self, [memory_put("u1")], project=None, scope="user"),
+        in_project = wire_assert_ok(self, wire_commit(self, [memory_put("p1")]),
+                                    entries=[wire_entry("p1")])
+        in_user = wire_assert_ok(self,
+                                 wire_commit(self, [memory_put("u1")], project=None, scope="user"),
                                  entries=[wire_entry("u1")])
         named_user = wire_assert_ok(self, wire_commit(self, [memory_put("x1")], project="user"),
                                     entries=[wire_entry("x1")])
         wire_assert_ok(self, wire_snapshot(self), in_project, [wire_entry("p1")])
-        wire_assert_ok(self, wire_snapshot(self, project=None, scope="user"), in_user, [wire_entry("u1")])
+        wire_assert_ok(self, wire_snapshot(self, project=None, scope="user"), in_user,
+                       [wire_entry("u1")])
         wire_assert_ok(self, wire_snapshot(self, project="user"), named_user, [wire_entry("x1")])
         self.assertAnswer(wire_snapshot(self, project="Proj"), 200,
                           {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
@@ -10490,10 +11442,12 @@ class MemoryWireFlowTest(ServerCase):
                        entries=[wire_entry("n1", body="alice's")])
         self.assertAnswer(wire_snapshot(self, self.bob, "bob"), 200,
                           {"principal": "bob", "etag": None, "entries": [], "quota": WIRE_QUOTA})
-        bobs = wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="bob's")], token=self.bob,
-                                                principal="bob"),
+        bobs = wire_assert_ok(self,
+                              wire_commit(self, [memory_put("n1", body="bob's")], token=self.bob,
+                                          principal="bob"),
                               entries=[wire_entry("n1", body="bob's")], principal="bob")
-        wire_assert_ok(self, wire_snapshot(self, self.bob, "bob"), bobs, [wire_entry("n1", body="bob's")],
+        wire_assert_ok(self, wire_snapshot(self, self.bob, "bob"), bobs,
+                       [wire_entry("n1", body="bob's")],
                        principal="bob")
         wire_assert_ok(self, wire_snapshot(self), entries=[wire_entry("n1", body="alice's")])
         # Case-differing principals stay two.
@@ -10515,28 +11469,37 @@ class MemoryWireFlowTest(ServerCase):
         one = wire_assert_ok(self, wire_commit(self, [memory_put("n1"), memory_put("n2")]),
                              entries=[wire_entry("n1"), wire_entry("n2")])
         two = wire_assert_ok(self, wire_commit(self, [memory_delete("n1"), memory_put("n3")], one),
-                             entries=[{"id": "n1", "hash": None}, wire_entry("n2"), wire_entry("n3")])
-        user = wire_assert_ok(self, wire_commit(self, [memory_put("u1")], project=None, scope="user"),
+                             entries=[{"id": "n1", "hash": None}, wire_entry("n2"),
+                                      wire_entry("n3")])
+        user = wire_assert_ok(self,
+                              wire_commit(self, [memory_put("u1")], project=None, scope="user"),
                               entries=[wire_entry("u1")])
         wire_restart(self)
         wire_assert_ok(self, wire_snapshot(self), two,
                        [{"id": "n1", "hash": None}, wire_entry("n2"), wire_entry("n3")])
-        wire_assert_ok(self, wire_snapshot(self, project=None, scope="user"), user, [wire_entry("u1")])
+        wire_assert_ok(self, wire_snapshot(self, project=None, scope="user"), user,
+                       [wire_entry("u1")])
         self.assertAnswer(wire_snapshot(self, knownEtag=two), 200,
-                          {"principal": "alice", "etag": two, "unchanged": True, "quota": WIRE_QUOTA})
-        wire_assert_code(self, wire_commit(self, [memory_put("n4")], one), 409, "revision_conflict")
+                          {"principal": "alice", "etag": two, "unchanged": True,
+                           "quota": WIRE_QUOTA})
+        wire_assert_code(self, wire_commit(self, [memory_put("n4")], one), 409,
+                         "revision_conflict")
         wire_assert_ok(self, wire_commit(self, [memory_put("n4")], two),
-                       entries=[{"id": "n1", "hash": None}, wire_entry("n2"), wire_entry("n3"), wire_entry("n4")])
+                       entries=[{"id": "n1", "hash": None}, wire_entry("n2"), wire_entry("n3"),
+                                wire_entry("n4")])
 
     def test_content_type_parameters_are_accepted(self):
         for content_type in ("application/json; charset=utf-8", "application/json;charset=UTF-8",
                              "Application/JSON"):
             with self.subTest(content_type=content_type):
-                answer = wire_post(self, "identity", memory_body(), self.alice, {"Content-Type": content_type})
+                answer = wire_post(self, "identity", memory_body(), self.alice,
+                                   {"Content-Type": content_type})
                 self.assertAnswer(answer, 200, {"principal": "alice", "quota": WIRE_QUOTA})
-        answer = wire_post(self, "snapshot", json.dumps(memory_body(project="proj")).encode(), self.alice,
+        answer = wire_post(self, "snapshot", json.dumps(memory_body(project="proj")).encode(),
+                           self.alice,
                            {"Content-Type": "application/json; charset=utf-8"})
-        self.assertAnswer(answer, 200, {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
+        self.assertAnswer(answer, 200,
+                          {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
 
     def test_non_ascii_and_lone_surrogates_round_trip(self):
         fields = {"summary": "caf\u00e9 \U0001F600 x", "body": "a\ud800b \"q\" \\ \u2029 z\x01",
@@ -10554,7 +11517,8 @@ class MemoryWireErrorsTest(ServerCase):
             with self.subTest(route=route):
                 for token in (self.alice, None, "garbage"):
                     answer = wire_post(self, route, b"not json", token,
-                                       {"Origin": "https://evil.example", "Content-Type": "text/plain"})
+                                       {"Origin": "https://evil.example",
+                                        "Content-Type": "text/plain"})
                     wire_assert_code(self, answer, 403, "native_client_required")
                 answer = wire_post(self, route, memory_body(project="proj", etag=None,
                                                             changes=[memory_put("n1")]),
@@ -10566,12 +11530,14 @@ class MemoryWireErrorsTest(ServerCase):
     def test_json_content_type_is_required_before_the_token(self):
         body = json.dumps(memory_body(project="proj")).encode()
         for route in WIRE_ROUTES:
-            for headers in ({"Content-Type": "text/plain"}, {}, {"Content-Type": "application/jsonx"},
+            for headers in ({"Content-Type": "text/plain"}, {},
+                            {"Content-Type": "application/jsonx"},
                             {"Content-Type": "application/x-www-form-urlencoded"},
                             {"Content-Type": "text/json"}):
                 for token in (self.alice, None):
                     with self.subTest(route=route, headers=headers, token=bool(token)):
-                        wire_assert_code(self, wire_post(self, route, body, token, headers), 415, "json_required")
+                        wire_assert_code(self, wire_post(self, route, body, token, headers), 415,
+                                         "json_required")
 
     def test_a_usable_token_is_required(self):
         revoked_token, revoked = self.tokens.issue("carol")
@@ -10579,25 +11545,32 @@ class MemoryWireErrorsTest(ServerCase):
         self.server.app.auth.local.reload()
         expired = self.issue("dave", expires_days=1e-9)
         for route in WIRE_ROUTES:
-            for token in (None, "", "garbage", "ohs_000000000000_" + "x" * 43, revoked_token, expired,
+            for token in (None, "", "garbage", "ohs_000000000000_" + "x" * 43, revoked_token,
+                          expired,
                           self.alice + "x", TOKENS["hs256_valid_no_exp"]):
                 with self.subTest(route=route, token=(token or "")[:20]):
-                    answer = wire_post(self, route, b"not json", token, {"Content-Type": "application/json"})
+                    answer = wire_post(self, route, b"not json", token,
+                                       {"Content-Type": "application/json"})
                     wire_assert_code(self, answer, 401, "sign_in_required")
-        answer = wire_post(self, "identity", memory_body(), None, {"Authorization": "Basic YWxpY2U6eA=="})
+        answer = wire_post(self, "identity", memory_body(), None,
+                           {"Authorization": "Basic YWxpY2U6eA=="})
         wire_assert_code(self, answer, 401, "sign_in_required")
 
     def test_a_refused_token_on_a_memory_route_points_to_the_readme_on_memory_clients(self):
-        # Today's OHarness memory client sends its Cloud account token: the text says where to read why.
+        # Today's OHarness memory client sends its Cloud account token: the text says where to read
+        # why.
         answer = wire_post(self, "identity", memory_body(), "ohs_000000000000_" + "x" * 43)
         self.assertEqual((answer.status, answer.json), (401, {
             "code": "sign_in_required",
-            "error": 'unknown or revoked token (which memory clients this server lets in: see the README of '
+            "error": 'unknown or revoked token (which memory clients this server lets in: see the '
+                     'README of '
                      'oharness-sync, "Pointing an OHarness client at the server")'}))
         with open(README_PATH, encoding="utf-8") as readme:
             self.assertIn("\n## Pointing an OHarness client at the server\n", readme.read())
-        answer = self.request("GET", "/v1/pull?project=p&since=0", token="ohs_000000000000_" + "x" * 43)
-        self.assertEqual((answer.status, answer.json), (401, {"error": "unknown or revoked token"}))
+        answer = self.request("GET", "/v1/pull?project=p&since=0", token="ohs_000000000000_"
+                              + "x" * 43)
+        self.assertEqual((answer.status, answer.json),
+                         (401, {"error": "unknown or revoked token"}))
 
     def test_body_over_4_mib_is_refused_from_content_length_before_it_is_read(self):
         for route in WIRE_ROUTES:
@@ -10610,7 +11583,8 @@ class MemoryWireErrorsTest(ServerCase):
                 self.assertEqual(headers.get("content-type"), "application/json")
                 self.assertLess(elapsed, 1.0)
                 self.assertTrue(closed, "the connection must close after an early 413")
-        # Check 3 comes before check 4: no token is a 401, and the unread body still closes the connection.
+        # Check 3 comes before check 4: no token is a 401, and the unread body still closes the
+        # connection.
         elapsed, status, headers, body, closed = wire_raw_exchange(
             self, push_head(None, 5000000, path="/v1/memory/identity"))
         self.assertEqual((status, json.loads(body.decode())["code"]), (401, "sign_in_required"))
@@ -10628,7 +11602,8 @@ class MemoryWireErrorsTest(ServerCase):
         head = push_head(self.alice, chunked=True, path="/v1/memory/identity")
         elapsed, status, headers, body, closed = wire_raw_exchange(
             self, head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
-        self.assertEqual((status, json.loads(body.decode())), (200, {"principal": "alice", "quota": WIRE_QUOTA}))
+        self.assertEqual((status, json.loads(body.decode())),
+                         (200, {"principal": "alice", "quota": WIRE_QUOTA}))
 
     def test_body_of_exactly_4_mib_is_read(self):
         payload = json.dumps(memory_body()).encode()
@@ -10638,56 +11613,73 @@ class MemoryWireErrorsTest(ServerCase):
         self.assertAnswer(answer, 200, {"principal": "alice", "quota": WIRE_QUOTA})
         elapsed, status, headers, body, closed = wire_raw_exchange(
             self, push_head(self.alice, limit + 1, path="/v1/memory/identity"))
-        self.assertEqual((status, json.loads(body.decode())["code"]), (413, "memory_quota_exceeded"))
+        self.assertEqual((status, json.loads(body.decode())["code"]),
+                         (413, "memory_quota_exceeded"))
 
     def test_invalid_body(self):
         for raw in (b"", b"{", b"[]", b'"x"', b"null", b"5", b'{"expectedPrincipal":"alice",}',
-                    b'{"expectedPrincipal":"\xff"}', b'{"expectedPrincipal":NaN}', b"\xef\xbb\xbf{}",
+                    b'{"expectedPrincipal":"\xff"}', b'{"expectedPrincipal":NaN}',
+                    b"\xef\xbb\xbf{}",
                     b"[" * 100000 + b"]" * 100000):
             for route in WIRE_ROUTES:
                 with self.subTest(raw=raw[:30], route=route):
-                    answer = wire_post(self, route, raw, self.alice, {"Content-Type": "application/json"})
+                    answer = wire_post(self, route, raw, self.alice,
+                                       {"Content-Type": "application/json"})
                     wire_assert_code(self, answer, 400, "invalid_body")
 
     def test_unknown_field_at_every_level(self):
         cases = [
             ("identity", memory_body(extra=1)),
-            ("identity", {"unknown": True}),                                    # before expectedPrincipal
-            ("identity", {"expectedPrincipal": "bob", "unknown": True}),        # before account_mismatch
+            # before expectedPrincipal
+            ("identity", {"unknown": True}),
+            # before account_mismatch
+            ("identity", {"expectedPrincipal": "bob", "unknown": True}),
             ("snapshot", memory_body(project="proj", device="laptop")),
-            ("snapshot", memory_body(scope="team", etag=None)),                 # etag is a commit field
-            ("commit", memory_body(project="proj", etag=None, knownEtag=None, changes=[memory_put("n1")])),
-            ("commit", memory_body(project="proj", etag=None, changes=[dict(memory_put("n1"), extra=1)])),
-            ("commit", memory_body(project="proj", etag=None, changes=[dict(memory_delete("n1"), rev="x")])),
+            # etag is a commit field
+            ("snapshot", memory_body(scope="team", etag=None)),
+            ("commit",
+             memory_body(project="proj", etag=None, knownEtag=None, changes=[memory_put("n1")])),
+            ("commit",
+             memory_body(project="proj", etag=None, changes=[dict(memory_put("n1"), extra=1)])),
+            ("commit",
+             memory_body(project="proj", etag=None, changes=[dict(memory_delete("n1"), rev="x")])),
             ("commit", memory_body(project="proj", etag=None,
-                                   changes=[dict(memory_put("n1"), note=memory_note("n1", color="red"))])),
+                                   changes=[dict(memory_put("n1"),
+                                                 note=memory_note("n1", color="red"))])),
             ("commit", memory_body(expectedPrincipal="bob", project="proj", etag=None,
-                                   changes=[memory_put("n2"), dict(memory_put("n1"),
-                                                                   note=memory_note("n1", deleted=False))])),
+                                   changes=[memory_put("n2"),
+                                            dict(memory_put("n1"),
+                                                 note=memory_note("n1", deleted=False))])),
         ]
         for route, body in cases:
             with self.subTest(route=route, body=json.dumps(body)[:80]):
-                wire_assert_code(self, wire_post(self, route, body, self.alice), 400, "unknown_field")
+                wire_assert_code(self, wire_post(self, route, body, self.alice), 400,
+                                 "unknown_field")
         self.assertFalse(os.path.exists(wire_scope_dir(self)))
 
     def test_expected_principal(self):
         for route in WIRE_ROUTES:
             for value in ("missing", None, "", "a/b", "__proto__", 5, ["alice"], "x" * 129):
                 body = {"identity": {}, "snapshot": {"project": "proj"},
-                        "commit": {"project": "proj", "etag": None, "changes": [memory_put("n1")]}}[route]
+                        "commit": {"project": "proj", "etag": None,
+                                   "changes": [memory_put("n1")]}}[route]
                 if value != "missing":
                     body["expectedPrincipal"] = value
                 with self.subTest(route=route, value=value):
-                    wire_assert_code(self, wire_post(self, route, body, self.alice), 400, "invalid_body")
+                    wire_assert_code(self, wire_post(self, route, body, self.alice), 400,
+                                     "invalid_body")
             for value in ("bob", "Alice", "alice2"):
                 # Check 6 comes before the scope: an invalid scope does not hide the mismatch.
                 body = {"expectedPrincipal": value}
                 if route != "identity":
                     body["scope"] = "team"
                 with self.subTest(route=route, value=value):
-                    wire_assert_code(self, wire_post(self, route, body, self.alice), 403, "account_mismatch")
-        # Objects are keyed by the verified principal: bob cannot write alice's notes with his token.
-        wire_assert_code(self, wire_commit(self, [memory_put("n1")], token=self.bob), 403, "account_mismatch")
+                    wire_assert_code(self, wire_post(self, route, body, self.alice), 403,
+                                     "account_mismatch")
+        # Objects are keyed by the verified principal: bob cannot write alice's notes with his
+        # token.
+        wire_assert_code(self, wire_commit(self, [memory_put("n1")], token=self.bob), 403,
+                         "account_mismatch")
         self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
 
     def test_invalid_scope(self):
@@ -10698,21 +11690,25 @@ class MemoryWireErrorsTest(ServerCase):
                                  {"project": None, "scope": "user"}):
                 with self.subTest(route=route, scope=scope_fields):
                     body = memory_body(**dict(extra, **scope_fields))
-                    wire_assert_code(self, wire_post(self, route, body, self.alice), 400, "invalid_scope")
+                    wire_assert_code(self, wire_post(self, route, body, self.alice), 400,
+                                     "invalid_scope")
 
     def test_invalid_project(self):
         for route in ("snapshot", "commit"):
             extra = {"etag": None, "changes": [memory_put("n1")]} if route == "commit" else {}
-            for project in ("", "a/b", "../x", "a.b", "__proto__", "x" * 129, 5, None, ["p"], "é"):
+            for project in ("", "a/b", "../x", "a.b", "__proto__", "x" * 129, 5, None, ["p"],
+                            "é"):
                 with self.subTest(route=route, project=project):
                     body = memory_body(project=project, **extra)
-                    wire_assert_code(self, wire_post(self, route, body, self.alice), 400, "invalid_project")
+                    wire_assert_code(self, wire_post(self, route, body, self.alice), 400,
+                                     "invalid_project")
         self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
 
     def test_invalid_have(self):
         good = "ab" * 32
         too_many = dict(("n%d" % i, good) for i in range(WIRE_QUOTA["maxNotes"] * 2 + 1001))
-        for have in ([], None, "x", {"n1": good.upper()}, {"n1": "0" * 63}, {"n1": None}, {"n1": 5},
+        for have in ([], None, "x", {"n1": good.upper()}, {"n1": "0" * 63}, {"n1": None},
+                     {"n1": 5},
                      {"a/b": good}, {"__proto__": good}, {"n1": " " + good[1:]}, too_many):
             for route in ("snapshot", "commit"):
                 with self.subTest(route=route, have=str(have)[:40]):
@@ -10730,9 +11726,11 @@ class MemoryWireErrorsTest(ServerCase):
         too_many = dict(("n%d" % i, good) for i in range(WIRE_QUOTA["maxNotes"] * 2 + 1001))
         for have, error in (([good], "have must be an object mapping note ids to hashes"),
                             (too_many, "have may hold at most maxNotes * 2 + 1000 ids"),
-                            ({"n1": good.upper()}, "have must map note ids to 64 lowercase hex hashes")):
+                            ({"n1": good.upper()},
+                             "have must map note ids to 64 lowercase hex hashes")):
             with self.subTest(error=error):
-                self.assertAnswer(wire_snapshot(self, have=have), 400, {"code": "invalid_have", "error": error})
+                self.assertAnswer(wire_snapshot(self, have=have), 400,
+                                  {"code": "invalid_have", "error": error})
 
     def test_invalid_changes(self):
         put = memory_put("n1")
@@ -10758,27 +11756,36 @@ class MemoryWireErrorsTest(ServerCase):
         for changes in cases:
             with self.subTest(changes=json.dumps(changes)[:80]):
                 body = memory_body(project="proj", etag=None, changes=changes)
-                wire_assert_code(self, wire_post(self, "commit", body, self.alice), 400, "invalid_changes")
+                wire_assert_code(self, wire_post(self, "commit", body, self.alice), 400,
+                                 "invalid_changes")
         body = memory_body(project="proj", etag=None)                   # changes missing
         wire_assert_code(self, wire_post(self, "commit", body, self.alice), 400, "invalid_changes")
         many = [memory_put("n%d" % i) for i in range(WIRE_QUOTA["maxChanges"])]
         wire_assert_ok(self, wire_commit(self, many),
-                       entries=sorted((wire_entry(change["id"]) for change in many), key=lambda e: e["id"]))
+                       entries=sorted((wire_entry(change["id"]) for change in many),
+                                      key=lambda e: e["id"]))
         self.assertEqual(wire_commit(self, [put], "x", project="p2").status, 409)
         answer = wire_post(self, "commit", memory_body(project="p2", changes=[put]), self.alice)
-        self.assertEqual(answer.status, 400, answer.raw)            # etag is required (null for no manifest)
+        # etag is required (null for no manifest)
+        self.assertEqual(answer.status, 400, answer.raw)
         self.assertAnswer(wire_snapshot(self, project="p2"), 200,
                           {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
 
     def test_invalid_note(self):
         bad_notes = [
-            memory_note("n1", summary=""), memory_note("n1", summary=" padded"), memory_note("n1", summary="a\nb"),
+            memory_note("n1", summary=""), memory_note("n1", summary=" padded"),
+            memory_note("n1", summary="a\nb"),
             memory_note("n1", summary="x" * 501), memory_note("n1", summary="a\u2028b"),
-            memory_note("n1", body="padded\n"), memory_note("n1", body="\ufeffbom"), memory_note("n1", body=5),
-            memory_note("n1", tags="t"), memory_note("n1", tags=["a,b"]), memory_note("n1", tags=["a b"]),
-            memory_note("n1", tags=[""]), memory_note("n1", tags=["t"] * 31), memory_note("n1", tags=[5]),
-            memory_note("n1", type=None), memory_note("n1", type="team"), memory_note("n1", createdAt=-1),
-            memory_note("n1", createdAt=1.5), memory_note("n1", createdAt=True), memory_note("n1", createdAt=2 ** 53),
+            memory_note("n1", body="padded\n"), memory_note("n1", body="\ufeffbom"),
+            memory_note("n1", body=5),
+            memory_note("n1", tags="t"), memory_note("n1", tags=["a,b"]),
+            memory_note("n1", tags=["a b"]),
+            memory_note("n1", tags=[""]), memory_note("n1", tags=["t"] * 31),
+            memory_note("n1", tags=[5]),
+            memory_note("n1", type=None), memory_note("n1", type="team"),
+            memory_note("n1", createdAt=-1),
+            memory_note("n1", createdAt=1.5), memory_note("n1", createdAt=True),
+            memory_note("n1", createdAt=2 ** 53),
             memory_note("n1", updatedAt=None), memory_note("n1", updatedAt="1"),
             memory_note("n1", body="x" * (WIRE_QUOTA["maxNoteBytes"] + 1)),
             {"id": "n1", "summary": "s", "body": "b", "tags": []},    # no createdAt
@@ -10794,33 +11801,43 @@ class MemoryWireErrorsTest(ServerCase):
 
     def test_hash_mismatch(self):
         right = memory_put("n1")
-        for hash_value in (note_hash(memory_note("n1", body="other")), right["hash"].upper(), "", "0" * 64,
+        for hash_value in (note_hash(memory_note("n1", body="other")), right["hash"].upper(), "",
+                           "0" * 64,
                            note_hash(memory_note("n1", updatedAt=5)) + "0"):
             with self.subTest(hash=hash_value):
                 answer = wire_commit(self, [memory_put("n2"), dict(right, hash=hash_value)])
                 wire_assert_code(self, answer, 400, "hash_mismatch")
         # updatedAt is never hashed; type is.
-        wire_assert_code(self, wire_commit(self, [dict(right, note=memory_note("n1", type="user"))]),
+        wire_assert_code(self,
+                         wire_commit(self, [dict(right, note=memory_note("n1", type="user"))]),
                          400, "hash_mismatch")
-        wire_assert_ok(self, wire_commit(self, [dict(right, note=memory_note("n1", updatedAt=77))]),
+        wire_assert_ok(self,
+                       wire_commit(self, [dict(right, note=memory_note("n1", updatedAt=77))]),
                        entries=[dict(wire_entry("n1"), note=memory_note("n1", updatedAt=77))])
 
     def test_id_case_conflict(self):
         wire_assert_code(self, wire_commit(self, [memory_put("note-a"), memory_put("Note-A")]),
                          400, "id_case_conflict")
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("note-a")]), entries=[wire_entry("note-a")])
-        wire_assert_code(self, wire_commit(self, [memory_put("NOTE-A")], etag), 400, "id_case_conflict")
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("note-a")]),
+                              entries=[wire_entry("note-a")])
+        wire_assert_code(self, wire_commit(self, [memory_put("NOTE-A")], etag), 400,
+                         "id_case_conflict")
         wire_assert_ok(self, wire_snapshot(self), etag, [wire_entry("note-a")])
         # Deleting note-a and creating Note-A in one commit is a rename.
-        renamed = wire_assert_ok(self, wire_commit(self, [memory_delete("note-a"), memory_put("Note-A")], etag),
+        renamed = wire_assert_ok(self,
+                                 wire_commit(self, [memory_delete("note-a"), memory_put("Note-A")],
+                                             etag),
                                  entries=[wire_entry("Note-A"), {"id": "note-a", "hash": None}])
         # A tombstone does not conflict: recreating note-a while Note-A lives does.
-        wire_assert_code(self, wire_commit(self, [memory_put("note-a")], renamed), 400, "id_case_conflict")
+        wire_assert_code(self, wire_commit(self, [memory_put("note-a")], renamed), 400,
+                         "id_case_conflict")
         wire_assert_ok(self, wire_commit(self, [memory_put("other")], renamed),
-                       entries=[wire_entry("Note-A"), {"id": "note-a", "hash": None}, wire_entry("other")])
+                       entries=[wire_entry("Note-A"), {"id": "note-a", "hash": None},
+                                wire_entry("other")])
 
     def test_revision_conflict(self):
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]),
+                              entries=[wire_entry("n1")])
         newer = wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="v2")], etag),
                                entries=[wire_entry("n1", body="v2")])
         answer = wire_commit(self, [memory_put("n1", body="v3")], etag)
@@ -10834,23 +11851,31 @@ class MemoryWireErrorsTest(ServerCase):
         wire_assert_code(self, wire_commit(self, four), 413, "memory_quota_exceeded")
         self.assertAnswer(wire_snapshot(self), 200,
                           {"principal": "alice", "etag": None, "entries": [], "quota": quota})
-        etag = wire_assert_ok(self, wire_commit(self, four[:3]), entries=[wire_entry("n1"), wire_entry("n2"),
-                                                                          wire_entry("n3")], quota=quota)
+        etag = wire_assert_ok(self, wire_commit(self, four[:3]),
+                              entries=[wire_entry("n1"), wire_entry("n2"),
+                                       wire_entry("n3")], quota=quota)
         wire_assert_code(self, wire_commit(self, four[3:], etag), 413, "memory_quota_exceeded")
         # Swapping one note for another stays at the limit.
-        etag = wire_assert_ok(self, wire_commit(self, [memory_delete("n3"), four[3]], etag), quota=quota,
-                              entries=[wire_entry("n1"), wire_entry("n2"), {"id": "n3", "hash": None},
+        etag = wire_assert_ok(self, wire_commit(self, [memory_delete("n3"), four[3]], etag),
+                              quota=quota,
+                              entries=[wire_entry("n1"), wire_entry("n2"),
+                                       {"id": "n3", "hash": None},
                                        wire_entry("n4")])
-        # A lowered quota never locks anyone in: updates and deletes above it are allowed, growth is not.
+        # A lowered quota never locks anyone in: updates and deletes above it are allowed, growth
+        # is not.
         self.server.app.memory.quota["maxNotes"] = 1
         quota = dict(WIRE_QUOTA, maxNotes=1)
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="edited")], etag), quota=quota,
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="edited")], etag),
+                              quota=quota,
                               entries=[wire_entry("n1", body="edited"), wire_entry("n2"),
                                        {"id": "n3", "hash": None}, wire_entry("n4")])
         etag = wire_assert_ok(self, wire_commit(self, [memory_delete("n4")], etag), quota=quota,
                               entries=[wire_entry("n1", body="edited"), wire_entry("n2"),
                                        {"id": "n3", "hash": None}, {"id": "n4", "hash": None}])
-        wire_assert_code(self, wire_commit(self, [memory_put("n5"), memory_delete("n1"), memory_put("n6")], etag),
+        wire_assert_code(self,
+                         wire_commit(self,
+                                     [memory_put("n5"), memory_delete("n1"), memory_put("n6")],
+                                     etag),
                          413, "memory_quota_exceeded")
 
     def test_missing_memory_object(self):
@@ -10858,13 +11883,17 @@ class MemoryWireErrorsTest(ServerCase):
                               entries=[wire_entry("n1"), wire_entry("n2")])
         os.unlink(wire_object_path(self, "n1"))
         h1 = wire_entry("n1")["hash"]
-        wire_assert_ok(self, wire_snapshot(self, have={"n1": h1}), etag, [{"id": "n1", "hash": h1}, wire_entry("n2")])
+        wire_assert_ok(self, wire_snapshot(self, have={"n1": h1}), etag,
+                       [{"id": "n1", "hash": h1}, wire_entry("n2")])
         self.assertAnswer(wire_snapshot(self, knownEtag=etag), 200,
-                          {"principal": "alice", "etag": etag, "unchanged": True, "quota": WIRE_QUOTA})
+                          {"principal": "alice", "etag": etag, "unchanged": True,
+                           "quota": WIRE_QUOTA})
         wire_assert_code(self, wire_snapshot(self), 502, "missing_memory_object")
-        wire_assert_code(self, wire_snapshot(self, have={"n1": "0" * 64}), 502, "missing_memory_object")
+        wire_assert_code(self, wire_snapshot(self, have={"n1": "0" * 64}), 502,
+                         "missing_memory_object")
         # Replacing the lost note heals the scope.
-        wire_assert_ok(self, wire_commit(self, [memory_put("n1", body="new")], etag, have={"n1": h1}),
+        wire_assert_ok(self,
+                       wire_commit(self, [memory_put("n1", body="new")], etag, have={"n1": h1}),
                        entries=[wire_entry("n1", body="new"), wire_entry("n2")])
 
     def test_memory_integrity_error(self):
@@ -10874,7 +11903,8 @@ class MemoryWireErrorsTest(ServerCase):
             handle.write(json.dumps(memory_note("n2", body="tampered")).encode())
         wire_assert_code(self, wire_snapshot(self), 502, "memory_integrity_error")
         h2 = wire_entry("n2")["hash"]
-        wire_assert_ok(self, wire_snapshot(self, have={"n2": h2}), etag, [wire_entry("n1"), {"id": "n2", "hash": h2}])
+        wire_assert_ok(self, wire_snapshot(self, have={"n2": h2}), etag,
+                       [wire_entry("n1"), {"id": "n2", "hash": h2}])
         with open(wire_object_path(self, "n1"), "wb") as handle:
             handle.write(b"{not json")
         wire_assert_code(self, wire_snapshot(self, have={"n2": h2}), 502, "memory_integrity_error")
@@ -10889,11 +11919,13 @@ class MemoryWireErrorsTest(ServerCase):
         wire_assert_code(self, wire_snapshot(self, knownEtag="x"), 502, "invalid_manifest")
         wire_assert_code(self, wire_commit(self, [memory_put("n2")]), 502, "invalid_manifest")
         with open(manifest, "rb") as handle:
-            self.assertEqual(handle.read(), b"\x00garbage{", "a commit must not overwrite a damaged manifest")
+            self.assertEqual(handle.read(), b"\x00garbage{",
+                             "a commit must not overwrite a damaged manifest")
         # Other scopes and identity are unaffected.
         self.assertAnswer(wire_post(self, "identity", memory_body(), self.alice), 200,
                           {"principal": "alice", "quota": WIRE_QUOTA})
-        wire_assert_ok(self, wire_commit(self, [memory_put("n1")], project="other"), entries=[wire_entry("n1")])
+        wire_assert_ok(self, wire_commit(self, [memory_put("n1")], project="other"),
+                       entries=[wire_entry("n1")])
 
     def test_a_manifest_that_cannot_be_read_is_invalid_manifest_logged_once(self):
         wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
@@ -10909,24 +11941,33 @@ class MemoryWireErrorsTest(ServerCase):
     def test_memory_sync_failed_keeps_the_previous_manifest(self):
         full = OSError(errno.ENOSPC, "No space left on device")
         with mock.patch.object(sync, "write_atomically", side_effect=full):
-            wire_assert_code(self, wire_commit(self, [memory_put("n1")]), 502, "memory_sync_failed")
+            wire_assert_code(self, wire_commit(self, [memory_put("n1")]), 502,
+                             "memory_sync_failed")
         self.assertAnswer(wire_snapshot(self), 200,
                           {"principal": "alice", "etag": None, "entries": [], "quota": WIRE_QUOTA})
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]),
+                              entries=[wire_entry("n1")])
         with mock.patch.object(sync, "write_atomically", side_effect=full):
-            wire_assert_code(self, wire_commit(self, [memory_put("n2"), memory_delete("n1")], etag),
+            wire_assert_code(self,
+                             wire_commit(self, [memory_put("n2"), memory_delete("n1")], etag),
                              502, "memory_sync_failed")
         wire_assert_ok(self, wire_snapshot(self), etag, [wire_entry("n1")])
         self.assertAnswer(wire_snapshot(self, knownEtag=etag), 200,
-                          {"principal": "alice", "etag": etag, "unchanged": True, "quota": WIRE_QUOTA})
-        wire_assert_ok(self, wire_commit(self, [memory_put("n3")], etag), entries=[wire_entry("n1"), wire_entry("n3")])
+                          {"principal": "alice", "etag": etag, "unchanged": True,
+                           "quota": WIRE_QUOTA})
+        wire_assert_ok(self, wire_commit(self, [memory_put("n3")], etag),
+                       entries=[wire_entry("n1"), wire_entry("n3")])
         wire_restart(self)
-        wire_assert_ok(self, wire_snapshot(self, have={}), entries=[wire_entry("n1"), wire_entry("n3")])
+        wire_assert_ok(self, wire_snapshot(self, have={}),
+                       entries=[wire_entry("n1"), wire_entry("n3")])
 
     def test_object_write_failure_is_memory_sync_failed(self):
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
-        with mock.patch.object(sync, "sync_file", side_effect=OSError(errno.EIO, "Input/output error")):
-            wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag), 502, "memory_sync_failed")
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")]),
+                              entries=[wire_entry("n1")])
+        with mock.patch.object(sync, "sync_file",
+                               side_effect=OSError(errno.EIO, "Input/output error")):
+            wire_assert_code(self, wire_commit(self, [memory_put("n2")], etag), 502,
+                             "memory_sync_failed")
         wire_assert_ok(self, wire_snapshot(self), etag, [wire_entry("n1")])
 
     def test_other_methods_are_405_with_allow_post(self):
@@ -10939,12 +11980,15 @@ class MemoryWireErrorsTest(ServerCase):
                     self.assertEqual(answer.headers.get("content-type"), "application/json")
                     if method != "HEAD":
                         self.assertIsInstance(answer.json, dict)
-        self.assertAnswer(self.request("POST", "/v1/memory/unknown", memory_body(), self.alice), 404)
+        self.assertAnswer(self.request("POST", "/v1/memory/unknown", memory_body(), self.alice),
+                          404)
 
     def test_session_routes_are_unaffected(self):
         wire_assert_ok(self, wire_commit(self, [memory_put("n1")]), entries=[wire_entry("n1")])
-        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200, {"projects": []})
-        # Memory checks do not apply to session routes: an Origin header or a text/plain body are fine there.
+        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200,
+                          {"projects": []})
+        # Memory checks do not apply to session routes: an Origin header or a text/plain body are
+        # fine there.
         body = json.dumps({"project": "proj", "records": [record()]}).encode()
         answer = self.request("POST", "/v1/push", body, self.alice,
                               {"Origin": "https://example.com", "Content-Type": "text/plain"})
@@ -10954,7 +11998,8 @@ class MemoryWireErrorsTest(ServerCase):
         self.assertIsInstance(answer.json["error"], str)
         self.assertEqual(answer.headers.get("www-authenticate"), "Bearer")
         self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
-        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200, {"projects": ["proj"]})
+        self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200,
+                          {"projects": ["proj"]})
         wire_assert_ok(self, wire_snapshot(self), entries=[wire_entry("n1")])
 
 
@@ -10973,35 +12018,45 @@ class MemoryRateLimitTest(ServerCase):
         wire_assert_code(self, answer, 429, "rate_limited")
         self.assertRegex(answer.headers.get("retry-after", ""), r"^[1-9][0-9]*$")
         # Check 7 comes after check 6 and before the scope checks.
-        wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.alice),
+        wire_assert_code(self,
+                         wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.alice),
                          403, "account_mismatch")
-        wire_assert_code(self, wire_snapshot(self, project=None, scope="team"), 429, "rate_limited")
-        wire_assert_code(self, wire_commit(self, [memory_put("n1")], project="a/b"), 429, "rate_limited")
+        wire_assert_code(self, wire_snapshot(self, project=None, scope="team"), 429,
+                         "rate_limited")
+        wire_assert_code(self, wire_commit(self, [memory_put("n1")], project="a/b"), 429,
+                         "rate_limited")
         # The bucket is the principal's, whichever token it comes with.
-        wire_assert_code(self, wire_post(self, "identity", memory_body(), self.issue("alice")), 429, "rate_limited")
+        wire_assert_code(self, wire_post(self, "identity", memory_body(), self.issue("alice")),
+                         429, "rate_limited")
         # Session sync is not limited.
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
 
     def test_a_repeated_snapshot_body_takes_a_token_every_time(self):
-        """Snapshot bodies checked once are remembered; the rate limit still counts each request."""
+        """Snapshot bodies checked once are remembered; the rate limit still counts each
+        request."""
         for i in range(30):
             self.assertAnswer(wire_snapshot(self), 200)
         wire_assert_code(self, wire_snapshot(self), 429, "rate_limited")
 
     def test_refused_requests_before_check_7_take_no_token(self):
         for i in range(40):
-            wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.alice),
+            wire_assert_code(self,
+                             wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.alice),
                              403, "account_mismatch")
         for i in range(30):
             self.assertAnswer(wire_post(self, "identity", memory_body(), self.alice), 200)
-        wire_assert_code(self, wire_post(self, "identity", memory_body(), self.alice), 429, "rate_limited")
+        wire_assert_code(self, wire_post(self, "identity", memory_body(), self.alice), 429,
+                         "rate_limited")
 
     def test_bob_is_not_limited_by_alice(self):
         for i in range(31):
             wire_post(self, "identity", memory_body(), self.alice)
-        wire_assert_code(self, wire_post(self, "identity", memory_body(), self.alice), 429, "rate_limited")
+        wire_assert_code(self, wire_post(self, "identity", memory_body(), self.alice), 429,
+                         "rate_limited")
         for i in range(30):
-            self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.bob), 200,
+            self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": "bob"}, self.bob),
+                              200,
                               {"principal": "bob", "quota": WIRE_QUOTA})
 
     def test_the_bucket_refills(self):
@@ -11038,44 +12093,59 @@ class MemoryAuthModesTest(ServerCase):
                     body = memory_body(project="proj")
                 elif route == "identity":
                     body = memory_body()
-                wire_assert_code(self, wire_post(self, route, body, self.alice), 503, "auth_not_configured")
+                wire_assert_code(self, wire_post(self, route, body, self.alice), 503,
+                                 "auth_not_configured")
                 wire_assert_code(self, wire_post(self, route, body, None), 401, "sign_in_required")
                 wire_assert_code(self, wire_post(self, route, body, self.alice, {"Origin": "x"}),
                                  403, "native_client_required")
-                wire_assert_code(self, wire_post(self, route, json.dumps(body).encode(), self.alice,
-                                                 {"Content-Type": "text/plain"}), 415, "json_required")
+                wire_assert_code(self,
+                                 wire_post(self, route, json.dumps(body).encode(), self.alice,
+                                           {"Content-Type": "text/plain"}), 415, "json_required")
         self.assertFalse(os.path.exists(os.path.join(self.data_dir, "memory")))
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
         self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
 
     def test_check_memory_against_a_server_that_takes_account_tokens_names_the_readme(self):
         self.wire_fake_supabase()
-        code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--memory", "--principal",
+        code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--memory",
+                                           "--principal",
                                            "alice")
-        refused = ("FAIL memory-%s: POST /v1/memory/%s answered 401 sign_in_required: the server does not take "
-                   "--token for memory sync (which tokens it takes there: see the README of oharness-sync, "
+        refused = ("FAIL memory-%s: POST /v1/memory/%s answered 401 sign_in_required: the server "
+                   "does not take "
+                   "--token for memory sync (which tokens it takes there: see the README of "
+                   "oharness-sync, "
                    '"Pointing an OHarness client at the server")\n')
-        self.assertEqual((code, out), (1, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"])
-                                       + refused % ("identity", "identity")
-                                       + refused % ("empty-snapshot", "snapshot")
-                                       + refused % ("commit", "commit")
-                                       + "FAIL memory-stale-etag: needs memory-commit, which failed\n"
-                                         "FAIL memory-delete: needs memory-commit, which failed\n"
-                                         "check: 9 passed, 5 failed\n"))
+        self.assertEqual((code, out),
+                         (1,
+                          "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"])
+                          + refused % ("identity", "identity")
+                          + refused % ("empty-snapshot", "snapshot")
+                          + refused % ("commit", "commit")
+                          + "FAIL memory-stale-etag: needs memory-commit, which failed\n"
+                            "FAIL memory-delete: needs memory-commit, which failed\n"
+                            "check: 9 passed, 5 failed\n"))
 
     def test_local_with_jwts(self):
         wire_restart(self, jwt=JwtVerifier(SECRET, JwksSource(no_log, path=JWKS_PATH)))
-        for name, sub in (("rs256_2048_valid_no_exp", "user_rsa2048"), ("es256_valid_exp_2100", "user_ec"),
+        for name, sub in (("rs256_2048_valid_no_exp", "user_rsa2048"),
+                          ("es256_valid_exp_2100", "user_ec"),
                           ("hs256_valid_no_exp", "user_hs")):
             with self.subTest(token=name):
                 token = TOKENS[name]
-                self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": sub}, token), 200,
+                self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": sub}, token),
+                                  200,
                                   {"principal": sub, "quota": WIRE_QUOTA})
-                etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token=token, principal=sub),
+                etag = wire_assert_ok(self,
+                                      wire_commit(self, [memory_put("n1")], token=token,
+                                                  principal=sub),
                                       entries=[wire_entry("n1")], principal=sub)
-                wire_assert_ok(self, wire_snapshot(self, token, sub), etag, [wire_entry("n1")], principal=sub)
-                wire_assert_code(self, wire_post(self, "identity", memory_body(), token), 403, "account_mismatch")
-        self.assertTrue(os.path.isdir(os.path.join(self.data_dir, "memory", "u-" + sync.encode_name("user_ec"))))
+                wire_assert_ok(self, wire_snapshot(self, token, sub), etag, [wire_entry("n1")],
+                               principal=sub)
+                wire_assert_code(self, wire_post(self, "identity", memory_body(), token), 403,
+                                 "account_mismatch")
+        self.assertTrue(os.path.isdir(os.path.join(self.data_dir, "memory", "u-"
+                                                   + sync.encode_name("user_ec"))))
         # Local tokens still work for memory in local mode.
         self.assertAnswer(wire_post(self, "identity", memory_body(), self.alice), 200,
                           {"principal": "alice", "quota": WIRE_QUOTA})
@@ -11084,24 +12154,31 @@ class MemoryAuthModesTest(ServerCase):
             with self.subTest(token=name):
                 token = TOKENS[name]
                 for route in WIRE_ROUTES:
-                    wire_assert_code(self, wire_post(self, route, {"expectedPrincipal": sub, "project": "p"}, token),
+                    wire_assert_code(self,
+                                     wire_post(self, route,
+                                               {"expectedPrincipal": sub, "project": "p"}, token),
                                      401, "sign_in_required")
                 self.assertAnswer(self.push(token, "p", [record()]), 401)
         for name in ("rs256_expired", "alg_none", "rs256_tampered_payload"):
             with self.subTest(token=name):
-                wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "user_rsa2048"},
-                                                 TOKENS[name]), 401, "sign_in_required")
+                wire_assert_code(self,
+                                 wire_post(self, "identity", {"expectedPrincipal": "user_rsa2048"},
+                                           TOKENS[name]), 401, "sign_in_required")
 
     def test_supabase_normal_and_refused_users(self):
         fake = self.wire_fake_supabase()
-        self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": USER_ID}, "normal"), 200,
+        self.assertAnswer(wire_post(self, "identity", {"expectedPrincipal": USER_ID}, "normal"),
+                          200,
                           {"principal": USER_ID, "quota": WIRE_QUOTA})
         path, headers = fake.requests[0]
         self.assertEqual((path, headers.get("Authorization"), headers.get("apikey")),
                          ("/auth/v1/user", "Bearer normal", "anon-key-123"))
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("n1")], token="normal", principal=USER_ID),
+        etag = wire_assert_ok(self,
+                              wire_commit(self, [memory_put("n1")], token="normal",
+                                          principal=USER_ID),
                               entries=[wire_entry("n1")], principal=USER_ID)
-        wire_assert_ok(self, wire_snapshot(self, "normal", USER_ID), etag, [wire_entry("n1")], principal=USER_ID)
+        wire_assert_ok(self, wire_snapshot(self, "normal", USER_ID), etag, [wire_entry("n1")],
+                       principal=USER_ID)
         for token in ("anonymous", "role-anon", "revoked", "forbidden", self.alice):
             with self.subTest(token=token[:12]):
                 answer = wire_post(self, "identity", {"expectedPrincipal": USER_ID}, token)
@@ -11111,7 +12188,8 @@ class MemoryAuthModesTest(ServerCase):
 
     def test_supabase_mode_never_sends_a_local_token_to_the_identity_service(self):
         fake = self.wire_fake_supabase()
-        wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": "alice"}, self.alice),
+        wire_assert_code(self,
+                         wire_post(self, "identity", {"expectedPrincipal": "alice"}, self.alice),
                          401, "sign_in_required")
         self.assertEqual(fake.requests, [])
 
@@ -11119,7 +12197,9 @@ class MemoryAuthModesTest(ServerCase):
         self.wire_fake_supabase()
         for token in ("boom", "redirect", "not-json"):
             with self.subTest(token=token):
-                wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": USER_ID}, token),
+                wire_assert_code(self,
+                                 wire_post(self, "identity", {"expectedPrincipal": USER_ID},
+                                           token),
                                  502, "auth_unavailable")
 
     def test_supabase_time_out(self):
@@ -11132,13 +12212,15 @@ class MemoryAuthModesTest(ServerCase):
 
     def test_supabase_refused_connection(self):
         self.wire_fake_supabase(timeout=1.0, url="http://127.0.0.1:%d" % closed_port())
-        wire_assert_code(self, wire_post(self, "identity", {"expectedPrincipal": USER_ID}, "normal"),
+        wire_assert_code(self,
+                         wire_post(self, "identity", {"expectedPrincipal": USER_ID}, "normal"),
                          502, "auth_unavailable")
         wire_assert_code(self, wire_snapshot(self, "normal", USER_ID), 502, "auth_unavailable")
 
     def test_supabase_mode_keeps_local_tokens_for_session_sync(self):
         self.wire_fake_supabase()
-        self.assertAnswer(self.push(self.alice, records=[record()]), 200, {"cursor": 1, "accepted": 1})
+        self.assertAnswer(self.push(self.alice, records=[record()]), 200,
+                          {"cursor": 1, "accepted": 1})
         self.assertEqual(len(self.pull(self.alice).json["records"]), 1)
         self.assertAnswer(self.push("normal", records=[record()]), 401)
 
@@ -11173,7 +12255,8 @@ class MemoryWireConcurrencyTest(ServerCase):
         wire_assert_ok(self, wire_snapshot(self), etag, expected)
 
     def test_ten_commits_from_one_etag(self):
-        etag = wire_assert_ok(self, wire_commit(self, [memory_put("seed")]), entries=[wire_entry("seed")])
+        etag = wire_assert_ok(self, wire_commit(self, [memory_put("seed")]),
+                              entries=[wire_entry("seed")])
         self.check_one_winner(self.race(etag), [wire_entry("seed")])
 
     def test_ten_first_commits_from_no_manifest(self):
@@ -11194,7 +12277,8 @@ FUZZ_RANDOM_CASES = 300     # structureless byte strings in the second test
 FUZZ_TIMEOUT = 5.0          # seconds for the server to answer and close
 FUZZ_WORKERS = 4
 
-FUZZ_NOTE = {"id": "fuzz-note-1", "summary": "A note made for the fuzzer", "body": "Its body.\nTwo lines.",
+FUZZ_NOTE = {"id": "fuzz-note-1", "summary": "A note made for the fuzzer",
+             "body": "Its body.\nTwo lines.",
              "tags": ["fuzz", "wire"], "type": "reference", "createdAt": 1789344000000}
 
 
@@ -11237,7 +12321,8 @@ class FuzzRequest:
         self.method = method
         self.target = target
         self.version = version
-        self.headers = list(headers)    # whole lines without the line end, e.g. b"Content-Length: 12"
+        # whole lines without the line end, e.g. b"Content-Length: 12"
+        self.headers = list(headers)
         self.body = body
         self.eol = b"\r\n"
         self.tail = b""                 # bytes after the body (a pipelined request, junk)
@@ -11248,7 +12333,8 @@ class FuzzRequest:
         return other
 
     def render(self):
-        line = b" ".join(part for part in (self.method, self.target, self.version) if part is not None)
+        line = b" ".join(part for part in (self.method, self.target, self.version)
+                         if part is not None)
         head = self.eol.join([line] + self.headers) + self.eol + self.eol
         return head + self.body + self.tail
 
@@ -11287,10 +12373,12 @@ def fuzz_base_requests(token):
 
     note = dict(FUZZ_NOTE)
     push = {"project": "proj",
-            "records": [record("s1", "r1", 1), record("s1", "r2", 2, body={"role": "assistant", "content": [1, "é"]}),
+            "records": [record("s1", "r1", 1),
+                        record("s1", "r2", 2, body={"role": "assistant", "content": [1, "é"]}),
                         record("s2", "r1", 1, body=None)],
-            "sessions": [meta("s1", 0, 1789344000000, body={"title": "first"}), meta("s2", 1, 1789344000001,
-                                                                                      deleted=False)]}
+            "sessions": [meta("s1", 0, 1789344000000, body={"title": "first"}),
+                         meta("s2", 1, 1789344000001,
+                               deleted=False)]}
     return [
         ("push", post(b"/v1/push", push)),
         ("team push", post(b"/v1/push", dict(push, team="platform", project="team-proj"))),
@@ -11303,7 +12391,8 @@ def fuzz_base_requests(token):
         ("memory snapshot", post(b"/v1/memory/snapshot", {
             "expectedPrincipal": "alice", "project": "proj", "knownEtag": None,
             "have": {note["id"]: sync.note_hash(note)}})),
-        ("memory user snapshot", post(b"/v1/memory/snapshot", {"expectedPrincipal": "alice", "scope": "user"})),
+        ("memory user snapshot",
+         post(b"/v1/memory/snapshot", {"expectedPrincipal": "alice", "scope": "user"})),
         ("memory commit", post(b"/v1/memory/commit", {
             "expectedPrincipal": "alice", "project": "proj", "etag": None,
             "changes": [{"id": note["id"], "hash": sync.note_hash(note), "note": note},
@@ -11330,7 +12419,8 @@ def fuzz_kind(value):
 
 
 def fuzz_huge_number(rng, sign=True):
-    """A decimal number far outside any range: 17 to 10,000 digits (Python refuses int() past 4300)."""
+    """A decimal number far outside any range: 17 to 10,000 digits (Python refuses int() past
+    4300)."""
     digits = rng.choice([17, 19, 20, 40, 309, 400, 4300, 4301, 5000, 10000])
     text = rng.choice("123456789") + "".join(rng.choice("0123456789") for _ in range(digits - 1))
     if rng.random() < 0.2:
@@ -11341,23 +12431,32 @@ def fuzz_huge_number(rng, sign=True):
 def fuzz_random_value(rng):
     """A JSON value (or raw JSON-ish text) of any type, biased towards edge cases."""
     choices = [
-        lambda: None, lambda: True, lambda: False, lambda: -1, lambda: 0, lambda: 1.5, lambda: 12.0,
-        lambda: -0.0, lambda: 2 ** 53 - 1, lambda: 2 ** 53, lambda: 2 ** 64, lambda: -(2 ** 63), lambda: 1e308,
-        lambda: FuzzRaw("1e400"), lambda: FuzzRaw("-1e400"), lambda: FuzzRaw("NaN"), lambda: FuzzRaw("Infinity"),
-        lambda: FuzzRaw("-Infinity"), lambda: FuzzRaw("1E2"), lambda: FuzzRaw("-0"), lambda: FuzzRaw("1e-400"),
+        lambda: None, lambda: True, lambda: False, lambda: -1, lambda: 0, lambda: 1.5,
+        lambda: 12.0,
+        lambda: -0.0, lambda: 2 ** 53 - 1, lambda: 2 ** 53, lambda: 2 ** 64, lambda: -(2 ** 63),
+        lambda: 1e308,
+        lambda: FuzzRaw("1e400"), lambda: FuzzRaw("-1e400"), lambda: FuzzRaw("NaN"),
+        lambda: FuzzRaw("Infinity"),
+        lambda: FuzzRaw("-Infinity"), lambda: FuzzRaw("1E2"), lambda: FuzzRaw("-0"),
+        lambda: FuzzRaw("1e-400"),
         lambda: FuzzRaw(fuzz_huge_number(rng)), lambda: FuzzRaw(fuzz_huge_number(rng)),
         lambda: FuzzRaw(fuzz_huge_number(rng) + ".0"), lambda: FuzzRaw("0." + "1" * 5000),
-        lambda: FuzzRaw("01"), lambda: FuzzRaw(".5"), lambda: FuzzRaw("+1"), lambda: FuzzRaw("0x10"),
+        lambda: FuzzRaw("01"), lambda: FuzzRaw(".5"), lambda: FuzzRaw("+1"),
+        lambda: FuzzRaw("0x10"),
         lambda: "", lambda: "x" * 5000, lambda: "\u2028", lambda: "\ud800", lambda: "\udfff\ud800",
-        lambda: "__proto__", lambda: "constructor", lambda: "a,b", lambda: " padded ", lambda: "\x00",
-        lambda: "\ufeff", lambda: "é" * 200, lambda: "\U0001f600", lambda: "a" * 129, lambda: "a" * 1025,
+        lambda: "__proto__", lambda: "constructor", lambda: "a,b", lambda: " padded ",
+        lambda: "\x00",
+        lambda: "\ufeff", lambda: "é" * 200, lambda: "\U0001f600", lambda: "a" * 129,
+        lambda: "a" * 1025,
         lambda: "%064x" % rng.getrandbits(256), lambda: "A" * 64, lambda: "user", lambda: "alice",
-        lambda: "bob", lambda: "platform", lambda: "../../etc/passwd", lambda: "Proj", lambda: "x\ny",
+        lambda: "bob", lambda: "platform", lambda: "../../etc/passwd", lambda: "Proj",
+        lambda: "x\ny",
         lambda: [], lambda: FuzzObject(), lambda: [None], lambda: FuzzObject([["", None]]),
         lambda: FuzzRaw("[" * 10000 + "]" * 10000), lambda: FuzzRaw("[" * 10000),
         lambda: FuzzRaw('{"a":' * 3000 + "1" + "}" * 3000),
         lambda: FuzzRaw("[" * 199 + "]" * 199), lambda: FuzzRaw("[" * 200 + "]" * 200),
-        lambda: FuzzRaw("[" * 201 + "]" * 201), lambda: FuzzRaw('"\\ud800"'), lambda: FuzzRaw('"\\u00"'),
+        lambda: FuzzRaw("[" * 201 + "]" * 201), lambda: FuzzRaw('"\\ud800"'),
+        lambda: FuzzRaw('"\\u00"'),
         lambda: FuzzRaw('"\x01raw control"'), lambda: FuzzRaw("\"\xff\""), lambda: FuzzRaw("tru"),
         lambda: FuzzRaw(""), lambda: [rng.randint(-5, 5) for _ in range(rng.randint(1, 40))],
     ]
@@ -11403,7 +12502,8 @@ def fuzz_put(container, key, value):
 def fuzz_mutate_json(rng, body):
     """body re-serialised after one to three structural mutations; None when body is not JSON."""
     try:
-        root = [fuzz_tree(json.loads(body.decode("utf-8")))]   # a holder, so the root can be replaced too
+        # a holder, so the root can be replaced too
+        root = [fuzz_tree(json.loads(body.decode("utf-8")))]
     except ValueError:
         return None
     for _ in range(rng.randint(1, 3)):
@@ -11411,8 +12511,10 @@ def fuzz_mutate_json(rng, body):
         objects = [node for node, _ in slots if isinstance(node, FuzzObject) and node]
         objects += [fuzz_get(c, k) for c, k in slots if isinstance(fuzz_get(c, k), FuzzObject)]
         arrays = [fuzz_get(c, k) for c, k in slots
-                  if isinstance(fuzz_get(c, k), list) and not isinstance(fuzz_get(c, k), FuzzObject)]
-        action = rng.choice(["replace", "replace", "replace", "delete", "duplicate", "add", "rename",
+                  if isinstance(fuzz_get(c, k), list)
+                  and not isinstance(fuzz_get(c, k), FuzzObject)]
+        action = rng.choice(["replace", "replace", "replace", "delete", "duplicate", "add",
+                             "rename",
                              "inflate", "wrap", "strings"])
         if action == "replace" or (action in ("delete", "duplicate", "rename") and not objects):
             container, key = rng.choice(slots)
@@ -11431,21 +12533,25 @@ def fuzz_mutate_json(rng, body):
         elif action == "add":
             node = rng.choice(objects) if objects else root[0]
             if isinstance(node, FuzzObject):
-                name = rng.choice(["extra", "device", "team", "scope", "project", "__proto__", "deleted",
+                name = rng.choice(["extra", "device", "team", "scope", "project", "__proto__",
+                                   "deleted",
                                    "body", "note", "have", "type", "updatedAt", "", "x" * 300])
                 node.append([name, fuzz_random_value(rng)])
         elif action == "rename":
             node = rng.choice(objects)
             if node:
                 pair = rng.choice(node)
-                pair[0] = rng.choice([pair[0].upper(), pair[0] + " ", pair[0][:-1], "\u0000" + pair[0],
+                pair[0] = rng.choice([pair[0].upper(), pair[0] + " ", pair[0][:-1], "\u0000"
+                                      + pair[0],
                                       pair[0] + "\ud800"])
         elif action == "inflate" and arrays and len(fuzz_dump(root[0])) < 100000:
             node = rng.choice(arrays)
             filler = node[0] if node and len(fuzz_dump(node[0])) < 1000 else None
-            node.extend(copy.deepcopy(filler) for _ in range(rng.choice([499, 500, 501, 600, 1001])))
+            node.extend(copy.deepcopy(filler)
+                        for _ in range(rng.choice([499, 500, 501, 600, 1001])))
         elif action == "wrap":
-            root[0] = rng.choice([[root[0]], FuzzObject([["body", root[0]]]), fuzz_random_value(rng)])
+            root[0] = rng.choice([[root[0]], FuzzObject([["body", root[0]]]),
+                                  fuzz_random_value(rng)])
         else:  # strings: every string value in one object replaced with one nasty string
             if objects:
                 nasty = fuzz_random_value(rng)
@@ -11459,22 +12565,32 @@ def fuzz_mutate_json(rng, body):
     if encoding < 0.1:
         return b"\xef\xbb\xbf" + text.encode("utf-8", "surrogatepass")
     if encoding < 0.15:
-        return text.encode("utf-8", "surrogatepass") + rng.choice([b",", b" x", b"}", b"\x00", b"\n\n{}"])
+        return text.encode("utf-8",
+                           "surrogatepass") + rng.choice([b",", b" x", b"}", b"\x00", b"\n\n{}"])
     return text.encode("utf-8", "surrogatepass")
 
 
-FUZZ_METHODS = [b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"TRACE", b"CONNECT",
-                b"FOO", b"get", b"Post", b"PRI", b"M-SEARCH", b"G\x00ET", b"\xffGET", b"X" * 300, b""]
+FUZZ_METHODS = [b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"TRACE",
+                b"CONNECT",
+                b"FOO", b"get", b"Post", b"PRI", b"M-SEARCH", b"G\x00ET", b"\xffGET", b"X" * 300,
+                b""]
 
-FUZZ_PATHS = [b"/v1/push/", b"//v1/push", b"/v1/../v1/push", b"/V1/PUSH", b"/v1/memory/", b"/v1/memory/other",
-              b"/v1%2Fpush", b"/v1/pu%73h", b"*", b"http://127.0.0.1/v1/health", b"/", b"", b"/v1/pull#frag",
-              b"/v1/health?%ff", b"/v1/\xff\xfe", b"/v1/health\x00", b"/" + b"a" * 5000, b"/v1/projects/",
+FUZZ_PATHS = [b"/v1/push/", b"//v1/push", b"/v1/../v1/push", b"/V1/PUSH", b"/v1/memory/",
+              b"/v1/memory/other",
+              b"/v1%2Fpush", b"/v1/pu%73h", b"*", b"http://127.0.0.1/v1/health", b"/", b"",
+              b"/v1/pull#frag",
+              b"/v1/health?%ff", b"/v1/\xff\xfe", b"/v1/health\x00", b"/" + b"a" * 5000,
+              b"/v1/projects/",
               b"/v1/memory/identity/", b"/v1/memory/commit?x=1", b"/v1/pull;x"]
 
-FUZZ_QUERY_NAMES = ["project", "since", "limit", "wait", "team", "x", "", "since[]", "pro%6aect", "%ff", "wait"]
-FUZZ_QUERY_VALUES = ["proj", "team-proj", "", "%ff", "%", "%zz", "-1", "0", "1", "1.5", "abc", "-0", "+1", " 1",
-                     "9007199254740991", "9007199254740992", "99999999999999999999", "-99999999999999999999",
-                     "1e3", "0x10", "%00", "__proto__", "platform", "nope", "\xff", "a" * 200, "%D9%A3", "%2B1",
+FUZZ_QUERY_NAMES = ["project", "since", "limit", "wait", "team", "x", "", "since[]", "pro%6aect",
+                    "%ff", "wait"]
+FUZZ_QUERY_VALUES = ["proj", "team-proj", "", "%ff", "%", "%zz", "-1", "0", "1", "1.5", "abc",
+                     "-0", "+1", " 1",
+                     "9007199254740991", "9007199254740992", "99999999999999999999",
+                     "-99999999999999999999",
+                     "1e3", "0x10", "%00", "__proto__", "platform", "nope", "\xff", "a" * 200,
+                     "%D9%A3", "%2B1",
                      "%20", "p%20roj", "&", "=", "==", "%%", "1%00"]
 
 
@@ -11487,7 +12603,8 @@ def fuzz_query(rng):
         if roll < 0.2:
             value = fuzz_huge_number(rng)
         elif roll < 0.2:
-            value = "%" + "".join(rng.choice("0123456789abcdefXYZ%") for _ in range(rng.randint(1, 6)))
+            value = "%" + "".join(rng.choice("0123456789abcdefXYZ%")
+                                  for _ in range(rng.randint(1, 6)))
         else:
             value = rng.choice(FUZZ_QUERY_VALUES)
         parts.append(name if rng.random() < 0.05 else name + "=" + value)
@@ -11503,14 +12620,18 @@ def fuzz_chunked(rng, body, good):
         size = rng.randint(1, max(1, len(body) - at))
         pieces.append(body[at:at + size])
         at += size
-    lines = [b"%x" % len(piece) + (b";ext=1" if rng.random() < 0.1 else b"") + b"\r\n" + piece + b"\r\n"
+    lines = [b"%x" % len(piece) + (b";ext=1" if rng.random() < 0.1 else b"") + b"\r\n" + piece
+             + b"\r\n"
              for piece in pieces]
     lines.append(b"0\r\n" + (b"X-Trailer: 1\r\n" if rng.random() < 0.1 else b"") + b"\r\n")
     if not good:
         index = rng.randrange(len(lines))
-        broken = rng.choice([b"zz\r\n", b"-1\r\n", b"123456789\r\n", b"FFFFFFFF\r\n", b"7fffffff\r\n",
-                             b"\r\n", b"0x10\r\n", b" 5\r\n", b"5" * 2000 + b"\r\n", b"10000\r\nabc\r\n",
-                             b"5\r\nabcdefgh\r\n", b"3\r\nabc", b"3\r\nabcXX", b"1;" + b"e" * 3000 + b"\r\n",
+        broken = rng.choice([b"zz\r\n", b"-1\r\n", b"123456789\r\n", b"FFFFFFFF\r\n",
+                             b"7fffffff\r\n",
+                             b"\r\n", b"0x10\r\n", b" 5\r\n", b"5" * 2000 + b"\r\n",
+                             b"10000\r\nabc\r\n",
+                             b"5\r\nabcdefgh\r\n", b"3\r\nabc", b"3\r\nabcXX", b"1;" + b"e" * 3000
+                             + b"\r\n",
                              fuzz_huge_number(rng, sign=False).encode("ascii") + b"\r\n"])
         roll = rng.random()
         if roll < 0.5:
@@ -11528,15 +12649,19 @@ def fuzz_mutate_http(rng, request, bases):
     length = len(request.body)
     if action == 0:
         request.set_header(b"Content-Length", b"%d" % max(0, rng.choice(
-            [length + rng.randint(1, 50), length - rng.randint(1, 50), 0, length * 2, length + 1, length - 1])))
+            [length + rng.randint(1, 50), length - rng.randint(1, 50), 0, length * 2, length + 1,
+             length - 1])))
     elif action == 1:
         value = rng.choice([b"%d" % length, b"%d" % (length + 1), b"0", b"abc"])
-        request.headers.insert(rng.randrange(len(request.headers) + 1), b"Content-Length: " + value)
+        request.headers.insert(rng.randrange(len(request.headers) + 1), b"Content-Length: "
+                               + value)
     elif action == 2:
         request.drop_header(b"Content-Length")
     elif action == 3:
-        value = rng.choice([b"-1", b"+5", b"0x10", b" %d " % length, b"1e3", b"", b"12abc", b"9" * 30,
-                            b"18446744073709551616", b"\xd9\xa3", b"\xb2", b"%d, %d" % (length, length),
+        value = rng.choice([b"-1", b"+5", b"0x10", b" %d " % length, b"1e3", b"", b"12abc",
+                            b"9" * 30,
+                            b"18446744073709551616", b"\xd9\xa3", b"\xb2", b"%d, %d"
+                            % (length, length),
                             b"%d.0" % length, b"0" * 30 + b"%d" % length, b"8388609", b"4194305"])
         if rng.random() < 0.3:
             value = fuzz_huge_number(rng).encode("ascii")
@@ -11551,20 +12676,24 @@ def fuzz_mutate_http(rng, request, bases):
         request.body = fuzz_chunked(rng, request.body, good=False)
     elif action == 6:
         request.set_header(b"Transfer-Encoding", rng.choice(
-            [b"gzip", b"chunked, gzip", b"Chunked", b" chunked ", b"identity", b"chunked, chunked", b""]))
+            [b"gzip", b"chunked, gzip", b"Chunked", b" chunked ", b"identity", b"chunked, chunked",
+             b""]))
         if rng.random() < 0.5:
             request.drop_header(b"Content-Length")
         if rng.random() < 0.5:
             request.body = fuzz_chunked(rng, request.body, good=True)
     elif action == 7:
-        method, target, version = request.method or b"", request.target or b"", request.version or b""
+        method, target = request.method or b"", request.target or b""
+        version = request.version or b""
         request.method, request.target, request.version = rng.choice([
-            (b"GET", None, None), (b"GET", b"/v1/health", None), (b"GET", b"/v1/health", b"HTTP/2.0"),
+            (b"GET", None, None), (b"GET", b"/v1/health", None),
+            (b"GET", b"/v1/health", b"HTTP/2.0"),
             (b"GET", b"/v1/health", b"HTTP/1.2"), (b"GET", b"/v1/health", b"HTTP/0.9"),
             (b"GET", b"/v1/health", b"HTTP/x.y"), (b"GET", b"/v1/health", b"http/1.1"),
             (b"GET /v1/health", b"", b"HTTP/1.1"), (b"GET", b"/v1/health HTTP/1.1", b"extra"),
             (b"", b"", b""), (None, None, None), (b"GET\t/v1/health\tHTTP/1.1", None, None),
-            (method, target, b"HTTP/1.1 "), (method, target, b"HTTP/10.10"), (method + b" " * 5000, target, version),
+            (method, target, b"HTTP/1.1 "), (method, target, b"HTTP/10.10"),
+            (method + b" " * 5000, target, version),
             (method, target + b" " + target, version)])
     elif action == 8:
         request.method = rng.choice(FUZZ_METHODS)
@@ -11579,38 +12708,47 @@ def fuzz_mutate_http(rng, request, bases):
     elif action == 12:
         size = rng.choice([1000, 8190, 65000, 65530, 65536, 65537, 70000])
         request.headers.insert(rng.randrange(len(request.headers) + 1), rng.choice(
-            [b"X-Long: " + b"v" * size, b"X-" + b"n" * size + b": v", b"Authorization: Bearer " + b"t" * size,
+            [b"X-Long: " + b"v" * size, b"X-" + b"n" * size + b": v", b"Authorization: Bearer "
+             + b"t" * size,
              b"Cookie: " + b"a=b; " * (size // 5)]))
     elif action == 13:
-        extra = [b"X-Fuzz-%d: %d" % (number, number) for number in range(rng.choice([90, 99, 100, 101, 150]))]
+        extra = [b"X-Fuzz-%d: %d" % (number, number)
+                 for number in range(rng.choice([90, 99, 100, 101, 150]))]
         request.headers[rng.randrange(len(request.headers) + 1):0] = extra
     elif action == 14:
         found = request.header_index(b"Authorization")
         token = request.headers[found].split(b" ")[-1] if found is not None else b"x"
         request.set_header(b"Authorization", rng.choice([
-            b"", b"Bearer", b"Bearer ", b"bearer " + token, b"BEARER   " + token + b"  ", b"Bearer\t" + token, b"Basic YWxpY2U6cHc=",
+            b"", b"Bearer", b"Bearer ", b"bearer " + token, b"BEARER   " + token + b"  ",
+            b"Bearer\t" + token, b"Basic YWxpY2U6cHc=",
             b"Bearer ohs_000000000000_" + b"x" * 30, b"Bearer ohs_", b"Bearer " + b"t" * 20000,
-            b"Bearer a.b.c", b"Bearer \xff\xfe", b"Bearer  x  y", b"Bearer eyJhbGciOiJub25lIn0.e30.",
+            b"Bearer a.b.c", b"Bearer \xff\xfe", b"Bearer  x  y",
+            b"Bearer eyJhbGciOiJub25lIn0.e30.",
             b"Bearer ohs_zzzzzzzzzzzz_" + b"x" * 30]))
         if rng.random() < 0.3:
             request.headers.append(b"Authorization: Bearer other")
     elif action == 15:
         request.set_header(b"Content-Type", rng.choice([
-            b"text/plain", b"application/json; charset=utf-8", b"APPLICATION/JSON", b"application/jsonx",
-            b"application/json;", b";", b"", b"multipart/form-data; boundary=x", b"application/json, text/plain",
+            b"text/plain", b"application/json; charset=utf-8", b"APPLICATION/JSON",
+            b"application/jsonx",
+            b"application/json;", b";", b"", b"multipart/form-data; boundary=x",
+            b"application/json, text/plain",
             b"\xff"]))
         if rng.random() < 0.2:
             request.drop_header(b"Content-Type")
     elif action == 16:
         request.headers.insert(rng.randrange(len(request.headers) + 1), rng.choice([
-            b"Origin: https://evil.example", b"Origin:", b"Expect: 100-continue", b"Expect: 100-continue",
-            b"Expect: nonsense", b"Connection: close", b"Connection: keep-alive", b"Connection: Upgrade",
+            b"Origin: https://evil.example", b"Origin:", b"Expect: 100-continue",
+            b"Expect: 100-continue",
+            b"Expect: nonsense", b"Connection: close", b"Connection: keep-alive",
+            b"Connection: Upgrade",
             b"Upgrade: h2c", b"Host:", b"Host: a", b"Host: \xff", b"Accept-Encoding: gzip",
             b"Content-Encoding: gzip", b"Range: bytes=0-1"]))
     elif action == 17:
         index = rng.randrange(len(request.headers) + 1)
         request.headers.insert(index, rng.choice([
-            b" folded: continuation", b"\tfolded", b"Name : value", b": empty name", b"Na me: value",
+            b" folded: continuation", b"\tfolded", b"Name : value", b": empty name",
+            b"Na me: value",
             b"Name:: value", b"Name:value", b"Name:\tvalue\t", b"Content-Length : 5"]))
     elif action == 18:
         request.eol = rng.choice([b"\n", b"\r", b"\r\r\n", b"\n\r"])
@@ -11618,14 +12756,16 @@ def fuzz_mutate_http(rng, request, bases):
         request.version = rng.choice([b"HTTP/1.0", b"HTTP/1.0", b"HTTP/1.1"])
     elif action == 20:
         request.headers.insert(rng.randrange(len(request.headers) + 1),
-                               b"X-Bin: " + bytes(rng.randrange(256) for _ in range(rng.randint(1, 40))))
+                               b"X-Bin: "
+                               + bytes(rng.randrange(256) for _ in range(rng.randint(1, 40))))
     elif action == 21:
         other = rng.choice(bases)[1].copy()
         if rng.random() < 0.5:
             fuzz_mutate_http(rng, other, bases)
         request.tail += other.render()
     elif action == 22:
-        request.tail += rng.choice([b"\r\n", b"GARBAGE", b"\x00" * 100, b"GET /v1/health HTTP/1.1\r\n",
+        request.tail += rng.choice([b"\r\n", b"GARBAGE", b"\x00" * 100,
+                                    b"GET /v1/health HTTP/1.1\r\n",
                                     b"GET /v1/health HTTP/1.1\r\n\r\n" * rng.randint(2, 30)])
     else:
         request.body = rng.choice([b"", b"{}", b"null", b"[]", b"\xff" * 10, b"\x00", b"{" * 300,
@@ -11656,14 +12796,17 @@ def fuzz_mutate_bytes(rng, data, bases):
         other = rng.choice(bases)[1].render()
         return data[:at] + other[rng.randrange(len(other)):]
     if action == 6:
-        return data[:at] + rng.choice([b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x80",
-                                       b"\xe2\x82", b"\xfe\xff", b"\x00", b"\x00\x00\x00\x00"]) + data[at:]
+        return data[:at] + rng.choice([b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
+                                       b"\x80",
+                                       b"\xe2\x82", b"\xfe\xff", b"\x00",
+                                       b"\x00\x00\x00\x00"]) + data[at:]
     if action == 7:
         run = rng.choice([b"A", b"\x00", b" ", b"\r\n", b"[", b"{", b"9", b"\xff", b":", b"%"])
         return data[:at] + run * rng.choice([100, 1000, 10000, 65536, 70000]) + data[at:]
     if action == 8:   # replace one random byte with a structural one
         at = min(at, len(data) - 1)
-        return data[:at] + rng.choice([b"\r", b"\n", b" ", b":", b"\"", b"\\", b"}", b"]", b",", b"0"]) + data[at + 1:]
+        return data[:at] + rng.choice([b"\r", b"\n", b" ", b":", b"\"", b"\\", b"}", b"]", b",",
+                                       b"0"]) + data[at + 1:]
     return data[:at] + data[at:][::-1] if rng.random() < 0.2 else data[at:] + data[:at]
 
 
@@ -11672,8 +12815,10 @@ def fuzz_make_case(seed, index, bases):
     rng = random.Random(seed * 1000003 + index)
     name, base = rng.choice(bases)
     request = base.copy()
-    levels = rng.choice([["http"], ["http", "http"], ["json"], ["json", "http"], ["bytes"], ["bytes", "bytes"],
-                         ["json", "bytes"], ["http", "bytes"], ["json", "http", "bytes"], ["http", "http", "http"]])
+    levels = rng.choice([["http"], ["http", "http"], ["json"], ["json", "http"], ["bytes"],
+                         ["bytes", "bytes"],
+                         ["json", "bytes"], ["http", "bytes"], ["json", "http", "bytes"],
+                         ["http", "http", "http"]])
     labels = [name]
     for level in levels:
         if level == "json":
@@ -11743,9 +12888,11 @@ def fuzz_judge(sent, received, ending):
     that names an HTTP version other than 1.0 and 1.1 (it is that version's proper answer).
     """
     if ending == "timeout":
-        return "no answer and not closed within %.0f s (received %r)" % (FUZZ_TIMEOUT, received[:120])
+        return "no answer and not closed within %.0f s (received %r)" % (FUZZ_TIMEOUT,
+                                                                         received[:120])
     bodiless_ok = b"HEAD" in sent     # a HEAD answer has a Content-Length but no body
-    other_version = any(version not in (b"HTTP/1.0", b"HTTP/1.1") for version in _FUZZ_OTHER_VERSION.findall(sent))
+    other_version = any(version not in (b"HTTP/1.0", b"HTTP/1.1")
+                        for version in _FUZZ_OTHER_VERSION.findall(sent))
     at = 0
     while at < len(received):
         match = _FUZZ_STATUS_LINE.match(received, at)
@@ -11756,7 +12903,8 @@ def fuzz_judge(sent, received, ending):
         status = int(match.group(1))
         end = received.find(b"\r\n\r\n", match.end() - 2)
         if end < 0:
-            return None if ending == "reset" else "answer head never ends: %r" % received[at:at + 200]
+            return None if ending == "reset" else "answer head never ends: %r" % received[at:at
+                                                                                          + 200]
         headers = {}
         for line in received[match.end():end].split(b"\r\n"):
             name, _, value = line.partition(b":")
@@ -11770,16 +12918,19 @@ def fuzz_judge(sent, received, ending):
             return "answer without a usable Content-Length: %r" % received[match.start():end]
         size = int(headers[b"content-length"])
         body = received[at:at + size]
-        if bodiless_ok and (at == len(received) or received.startswith(b"HTTP/1.", at)) and len(body) < size:
+        if bodiless_ok and (at == len(received)
+                            or received.startswith(b"HTTP/1.", at)) and len(body) < size:
             continue
         if len(body) < size:
-            return None if ending == "reset" else "answer body cut short: %r" % received[match.start():]
+            return None if ending == "reset" else ("answer body cut "
+                                                   "short: %r") % received[match.start():]
         if headers.get(b"content-type", b"").split(b";")[0].strip().lower() == b"application/json":
             try:
                 json.loads(body.decode("utf-8"))
             except ValueError:
                 if not (bodiless_ok and received.startswith(b"HTTP/1.", at)):
-                    return "JSON answer that does not parse: %r" % received[match.start():at + size]
+                    return "JSON answer that does not parse: %r" % received[match.start():at
+                                                                            + size]
                 continue
         at += size
     return None
@@ -11813,11 +12964,12 @@ FUZZ_BAD_LOG_WORDS = ("internal error", "Traceback", "connection error", "did no
 
 
 class MutationFuzzTest(ServerCase):
-    """Seeded random mutations of valid requests, and random bytes, on a real server:
-    never a 5xx, never a hang, never an internal error in the log, and the server still works after."""
+    """Seeded random mutations of valid requests, and random bytes, on a real server: never a 5xx,
+    never a hang, never an internal error in the log, and the server still works after."""
 
-    # Memory requests without a rate limit (else a 429, fine but less interesting); no long-poll is ever
-    # parked, so a pull whose `wait` a mutation raised answers at once instead of holding up to 30 s.
+    # Memory requests without a rate limit (else a 429, fine but less interesting); no long-poll is
+    # ever parked, so a pull whose `wait` a mutation raised answers at once instead of holding up
+    # to 30 s.
     server_options = {"memory_rate_limit": 0, "max_parked": 0}
 
     def setUp(self):
@@ -11837,23 +12989,29 @@ class MutationFuzzTest(ServerCase):
     def assertStillServing(self):
         """Health answers, a valid push and pull and a memory request still work."""
         self.assertAnswer(self.request("GET", "/v1/health"), 200, {"ok": True})
-        answer = self.push(self.alice, "fuzz-after-check", [record("a", "1"), record("a", "2")], [meta("a")])
+        answer = self.push(self.alice, "fuzz-after-check", [record("a", "1"), record("a", "2")],
+                           [meta("a")])
         self.assertAnswer(answer, 200, {"cursor": 3, "accepted": 3})
         pulled = self.pull(self.alice, "fuzz-after-check")
         self.assertAnswer(pulled, 200)
         self.assertEqual([r["id"] for r in pulled.json["records"]], ["1", "2"])
         self.assertEqual(pulled.json["cursor"], 3)
-        self.assertAnswer(self.request("POST", "/v1/memory/identity", {"expectedPrincipal": "alice"}, self.alice),
+        self.assertAnswer(self.request("POST", "/v1/memory/identity",
+                                       {"expectedPrincipal": "alice"}, self.alice),
                           200)
 
     def fuzz_check(self, seed, cases):
-        """Send the cases; then the server must still serve, and neither answers nor log may show a bug."""
+        """Send the cases; then the server must still serve, and neither answers nor log may show a
+        bug."""
         started = time.monotonic()
         failures = fuzz_run(self.address, cases)
         elapsed = time.monotonic() - started
-        bad_lines = [line for line in self.log_lines if any(word in line for word in FUZZ_BAD_LOG_WORDS)]
-        report = "%s\nserver log lines that show a bug (%d in all): %r\nuncaught thread exceptions: %r" % (
-            fuzz_report(seed, len(cases), failures), len(bad_lines), bad_lines[:5], self.thread_errors[:5])
+        bad_lines = [line for line in self.log_lines
+                     if any(word in line for word in FUZZ_BAD_LOG_WORDS)]
+        report = ("%s\nserver log lines that show a bug (%d in all): %r\nuncaught thread "
+                  "exceptions: %r") % (
+            fuzz_report(seed, len(cases), failures), len(bad_lines), bad_lines[:5],
+            self.thread_errors[:5])
         try:
             self.assertStillServing()
         except AssertionError as exc:
@@ -11870,7 +13028,8 @@ class MutationFuzzTest(ServerCase):
 
     def test_random_bytes_never_get_5xx_or_hang(self):
         rng = random.Random(FUZZ_SEED + 1)
-        cases = [(index, "random bytes", bytes(rng.randrange(256) for _ in range(rng.randint(1, 2000))))
+        cases = [(index, "random bytes",
+                  bytes(rng.randrange(256) for _ in range(rng.randint(1, 2000))))
                  for index in range(FUZZ_RANDOM_CASES)]
         self.fuzz_check(FUZZ_SEED + 1, cases)
 
@@ -11892,9 +13051,11 @@ class DurabilityTest(unittest.TestCase):
         def pusher(worker):
             n = 0
             while not stop.is_set():
-                records = [record(session="w%d" % worker, record_id="r%d-%d" % (n, k)) for k in range(3)]
+                records = [record(session="w%d" % worker, record_id="r%d-%d" % (n, k))
+                           for k in range(3)]
                 try:
-                    answer = http_request(server.url, "POST", "/v1/push", {"project": "p", "records": records},
+                    answer = http_request(server.url, "POST", "/v1/push",
+                                          {"project": "p", "records": records},
                                           self.token, timeout=5)
                 except (OSError, http.client.HTTPException):
                     return
@@ -11917,7 +13078,8 @@ class DurabilityTest(unittest.TestCase):
         try:
             events, since = [], 0
             while True:
-                page = http_request(server.url, "GET", "/v1/pull?project=p&since=%d" % since, token=self.token).json
+                page = http_request(server.url, "GET", "/v1/pull?project=p&since=%d" % since,
+                                    token=self.token).json
                 events.extend((r["session"], r["id"]) for r in page["records"])
                 since = page["cursor"]
                 if not page["more"]:
@@ -11926,9 +13088,11 @@ class DurabilityTest(unittest.TestCase):
             self.assertEqual(set(answered) - set(events), set(), "an answered push was lost")
             self.assertEqual(since, len(events))
             answer = http_request(server.url, "POST", "/v1/push",
-                                  {"project": "p", "records": [record(session="after", record_id="restart")]},
+                                  {"project": "p",
+                                   "records": [record(session="after", record_id="restart")]},
                                   self.token)
-            self.assertEqual(answer.json, {"cursor": since + 1, "accepted": 1})  # numbering continues
+            # numbering continues
+            self.assertEqual(answer.json, {"cursor": since + 1, "accepted": 1})
         finally:
             server.stop()
 
@@ -11988,12 +13152,16 @@ class CommandLineTest(unittest.TestCase):
 
     def test_no_arguments_or_a_mistyped_command_is_one_line_that_helps(self):
         commands = "token, fsck, note-hash, check, replicate, usage, compact, purge, backup, bench"
-        self.assertEqual(run_main(), (2, "", "oharness-sync: error: to serve, give --data DIR; or a command: %s "
-                                              "(--help says more)\n" % commands))
-        self.assertEqual(run_main("tokens", "issue"), (2, "", "oharness-sync: error: 'tokens' is not a command "
-                                                              "(did you mean 'token'?); the commands: %s\n" % commands))
-        self.assertEqual(run_main("xyzzy")[2], "oharness-sync: error: 'xyzzy' is not a command; the "
-                                                "commands: %s\n" % commands)
+        self.assertEqual(run_main(),
+                         (2, "",
+                          "oharness-sync: error: to serve, give --data DIR; or a command: %s "
+                           "(--help says more)\n" % commands))
+        self.assertEqual(run_main("tokens", "issue"),
+                         (2, "", "oharness-sync: error: 'tokens' is not a command "
+                                 "(did you mean 'token'?); the commands: %s\n" % commands))
+        self.assertEqual(run_main("xyzzy")[2],
+                         "oharness-sync: error: 'xyzzy' is not a command; the "
+                          "commands: %s\n" % commands)
 
     def test_the_docstrings_usage_list_is_the_command_tables_synopses(self):
         prog = "python3 oharness_sync.py "
@@ -12018,7 +13186,8 @@ class CommandLineTest(unittest.TestCase):
     def test_token_issue_help_describes_every_flag(self):
         with contextlib.redirect_stdout(io.StringIO()) as out, self.assertRaises(SystemExit):
             sync.main(["token", "issue", "--help"])
-        for flag, words in (("--data DIR", "the server's data directory"), ("--principal ID", "whose token"),
+        for flag, words in (("--data DIR", "the server's data directory"),
+                            ("--principal ID", "whose token"),
                             ("--team ID", "team whose feeds"), ("--name LABEL", "label"),
                             ("--expires-days N", "stops working")):
             self.assertRegex(out.getvalue(), r"%s +[^\n]*%s" % (re.escape(flag), words), flag)
@@ -12027,37 +13196,54 @@ class CommandLineTest(unittest.TestCase):
         path = os.path.join(self.data_dir, "principals")
         with open(path, "w") as f:
             f.write("alice 2GiB\n")
-        code, out, err = run_main("token", "issue", "--data", self.data_dir, "--principal", "carol",
+        code, out, err = run_main("token", "issue", "--data", self.data_dir, "--principal",
+                                  "carol",
                                    "--principals-file", path)
         self.assertEqual(code, 0)
         self.assertRegex(out, r"^ohs_[0-9a-f]{12}_\S+\n$")
-        self.assertRegex(err, r"^issued token [0-9a-f]{12} for principal carol\nwarning: the principals file %s does "
-                              r"not list carol: the server refuses this token \(403\) until it does\n$" % re.escape(path))
-        code, out, err = run_main("token", "issue", "--data", self.data_dir, "--principal", "alice",
+        self.assertRegex(err,
+                         r"^issued token [0-9a-f]{12} for principal carol\nwarning: the "
+                         r"principals file %s does "
+                         r"not list carol: the server refuses this token \(403\) until it does\n$"
+                         % re.escape(path))
+        code, out, err = run_main("token", "issue", "--data", self.data_dir, "--principal",
+                                  "alice",
                                    "--principals-file", path)
         self.assertEqual(code, 0)
         self.assertNotIn("warning", err)
         with open(path, "w") as f:
             f.write("alice 2 GiBs\n")
-        self.assertEqual(run_main("token", "issue", "--data", self.data_dir, "--principal", "alice",
+        self.assertEqual(run_main("token", "issue", "--data", self.data_dir, "--principal",
+                                  "alice",
                                    "--principals-file", path),
-                         (2, "", "oharness-sync: error: cannot use the principals file %s: line 1: '2 GiBs' is not "
-                                 "a size (such as 500MiB, 2GiB or 1TB)\n" % path))
-        self.assertEqual(len(sync.TokenStore(self.data_dir).read()), 2)  # nothing issued by the refused one
+                         (2, "",
+                          "oharness-sync: error: cannot use the principals file %s: line 1: '2 "
+                          "GiBs' is not "
+                          "a size (such as 500MiB, 2GiB or 1TB)\n" % path))
+        # nothing issued by the refused one
+        self.assertEqual(len(sync.TokenStore(self.data_dir).read()), 2)
         self.assertEqual(run_main("--data", self.data_dir, "--principals-file", path + ".missing"),
-                         (2, "", "oharness-sync: error: cannot use the principals file %s.missing: No such file or "
-                                 "directory\n" % path))
+                         (2, "",
+                          "oharness-sync: error: cannot use the principals file %s.missing: No "
+                          "such file or "
+                          "directory\n" % path))
 
     def test_reserve_disk_takes_a_size_and_a_start_below_it_says_so(self):
         self.assertEqual(run_main("--data", self.data_dir, "--reserve-disk", "lots"),
-                         (2, "", "oharness-sync: error: --reserve-disk: 'lots' is not a size (such as 500MiB, 2GiB or "
-                                 "1TB)\n"))
+                         (2, "",
+                          "oharness-sync: error: --reserve-disk: 'lots' is not a size (such as "
+                          "500MiB, 2GiB or "
+                          "1TB)\n"))
         lines = []
         with mock.patch.object(sync.shutil, "disk_usage", return_value=mock.Mock(free=200 << 20)):
-            server = sync.build_server(self.data_dir, server_config(reserve_disk=256 << 20), CapturingLog(lines))
+            server = sync.build_server(self.data_dir, server_config(reserve_disk=256 << 20),
+                                       CapturingLog(lines))
         server.server_close()
-        self.assertEqual(lines, ["warning: the disk of %s has 200.0 MiB free, less than --reserve-disk 256 MiB: "
-                                 "pushes and memory commits are refused until there is room" % self.data_dir])
+        self.assertEqual(lines,
+                         ["warning: the disk of %s has 200.0 MiB free, less than --reserve-disk "
+                          "256 MiB: "
+                          "pushes and memory commits are refused until there is room"
+                          % self.data_dir])
 
     def test_a_data_dir_of_another_user_names_the_user_to_run_as(self):
         real_open = os.open
@@ -12070,8 +13256,11 @@ class CommandLineTest(unittest.TestCase):
                 mock.patch.object(sync, "user_name", lambda uid: "oharness"):
             code, out, err = run_main("token", "list", "--data", self.data_dir)
         self.assertEqual((code, out), (2, ""))
-        self.assertEqual(err, "oharness-sync: error: cannot use data dir %s: Permission denied; it belongs to oharness: "
-                              "run this as that user, e.g. sudo -u oharness python3 oharness_sync.py ...\n"
+        self.assertEqual(err,
+                         "oharness-sync: error: cannot use data dir %s: Permission denied; it "
+                         "belongs to oharness: "
+                         "run this as that user, e.g. sudo -u oharness python3 oharness_sync.py "
+                         "...\n"
                          % self.data_dir)
 
     def test_serving_prints_one_line_and_creates_the_data_dir(self):
@@ -12101,10 +13290,14 @@ class CommandLineTest(unittest.TestCase):
     def test_bad_flags_and_unusable_data_dir_exit_2_with_one_line(self):
         blocker = os.path.join(self.data_dir, "file")
         open(blocker, "w").close()
-        for args in (["--data", self.data_dir, "--port", "x"], ["--data", self.data_dir, "--bogus"], [],
-                     ["--data", os.path.join(blocker, "sub")], ["--data", self.data_dir, "--port", "70000"],
-                     ["token", "issue", "--data", self.data_dir, "--principal", "a/b"], ["token", "frob"],
-                     ["--data", self.data_dir, "--request-timeout", "0"], ["--data", self.data_dir, "--max-parked", "-1"],
+        for args in (["--data", self.data_dir, "--port", "x"],
+                     ["--data", self.data_dir, "--bogus"], [],
+                     ["--data", os.path.join(blocker, "sub")],
+                     ["--data", self.data_dir, "--port", "70000"],
+                     ["token", "issue", "--data", self.data_dir, "--principal", "a/b"],
+                     ["token", "frob"],
+                     ["--data", self.data_dir, "--request-timeout", "0"],
+                     ["--data", self.data_dir, "--max-parked", "-1"],
                      ["--data", self.data_dir, "--max-connections-per-address", "0"],
                      ["--data", self.data_dir, "--trusted-proxy", "proxy.home.arpa"]):
             result = run_main(*args)  # (in this process: each stops before it serves)
@@ -12114,26 +13307,32 @@ class CommandLineTest(unittest.TestCase):
 
     def test_a_damaged_token_file_stops_start_up_and_token_commands_with_one_line(self):
         path = os.path.join(self.data_dir, "tokens.json")
-        good = {"id": "0123456789ab", "hash": "0" * 64, "principal": "alice", "teams": [], "name": "laptop",
+        good = {"id": "0123456789ab", "hash": "0" * 64, "principal": "alice", "teams": [],
+                "name": "laptop",
                 "created": 1, "expires": None}
-        # A record without its hash, and records a hand edit broke in a field only `token list` shows.
-        commands = (["--data", self.data_dir, "--port", "0"], ["token", "list", "--data", self.data_dir],
+        # A record without its hash, and records a hand edit broke in a field only `token list`
+        # shows.
+        commands = (["--data", self.data_dir, "--port", "0"],
+                    ["token", "list", "--data", self.data_dir],
                     ["token", "issue", "--data", self.data_dir, "--principal", "alice"])
         for damaged in ([{"id": "x"}], [dict(good, created="yesterday")], [dict(good, name=5)]):
             text = json.dumps({"version": 1, "tokens": damaged})
             with open(path, "w") as f:
                 f.write(text)
-            for args in commands if damaged[0] == {"id": "x"} else commands[1:2]:  # token list showed the fields
+            # token list showed the fields
+            for args in commands if damaged[0] == {"id": "x"} else commands[1:2]:
                 result = run_module(*args)
                 self.assertEqual(result.returncode, 2, args)
-                self.assertEqual(result.stderr, "oharness-sync: error: cannot use the token file %s: not a token "
-                                                "file\n" % path, args)
+                self.assertEqual(result.stderr,
+                                 "oharness-sync: error: cannot use the token file %s: not a token "
+                                 "file\n" % path, args)
             with open(path) as f:
                 self.assertEqual(f.read(), text)  # left as it was
         with open(path, "w") as f:
             f.write(json.dumps({"version": 1, "tokens": [good]}))
         result = run_module("token", "list", "--data", self.data_dir)
-        self.assertEqual((result.returncode, result.stdout.splitlines()[1].split()[:2]), (0, ["0123456789ab", "alice"]))
+        self.assertEqual((result.returncode, result.stdout.splitlines()[1].split()[:2]),
+                         (0, ["0123456789ab", "alice"]))
 
     def test_deeply_nested_token_and_jwks_files_stop_start_up_with_one_line(self):
         deep = os.path.join(self.data_dir, "deep.json")
@@ -12141,9 +13340,11 @@ class CommandLineTest(unittest.TestCase):
             f.write("[" * 100000)
         result = run_module("--data", self.data_dir, "--port", "0", "--jwks-file", deep)
         self.assertEqual((result.returncode, result.stderr),
-                         (2, "oharness-sync: error: cannot use %s: JSON nested too deeply\n" % deep))
+                         (2, "oharness-sync: error: cannot use %s: JSON nested too deeply\n"
+                          % deep))
         shutil.copy(deep, os.path.join(self.data_dir, "tokens.json"))
-        for args in (["--data", self.data_dir, "--port", "0"], ["token", "list", "--data", self.data_dir]):
+        for args in (["--data", self.data_dir, "--port", "0"],
+                     ["token", "list", "--data", self.data_dir]):
             result = run_module(*args)
             self.assertEqual(result.returncode, 2, (args, result.stderr))
             self.assertEqual(len(result.stderr.splitlines()), 1, (args, result.stderr))
@@ -12156,15 +13357,18 @@ class CommandLineTest(unittest.TestCase):
         for flag, path, why in (("--jwt-secret-file", missing, "No such file or directory"),
                                 ("--jwt-secret-file", empty, "the JWT secret file is empty"),
                                 ("--jwks-file", missing, "No such file or directory"),
-                                ("--supabase-anon-key-file", missing, "No such file or directory")):
+                                ("--supabase-anon-key-file", missing,
+                                 "No such file or directory")):
             with self.subTest(flag=flag, path=path):
                 result = run_module("--data", self.data_dir, "--port", "0", flag, path)
                 self.assertEqual(result.returncode, 2)
-                self.assertEqual(result.stderr, "oharness-sync: error: cannot use %s: %s\n" % (path, why))
+                self.assertEqual(result.stderr, "oharness-sync: error: cannot use %s: %s\n"
+                                 % (path, why))
 
     def test_token_issue_list_revoke(self):
         result = run_module("token", "issue", "--data", self.data_dir, "--principal", "alice",
-                              "--team", "platform", "--team", "ops", "--name", "laptop", "--expires-days", "30")
+                              "--team", "platform", "--team", "ops", "--name", "laptop",
+                              "--expires-days", "30")
         self.assertEqual(result.returncode, 0)
         token = result.stdout.strip()
         self.assertEqual(result.stdout, token + "\n")  # the token and nothing else
@@ -12178,38 +13382,48 @@ class CommandLineTest(unittest.TestCase):
         self.assertIn("ops,platform", listing.stdout)
         self.assertIn("laptop", listing.stdout)
         self.assertNotIn(token, listing.stdout)
-        self.assertEqual(run_module("token", "revoke", "--data", self.data_dir, token_id).returncode, 0)
+        self.assertEqual(run_module("token", "revoke", "--data", self.data_dir,
+                                    token_id).returncode, 0)
         self.assertNotIn(token_id, run_module("token", "list", "--data", self.data_dir).stdout)
-        self.assertEqual(run_module("token", "revoke", "--data", self.data_dir, token_id).returncode, 1)
+        self.assertEqual(run_module("token", "revoke", "--data", self.data_dir,
+                                    token_id).returncode, 1)
 
     def test_version_prints_the_version_without_a_data_dir(self):
         result = run_module("--version")
-        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "oharness-sync 0.2.0\n", ""))
+        self.assertEqual((result.returncode, result.stdout, result.stderr),
+                         (0, "oharness-sync 0.2.0\n", ""))
         self.assertEqual(sync.__version__, "0.2.0")
 
     def test_help_lists_every_command_with_one_line_and_the_serving_flags(self):
         result = run_module("--help")
         self.assertEqual((result.returncode, result.stderr), (0, ""))
         lines = result.stdout.splitlines()
-        self.assertEqual(lines[:2], ["usage: oharness_sync.py [--version] --data DIR [serving flags]",
-                                     "       oharness_sync.py COMMAND [--help] ..."])
+        self.assertEqual(lines[:2],
+                         ["usage: oharness_sync.py [--version] --data DIR [serving flags]",
+                          "       oharness_sync.py COMMAND [--help] ..."])
         commands = [line.split()[0] for line in lines if re.match(r"  [a-z][a-z-]*  +[a-z]", line)]
-        self.assertEqual(commands, ["token", "fsck", "note-hash", "check", "replicate", "usage", "compact", "purge",
-                                    "backup", "bench"])
-        for flag in ("--version", "--data DIR", "--host HOST", "--port PORT", "--tls-cert CERT.pem", "--tls-key KEY.pem",
+        self.assertEqual(commands,
+                         ["token", "fsck", "note-hash", "check", "replicate", "usage", "compact",
+                          "purge",
+                          "backup", "bench"])
+        for flag in ("--version", "--data DIR", "--host HOST", "--port PORT",
+                     "--tls-cert CERT.pem", "--tls-key KEY.pem",
                      "--jwt-secret-file FILE", "--jwks-file FILE", "--memory-auth", "--quiet",
                      "--max-connections-per-address N", "--trusted-proxy ADDR"):
-            self.assertEqual(len([line for line in lines if line.startswith("  " + flag)]), 1, flag)
+            self.assertEqual(len([line for line in lines if line.startswith("  " + flag)]), 1,
+                             flag)
 
     def test_token_list_and_revoke_refuse_a_data_dir_that_is_not_there_and_make_none(self):
         missing = os.path.join(self.data_dir, "typo", "data")
         blocker = os.path.join(self.data_dir, "file")
         open(blocker, "w").close()
         for path, why in ((missing, "no such directory"), (blocker, "not a directory")):
-            for args in (["token", "list", "--data", path], ["token", "revoke", "--data", path, "0123456789ab"]):
+            for args in (["token", "list", "--data", path],
+                         ["token", "revoke", "--data", path, "0123456789ab"]):
                 result = run_module(*args)
                 self.assertEqual((result.returncode, result.stdout, result.stderr),
-                                 (2, "", "oharness-sync: error: %s is not a data dir: %s\n" % (path, why)), args)
+                                 (2, "", "oharness-sync: error: %s is not a data dir: %s\n"
+                                  % (path, why)), args)
         self.assertEqual(sorted(os.listdir(self.data_dir)), ["file"])
 
     def test_token_issue_with_a_bad_flag_makes_no_data_dir(self):
@@ -12219,14 +13433,17 @@ class CommandLineTest(unittest.TestCase):
             result = run_module("token", "issue", "--data", new, *flags)
             self.assertEqual(result.returncode, 2, flags)
             self.assertFalse(os.path.exists(new), flags)
-        result = run_module("token", "issue", "--data", new, "--principal", "alice")  # a new data dir is made
+        # a new data dir is made
+        result = run_module("token", "issue", "--data", new, "--principal", "alice")
         self.assertEqual(result.returncode, 0)
         self.assertEqual(sorted(os.listdir(new)), ["tokens.json", "tokens.lock"])
         for name in ("tokens.json", "tokens.lock"):  # as before: the caller's, 0600
             info = os.stat(os.path.join(new, name))
-            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (os.geteuid(), os.getegid(), 0o600))
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777),
+                             (os.geteuid(), os.getegid(), 0o600))
 
-    def test_an_error_while_building_the_server_is_reported_as_itself_not_as_a_listen_failure(self):
+    def test_an_error_while_building_the_server_is_reported_as_itself_not_as_a_listen_failure(
+        self):
         token_file = os.path.join(self.data_dir, "metrics.token")
         with open(token_file, "w") as f:
             f.write("a-metrics-token-of-some-length\n")
@@ -12236,9 +13453,11 @@ class CommandLineTest(unittest.TestCase):
         # (a server that started anyway would stop at once)
         with mock.patch.object(sync.FeedStore, "count_bytes", side_effect=denied), \
                 mock.patch.object(sync, "run_until_signalled"):
-            code, out, err = run_main("--data", data_dir, "--port", "0", "--metrics-token-file", token_file)
-        self.assertEqual((code, out, err), (2, "", "oharness-sync: error: cannot start the server on %s: %s: "
-                                                   "Permission denied\n" % (data_dir, unreadable)))
+            code, out, err = run_main("--data", data_dir, "--port", "0", "--metrics-token-file",
+                                      token_file)
+        self.assertEqual((code, out, err),
+                         (2, "", "oharness-sync: error: cannot start the server on %s: %s: "
+                                 "Permission denied\n" % (data_dir, unreadable)))
         self.assertFalse(os.path.exists(data_dir))  # (made by this start: removed)
 
     def test_a_server_that_cannot_start_leaves_no_new_directory(self):
@@ -12253,16 +13472,19 @@ class CommandLineTest(unittest.TestCase):
             self.assertEqual(result.returncode, 2, flags)
             self.assertRegex(result.stderr, r"^oharness-sync: error: cannot listen on [^\n]*\n$")
             self.assertFalse(os.path.exists(new), flags)
-        token, _ = sync.TokenStore(self.data_dir).issue("alice")  # a data dir that was there stays as it was
+        # a data dir that was there stays as it was
+        token, _ = sync.TokenStore(self.data_dir).issue("alice")
         before = sorted(os.listdir(self.data_dir))
         result = run_module("--data", self.data_dir, "--port", port)
         self.assertEqual(result.returncode, 2)
         self.assertEqual(sorted(os.listdir(self.data_dir)), before)  # (the port is bound first)
-        self.assertEqual(sync.LocalTokenVerifier(sync.TokenStore(self.data_dir), no_log).verify(token).principal, "alice")
+        self.assertEqual(sync.LocalTokenVerifier(sync.TokenStore(self.data_dir),
+                                                 no_log).verify(token).principal, "alice")
 
     def test_token_commands_keep_the_token_file_owner_and_mode(self):
-        """Issued as root in a service user's data dir, tokens.json stays the service user's (issue 15.7): root works
-        as them (a uid with no name: as it and the dir's group alone), and the file keeps its mode."""
+        """Issued as root in a service user's data dir, tokens.json stays the service user's (issue
+        15.7): root works as them (a uid with no name: as it and the dir's group alone), and the
+        file keeps its mode."""
         if os.geteuid() != 0:
             self.skipTest("needs root to give a file to another user")
         os.chmod(self.data_dir, 0o711)
@@ -12275,9 +13497,11 @@ class CommandLineTest(unittest.TestCase):
                          (0, "running as uid 12345 (uid 12345), the owner of %s" % data_dir))
         os.chmod(path, 0o640)
         for args in (["issue", "--principal", "bob"], ["revoke", result.stdout.strip()[4:16]]):
-            self.assertEqual(run_module("token", args[0], "--data", data_dir, *args[1:]).returncode, 0, args)
+            self.assertEqual(run_module("token", args[0], "--data", data_dir,
+                                        *args[1:]).returncode, 0, args)
             info = os.stat(path)
-            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o640), args)
+            self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777),
+                             (12345, 12346, 0o640), args)
         self.assertEqual([r["principal"] for r in sync.TokenStore(data_dir).read()], ["bob"])
         info = os.stat(os.path.join(data_dir, "tokens.lock"))
         self.assertEqual((info.st_uid, info.st_gid, info.st_mode & 0o7777), (12345, 12346, 0o600))
@@ -12289,91 +13513,115 @@ class CommandLineTest(unittest.TestCase):
             before = f.read()
         owner = os.stat(store.path).st_uid
         name = sync.user_name(owner)
-        fix = "run this as %s, the data dir's owner: sudo -u %s python3 oharness_sync.py ..." % (name, name)
+        fix = ("run this as %s, the data dir's owner: sudo -u %s python3 "
+               "oharness_sync.py ...") % (name, name)
 
         def as_another_user():
             stderr = io.StringIO()
-            with mock.patch("os.geteuid", return_value=owner + 1), mock.patch("os.getegid", return_value=owner + 1), \
-                    mock.patch("os.getgroups", return_value=[]), contextlib.redirect_stderr(stderr):
+            with mock.patch("os.geteuid", return_value=owner + 1), \
+                    mock.patch("os.getegid", return_value=owner + 1), \
+                    mock.patch("os.getgroups", return_value=[]), \
+                    contextlib.redirect_stderr(stderr):
                 code = sync.main(["token", "issue", "--data", self.data_dir, "--principal", "bob"])
             return code, stderr.getvalue()
 
-        self.assertEqual(as_another_user(), (2, "oharness-sync: error: cannot read or write %s: it is %s's, mode 0700; "
-                                                "%s\n" % (self.data_dir, name, fix)))
-        # Where its mode lets anyone in, the token file it would make would be its own, not the owner's.
+        self.assertEqual(as_another_user(),
+                         (2,
+                          "oharness-sync: error: cannot read or write %s: it is %s's, mode 0700; "
+                          "%s\n" % (self.data_dir, name, fix)))
+        # Where its mode lets anyone in, the token file it would make would be its own, not the
+        # owner's.
         os.chmod(self.data_dir, 0o777)
         for path in (store.path, store.lock_path):
             os.chmod(path, 0o666)
         self.assertEqual(as_another_user(),
-                         (2, "oharness-sync: error: %s belongs to %s: %s\n" % (store.path, name, fix)))
+                         (2, "oharness-sync: error: %s belongs to %s: %s\n"
+                          % (store.path, name, fix)))
         with open(store.path, "rb") as f:
             self.assertEqual(f.read(), before)
         self.assertEqual(sorted(os.listdir(self.data_dir)), ["tokens.json", "tokens.lock"])
 
     def test_token_revoke_takes_the_whole_token_too_and_never_echoes_one(self):
-        tokens = [run_module("token", "issue", "--data", self.data_dir, "--principal", principal).stdout.strip()
+        tokens = [run_module("token", "issue", "--data", self.data_dir, "--principal",
+                             principal).stdout.strip()
                   for principal in ("alice", "bob")]
         alice_id = tokens[0][4:16]
         forged = tokens[0][:-4] + ("AAAA" if not tokens[0].endswith("AAAA") else "BBBB")
-        result = run_module("token", "revoke", "--data", self.data_dir, forged)  # its id, not its hash
+        # its id, not its hash
+        result = run_module("token", "revoke", "--data", self.data_dir, forged)
         self.assertEqual((result.returncode, result.stdout, result.stderr),
-                         (1, "", "no token %s with this secret in %s (revoked already, or never issued here)\n"
+                         (1, "",
+                          "no token %s with this secret in %s (revoked already, or never issued "
+                          "here)\n"
                           % (alice_id, self.data_dir)))
         result = run_module("token", "revoke", "--data", self.data_dir, tokens[0])
-        self.assertEqual((result.returncode, result.stdout, result.stderr), (0, "", "revoked token %s\n" % alice_id))
+        self.assertEqual((result.returncode, result.stdout, result.stderr),
+                         (0, "", "revoked token %s\n" % alice_id))
         result = run_module("token", "revoke", "--data", self.data_dir, alice_id)  # again
         self.assertEqual((result.returncode, result.stdout, result.stderr),
                          (1, "", "no token %s in %s (revoked already, or never issued here)\n"
                           % (alice_id, self.data_dir)))
         self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
-        for given in ("ohs_%s" % alice_id, tokens[1][:20], "eyJhbGciOi.eyJzdWIiOi.c2lnbmF0dXJl", "3F9C2A17B0DE"):
+        for given in ("ohs_%s" % alice_id, tokens[1][:20], "eyJhbGciOi.eyJzdWIiOi.c2lnbmF0dXJl",
+                      "3F9C2A17B0DE"):
             result = run_module("token", "revoke", "--data", self.data_dir, given)
             self.assertEqual((result.returncode, result.stdout, result.stderr),
-                             (2, "", "oharness-sync: error: give the token id, e.g. 3f9c2a17b0de (the ID column of "
-                                     "`token list`), or the whole token\n"), given)
+                             (2, "",
+                              "oharness-sync: error: give the token id, e.g. 3f9c2a17b0de (the ID "
+                              "column of "
+                              "`token list`), or the whole token\n"), given)
         self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
 
     def test_token_list_says_its_times_are_utc(self):
         store = sync.TokenStore(self.data_dir, clock=lambda: 1789344000.0)  # 2026-09-14 00:00 UTC
         store.issue("alice", name="laptop", expires_days=1)
         lines = run_module("token", "list", "--data", self.data_dir).stdout.splitlines()
-        self.assertEqual(re.split(r"  +", lines[0]), ["ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED (UTC)",
-                                                      "EXPIRES (UTC)"])
-        self.assertEqual(re.split(r"  +", lines[1])[1:], ["alice", "-", "laptop", "2026-09-14 00:00",
-                                                         "2026-09-15 00:00"])
+        self.assertEqual(re.split(r"  +", lines[0]),
+                         ["ID", "PRINCIPAL", "TEAMS", "NAME", "CREATED (UTC)",
+                          "EXPIRES (UTC)"])
+        self.assertEqual(re.split(r"  +", lines[1])[1:],
+                         ["alice", "-", "laptop", "2026-09-14 00:00",
+                         "2026-09-15 00:00"])
 
     def test_sighup_rereads_the_token_and_jwks_files_logs_one_line_and_keeps_serving(self):
-        """Issue 15.6: a SIGHUP killed a plain-HTTP server (exit 129), and systemctl reload sends one."""
+        """Issue 15.6: a SIGHUP killed a plain-HTTP server (exit 129), and systemctl reload sends
+        one."""
         store = sync.TokenStore(self.data_dir)
         alice, _ = store.issue("alice")
         jwks = os.path.join(self.data_dir, "jwks.json")
         shutil.copy(os.path.join(JWT_DATA, "jwks.json"), jwks)
         keys = len(sync.read_jwks_file(jwks))
         server = SubprocessServer(self.data_dir, "--jwks-file", jwks)
-        pull = lambda token: http_request(server.url, "GET", "/v1/pull?project=p&since=0", token=token).status
+        pull = lambda token: http_request(server.url, "GET", "/v1/pull?project=p&since=0",
+                                          token=token).status
         try:
             bob, _ = store.issue("bob")
             server.process.send_signal(signal.SIGHUP)
-            self.assertEqual(server.next_log_line(), "SIGHUP: reloaded the token file %s (2 tokens); reloaded the "
-                                                     "JWKS file %s (%d keys)" % (store.path, jwks, keys))
+            self.assertEqual(server.next_log_line(),
+                             "SIGHUP: reloaded the token file %s (2 tokens); reloaded the "
+                             "JWKS file %s (%d keys)" % (store.path, jwks, keys))
             self.assertEqual((pull(alice), pull(bob)), (200, 200))
-            with open(store.path, "w") as f:  # damaged: the tokens in force stay, and the line says so
+            # damaged: the tokens in force stay, and the line says so
+            with open(store.path, "w") as f:
                 f.write('{"version": 1, "tokens": 5}')
             server.process.send_signal(signal.SIGHUP)
-            self.assertEqual(server.next_log_line(), "SIGHUP: kept the tokens in force: cannot read the token file "
-                                                     "%s: not a token file; reloaded the JWKS file %s (%d keys)"
-                                                     % (store.path, jwks, keys))
+            self.assertEqual(server.next_log_line(),
+                             "SIGHUP: kept the tokens in force: cannot read the token file "
+                             "%s: not a token file; reloaded the JWKS file %s (%d keys)"
+                             % (store.path, jwks, keys))
             self.assertEqual((pull(alice), pull(bob)), (200, 200))
         finally:
             code, stderr = server.stop()
-        self.assertEqual((code, stderr), (0, "stopped: 0 pushes made durable with 0 fsyncs\n"))  # nothing else
+        # nothing else
+        self.assertEqual((code, stderr), (0, "stopped: 0 pushes made durable with 0 fsyncs\n"))
 
     def test_sigterm_answers_parked_polls_and_exits_0(self):
         token, _ = sync.TokenStore(self.data_dir).issue("alice")
         server = SubprocessServer(self.data_dir)
         results = []
         thread = threading.Thread(target=lambda: results.append(
-            http_request(server.url, "GET", "/v1/pull?project=p&since=0&wait=30", token=token, timeout=40)))
+            http_request(server.url, "GET", "/v1/pull?project=p&since=0&wait=30", token=token,
+                         timeout=40)))
         thread.start()
         time.sleep(0.5)
         started = time.monotonic()
@@ -12382,31 +13630,39 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(code, 0)
         self.assertLess(time.monotonic() - started, 5)
         self.assertEqual(results[0].status, 200)
-        self.assertEqual(results[0].json, {"cursor": 0, "records": [], "sessions": [], "more": False})
+        self.assertEqual(results[0].json,
+                         {"cursor": 0, "records": [], "sessions": [], "more": False})
         self.assertEqual(stderr, "stopped: 0 pushes made durable with 0 fsyncs\n")
 
     def test_the_stop_line_counts_pushes_and_the_fsyncs_that_made_them_durable(self):
-        """Pushes held behind one fsync share the next one (group commit), and the stop line says so."""
+        """Pushes held behind one fsync share the next one (group commit), and the stop line says
+        so."""
         token, _ = sync.TokenStore(self.data_dir).issue("alice")
         server = SubprocessServer(self.data_dir)
         body = lambda i: {"project": "p", "records": [record(record_id="r%d" % i)]}
-        self.assertEqual(http_request(server.url, "POST", "/v1/push", body(0), token).status, 200)  # 1 fsync
-        self.assertEqual(http_request(server.url, "POST", "/v1/push", body(0), token).status, 200)  # a duplicate
+        # 1 fsync
+        self.assertEqual(http_request(server.url, "POST", "/v1/push", body(0), token).status, 200)
+        # a duplicate
+        self.assertEqual(http_request(server.url, "POST", "/v1/push", body(0), token).status, 200)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            statuses = list(pool.map(lambda i: http_request(server.url, "POST", "/v1/push", body(i), token).status,
+            statuses = list(pool.map(lambda i: http_request(server.url, "POST", "/v1/push",
+                                                            body(i), token).status,
                                      range(1, 9)))
         self.assertEqual(statuses, [200] * 8)
         code, stderr = server.stop(signal.SIGTERM)
         self.assertEqual(code, 0)
-        pushes, fsyncs = map(int, re.fullmatch(r"stopped: (\d+) pushes made durable with (\d+) fsyncs?\n",
-                                                stderr).groups())
+        pushes, fsyncs = map(int,
+                             re.fullmatch(r"stopped: (\d+) pushes made durable with (\d+) "
+                                          r"fsyncs?\n",
+                                           stderr).groups())
         self.assertEqual(pushes, 9)
         self.assertTrue(2 <= fsyncs <= 9, fsyncs)
 
 
 class RunningAsTheOwnerTest(unittest.TestCase):
-    """Root works as the data dir's owner (issue 31.1), and an ownership mistake is one line and exit 2 (31.4). As
-    root, on a data dir of nobody's (uid 65534); each command runs in a process of its own."""
+    """Root works as the data dir's owner (issue 31.1), and an ownership mistake is one line and
+    exit 2 (31.4). As root, on a data dir of nobody's (uid 65534); each command runs in a process
+    of its own."""
 
     NOBODY = 65534
 
@@ -12430,8 +13686,9 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         give_tree(self.data_dir, self.NOBODY)
 
     def run_command(self, *argv, user=None):
-        """(exit code, stdout, stderr) of the command line in a child process, run as root or as user (a uid: a
-        forked child of this process then, as the interpreter may be in a directory only root may enter)."""
+        """(exit code, stdout, stderr) of the command line in a child process, run as root or as
+        user (a uid: a forked child of this process then, as the interpreter may be in a directory
+        only root may enter)."""
         return run_module(*argv) if user is None else main_in_child(list(argv), user)
 
     def owners(self):
@@ -12440,7 +13697,8 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         for top, dirs, files in os.walk(self.data_dir):
             for name in dirs + files:
                 info = os.lstat(os.path.join(top, name))
-                found[os.path.relpath(os.path.join(top, name), self.data_dir)] = (info.st_uid, info.st_gid)
+                found[os.path.relpath(os.path.join(top, name), self.data_dir)] = (info.st_uid,
+                                                                                  info.st_gid)
         return found
 
     def running_as(self, data_dir=None):
@@ -12455,7 +13713,8 @@ class RunningAsTheOwnerTest(unittest.TestCase):
             self.assertEqual(status["Uid"].split(), ["65534"] * 4)
             self.assertEqual(status["Gid"].split(), ["65534"] * 4)
             self.assertNotIn("0", status["Groups"].split())
-            answer = http_request(server.url, "POST", "/v1/push", {"project": "new", "records": [record()]},
+            answer = http_request(server.url, "POST", "/v1/push",
+                                  {"project": "new", "records": [record()]},
                                   self.token)
             self.assertEqual((answer.status, answer.json), (200, {"cursor": 1, "accepted": 1}))
         finally:
@@ -12465,21 +13724,25 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         self.assertTrue(os.path.exists(self.layout.feed_path(("u", "alice"), "new")))
 
     def test_root_only_files_are_read_before_and_a_sighup_as_the_owner_keeps_them(self):
-        # Port, TLS key and metrics token are root's to take; a SIGHUP re-reads as the owner, who may not.
+        # Port, TLS key and metrics token are root's to take; a SIGHUP re-reads as the owner, who
+        # may not.
         root_only = tempfile.mkdtemp(prefix="ohs-test-")  # 0700
         self.addCleanup(shutil.rmtree, root_only, True)
-        cert, key, token = (os.path.join(root_only, name) for name in ("cert.pem", "key.pem", "metrics.token"))
+        cert, key, token = (os.path.join(root_only, name)
+                            for name in ("cert.pem", "key.pem", "metrics.token"))
         shutil.copy(os.path.join(TLS_DATA, "cert.pem"), cert)
         shutil.copy(os.path.join(TLS_DATA, "key.pem"), key)
         with open(token, "w") as f:
             f.write("a-metrics-token-of-some-length\n")
-        server = SubprocessServer(self.data_dir, "--tls-cert", cert, "--tls-key", key, "--metrics-token-file", token)
+        server = SubprocessServer(self.data_dir, "--tls-cert", cert, "--tls-key", key,
+                                  "--metrics-token-file", token)
         try:
             self.assertEqual(server.next_log_line(), self.running_as())
             self.assertEqual(https_health(server.url)[0], 200)
             server.process.send_signal(signal.SIGHUP)
             line = server.next_log_line()
-            self.assertIn("; kept the TLS certificate in force: cannot read the TLS certificate %s: Permission denied"
+            self.assertIn("; kept the TLS certificate in force: cannot read the TLS certificate "
+                          "%s: Permission denied"
                           % cert, line)
             self.assertIn("; kept the metrics token in force: ", line)
             self.assertEqual(https_health(server.url)[0], 200)  # the certificate in use stays
@@ -12488,8 +13751,10 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         self.assertEqual(code, 0)
 
     def test_each_tool_run_by_root_works_as_the_owner(self):
-        for argv in (["token", "issue", "--principal", "carol"], ["token", "revoke", self.token[4:16]],
-                     ["usage"], ["fsck"], ["fsck", "--repair"], ["compact"], ["purge", "--principal", "bob"]):
+        for argv in (["token", "issue", "--principal", "carol"],
+                     ["token", "revoke", self.token[4:16]],
+                     ["usage"], ["fsck"], ["fsck", "--repair"], ["compact"],
+                     ["purge", "--principal", "bob"]):
             code, _, stderr = self.run_command(*argv + ["--data", self.data_dir])
             self.assertEqual((code, stderr.splitlines()[:1]), (0, [self.running_as()]), argv)
             self.assertEqual(set(self.owners().values()), {(self.NOBODY, self.NOBODY)}, argv)
@@ -12511,7 +13776,8 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         self.assertEqual(set(self.owners().values()), {(0, 0)})
 
     def test_files_root_left_in_the_owners_dir_are_one_line_and_exit_2_and_nothing_is_made(self):
-        # What a server run as root once made, before it worked as the owner: a lock, and new directories.
+        # What a server run as root once made, before it worked as the owner: a lock, and new
+        # directories.
         os.chown(self.data_dir, self.NOBODY, self.NOBODY)
         with open(self.layout.lock, "w") as f:
             f.write("1\n")
@@ -12519,34 +13785,43 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         os.chown(self.layout.lock, 0, 0)
         fix = "give its owner back what is in it: sudo chown -R nobody: %s" % self.data_dir
         before = self.owners()
-        code, out, stderr = self.run_command("--data", self.data_dir, "--port", "0", user=self.NOBODY)
-        self.assertEqual((code, out, stderr), (2, "", "oharness-sync: error: cannot read or write %s: it is root's, "
-                                                      "mode 0600; %s\n" % (self.layout.lock, fix)))
+        code, out, stderr = self.run_command("--data", self.data_dir, "--port", "0",
+                                             user=self.NOBODY)
+        self.assertEqual((code, out, stderr),
+                         (2, "", "oharness-sync: error: cannot read or write %s: it is root's, "
+                                 "mode 0600; %s\n" % (self.layout.lock, fix)))
         os.chown(self.layout.lock, self.NOBODY, self.NOBODY)
         os.chown(self.layout.feeds, 0, 0)  # 0700
         for argv in (["--port", "0"], ["usage"], ["compact"]):
-            code, out, stderr = self.run_command(*argv + ["--data", self.data_dir], user=self.NOBODY)
-            self.assertEqual((code, out, stderr), (2, "", "oharness-sync: error: cannot read%s %s: it is root's, "
-                                                          "mode 0700; %s\n" % ("" if argv == ["usage"] else " or write",
-                                                                                self.layout.feeds, fix)), argv)
+            code, out, stderr = self.run_command(*argv + ["--data", self.data_dir],
+                                                 user=self.NOBODY)
+            self.assertEqual((code, out, stderr),
+                             (2, "", "oharness-sync: error: cannot read%s %s: it is root's, "
+                                     "mode 0700; %s\n" % ("" if argv == ["usage"] else " or write",
+                                                           self.layout.feeds, fix)), argv)
         code, out, _ = self.run_command("token", "list", "--data", self.data_dir, user=self.NOBODY)
-        self.assertEqual((code, len(out.splitlines())), (0, 2))  # (the token commands look at no feed)
+        # (the token commands look at no feed)
+        self.assertEqual((code, len(out.splitlines())), (0, 2))
         self.assertEqual(set(self.owners()), set(before))  # nothing made
 
     def test_a_data_dir_its_owner_cannot_reach_is_one_line_naming_the_closed_directory(self):
         top = os.path.dirname(self.data_dir)
         os.chmod(top, 0o700)  # (as a data dir under /root would be)
         self.assertEqual(self.run_command("usage", "--data", self.data_dir), (
-            2, "", "%s\noharness-sync: error: nobody, the owner of %s, cannot reach it: %s does not let them in "
-                   "(chmod o+x %s, or move the data dir)\n" % (self.running_as(), self.data_dir, top, top)))
+            2, "",
+            "%s\noharness-sync: error: nobody, the owner of %s, cannot reach it: %s does not let "
+            "them in "
+            "(chmod o+x %s, or move the data dir)\n"
+            % (self.running_as(), self.data_dir, top, top)))
 
     def test_usage_and_fsck_by_a_user_who_cannot_read_the_dir_are_one_line_and_exit_2(self):
         give_tree(self.data_dir, 0)  # 0700: a data dir of root's
         fix = "run this as root, the data dir's owner: sudo -u root python3 oharness_sync.py ..."
         for command in ("usage", "fsck"):
             self.assertEqual(self.run_command(command, "--data", self.data_dir, user=self.NOBODY),
-                             (2, "", "oharness-sync: error: cannot read %s: it is root's, mode 0700; %s\n"
-                                     % (self.data_dir, fix)), command)
+                             (2, "",
+                              "oharness-sync: error: cannot read %s: it is root's, mode 0700; %s\n"
+                              % (self.data_dir, fix)), command)
 
     def test_a_feed_the_server_cannot_read_answers_500_never_an_empty_200(self):
         server = SubprocessServer(self.data_dir)
@@ -12554,12 +13829,15 @@ class RunningAsTheOwnerTest(unittest.TestCase):
             self.assertEqual(server.next_log_line(), self.running_as())
 
             def pull(project):
-                return http_request(server.url, "GET", "/v1/pull?project=%s&since=0" % project, token=self.token)
+                return http_request(server.url, "GET", "/v1/pull?project=%s&since=0" % project,
+                                    token=self.token)
 
             self.assertEqual(len(pull("proj").json["records"]), 1)
-            # Made unreadable while it serves: a feed not loaded yet, and the directory of all of alice's feeds.
+            # Made unreadable while it serves: a feed not loaded yet, and the directory of all of
+            # alice's feeds.
             os.chmod(self.layout.feed_path(("u", "alice"), "other"), 0)
-            error = {"error": "storage failure: the server cannot read what was asked for; its log names the file"}
+            error = {"error": "storage failure: the server cannot read what was asked for; its "
+                              "log names the file"}
             for _ in range(2):
                 answer = pull("other")
                 self.assertEqual((answer.status, answer.json), (500, error))
@@ -12572,9 +13850,11 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         self.assertEqual(code, 0)
         # Each failure logged once, with its path.
         alice = ("u", "alice")
-        self.assertEqual([line for line in stderr.splitlines() if line.startswith("storage failure")], [
+        self.assertEqual([line for line in stderr.splitlines()
+                          if line.startswith("storage failure")], [
             "storage failure: cannot read %s: Permission denied" % path
-            for path in (self.layout.feed_path(alice, "other"), self.layout.feed_path(alice, "never-pushed"),
+            for path in (self.layout.feed_path(alice, "other"),
+                         self.layout.feed_path(alice, "never-pushed"),
                          self.layout.owner_dir(alice))])
 
 
@@ -12584,18 +13864,18 @@ class RunningAsTheOwnerTest(unittest.TestCase):
 
 # -- the README's examples, run as written ---------------------------------------
 #
-# The README's shell blocks are parsed, not copied: each command line followed by `# ANSWER` comment lines
-# is sent to a fresh server as curl would send it, and what curl would print is compared with the comment.
-# Only the curl options the README uses are understood; another one fails the test, so an edit to the
-# README's commands cannot slip past it.
+# The README's shell blocks are parsed, not copied: each command line followed by `# ANSWER`
+# comment lines is sent to a fresh server as curl would send it, and what curl would print is
+# compared with the comment. Only the curl options the README uses are understood; another one
+# fails the test, so an edit to the README's commands cannot slip past it.
 
 README_PATH = os.path.join(HERE, "README.md")
 RANDOM_ETAG = re.compile(r'"etag":"[0-9a-f]{32}"')
 
 
 def readme_section(heading):
-    """The README's text from a heading line to the next section heading (## or deeper: a shell comment
-    in a code block starts with one #)."""
+    """The README's text from a heading line to the next section heading (## or deeper: a shell
+    comment in a code block starts with one #)."""
     with open(README_PATH, encoding="utf-8") as f:
         text = f.read()
     start = text.index("\n" + heading + "\n") + 1
@@ -12604,7 +13884,8 @@ def readme_section(heading):
 
 
 def shell_blocks(text):
-    """The ```sh blocks of text, each as a list of lines (indentation removed, backslash-newlines joined)."""
+    """The ```sh blocks of text, each as a list of lines (indentation removed, backslash-newlines
+    joined)."""
     blocks = []
     for match in re.finditer(r"^( *)```sh\n(.*?)^ *```", text, re.M | re.S):
         indent = len(match.group(1))
@@ -12625,7 +13906,8 @@ def commands_with_answers(lines):
 
 
 def curl_as_written(argv, url, token):
-    """What `curl ARGV` prints against url, $SYNC_URL and $SYNC_TOKEN set: the body, then -w's text."""
+    """What `curl ARGV` prints against url, $SYNC_URL and $SYNC_TOKEN set: the body, then -w's
+    text."""
     argv = [arg.replace("$SYNC_URL", url).replace("$SYNC_TOKEN", token) for arg in argv]
     assert argv[0] == "curl", argv
     method, headers, data, write_out, target = "GET", {}, None, "", None
@@ -12647,18 +13929,22 @@ def curl_as_written(argv, url, token):
         else:
             raise AssertionError("a curl argument the test does not know: %r" % arg)
     if data is not None:
-        headers.setdefault("Content-Type", "application/x-www-form-urlencoded")  # what curl sends by default
+        # what curl sends by default
+        headers.setdefault("Content-Type", "application/x-www-form-urlencoded")
     answer = http_request(url, method, target, data, headers=headers)
-    printed = answer.raw.decode("utf-8") + write_out.replace("%{http_code}", str(answer.status)).replace("\\n", "\n")
+    printed = answer.raw.decode("utf-8") + write_out.replace("%{http_code}",
+                                                             str(answer.status)).replace("\\n",
+                                                                                         "\n")
     return answer.status, printed
 
 
 class ReadmeExamplesTest(ServerCase):
-    """The quick start's and the memory example's requests answer as the README shows, on a fresh server."""
+    """The quick start's and the memory example's requests answer as the README shows, on a fresh
+    server."""
 
     def run_as_written(self, lines):
-        """Run the lines' commands with answers (curl, or a call of a shell function the lines define);
-        [(status, printed, shown)]."""
+        """Run the lines' commands with answers (curl, or a call of a shell function the lines
+        define); [(status, printed, shown)]."""
         functions, results, definition = {}, [], None
         for line in lines:  # a function: `name() {  # comment`, its body lines, then `}`
             start = re.match(r"^(\w+)\(\) \{", line)
@@ -12676,7 +13962,8 @@ class ReadmeExamplesTest(ServerCase):
                     body = [arg.replace("$%d" % number, value) for arg in body]
                 argv = body
             status, printed = curl_as_written(argv, self.url, self.alice)
-            if printed.endswith("\n"):  # the comment lines show what is printed, without the last line's end
+            # the comment lines show what is printed, without the last line's end
+            if printed.endswith("\n"):
                 printed = printed[:-1]
             results.append((status, RANDOM_ETAG.sub('"etag":"<random>"', printed),
                             RANDOM_ETAG.sub('"etag":"<random>"', "\n".join(shown))))
@@ -12696,8 +13983,8 @@ class ReadmeExamplesTest(ServerCase):
             self.assertEqual(printed, shown)
 
     def test_the_note_hash_example_holds_what_the_commit_sends(self):
-        """note-hash prints the hash shown; the printf line is JSON.stringify of the note's fields and hashes
-        to it; and the memory example commits that note with that hash."""
+        """note-hash prints the hash shown; the printf line is JSON.stringify of the note's fields
+        and hashes to it; and the memory example commits that note with that hash."""
         lines = shell_blocks(readme_section("### Memory sync, by hand"))[1]
         note_text = lines[lines.index("cat > note.json <<'EOF'") + 1]
         self.assertEqual(lines[lines.index("cat > note.json <<'EOF'") + 2], "EOF")
@@ -12710,18 +13997,22 @@ class ReadmeExamplesTest(ServerCase):
         code, out, _ = run_main("note-hash", path)
         self.assertEqual((code, out.splitlines()), (0, hash_shown))
         printf = shlex.split(printf_command)
-        fields = [note["id"], note["summary"], note["body"], note["tags"], note["createdAt"], note["type"]]
+        fields = [note["id"], note["summary"], note["body"], note["tags"], note["createdAt"],
+                  note["type"]]
         self.assertEqual(printf, ["printf", "%s", js_stringify(fields), "|", "sha256sum"])
-        self.assertEqual(printf_shown, [hashlib.sha256(printf[2].encode("utf-8")).hexdigest() + "  -"])
+        self.assertEqual(printf_shown,
+                         [hashlib.sha256(printf[2].encode("utf-8")).hexdigest() + "  -"])
         self.assertEqual(printf_shown[0].split()[0], hash_shown[0])
         memory_lines = shell_blocks(readme_section("### Memory sync, by hand"))[0]
         commit = json.loads(shlex.split(commands_with_answers(memory_lines)[1][0])[2])
-        self.assertEqual(commit["changes"], [{"id": note["id"], "hash": hash_shown[0], "note": note}])
+        self.assertEqual(commit["changes"],
+                         [{"id": note["id"], "hash": hash_shown[0], "note": note}])
 
 
 # -- the check command ----------------------------------------------------------
 
-SESSION_CHECKS = ["health", "auth-required", "smoke-test", "paging", "long-poll-wakes", "long-poll-timeout",
+SESSION_CHECKS = ["health", "auth-required", "smoke-test", "paging", "long-poll-wakes",
+                  "long-poll-timeout",
                   "body-round-trip", "projects"]
 MEMORY_CHECKS = ["memory-identity", "memory-empty-snapshot", "memory-commit", "memory-stale-etag",
                  "memory-delete"]
@@ -12902,7 +14193,8 @@ class CheckCommandTest(ServerCase):
         self.assertEqual([line for line in lines if not line.startswith("PASS ")],
                          ["check: %d passed, 0 failed" % (len(lines) - 1)])
         self.assertEqual([line.split()[1] for line in lines[:-1]],
-                         SESSION_CHECKS + ["isolation", "team-feed", "unknown-team"] + MEMORY_CHECKS)
+                         SESSION_CHECKS + ["isolation", "team-feed", "unknown-team"]
+                         + MEMORY_CHECKS)
         self.assertEqual(err.getvalue(), check.notice() + "\n")
 
     def test_the_notice_names_exactly_the_projects_it_leaves_behind(self):
@@ -12935,23 +14227,27 @@ class CheckCommandTest(ServerCase):
         finally:
             server.stop()
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
-        self.assertEqual(result.stdout, "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"])
+        self.assertEqual(result.stdout,
+                         "".join("PASS %s\n" % name for name in SESSION_CHECKS + ["unknown-team"])
                          + "check: %d passed, 0 failed\n" % (len(SESSION_CHECKS) + 1))
         self.assertEqual(len(result.stderr.splitlines()), 1, result.stderr)
         self.assertIn("writing test data to %s: projects ohs-check-" % server.url, result.stderr)
         self.assertNotIn(token, result.stdout + result.stderr)
 
     def test_a_wrong_principal_fails_the_memory_checks(self):
-        code, out, err = run_check_command("--url", self.url, "--token", self.bob, "--memory", "--principal", "alice")
+        code, out, err = run_check_command("--url", self.url, "--token", self.bob, "--memory",
+                                           "--principal", "alice")
         self.assertEqual(code, 1)
-        failed = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("FAIL ")]
+        failed = [line.split()[1].rstrip(":") for line in out.splitlines()
+                  if line.startswith("FAIL ")]
         self.assertEqual(failed, MEMORY_CHECKS)
         self.assertIn("account_mismatch", out)
         self.assertNotIn(self.bob, out + err)
 
 
 class FaultySyncHandler(BaseHTTPRequestHandler):
-    """Just enough of protocol v1, in memory, with the fault named by server.fault (None: no fault).
+    """Just enough of protocol v1, in memory, with the fault named by server.fault (None: no
+    fault).
 
     Feeds are a dict {(owner, project): [(kind, entry), ...]}; no token lists a team.
     """
@@ -12962,7 +14258,8 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
     def answer(self, status, doc, headers=()):
         data = json.dumps(doc).encode()
         self.send_response(status)
-        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(len(data)))] + list(headers):
+        for name, value in [("Content-Type", "application/json"),
+                            ("Content-Length", str(len(data)))] + list(headers):
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
@@ -12976,7 +14273,8 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
     def do_GET(self):
         url = urllib.parse.urlsplit(self.path)
         query = dict(urllib.parse.parse_qsl(url.query))
-        if url.path == "/v1/health" and (self.server.fault != "health-needs-token" or self.owner()):
+        if url.path == "/v1/health" and (self.server.fault != "health-needs-token"
+                                         or self.owner()):
             return self.answer(200, {"ok": True})
         owner = self.owner()
         if owner is None:
@@ -12984,8 +14282,10 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
         if "team" in query:
             return self.answer(403, {"error": "not a member"})
         if url.path == "/v1/projects":
-            return self.answer(200, {"projects": sorted(p for o, p in self.server.feeds if o == owner)})
-        key, since, limit = (owner, query["project"]), int(query["since"]), int(query.get("limit", 500))
+            return self.answer(200,
+                               {"projects": sorted(p for o, p in self.server.feeds if o == owner)})
+        key, since, limit = (owner,
+                             query["project"]), int(query["since"]), int(query.get("limit", 500))
         wait = 0 if self.server.fault == "no-wait" else int(query.get("wait", 0))
         with self.server.changed:
             self.server.pulls += 1
@@ -12999,9 +14299,12 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
                 return self.answer(200, {"cursor": 1, "records": [feed[0][1]], "sessions": [],
                                          "more": True})
             cursor = since if self.server.fault == "repeat-cursor" else since - 1
-            return self.answer(200, {"cursor": cursor, "records": [], "sessions": [], "more": True})
-        self.answer(200, {"cursor": since + len(events), "records": [e for k, e in events if k == "r"],
-                          "sessions": [e for k, e in events if k == "s"], "more": len(feed) > since + len(events)})
+            return self.answer(200,
+                               {"cursor": cursor, "records": [], "sessions": [], "more": True})
+        self.answer(200,
+                    {"cursor": since + len(events), "records": [e for k, e in events if k == "r"],
+                     "sessions": [e for k, e in events if k == "s"], "more": len(feed) > since
+                     + len(events)})
 
     def do_POST(self):
         owner = self.owner()
@@ -13016,7 +14319,8 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
             keys = {(e["session"], e["id"]) for k, e in feed if k == "r"}
             new = []
             for entry in doc.get("records") or []:
-                if self.server.fault == "duplicates" or (entry["session"], entry["id"]) not in keys:
+                if self.server.fault == "duplicates" or (entry["session"],
+                                                         entry["id"]) not in keys:
                     new.append(("r", entry))
                     keys.add((entry["session"], entry["id"]))
             new += [("s", entry) for entry in doc.get("sessions") or []]
@@ -13033,7 +14337,8 @@ def start_faulty_server(case, fault, feeds=None):
     server.fault, server.feeds, server.changed = fault, dict(feeds or {}), threading.Condition()
     server.pulls = 0
     case.faulty = server
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01},
+                              daemon=True)
     thread.start()
     case.addCleanup(server.server_close)
     case.addCleanup(server.shutdown)
@@ -13094,12 +14399,14 @@ class CheckCatchesFaultsTest(unittest.TestCase):
         return start_faulty_server(self, fault)
 
     def failed_checks(self, fault, *flags):
-        """Run the check command against a faulty server: (exit code, names of the failed checks, stdout)."""
+        """Run the check command against a faulty server: (exit code, names of the failed checks,
+        stdout)."""
         url = self.start_faulty_server(fault)
         code, out, err = run_check_command("--url", url, "--token", "token-a", *flags)
         self.assertNotIn("token-a", out + err)
         self.assertNotIn("Traceback", out + err)
-        failed = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("FAIL ")]
+        failed = [line.split()[1].rstrip(":") for line in out.splitlines()
+                  if line.startswith("FAIL ")]
         return code, failed, out
 
     def test_the_fake_without_a_fault_passes(self):
@@ -13119,7 +14426,8 @@ class CheckCatchesFaultsTest(unittest.TestCase):
     def test_a_retried_push_that_duplicates_fails_the_smoke_test(self):
         code, failed, out = self.failed_checks("duplicates")
         self.assertEqual((code, failed), (1, ["smoke-test"]), out)
-        self.assertIn("FAIL smoke-test: pushing the same record again answered {\"cursor\": 2, \"accepted\": 1}", out)
+        self.assertIn("FAIL smoke-test: pushing the same record again answered {\"cursor\": 2, "
+                      "\"accepted\": 1}", out)
 
     def test_one_feed_for_every_principal_fails_isolation(self):
         code, failed, out = self.failed_checks("one-feed", "--other-token", "token-b")
@@ -13132,13 +14440,16 @@ class CheckCatchesFaultsTest(unittest.TestCase):
         self.assertIn("FAIL health: GET /v1/health answered 401, expected 200", out)
 
     def test_a_stopped_server_is_one_line_with_the_cause(self):
-        # Before, every check failed with the same "network error: ... refused": sixteen lines for one cause.
+        # Before, every check failed with the same "network error: ... refused": sixteen lines for
+        # one cause.
         url = "http://127.0.0.1:%d" % closed_port()
         result = run_module("check", "--url", url, "--token-file", token_file("t0ken"), "--memory",
                             "--principal", "alice")
         self.assertEqual((result.returncode, result.stdout, result.stderr),
-                         (1, "check stopped: cannot connect to %s: connection refused (is the server running, on "
-                             "that port?)\n" % url, ""))  # nothing was written: no notice
+                         (1,
+                          "check stopped: cannot connect to %s: connection refused (is the server "
+                          "running, on "
+                          "that port?)\n" % url, ""))  # nothing was written: no notice
 
     def test_a_server_gone_half_way_stops_the_checks_with_one_line(self):
         url = self.start_faulty_server(None)
@@ -13153,26 +14464,32 @@ class CheckCatchesFaultsTest(unittest.TestCase):
         self.assertFalse(check.run())
         self.assertEqual(out.getvalue().splitlines(), [
             "PASS health", "PASS auth-required", "PASS smoke-test",
-            "check stopped: cannot connect to %s: connection refused (is the server running, on that port?)" % url])
+            "check stopped: cannot connect to %s: connection refused (is the server running, on "
+            "that port?)" % url])
 
     def test_a_refused_token_is_said_once_and_stops(self):
         url = self.start_faulty_server(None)
         code, out, err = run_check_command("--url", url, "--token", "token-unknown")
         self.assertEqual(code, 1)
         self.assertEqual(out.splitlines(), [
-            "PASS health", "PASS auth-required",  # these send no token, or a made-up one: they do pass
-            'check stopped: the server refuses the token: POST /v1/push answered 401 {"error": "no token"} (is it a '
+            # these send no token, or a made-up one: they do pass
+            "PASS health", "PASS auth-required",
+            'check stopped: the server refuses the token: POST /v1/push answered 401 {"error": '
+            '"no token"} (is it a '
             'token of this server, not revoked or expired?)'])
-        self.assertEqual(len(err.splitlines()), 1, err)  # the notice: the checks did write (nothing was kept)
+        # the notice: the checks did write (nothing was kept)
+        self.assertEqual(len(err.splitlines()), 1, err)
         self.assertNotIn("token-unknown", out + err)
 
     def test_each_connect_failure_is_named_with_its_cause(self):
         for url, exc, text in (
                 ("https://h:1", socket.timeout("timed out"),
                  "cannot connect to https://h:1: timed out (is it serving HTTPS on that port?)"),
-                ("http://h:1", socket.timeout("timed out"), "cannot connect to http://h:1: timed out"),
+                ("http://h:1", socket.timeout("timed out"),
+                 "cannot connect to http://h:1: timed out"),
                 ("http://h:1", socket.gaierror(-2, "Name or service not known"),
-                 "cannot connect to http://h:1: the host name does not resolve (Name or service not known)"),
+                 "cannot connect to http://h:1: the host name does not resolve (Name or service "
+                 "not known)"),
                 ("http://h:1", OSError(errno.ENETUNREACH, "Network is unreachable"),
                  "cannot connect to http://h:1: Network is unreachable")):
             self.assertEqual(sync.connect_failure(url, exc), text)
@@ -13184,7 +14501,8 @@ class CheckCatchesFaultsTest(unittest.TestCase):
 
 
 def answer_head(status="200 OK", *fields):
-    return ("HTTP/1.1 %s\r\n%s\r\n" % (status, "".join(f + "\r\n" for f in fields))).encode("latin-1")
+    return ("HTTP/1.1 %s\r\n%s\r\n"
+            % (status, "".join(f + "\r\n" for f in fields))).encode("latin-1")
 
 
 def endless_chunks(server, sock, head=b""):
@@ -13287,7 +14605,8 @@ class CheckBoundsTest(unittest.TestCase):
     def test_a_tls_server_without_a_certificate_for_the_name_says_so(self):
         # Caddy reached by a name it has no certificate for answers the handshake internal_error.
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(os.path.join(TLS_DATA, "cert.pem"), os.path.join(TLS_DATA, "key.pem"))
+        context.load_cert_chain(os.path.join(TLS_DATA, "cert.pem"),
+                                os.path.join(TLS_DATA, "key.pem"))
         context.sni_callback = lambda sock, name, ctx: ssl.ALERT_DESCRIPTION_INTERNAL_ERROR
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
@@ -13314,8 +14633,8 @@ class CheckBoundsTest(unittest.TestCase):
 
 
 class CheckTlsTest(ServerCase):
-    """check against an HTTPS server with a self-signed certificate: one line without --ca-file, every
-    check with it."""
+    """check against an HTTPS server with a self-signed certificate: one line without --ca-file,
+    every check with it."""
 
     def setUp(self):
         self.server_options = {"tls": sync.TlsFiles(os.path.join(TLS_DATA, "cert.pem"),
@@ -13325,63 +14644,85 @@ class CheckTlsTest(ServerCase):
     def test_an_untrusted_certificate_is_one_line_that_names_ca_file(self):
         code, out, err = run_check_command("--url", self.url, "--token", self.alice)
         self.assertEqual((code, err), (1, ""))
-        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted \(self[- ]signed certificate\): "
-                              r"it is self-signed: give it with --ca-file\n$" % re.escape(self.url))
+        self.assertRegex(out,
+                         r"^check stopped: the certificate of %s is not trusted \(self[- ]signed "
+                         r"certificate\): "
+                         r"it is self-signed: give it with --ca-file\n$" % re.escape(self.url))
 
     def test_a_certificate_for_another_name_says_so(self):
-        url = self.url.replace("127.0.0.1", "127.1")  # the same address, a name the certificate lacks
+        # the same address, a name the certificate lacks
+        url = self.url.replace("127.0.0.1", "127.1")
         code, out, err = run_check_command("--url", url, "--token", self.alice, "--ca-file",
                                            os.path.join(TLS_DATA, "cert.pem"))
         self.assertEqual(code, 1)
-        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted \(Hostname mismatch.*[^.]\): it "
-                              r"is for another name: use in the URL a name \(or address\) the certificate holds\n$"
+        self.assertRegex(out,
+                         r"^check stopped: the certificate of %s is not trusted \(Hostname "
+                         r"mismatch.*[^.]\): it "
+                         r"is for another name: use in the URL a name \(or address\) the "
+                         r"certificate holds\n$"
                          % re.escape(url))
 
     def test_a_ca_file_that_did_not_sign_it_is_named(self):
         cert2 = os.path.join(TLS_DATA, "cert2.pem")  # another self-signed certificate
-        code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--ca-file", cert2)
+        code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--ca-file",
+                                           cert2)
         self.assertEqual((code, err), (1, ""))
-        self.assertRegex(out, r"^check stopped: the certificate of %s is not trusted \(self[- ]signed certificate\): "
-                              r"it is self-signed, and not the certificate in --ca-file %s\n$"
+        self.assertRegex(out,
+                         r"^check stopped: the certificate of %s is not trusted \(self[- ]signed "
+                         r"certificate\): "
+                         r"it is self-signed, and not the certificate in --ca-file %s\n$"
                          % (re.escape(self.url), re.escape(cert2)))
 
     def test_an_unknown_ca_names_the_ca_file_when_one_was_given(self):
         error = ssl.SSLCertVerificationError(1, "certificate verify failed")
         error.verify_code, error.verify_message = 20, "unable to get local issuer certificate"
-        fault = "the certificate of https://pi is not trusted (unable to get local issuer certificate): "
+        fault = ("the certificate of https://pi is not trusted (unable to get local issuer "
+                 "certificate): ")
         self.assertEqual(sync.connect_failure("https://pi", error),
-                         fault + "it is signed by a CA this machine does not trust: give the CA's certificate (not "
-                                 "the server's) with --ca-file")
+                         fault
+                         + "it is signed by a CA this machine does not trust: give the CA's "
+                           "certificate (not "
+                           "the server's) with --ca-file")
         self.assertEqual(sync.connect_failure("https://pi", error, ca_file="ca.crt"),
-                         fault + "no CA in --ca-file ca.crt signed it: give the certificate of the CA that did "
-                                 "(openssl verify -CAfile FILE CERTIFICATE tells)")
+                         fault
+                         + "no CA in --ca-file ca.crt signed it: give the certificate of the CA "
+                           "that did "
+                           "(openssl verify -CAfile FILE CERTIFICATE tells)")
 
     def test_https_to_a_plain_http_server_says_to_try_http(self):
-        plain = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), server_config(), sync.Log(quiet=True))
+        plain = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), server_config(),
+                                  sync.Log(quiet=True))
         threading.Thread(target=plain.serve_forever, daemon=True).start()
         self.addCleanup(plain.stop, 0)
         url = plain.url.replace("http:", "https:")
         code, out, err = run_check_command("--url", url, "--token", self.alice)
-        self.assertEqual((code, out), (1, "check stopped: the TLS handshake with %s failed: what answers there is "
-                                          "not TLS (plain HTTP?): try http://\n" % url))
+        self.assertEqual((code, out),
+                         (1,
+                          "check stopped: the TLS handshake with %s failed: what answers there is "
+                          "not TLS (plain HTTP?): try http://\n" % url))
 
     def test_an_http_url_for_it_is_one_line_that_names_https(self):
         # Before, every check failed with the same "network error: Connection reset by peer".
         url = self.url.replace("https://", "http://")
         code, out, err = run_check_command("--url", url, "--token", self.alice)
         self.assertEqual((code, err), (1, ""))  # nothing written: no notice
-        self.assertRegex(out, r"^check stopped: no HTTP response from %s to a first request \(.+\): if it serves "
-                              r"HTTPS, give an https:// URL\n$" % re.escape(url))
+        self.assertRegex(out,
+                         r"^check stopped: no HTTP response from %s to a first request \(.+\): if "
+                         r"it serves "
+                         r"HTTPS, give an https:// URL\n$" % re.escape(url))
 
     def test_ca_file_trusts_it(self):
         code, out, err = run_check_command("--url", self.url, "--token", self.alice, "--ca-file",
-                                           os.path.join(TLS_DATA, "cert.pem"), "--memory", "--principal", "alice")
+                                           os.path.join(TLS_DATA, "cert.pem"), "--memory",
+                                           "--principal", "alice")
         self.assertEqual(code, 0, out)
         checks = SESSION_CHECKS + ["unknown-team"] + MEMORY_CHECKS
-        self.assertEqual(out, "".join("PASS %s\n" % name for name in checks) + "check: %d passed, 0 failed\n" % len(checks))
+        self.assertEqual(out, "".join("PASS %s\n" % name for name in checks)
+                         + "check: %d passed, 0 failed\n" % len(checks))
 
     def test_a_ca_file_that_is_not_a_certificate_or_a_plain_url_is_a_usage_error(self):
-        for argv, error in ((["--url", self.url, "--ca-file", README_PATH], "cannot use --ca-file %s: " % README_PATH),
+        for argv, error in ((["--url", self.url, "--ca-file", README_PATH],
+                             "cannot use --ca-file %s: " % README_PATH),
                             (["--url", "http://127.0.0.1:1", "--ca-file", README_PATH],
                              "--ca-file goes with an https:// URL")):
             code, out, err = run_check_command(*argv + ["--token", self.alice])
@@ -13392,7 +14733,8 @@ class CheckTlsTest(ServerCase):
 
 class CheckUsageTest(unittest.TestCase):
     def test_a_token_on_the_command_line_works_with_a_warning_and_a_token_file_without(self):
-        server = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), server_config(), sync.Log(quiet=True))
+        server = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), server_config(),
+                                   sync.Log(quiet=True))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         self.addCleanup(server.stop, 0)
         token, _ = sync.TokenStore(server.app.feeds.layout.path).issue("alice")
@@ -13401,9 +14743,11 @@ class CheckUsageTest(unittest.TestCase):
         with quick_long_polls():
             code, out, err = run_main(*argv + ["--token", token])
         self.assertEqual(code, 0)
-        self.assertEqual(err.splitlines()[0], "check: warning: --token on the command line is visible to "
-                                                         "other users in ps; prefer --token-file")
-        code, out, err = run_check_command("--url", server.url, "--token", token)  # (as --token-file)
+        self.assertEqual(err.splitlines()[0],
+                         "check: warning: --token on the command line is visible to "
+                                    "other users in ps; prefer --token-file")
+        # (as --token-file)
+        code, out, err = run_check_command("--url", server.url, "--token", token)
         self.assertEqual((code, err.count("warning")), (0, 0))
         self.assertTrue(out.endswith("check: 9 passed, 0 failed\n"), out)
         self.assertEqual(run_main(*argv + ["--token", token, "--token-file", token_file(token)]),
@@ -13425,22 +14769,29 @@ class CheckUsageTest(unittest.TestCase):
         self.addCleanup(httpd.shutdown)
         url = "http://127.0.0.1:%d" % httpd.server_address[1]
         code, out, err = run_check_command("--url", url, "--token", "a-token-for-this")
-        self.assertEqual((code, out, err), (1, "check stopped: %s redirects to https://pi.home.arpa/v1/health: give "
-                                               "--url https://pi.home.arpa (with --ca-file for a private CA)\n" % url,
-                                            ""))
+        self.assertEqual((code, out, err),
+                         (1, "check stopped: %s redirects to https://pi.home.arpa/v1/health: give "
+                             "--url https://pi.home.arpa (with --ca-file for a private CA)\n"
+                             % url,
+                          ""))
         self.assertEqual(sync.redirect_stop("http://pi", "/elsewhere"),
-                         "http://pi redirects to /elsewhere: give the address it points to as --url")
+                         "http://pi redirects to /elsewhere: give the address it points to as "
+                         "--url")
 
     def test_plain_http_to_another_host_is_said(self):
-        code, out, err = run_check_command("--url", "http://0.0.0.0:1", "--token", "t")  # (refused at once)
-        self.assertEqual(err.splitlines()[0], "check: warning: the token goes to http://0.0.0.0:1 in plain http, "
-                                              "readable on the way")
+        # (refused at once)
+        code, out, err = run_check_command("--url", "http://0.0.0.0:1", "--token", "t")
+        self.assertEqual(err.splitlines()[0],
+                         "check: warning: the token goes to http://0.0.0.0:1 in plain http, "
+                         "readable on the way")
 
     def test_bad_flags_exit_2_with_one_line(self):
         url = ["--url", "http://127.0.0.1:1"]
         for argv in ([], ["--token", "t"], url, url + ["--token", "t", "--bogus"],
-                     ["--url", "ftp://h", "--token", "t"], ["--url", "http://h/sync", "--token", "t"],
-                     ["--url", "http://u:p@h", "--token", "t"], ["--url", "http://h:x", "--token", "t"],
+                     ["--url", "ftp://h", "--token", "t"],
+                     ["--url", "http://h/sync", "--token", "t"],
+                     ["--url", "http://u:p@h", "--token", "t"],
+                     ["--url", "http://h:x", "--token", "t"],
                      url + ["--token", "two words"], url + ["--token", "t", "--memory"],
                      url + ["--token", "t", "--principal", "alice"],
                      url + ["--token", "t", "--memory", "--principal", "a/b"]):
@@ -13862,7 +15213,8 @@ class BenchCommandTest(unittest.TestCase):
 
 def replicate_note(note_id, **fields):
     """A valid note and its commit change."""
-    note = {"id": note_id, "summary": "Note " + note_id, "body": "The body of " + note_id, "tags": ["t"],
+    note = {"id": note_id, "summary": "Note " + note_id, "body": "The body of " + note_id,
+            "tags": ["t"],
             "createdAt": 1789344000000}
     note.update(fields)
     return note
@@ -13874,22 +15226,28 @@ def replicate_put(note_id, **fields):
 
 
 class ReplicateRulesTest(unittest.TestCase):
-    """The pure rules of replicate: splitting a page into pushes, the three-way note decision, the state."""
+    """The pure rules of replicate: splitting a page into pushes, the three-way note decision, the
+    state."""
 
     def test_a_page_is_split_by_bytes_and_by_each_kind_s_count(self):
         events = [("r", b"x" * 10)] * 5
         self.assertEqual(sync.plan_pushes(events, max_bytes=1000), [(0, 5)])
-        # 3 events of 11 bytes each (with the comma) fit in 40 bytes with 5 of overhead; the fourth does not.
+        # 3 events of 11 bytes each (with the comma) fit in 40 bytes with 5 of overhead; the fourth
+        # does not.
         self.assertEqual(sync.plan_pushes(events, max_bytes=40, overhead=5), [(0, 3), (3, 5)])
         mixed = [("r", b"r")] * 3 + [("s", b"s")] * 3
         # r r | r s s | s: each kind counted against its own limit
-        self.assertEqual(sync.plan_pushes(mixed, max_records=2, max_sessions=2), [(0, 2), (2, 5), (5, 6)])
-        self.assertEqual(sync.plan_pushes([("r", b"x" * 50), ("r", b"y")], max_bytes=20), [(0, 1), (1, 2)])
+        self.assertEqual(sync.plan_pushes(mixed, max_records=2, max_sessions=2),
+                         [(0, 2), (2, 5), (5, 6)])
+        self.assertEqual(sync.plan_pushes([("r", b"x" * 50), ("r", b"y")], max_bytes=20),
+                         [(0, 1), (1, 2)])
         self.assertEqual(sync.plan_pushes([]), [])
 
     def test_a_page_within_the_limits_is_one_body_and_one_past_them_none(self):
         body = sync.push_page_body("p", "t", [record()], [meta()])
-        self.assertEqual(json.loads(body), {"project": "p", "team": "t", "records": [record()], "sessions": [meta()]})
+        self.assertEqual(json.loads(body),
+                         {"project": "p", "team": "t", "records": [record()],
+                          "sessions": [meta()]})
         self.assertIsNone(sync.push_page_body("p", None, [record()] * 501, []))
         self.assertIsNone(sync.push_page_body("p", None, [], [meta()] * 501))
         big = [record(record_id=str(i), body="x" * 100000) for i in range(90)]
@@ -13903,13 +15261,15 @@ class ReplicateRulesTest(unittest.TestCase):
 
     def test_the_three_way_decision_for_one_note(self):
         d = sync.memory_decision
-        a, b, c = ("a" * 64, {"createdAt": 1}), ("b" * 64, {"createdAt": 1}), ("c" * 64, {"createdAt": 1})
+        a, b, c = ("a" * 64, {"createdAt": 1}), ("b" * 64, {"createdAt": 1}), ("c" * 64,
+                                                                               {"createdAt": 1})
         gone = (None, None)
         # The source unchanged since the base: the target's own edits and deletions stay.
         self.assertEqual(d("a" * 64, a, b), sync.KEEP)
         self.assertEqual(d("a" * 64, a, gone), sync.KEEP)
         self.assertEqual(d(None, None, b), sync.KEEP)      # a note only the target has
-        self.assertEqual(d(None, gone, b), sync.KEEP)      # a tombstone the source had before the first pass
+        # a tombstone the source had before the first pass
+        self.assertEqual(d(None, gone, b), sync.KEEP)
         # Both agree already.
         self.assertEqual(d("a" * 64, b, b), sync.KEEP)
         # The target still at the base, or the id absent there: the source is applied.
@@ -13919,7 +15279,8 @@ class ReplicateRulesTest(unittest.TestCase):
         self.assertEqual(d("a" * 64, gone, a), sync.DELETE)
         self.assertEqual(d("a" * 64, None, a), sync.DELETE)  # its tombstone expired on the source
         self.assertEqual(d("a" * 64, b, None), sync.CREATE)
-        # Both changed: two live notes, the later one wins, a tie keeps the target; else the target stays.
+        # Both changed: two live notes, the later one wins, a tie keeps the target; else the target
+        # stays.
         newer = ("b" * 64, {"createdAt": 1, "updatedAt": 9})
         older = ("c" * 64, {"createdAt": 5})
         self.assertEqual(d("a" * 64, newer, older), sync.UPDATE)
@@ -13940,18 +15301,20 @@ class ReplicateRulesTest(unittest.TestCase):
     def test_the_state_file_s_shape_is_checked(self):
         state = sync.new_state("http://a:1", "http://b:2")
         self.assertIs(sync.check_state(state, "http://a:1", "http://b:2"), state)
-        for doc, why in ((state, 'it is for "http://a:1" to "http://b:2"'), ([], "not a replicate state file"),
+        for doc, why in ((state, 'it is for "http://a:1" to "http://b:2"'),
+                         ([], "not a replicate state file"),
                          (dict(state, version=2), "not a replicate state file"),
                          (dict(state, feeds={"personal/p": -1}), "its feeds are not cursors"),
                          (dict(state, memory={"user": {"etag": None, "base": {"n": "x"}}}),
                           "its memory scopes are malformed")):
             with self.subTest(why=why), self.assertRaisesRegex(ValueError, "^" + re.escape(why)):
-                sync.check_state(doc, "http://a:1" if doc is not state else "http://c:1", "http://b:2")
+                sync.check_state(doc, "http://a:1" if doc is not state else "http://c:1",
+                                 "http://b:2")
 
 
 class ReplicateCase(ServerCase):
-    """Two real servers on port 0: the source (ServerCase's own) and a target with a data dir of its own;
-    alice's tokens for both in files."""
+    """Two real servers on port 0: the source (ServerCase's own) and a target with a data dir of
+    its own; alice's tokens for both in files."""
 
     target_options = {}
 
@@ -13963,7 +15326,8 @@ class ReplicateCase(ServerCase):
         self.target_log = []
         self.target = sync.build_server(self.target_dir, server_config(**self.target_options),
                                         CapturingLog(self.target_log))
-        thread = threading.Thread(target=self.target.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+        thread = threading.Thread(target=self.target.serve_forever, kwargs={"poll_interval": 0.01},
+                                  daemon=True)
         thread.start()
         self.addCleanup(self.stop_server, self.target, thread)
         self.target_url = self.target.url  # where replicate copies to
@@ -13988,7 +15352,8 @@ class ReplicateCase(ServerCase):
         return path
 
     def argv(self, *extra, memory=True):
-        argv = ["replicate", "--from", self.source_url or self.url, "--from-token-file", self.from_token, "--to", self.target_url,
+        argv = ["replicate", "--from", self.source_url or self.url, "--from-token-file",
+                self.from_token, "--to", self.target_url,
                 "--to-token-file", self.to_token]
         if memory:
             argv += ["--from-principal", "alice", "--to-principal", "alice"]
@@ -13997,7 +15362,8 @@ class ReplicateCase(ServerCase):
         return argv + list(extra)
 
     def replicate(self, *extra, memory=False):
-        """sync.main(replicate ...) in this process: (exit code, stdout, stderr); never a token in them."""
+        """sync.main(replicate ...) in this process: (exit code, stdout, stderr); never a token in
+        them."""
         code, out, err = run_main(*self.argv(*extra, memory=memory))
         for token in (self.alice, self.target_alice):
             self.assertNotIn(token, out + err)
@@ -14008,23 +15374,27 @@ class ReplicateCase(ServerCase):
         """(every record, every session event, the end cursor) of a feed, page by page."""
         records, sessions, cursor, more = [], [], 0, True
         while more:
-            page = http_request(url, "GET", "/v1/pull?project=%s&since=%d" % (project, cursor), token=token).json
+            page = http_request(url, "GET", "/v1/pull?project=%s&since=%d" % (project, cursor),
+                                token=token).json
             records += page["records"]
             sessions += page["sessions"]
             cursor, more = page["cursor"], page["more"]
         return records, sessions, cursor
 
     def target_pull(self, project="proj", team=None, since=0):
-        query = "/v1/pull?project=%s&since=%d" % (project, since) + ("&team=" + team if team else "")
+        query = "/v1/pull?project=%s&since=%d" % (project, since) + ("&team=" + team if team
+                                                                     else "")
         return http_request(self.target.url, "GET", query, token=self.target_alice).json
 
     def source_pull(self, project="proj", team=None):
         return self.pull(self.alice, project, 0, **({"team": team} if team else {})).json
 
     def summary(self, feeds, copied, had=0, created=0, updated=0, deleted=0, conflicts=0):
-        return ("replicate: %s, %s copied, %d already on the target; notes: %d created, %d updated, "
-                "%d deleted, %s kept; " % (sync.plural(feeds, "feed"), sync.plural(copied, "event"), had, created,
-                                           updated, deleted, sync.plural(conflicts, "conflict")))
+        return ("replicate: %s, %s copied, %d already on the target; notes: %d created, %d "
+                "updated, "
+                "%d deleted, %s kept; "
+                % (sync.plural(feeds, "feed"), sync.plural(copied, "event"), had, created,
+                   updated, deleted, sync.plural(conflicts, "conflict")))
 
     def assertSummary(self, out, *counts, **named):
         """out is the summary of these counts, and the memory line when memory was looked at."""
@@ -14038,16 +15408,20 @@ class ReplicateFeedsTest(ReplicateCase):
     """replicate copies session feeds between two real servers."""
 
     def test_personal_and_team_feeds_are_copied_exactly(self):
-        records = [record("s1", "r%d" % i, i, body={"i": i, "text": "caf\u00e9 \U0001F600"}) for i in range(7)]
-        self.assertAnswer(self.push(self.alice, "proj", records, [meta("s1", 1, body={"title": "t"})]), 200)
+        records = [record("s1", "r%d" % i, i, body={"i": i, "text": "caf\u00e9 \U0001F600"})
+                   for i in range(7)]
+        self.assertAnswer(self.push(self.alice, "proj", records,
+                                    [meta("s1", 1, body={"title": "t"})]), 200)
         self.assertAnswer(self.push(self.alice, "other", [record("s9", "x", body=None)]), 200)
-        self.assertAnswer(self.push(self.alice, "shared", [record("s2", "t1")], [meta("s2")], team="platform"), 200)
+        self.assertAnswer(self.push(self.alice, "shared", [record("s2", "t1")], [meta("s2")],
+                                    team="platform"), 200)
         code, out, err = self.replicate("--team", "platform")
         self.assertEqual((code, err), (0, ""))
         self.assertSummary(out, 3, 11)
         for project, team in (("proj", None), ("other", None), ("shared", "platform")):
             self.assertEqual(self.target_pull(project, team), self.source_pull(project, team))
-        self.assertEqual(self.target_pull("shared")["records"], [])  # the team feed stays a team feed
+        # the team feed stays a team feed
+        self.assertEqual(self.target_pull("shared")["records"], [])
         self.assertEqual(self.target_pull("proj")["records"], records)
 
     def test_only_the_given_projects_with_project(self):
@@ -14056,26 +15430,31 @@ class ReplicateFeedsTest(ReplicateCase):
         code, out, _ = self.replicate("--project", "two", "--project", "absent")
         self.assertEqual(code, 0)
         self.assertSummary(out, 2, 1)
-        self.assertEqual(http_request(self.target.url, "GET", "/v1/projects", token=self.target_alice).json,
+        self.assertEqual(http_request(self.target.url, "GET", "/v1/projects",
+                                      token=self.target_alice).json,
                          {"projects": ["two"]})
 
     def test_a_tombstone_is_copied_and_a_newer_generation_on_the_target_survives(self):
-        self.push(self.alice, "proj", sessions=[meta("s1", 1), meta("s1", 2, deleted=True), meta("s2", 1)])
+        self.push(self.alice, "proj",
+                  sessions=[meta("s1", 1), meta("s1", 2, deleted=True), meta("s2", 1)])
         newer = meta("s2", 5, body={"title": "the target's"})
-        answer = http_request(self.target.url, "POST", "/v1/push", {"project": "proj", "sessions": [newer]},
+        answer = http_request(self.target.url, "POST", "/v1/push",
+                              {"project": "proj", "sessions": [newer]},
                               self.target_alice)
         self.assertEqual(answer.json, {"cursor": 1, "accepted": 1})
         code, out, _ = self.replicate()
         self.assertEqual(code, 0)
         self.assertSummary(out, 1, 2, 1)
-        self.assertEqual(self.target_pull()["sessions"], [newer, meta("s1", 1), meta("s1", 2, deleted=True)])
+        self.assertEqual(self.target_pull()["sessions"],
+                         [newer, meta("s1", 1), meta("s1", 2, deleted=True)])
 
     @mock.patch.object(sync, "MAX_PAGE_BYTES", 16 * 1024 * 1024)  # a source of larger pages
     def test_a_10_mb_page_is_split_into_several_pushes(self):
         records = [record("s1", "r%d" % i, i, body="x" * 20000) for i in range(500)]
         for half in (records[:250], records[250:]):
             self.assertAnswer(self.push(self.alice, "proj", half), 200)
-        self.assertGreater(len(json.dumps(self.source_pull())), 10 * 1000 * 1000)  # one page of 10 MB
+        # one page of 10 MB
+        self.assertGreater(len(json.dumps(self.source_pull())), 10 * 1000 * 1000)
         code, out, _ = self.replicate()
         self.assertEqual(code, 0)
         self.assertSummary(out, 1, 500)
@@ -14089,12 +15468,15 @@ class ReplicateFeedsTest(ReplicateCase):
         out = io.StringIO()
         source = sync.ReplicateSide("source", self.url, self.alice, None)
         target = sync.ReplicateSide("target", self.target.url, self.target_alice, None)
-        replicator = sync.Replicator(source, target, sync.ReplicationState(None, self.url, self.target.url),
+        replicator = sync.Replicator(source, target,
+                                     sync.ReplicationState(None, self.url, self.target.url),
                                      memory=False, out=out, progress=True)
         self.assertEqual(replicator.run(), 0)
-        # Each line is rewritten in place (\r) as its feed is copied, and ends when the feed is done.
-        self.assertRegex(out.getvalue(), r"^\rreplicate: personal/one: 3 events, [0-9]+ events/s +\n"
-                                         r"\rreplicate: personal/two: 1 events, [0-9]+ events/s +\n$")
+        # Each line is rewritten in place (\r) as its feed is copied, and ends when the feed is
+        # done.
+        self.assertRegex(out.getvalue(),
+                         r"^\rreplicate: personal/one: 3 events, [0-9]+ events/s +\n"
+                         r"\rreplicate: personal/two: 1 events, [0-9]+ events/s +\n$")
 
     def test_a_second_run_adds_nothing(self):
         self.push(self.alice, "proj", [record("s1", "r%d" % i) for i in range(3)], [meta("s1")])
@@ -14117,8 +15499,10 @@ class ReplicateFeedsTest(ReplicateCase):
 
     def test_a_run_killed_mid_way_resumes_from_the_state_file(self):
         for page in range(5):
-            self.push(self.alice, "proj", [record("s1", "r%d-%d" % (page, i), i) for i in range(500)])
-        # The third page is pushed and acknowledged, and the process is killed before its cursor is written.
+            self.push(self.alice, "proj",
+                      [record("s1", "r%d-%d" % (page, i), i) for i in range(500)])
+        # The third page is pushed and acknowledged, and the process is killed before its cursor is
+        # written.
         script = ("import sys, time; sys.path.insert(0, %r); import oharness_sync as sync\n"
                   "saves, original = [], sync.ReplicationState.set_cursor\n"
                   "def set_cursor(state, feed, cursor):\n"
@@ -14128,13 +15512,15 @@ class ReplicateFeedsTest(ReplicateCase):
                   "    original(state, feed, cursor)\n"
                   "sync.ReplicationState.set_cursor = set_cursor\n"
                   "sys.exit(sync.main(sys.argv[1:]))\n" % HERE)
-        process = subprocess.Popen([sys.executable, "-c", script] + self.argv("--state", self.state_path,
-                                                                               memory=False)[:],
+        process = subprocess.Popen([sys.executable, "-c", script]
+                                   + self.argv("--state", self.state_path,
+                                                memory=False)[:],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and not (
-                    self.state_cursor() == 1000 and self.whole_feed(self.target.url, self.target_alice)[2] >= 1500):
+                    self.state_cursor() == 1000
+                    and self.whole_feed(self.target.url, self.target_alice)[2] >= 1500):
                 time.sleep(0.02)
         finally:
             process.kill()
@@ -14143,8 +15529,11 @@ class ReplicateFeedsTest(ReplicateCase):
             self.assertEqual(json.load(f)["feeds"], {"personal/proj": 1000})
         code, out, _ = self.replicate("--state", self.state_path)
         self.assertEqual(code, 0)
-        # It resumed from 1000: what the target had past it (1500 at least) is pushed again, and counted so.
-        copied, had = map(int, re.match(r"replicate: 1 feed, (\d+) events? copied, (\d+) already", out).groups())
+        # It resumed from 1000: what the target had past it (1500 at least) is pushed again, and
+        # counted so.
+        copied, had = map(int,
+                          re.match(r"replicate: 1 feed, (\d+) events? copied, (\d+) already",
+                                   out).groups())
         self.assertEqual(copied + had, 1500)
         self.assertGreaterEqual(had, 500)
         source = self.whole_feed(self.url, self.alice)
@@ -14187,39 +15576,48 @@ class ReplicateMemoryTest(ReplicateCase):
     """replicate reconciles memory notes three ways, through the base in the state file."""
 
     def commit(self, url, token, changes, scope=None):
-        """Commit changes on the newest etag of a scope (None: the user scope); the answer's entries."""
+        """Commit changes on the newest etag of a scope (None: the user scope); the answer's
+        entries."""
         where = {"scope": "user"} if scope is None else {"project": scope}
-        etag = http_request(url, "POST", "/v1/memory/snapshot", dict(where, expectedPrincipal="alice"), token).json
+        etag = http_request(url, "POST", "/v1/memory/snapshot",
+                            dict(where, expectedPrincipal="alice"), token).json
         answer = http_request(url, "POST", "/v1/memory/commit",
-                              dict(where, expectedPrincipal="alice", etag=etag["etag"], changes=changes), token)
+                              dict(where, expectedPrincipal="alice", etag=etag["etag"],
+                                   changes=changes), token)
         self.assertEqual(answer.status, 200, answer.raw)
         return answer.json["entries"]
 
     def notes(self, url, token, scope=None):
         """{id: note} of the live notes of a scope."""
         where = {"scope": "user"} if scope is None else {"project": scope}
-        answer = http_request(url, "POST", "/v1/memory/snapshot", dict(where, expectedPrincipal="alice"), token)
+        answer = http_request(url, "POST", "/v1/memory/snapshot",
+                              dict(where, expectedPrincipal="alice"), token)
         return {e["id"]: e["note"] for e in answer.json["entries"] if e["hash"] is not None}
 
     def test_create_update_delete_through_the_base_and_the_target_s_own_notes_stay(self):
-        self.commit(self.url, self.alice, [replicate_put("n1"), replicate_put("n2"), replicate_put("n3")])
+        self.commit(self.url, self.alice,
+                    [replicate_put("n1"), replicate_put("n2"), replicate_put("n3")])
         self.commit(self.url, self.alice, [replicate_put("p1")], scope="proj")
         self.push(self.alice, "proj", [record()])  # the feed that makes proj a replicated project
         self.commit(self.target.url, self.target_alice, [replicate_put("t1")])
         code, out, err = self.replicate("--state", self.state_path, memory=True)
         self.assertEqual((code, err), (0, ""))
         self.assertSummary(out, 1, 1, created=4)
-        self.assertEqual(sorted(self.notes(self.target.url, self.target_alice)), ["n1", "n2", "n3", "t1"])
-        self.assertEqual(self.notes(self.target.url, self.target_alice, "proj"), {"p1": replicate_note("p1")})
+        self.assertEqual(sorted(self.notes(self.target.url, self.target_alice)),
+                         ["n1", "n2", "n3", "t1"])
+        self.assertEqual(self.notes(self.target.url, self.target_alice, "proj"),
+                         {"p1": replicate_note("p1")})
         # The source updates n1 and deletes n2; the target edits n3 and deletes t1 on its own.
-        self.commit(self.url, self.alice, [replicate_put("n1", body="new"), {"id": "n2", "hash": None}])
+        self.commit(self.url, self.alice,
+                    [replicate_put("n1", body="new"), {"id": "n2", "hash": None}])
         self.commit(self.target.url, self.target_alice, [replicate_put("n3", body="mine"),
                                                          {"id": "t1", "hash": None}])
         code, out, err = self.replicate("--state", self.state_path, memory=True)
         self.assertEqual((code, err), (0, ""))
         self.assertSummary(out, 1, 0, 0, updated=1, deleted=1)
         self.assertEqual(self.notes(self.target.url, self.target_alice),
-                         {"n1": replicate_note("n1", body="new"), "n3": replicate_note("n3", body="mine")})
+                         {"n1": replicate_note("n1", body="new"),
+                          "n3": replicate_note("n3", body="mine")})
         # Nothing changed since: nothing is done.
         code, out, _ = self.replicate("--state", self.state_path, memory=True)
         self.assertSummary(out, 1, 0)
@@ -14227,20 +15625,25 @@ class ReplicateMemoryTest(ReplicateCase):
     def test_a_note_changed_on_both_sides_keeps_the_later_one_and_reports_a_kept_conflict(self):
         self.commit(self.url, self.alice, [replicate_put("a"), replicate_put("b")])
         self.assertEqual(self.replicate("--state", self.state_path, memory=True)[0], 0)
-        self.commit(self.url, self.alice, [replicate_put("a", body="source", updatedAt=1789344000100),
-                                           replicate_put("b", body="source", updatedAt=1789344000300)])
-        self.commit(self.target.url, self.target_alice, [replicate_put("a", body="target", updatedAt=1789344000200),
-                                                         replicate_put("b", body="target", updatedAt=1789344000200)])
+        self.commit(self.url, self.alice,
+                    [replicate_put("a", body="source", updatedAt=1789344000100),
+                     replicate_put("b", body="source", updatedAt=1789344000300)])
+        self.commit(self.target.url, self.target_alice,
+                    [replicate_put("a", body="target", updatedAt=1789344000200),
+                     replicate_put("b", body="target", updatedAt=1789344000200)])
         code, out, err = self.replicate("--state", self.state_path, memory=True)
         self.assertEqual(code, 0)
         self.assertSummary(out, 0, 0, updated=1, conflicts=1)
-        self.assertEqual(err, "replicate: memory user: note a changed on both sides; the target's version is kept\n")
+        self.assertEqual(err,
+                         "replicate: memory user: note a changed on both sides; the target's "
+                         "version is kept\n")
         self.assertEqual(self.notes(self.target.url, self.target_alice),
                          {"a": replicate_note("a", body="target", updatedAt=1789344000200),
                           "b": replicate_note("b", body="source", updatedAt=1789344000300)})
         # The conflict is reported once; the source's next edit of the note is applied as usual.
         self.assertEqual(self.replicate("--state", self.state_path, memory=True)[2], "")
-        self.commit(self.url, self.alice, [replicate_put("a", body="again", updatedAt=1789344000400)])
+        self.commit(self.url, self.alice,
+                    [replicate_put("a", body="again", updatedAt=1789344000400)])
         code, out, err = self.replicate("--state", self.state_path, memory=True)
         self.assertEqual((code, err), (0, ""))
         self.assertSummary(out, 0, 0, updated=1)
@@ -14251,8 +15654,10 @@ class ReplicateMemoryTest(ReplicateCase):
         original = sync.Replicator.memory_call
 
         def commit_first(replicator, side, client, route, *rest, **named):
-            if route == "commit" and not self.raced:  # someone commits on the target just before replicate
-                self.raced = self.commit(self.target.url, self.target_alice, [replicate_put("other")])
+            # someone commits on the target just before replicate
+            if route == "commit" and not self.raced:
+                self.raced = self.commit(self.target.url, self.target_alice,
+                                         [replicate_put("other")])
             return original(replicator, side, client, route, *rest, **named)
         self.raced = None
         with mock.patch.object(sync.Replicator, "memory_call", commit_first):
@@ -14263,8 +15668,10 @@ class ReplicateMemoryTest(ReplicateCase):
 
     def test_a_first_run_never_destroys_a_note_only_the_target_has(self):
         self.commit(self.url, self.alice, [replicate_put("gone")])
-        self.commit(self.url, self.alice, [{"id": "gone", "hash": None}])  # a tombstone on the source
-        self.commit(self.target.url, self.target_alice, [replicate_put("gone"), replicate_put("mine")])
+        # a tombstone on the source
+        self.commit(self.url, self.alice, [{"id": "gone", "hash": None}])
+        self.commit(self.target.url, self.target_alice,
+                    [replicate_put("gone"), replicate_put("mine")])
         code, out, _ = self.replicate(memory=True)
         self.assertEqual(code, 0)
         self.assertSummary(out, 0, 0)
@@ -14274,7 +15681,8 @@ class ReplicateMemoryTest(ReplicateCase):
         bob_there, _ = sync.TokenStore(self.target_dir).issue("bob")
         self.to_token = self.token_file("to.token", bob_there)
         self.commit(self.url, self.alice, [replicate_put("n1")])
-        argv = self.argv(memory=False)[:-1] + ["--from-principal", "alice", "--to-principal", "bob"]
+        argv = self.argv(memory=False)[:-1] + ["--from-principal", "alice", "--to-principal",
+                                               "bob"]
         code, out, err = run_main(*argv)
         self.assertEqual(code, 0, err)
         answer = http_request(self.target.url, "POST", "/v1/memory/snapshot",
@@ -14287,8 +15695,10 @@ class ReplicateMemoryTest(ReplicateCase):
         self.commit(self.url, self.alice, [replicate_put("n1"), replicate_put("n2")])
         code, out, err = self.replicate(memory=True)
         self.assertEqual(code, 1)
-        self.assertRegex(err, r'^replicate: memory user: the target refused a commit: 413 .*memory_quota_exceeded.*'
-                              r'; this scope stops\n$')
+        self.assertRegex(err,
+                         r'^replicate: memory user: the target refused a commit: 413 '
+                         r'.*memory_quota_exceeded.*'
+                         r'; this scope stops\n$')
         self.assertEqual(self.notes(self.target.url, self.target_alice), {})
 
 
@@ -14297,24 +15707,31 @@ class ReplicateMemoryTest(ReplicateCase):
         code, out, err = self.replicate(memory=True)
         self.assertEqual((code, err), (0, ""))
         self.assertSummary(out, 0, 0)
-        self.assertEqual(out.splitlines()[1], "replicate: memory: no notes in the 1 scope looked at (user); "
-                                              "the memory of a project with no session feed is found only "
-                                              "when named with --project ID")
+        self.assertEqual(out.splitlines()[1],
+                         "replicate: memory: no notes in the 1 scope looked at (user); "
+                         "the memory of a project with no session feed is found only "
+                         "when named with --project ID")
         code, out, err = self.replicate("--project", "lonely", memory=True)
         self.assertEqual((code, err), (0, ""))
         self.assertSummary(out, 1, 0, created=1)
-        self.assertEqual(out.splitlines()[1], "replicate: memory: looked at 2 scopes: user, project/lonely")
-        self.assertEqual(self.notes(self.target.url, self.target_alice, "lonely"), {"n1": replicate_note("n1")})
+        self.assertEqual(out.splitlines()[1],
+                         "replicate: memory: looked at 2 scopes: user, project/lonely")
+        self.assertEqual(self.notes(self.target.url, self.target_alice, "lonely"),
+                         {"n1": replicate_note("n1")})
 
     def test_a_principal_the_token_is_not_for_is_named_as_the_flag_s_mistake(self):
         # Before: "the source ... refuses its token", when the token was right and the flag wrong.
-        argv = self.argv(memory=False)[:-1] + ["--from-principal", "bob", "--to-principal", "alice"]
+        argv = self.argv(memory=False)[:-1] + ["--from-principal", "bob", "--to-principal",
+                                               "alice"]
         code, _, err = run_main(*argv)
         self.assertEqual(code, 1)
         self.assertEqual(err, (
-            "replicate: --from-principal bob is not the principal of the --from token: the source %s "
-            'answered POST /v1/memory/identity with 403 {"code": "account_mismatch", "error": "the token '
-            'belongs to another account"}; give --from-principal the principal the token was issued to '
+            "replicate: --from-principal bob is not the principal of the --from token: the source "
+            "%s "
+            'answered POST /v1/memory/identity with 403 {"code": "account_mismatch", "error": '
+            '"the token '
+            'belongs to another account"}; give --from-principal the principal the token was '
+            'issued to '
             "(or --no-memory)\n" % self.url))
 
 
@@ -14327,9 +15744,11 @@ class ReplicateFollowTest(ReplicateCase):
               "sys.exit(sync.main(sys.argv[1:]))" % HERE)
 
     def follow(self, *extra, memory=True):
-        process = subprocess.Popen([sys.executable, "-c", self.FOLLOW] + self.argv("--follow", *extra,
-                                                                                    memory=memory),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+        process = subprocess.Popen([sys.executable, "-c", self.FOLLOW]
+                                   + self.argv("--follow", *extra,
+                                                memory=memory),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   universal_newlines=True)
         self.addCleanup(process.kill)
         return process
 
@@ -14338,15 +15757,17 @@ class ReplicateFollowTest(ReplicateCase):
         self.push(self.alice, "proj", [record()])
         picky = self.picky(unavailable=sync.REPLICATE_ATTEMPTS + 3)
         process = self.follow("--state", self.state_path, memory=False)
-        self.wait_for(lambda: picky.pushes == [[record()]] and self.state_feeds() == {"personal/proj": 1})
+        self.wait_for(lambda: picky.pushes == [[record()]]
+                      and self.state_feeds() == {"personal/proj": 1})
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=15)
         self.assertEqual(process.returncode, 0, err)
         self.assertEqual(picky.unavailable, 0)  # each of the 503s was answered
-        self.assertRegex(err, r"^replicate: the target %s is failing: personal/proj: push: target: "
-                              r'POST /v1/push answered 503 \{"error": "busy"\}; trying again \(after '
-                              r"0\.01 s, doubling up to 0\.02 s\) until it is back, which is said\n"
-                              r"replicate: the target %s is back, after [0-9]+ s\n$"
+        self.assertRegex(err,
+                         r"^replicate: the target %s is failing: personal/proj: push: target: "
+                         r'POST /v1/push answered 503 \{"error": "busy"\}; trying again \(after '
+                         r"0\.01 s, doubling up to 0\.02 s\) until it is back, which is said\n"
+                         r"replicate: the target %s is back, after [0-9]+ s\n$"
                          % (re.escape(picky.url), re.escape(picky.url)))
         self.assertRegex(out, r"^replicate: 1 feed, 1 event copied, ")
 
@@ -14391,10 +15812,13 @@ class ReplicateFollowTest(ReplicateCase):
         out, err = process.communicate(timeout=15)
         self.assertEqual(process.returncode, 0, err)
         self.assertEqual(err, "")
-        self.assertRegex(out, r"^replicate: 2 feeds, 3 events copied, 0 already on the target; notes: 1 created")
+        self.assertRegex(out,
+                         r"^replicate: 2 feeds, 3 events copied, 0 already on the target; notes: "
+                         r"1 created")
         with open(self.state_path) as f:
             self.assertEqual(json.load(f)["feeds"], {"personal/proj": 2, "personal/fresh": 1})
-        self.assertEqual(self.target_pull("fresh", "platform")["records"], [])  # no --team: not copied
+        # no --team: not copied
+        self.assertEqual(self.target_pull("fresh", "platform")["records"], [])
         for token in (self.alice, self.target_alice):
             self.assertNotIn(token, out + err)
 
@@ -14405,36 +15829,46 @@ class ReplicateFollowTest(ReplicateCase):
         code, out, err = self.replicate("--follow")
         self.assertLess(time.monotonic() - started, 10)
         self.assertEqual(code, 1)
-        self.assertEqual(err, "replicate: the target %s refuses its token: POST /v1/push answered 401 "
-                              '{"error": "unknown or revoked token"}\n' % self.target.url)
+        self.assertEqual(err,
+                         "replicate: the target %s refuses its token: POST /v1/push answered 401 "
+                         '{"error": "unknown or revoked token"}\n' % self.target.url)
 
     def test_a_401_from_the_source_ends_a_run_with_exit_1(self):
         self.from_token = self.token_file("from.token", "ohs_000000000000_unknownunknownunknown")
         for follow in ((), ("--follow",)):
             code, out, err = self.replicate(*follow)
             self.assertEqual(code, 1)
-            self.assertEqual(err, "replicate: the source %s refuses its token: GET /v1/projects answered 401 "
-                                  '{"error": "unknown or revoked token"}\n' % self.url)
+            self.assertEqual(err,
+                             "replicate: the source %s refuses its token: GET /v1/projects "
+                             "answered 401 "
+                             '{"error": "unknown or revoked token"}\n' % self.url)
         code, out, err = self.replicate(memory=True)
         self.assertEqual(code, 1)
-        self.assertEqual(err, "replicate: the source %s refuses its token: POST /v1/memory/identity answered 401 "
-                              '{"code": "sign_in_required", "error": "unknown or revoked token (which memory '
-                              'clients this server lets in: see the README of oharness-sync, \\"Pointing an '
-                              'OHarness client at the server\\")"}\n' % self.url)
+        self.assertEqual(err,
+                         "replicate: the source %s refuses its token: POST /v1/memory/identity "
+                         "answered 401 "
+                         '{"code": "sign_in_required", "error": "unknown or revoked token (which '
+                         'memory '
+                         'clients this server lets in: see the README of oharness-sync, '
+                         '\\"Pointing an '
+                         'OHarness client at the server\\")"}\n' % self.url)
 
     def test_a_team_the_token_does_not_list_ends_the_run_with_exit_1(self):
         code, out, err = self.replicate("--team", "elsewhere")
         self.assertEqual(code, 1)
-        self.assertRegex(err, r"^replicate: the source http://\S+ refuses its token: GET /v1/projects answered 403 ")
+        self.assertRegex(err,
+                         r"^replicate: the source http://\S+ refuses its token: GET /v1/projects "
+                         r"answered 403 ")
 
 
     def test_a_long_poll_answered_at_once_with_nothing_is_not_made_again_at_once(self):
-        # A server past its share of parked pulls answers a long-poll at once, empty: asked again at
-        # once, a mirror would pull thousands of times a second.
+        # A server past its share of parked pulls answers a long-poll at once, empty: asked again
+        # at once, a mirror would pull thousands of times a second.
         url = start_faulty_server(self, "no-wait", {("token-a", "proj"): [("r", record())]})
         source = sync.ReplicateSide("source", url, "token-a", None)
         target = sync.ReplicateSide("target", self.target.url, self.target_alice, None)
-        replicator = sync.Replicator(source, target, sync.ReplicationState(None, url, self.target.url),
+        replicator = sync.Replicator(source, target,
+                                     sync.ReplicationState(None, url, self.target.url),
                                      memory=False, out=io.StringIO())
         thread = threading.Thread(target=replicator.follow, daemon=True)
         thread.start()
@@ -14447,8 +15881,9 @@ class ReplicateFollowTest(ReplicateCase):
 
 
 class PickyTarget:
-    """A target in this process that speaks just enough of pushes: it refuses a push holding a record
-    id in refuse (400), one of more than most events (413), and the first `unavailable` pushes (503)."""
+    """A target in this process that speaks just enough of pushes: it refuses a push holding a
+    record id in refuse (400), one of more than most events (413), and the first `unavailable`
+    pushes (503)."""
 
     def __init__(self, refuse=(), most=500, unavailable=0):
         self.pushes = []  # the events of every push it accepted
@@ -14485,7 +15920,8 @@ class PickyTarget:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = "http://127.0.0.1:%d" % self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01},
+                         daemon=True).start()
 
     def stop(self):
         self.httpd.shutdown()
@@ -14503,13 +15939,18 @@ class ReplicateRefusalsTest(ReplicateCase):
         picky = self.picky(refuse=("poison",), most=2)
         code, out, err = self.replicate("--state", self.state_path)
         self.assertEqual(code, 1)
-        self.assertEqual(err, 'replicate: personal/proj: the target refuses record s1/poison even alone: 400 '
-                              '{"error": "refused"}; this feed stops\n')
+        self.assertEqual(err,
+                         'replicate: personal/proj: the target refuses record s1/poison even '
+                         'alone: 400 '
+                         '{"error": "refused"}; this feed stops\n')
         self.assertSummary(out, 2, 5)
-        # other first (sorted); proj's 6 events: 413, then 3 (413), 1, 2, then 3 (413), 1, 2 (400), 1 (400): stop.
-        self.assertEqual(picky.pushes, [[record("s1", "fine")], records[0:1], records[1:3], records[3:4]])
+        # other first (sorted); proj's 6 events: 413, then 3 (413), 1, 2, then 3 (413), 1, 2 (400),
+        # 1 (400): stop.
+        self.assertEqual(picky.pushes,
+                         [[record("s1", "fine")], records[0:1], records[1:3], records[3:4]])
         with open(self.state_path) as f:
-            self.assertEqual(json.load(f)["feeds"], {"personal/other": 1})  # proj's page was not all acknowledged
+            # proj's page was not all acknowledged
+            self.assertEqual(json.load(f)["feeds"], {"personal/other": 1})
 
     def test_5xx_backs_off_doubling_and_a_run_gives_up_after_its_tries(self):
         self.push(self.alice, "proj", [record()])
@@ -14518,14 +15959,17 @@ class ReplicateRefusalsTest(ReplicateCase):
             code, out, err = self.replicate()
             self.assertEqual(code, 0, err)
             self.assertEqual(picky.pushes, [[record()]])
-            waits = re.findall(r"^replicate: personal/proj: push: target: POST /v1/push answered 503 "
+            waits = re.findall(r"^replicate: personal/proj: push: target: POST /v1/push answered "
+                               r"503 "
                                r'\{"error": "busy"\}; trying again in ([0-9.]+) s$', err, re.M)
             self.assertEqual(waits, ["0.01", "0.02", "0.03"])
             picky.unavailable = 100
             code, out, err = self.replicate()
             self.assertEqual(code, 1)
-            self.assertTrue(err.endswith('replicate: personal/proj: target: POST /v1/push answered 503 '
-                                         '{"error": "busy"} (gave up after 5 tries); this feed stops\n'), err)
+            self.assertTrue(err.endswith('replicate: personal/proj: target: POST /v1/push '
+                                         'answered 503 '
+                                         '{"error": "busy"} (gave up after 5 tries); this feed '
+                                         'stops\n'), err)
 
     def test_quiet_prints_errors_only(self):
         self.push(self.alice, "proj", [record()])
@@ -14535,17 +15979,23 @@ class ReplicateRefusalsTest(ReplicateCase):
             code, out, err = self.replicate("--quiet")
         self.assertEqual((code, out), (1, ""))
         # A fault is shown even while it is tried again: a mirror's log must say why it is behind.
-        self.assertEqual(err, 'replicate: personal/proj: push: target: POST /v1/push answered 503 {"error": "busy"}; '
-                              'trying again in 0.001 s\n' * 4 + 'replicate: personal/proj: target: POST /v1/push '
-                              'answered 503 {"error": "busy"} (gave up after 5 tries); this feed stops\n')
+        self.assertEqual(err,
+                         'replicate: personal/proj: push: target: POST /v1/push answered 503 '
+                         '{"error": "busy"}; '
+                         'trying again in 0.001 s\n' * 4
+                         + 'replicate: personal/proj: target: POST /v1/push '
+                         'answered 503 {"error": "busy"} (gave up after 5 tries); this feed '
+                         'stops\n')
 
 
     def test_a_source_that_repeats_its_cursor_or_moves_it_back_stops_the_feed(self):
-        # Before, a source that answered one cursor with more: true was pulled 137,000 times in 30 s.
+        # Before, a source that answered one cursor with more: true was pulled 137,000 times in 30
+        # s.
         feeds = {("token-a", "proj"): [("r", record("s1", "r%d" % i)) for i in range(3)]}
         self.from_token = self.token_file("from.token", "token-a")
         for fault, cursor, wrong in (
-                ("repeat-cursor", 1, "repeats cursor 1 with more: true (pulling on would never end)"),
+                ("repeat-cursor", 1,
+                 "repeats cursor 1 with more: true (pulling on would never end)"),
                 ("backward-cursor", 0, "has a cursor below since (1)")):
             with self.subTest(fault=fault):
                 self.source_url = start_faulty_server(self, fault, feeds)
@@ -14554,8 +16004,10 @@ class ReplicateRefusalsTest(ReplicateCase):
                 self.assertLess(time.monotonic() - started, 10)
                 self.assertEqual((code, err), (1, (
                     'replicate: personal/proj: source: the response to a pull %s: {"cursor": %d, '
-                    '"records": [], "sessions": [], "more": true}; this feed stops\n' % (wrong, cursor))))
-                self.assertEqual(self.target_pull()["records"], [record("s1", "r0")])  # its first page
+                    '"records": [], "sessions": [], "more": true}; this feed stops\n'
+                    % (wrong, cursor))))
+                # its first page
+                self.assertEqual(self.target_pull()["records"], [record("s1", "r0")])
 
     def test_an_endless_pull_answer_stops_its_feed_at_the_byte_limit(self):
         limits, ended = [], []
@@ -14575,12 +16027,15 @@ class ReplicateRefusalsTest(ReplicateCase):
         with mock.patch.object(sync, "LARGE_ANSWER_BYTES", 1024 * 1024):
             code, out, err = self.replicate()
         self.assertEqual(code, 1)
-        # Asked again for half as many events, down to one, each answer cut at 1 MiB; then it stops.
+        # Asked again for half as many events, down to one, each answer cut at 1 MiB; then it
+        # stops.
         self.assertEqual(limits, [500, 250, 125, 62, 31, 15, 7, 3, 1])
         self.assertEqual(err, "".join(
-            "replicate: personal/proj: a page passed 1.0 MiB: pulling %d events at a time\n" % limit
+            "replicate: personal/proj: a page passed 1.0 MiB: pulling %d events at a time\n"
+            % limit
             for limit in limits[1:]) + (
-            "replicate: personal/proj: source: GET /v1/pull of %s: the answer passed 1.0 MiB, the most "
+            "replicate: personal/proj: source: GET /v1/pull of %s: the answer passed 1.0 MiB, the "
+            "most "
             "taken for it (a server that never ends its answer?); this feed stops\n" % server.url))
         deadline = time.monotonic() + 10
         while len(ended) < len(limits) and time.monotonic() < deadline:
@@ -14594,8 +16049,10 @@ class ReplicateRefusalsTest(ReplicateCase):
             code, out, err = self.replicate("--state", self.state_path)
         self.assertEqual(code, 0, err)
         # 15 records of 20 kB are past 256 KiB with their JSON; 7 are not.
-        self.assertEqual(err, "".join("replicate: personal/proj: a page passed 256.0 KiB: pulling %d "
-                                      "events at a time\n" % limit for limit in (250, 125, 62, 31, 15, 7)))
+        self.assertEqual(err,
+                         "".join("replicate: personal/proj: a page passed 256.0 KiB: pulling %d "
+                                 "events at a time\n" % limit
+                                 for limit in (250, 125, 62, 31, 15, 7)))
         self.assertSummary(out, 1, 40)
         # (two pages are pushed at once: they may land in either order)
         self.assertEqual(sorted(self.target_pull()["records"], key=lambda r: r["seq"]), records)
@@ -14606,17 +16063,20 @@ class ReplicateRefusalsTest(ReplicateCase):
             code, out, err = self.replicate()
         self.assertEqual(code, 1)
         self.assertEqual(err.splitlines()[-1], (
-            "replicate: source: GET /v1/projects: cannot connect to %s: connection refused (is the "
+            "replicate: source: GET /v1/projects: cannot connect to %s: connection refused (is "
+            "the "
             "server running, on that port?) (gave up after 5 tries)" % self.source_url))
 
     def test_what_a_source_sends_is_printed_escaped(self):
         status = b"\x1b]0;owned\x07 HTTP/1.1 200 OK\r\n\r\n"
-        self.source_url = RawAnswerServer(self, lambda server, sock, head: server.send(sock, status)).url
+        self.source_url = RawAnswerServer(self, lambda server, sock,
+                                          head: server.send(sock, status)).url
         with mock.patch.object(sync, "REPLICATE_BACKOFF", (0.001, 0.001)):
             code, out, err = self.replicate()
         self.assertEqual(code, 1)
         self.assertEqual(err.splitlines()[-1], (
-            "replicate: source: GET /v1/projects of %s: network error: \\x1b]0;owned\\x07 HTTP/1.1 200 "
+            "replicate: source: GET /v1/projects of %s: network error: \\x1b]0;owned\\x07 "
+            "HTTP/1.1 200 "
             "OK\\r\\n (gave up after 5 tries)" % self.source_url))
         self.assertEqual(len(err.splitlines()), 5)
 
@@ -14634,19 +16094,23 @@ class ReplicateUsageTest(ReplicateCase):
                          "cannot read --from-token-file %s: No such file or directory" % missing)
         empty = self.token_file("empty.token", "")
         self.assertUsage([empty if a == self.to_token else a for a in argv],
-                         "--to-token-file %s does not hold a token (printable ASCII, no spaces, on its first line)"
+                         "--to-token-file %s does not hold a token (printable ASCII, no spaces, "
+                         "on its first line)"
                          % empty)
         self.assertUsage([self.url if a == self.target_url else a for a in argv],
                          "--from and --to name the same server")
         self.assertUsage([self.url + "/" if a == self.target_url else a for a in argv],
                          "--from and --to name the same server")
-        self.assertUsage([a.replace("127.0.0.1", "192.0.2.1") if a == self.target_url else a for a in argv],
-                         "--to is plain http to 192.0.2.1, not a loopback address: the token would cross "
+        self.assertUsage([a.replace("127.0.0.1", "192.0.2.1") if a == self.target_url else a
+                          for a in argv],
+                         "--to is plain http to 192.0.2.1, not a loopback address: the token "
+                         "would cross "
                          "the network in clear (use https, or --allow-plain-http)")
         self.assertUsage(self.argv()[:9] + ["--no-memory", "--project", "a/b"],
                          "--project must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
         self.assertUsage(self.argv(memory=False)[:-1],
-                         "memory needs the principal of the --from token, which is not a JWT: give --from-principal "
+                         "memory needs the principal of the --from token, which is not a JWT: "
+                         "give --from-principal "
                          "ID, or --no-memory")
         self.assertUsage(self.argv("--state", self.token_file("bad.json", "{}")),
                          "cannot use the state file %s: not a replicate state file (version 1)"
@@ -14654,19 +16118,23 @@ class ReplicateUsageTest(ReplicateCase):
         unwritable = os.path.join(self.files, "no-such-dir", "state.json")
         self.assertUsage(self.argv("--state", unwritable),
                          "cannot use the state file %s: No such file or directory" % unwritable)
-        self.assertUsage(["replicate", "--from", self.url], "the following arguments are required: "
+        self.assertUsage(["replicate", "--from", self.url],
+                         "the following arguments are required: "
                          "--from-token-file, --to, --to-token-file")
         self.assertEqual(self.target_pull()["cursor"], 0)
 
     def test_a_name_that_starts_with_127_is_not_loopback_and_one_server_by_two_names_is_one(self):
         argv = self.argv()
-        self.assertUsage([a.replace("127.0.0.1", "127.attacker.example") if a == self.url else a for a in argv],
-                         "--from is plain http to 127.attacker.example, not a loopback address: the token "
+        self.assertUsage([a.replace("127.0.0.1", "127.attacker.example") if a == self.url else a
+                          for a in argv],
+                         "--from is plain http to 127.attacker.example, not a loopback address: "
+                         "the token "
                          "would cross the network in clear (use https, or --allow-plain-http)")
         port = self.target.server_address[1]
         self.assertUsage([self.target_url.replace("127.0.0.1", "localhost") if a == self.url else a
                           for a in argv],
-                         "--from and --to name the same server (localhost port %d and 127.0.0.1 port %d "
+                         "--from and --to name the same server (localhost port %d and 127.0.0.1 "
+                         "port %d "
                          "are one address and port)" % (port, port))
         self.assertEqual(self.target_pull()["cursor"], 0)
 
@@ -14678,8 +16146,11 @@ class ReplicateUsageTest(ReplicateCase):
         self.push(self.alice, "proj", [record()])
         code, out, err = self.replicate()
         self.assertEqual(code, 1)
-        self.assertEqual(err, "replicate: the source %s: its certificate cannot be verified (self-signed "
-                              "certificate); for a self-signed one, give it with --ca-file\n" % self.url)
+        self.assertEqual(err,
+                         "replicate: the source %s: its certificate cannot be verified "
+                         "(self-signed "
+                         "certificate); for a self-signed one, give it with --ca-file\n"
+                         % self.url)
         code, out, err = self.replicate("--ca-file", os.path.join(TLS_DATA, "cert.pem"))
         self.assertEqual((code, err), (0, ""))
         self.assertEqual(self.target_pull()["records"], [record()])
