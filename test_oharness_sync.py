@@ -6,7 +6,6 @@ Wire-level cases start a real server on port 0 (in a thread, or as a
 subprocess where a crash or a signal is part of the test).
 """
 
-import argparse
 import ast
 import base64
 import collections
@@ -233,6 +232,13 @@ class ServerCase(unittest.TestCase):
         for root, _, files in os.walk(os.path.join(self.data_dir, "feeds")):
             found.extend(os.path.join(root, name) for name in files)
         return sorted(found)
+
+    def wait_until_parked(self, count):
+        """Wait (5 s at most) until the app holds count long-polls."""
+        deadline = time.monotonic() + 5
+        while len(self.server.app.parked) < count:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
 
 
 def no_log(message):
@@ -9411,21 +9417,15 @@ class ParkedShareTest(ServerCase):
         self.addCleanup(thread.join, 10)
         return thread
 
-    def wait_parked(self, count):
-        deadline = time.monotonic() + 5
-        while len(self.server.app.parked) < count:
-            self.assertLess(time.monotonic(), deadline)
-            time.sleep(0.01)
-
     def test_a_principal_parking_its_half_does_not_keep_another_from_parking(self):
         alice_answers, bob_answers = [], []
         alice_threads = [self.park(self.alice, alice_answers, "p%d" % i) for i in range(3)]
-        self.wait_parked(3)
+        self.wait_until_parked(3)
         started = time.monotonic()
         self.assertAnswer(self.pull(self.alice, "p9", wait=5), 200, EMPTY_PULL)  # past her half
         self.assertLess(time.monotonic() - started, 1.0)
         bob_thread = self.park(self.bob, bob_answers)
-        self.wait_parked(4)
+        self.wait_until_parked(4)
         self.assertEqual(bob_answers, [])
         self.assertAnswer(self.push(self.bob, records=[record()]), 200)
         bob_thread.join(5)
@@ -9455,12 +9455,6 @@ class RevokedParkedPullTest(ServerCase):
         self.addCleanup(thread.join, 35)
         return thread
 
-    def wait_parked(self, count):
-        deadline = time.monotonic() + 5
-        while len(self.server.app.parked) < count:
-            self.assertLess(time.monotonic(), deadline)
-            time.sleep(0.01)
-
     def revoke(self, token):
         self.assertTrue(self.tokens.revoke(token.split("_")[1]))
         return time.monotonic()
@@ -9474,7 +9468,7 @@ class RevokedParkedPullTest(ServerCase):
         alice_answers, bob_answers = [], []
         alice_thread = self.park(self.alice, alice_answers)
         self.park(self.bob, bob_answers)
-        self.wait_parked(2)
+        self.wait_until_parked(2)
         revoked = self.revoke(self.alice)
         alice_thread.join(5)
         answer, answered = alice_answers[0]
@@ -9495,7 +9489,7 @@ class RevokedParkedPullTest(ServerCase):
         # Without the watch on the token file: only the answer's own check stands in the way.
         with mock.patch.object(sync.SyncApp, "_check_parked"):
             thread = self.park(self.alice, answers)
-            self.wait_parked(1)
+            self.wait_until_parked(1)
             self.revoke(self.alice)
             self.server.app.auth.local.reload()  # (in effect now, not in a second)
             self.assertRevoked(self.request("GET", "/v1/projects", token=self.alice))
@@ -9515,7 +9509,7 @@ class RevokedParkedPullTest(ServerCase):
         answers = []
         with mock.patch.object(threading.Thread, "start", start):
             thread = self.park(self.bob, answers)
-            self.wait_parked(1)
+            self.wait_until_parked(1)
         self.assertIn("cannot watch the parked pulls' tokens: can't start new thread",
                       self.log_lines)
         self.assertAnswer(self.push(self.bob, records=[record()]), 200)
@@ -9524,7 +9518,7 @@ class RevokedParkedPullTest(ServerCase):
         self.assertEqual(len(self.server.app.parked), 0)  # (given back before it was answered)
         # The next pull to park starts the watch: a revoke still ends it within 3 s.
         thread = self.park(self.alice, answers)
-        self.wait_parked(1)
+        self.wait_until_parked(1)
         revoked = self.revoke(self.alice)
         thread.join(5)
         self.assertRevoked(answers[1][0])
