@@ -14684,8 +14684,9 @@ class CheckTlsTest(ServerCase):
                            "(openssl verify -CAfile FILE CERTIFICATE tells)")
 
     def test_https_to_a_plain_http_server_says_to_try_http(self):
+        lines = []  # (the plain server's log: its refusal of the TLS hello, kept off stderr)
         plain = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), server_config(),
-                                  sync.Log(quiet=True))
+                                  CapturingLog(lines))
         threading.Thread(target=plain.serve_forever, daemon=True).start()
         self.addCleanup(plain.stop, 0)
         url = plain.url.replace("http:", "https:")
@@ -14694,6 +14695,7 @@ class CheckTlsTest(ServerCase):
                          (1,
                           "check stopped: the TLS handshake with %s failed: what answers there is "
                           "not TLS (plain HTTP?): try http://\n" % url))
+        self.assertIn("refused a malformed request (400 bad request line)", "\n".join(lines))
 
     def test_an_http_url_for_it_is_one_line_that_names_https(self):
         # Before, every check failed with the same "network error: Connection reset by peer".
