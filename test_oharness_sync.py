@@ -4844,8 +4844,7 @@ class FsckTest(unittest.TestCase):
         self.assertEqual(code, 0, lines)
         self.assertEqual(lines,
                          ["fsck %s: 2 feeds with 7 events, 2 memory scopes with 3 live notes, 1 "
-                          "token: "
-                          "0 problems" % self.data_dir])
+                          "token: 0 problems" % self.data_dir])
 
     def test_a_flipped_byte_is_named_with_its_line_and_repair_drops_only_that_line(self):
         with open(self.feed, "rb") as f:
@@ -5018,8 +5017,7 @@ class FsckTest(unittest.TestCase):
         code, lines = self.fsck()
         self.assertEqual(lines,
                          ["fsck %s: 2 feeds with 6 events, 2 memory scopes with 3 live notes, 1 "
-                          "token: "
-                          "0 problems" % moved])
+                          "token: 0 problems" % moved])
         self.assertLess(offset, os.path.getsize(self.feed))
 
     def test_unreferenced_objects_alone_name_the_repair_command(self):
@@ -5432,8 +5430,7 @@ class UsageCommandTest(DataDirToolCase):
         self.assertEqual(self.usage("--principals-file", path),
                          (2, "",
                           "oharness-sync: error: cannot use the principals file %s: line 1: '2 "
-                          "GiBs' is not "
-                          "a size (such as 500MiB, 2GiB or 1TB)\n" % path))
+                          "GiBs' is not a size (such as 500MiB, 2GiB or 1TB)\n" % path))
 
     def test_usage_is_read_only(self):
         before = self.tree()
@@ -6148,8 +6145,7 @@ class RestoreMarkTest(DataDirToolCase):
         taken = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.NOW - 5))
         self.assertEqual(lines,
                          ["restored from a copy taken %s UTC (backup): feeds number on after %d "
-                          "(3 feeds "
-                          "jumped), 3 memory scopes got a new etag" % (taken, floor)])
+                          "(3 feeds jumped), 3 memory scopes got a new etag" % (taken, floor)])
         for path in (self.alice_feed, self.team_feed, self.bob_feed):
             self.assertEqual(self.last_line(path), (floor, b"x"))
         after = self.etags()
@@ -13212,15 +13208,13 @@ class CommandLineTest(unittest.TestCase):
                                    "--principals-file", path),
                          (2, "",
                           "oharness-sync: error: cannot use the principals file %s: line 1: '2 "
-                          "GiBs' is not "
-                          "a size (such as 500MiB, 2GiB or 1TB)\n" % path))
+                          "GiBs' is not a size (such as 500MiB, 2GiB or 1TB)\n" % path))
         # nothing issued by the refused one
         self.assertEqual(len(sync.TokenStore(self.data_dir).read()), 2)
         self.assertEqual(run_main("--data", self.data_dir, "--principals-file", path + ".missing"),
                          (2, "",
                           "oharness-sync: error: cannot use the principals file %s.missing: No "
-                          "such file or "
-                          "directory\n" % path))
+                          "such file or directory\n" % path))
 
     def test_reserve_disk_takes_a_size_and_a_start_below_it_says_so(self):
         self.assertEqual(run_main("--data", self.data_dir, "--reserve-disk", "lots"),
@@ -13235,8 +13229,7 @@ class CommandLineTest(unittest.TestCase):
         server.server_close()
         self.assertEqual(lines,
                          ["warning: the disk of %s has 200.0 MiB free, less than --reserve-disk "
-                          "256 MiB: "
-                          "pushes and memory commits are refused until there is room"
+                          "256 MiB: pushes and memory commits are refused until there is room"
                           % self.data_dir])
 
     def test_a_data_dir_of_another_user_names_the_user_to_run_as(self):
@@ -13562,8 +13555,7 @@ class CommandLineTest(unittest.TestCase):
             self.assertEqual((result.returncode, result.stdout, result.stderr),
                              (2, "",
                               "oharness-sync: error: give the token id, e.g. 3f9c2a17b0de (the ID "
-                              "column of "
-                              "`token list`), or the whole token\n"), given)
+                              "column of `token list`), or the whole token\n"), given)
         self.assertEqual([r["principal"] for r in sync.TokenStore(self.data_dir).read()], ["bob"])
 
     def test_token_list_says_its_times_are_utc(self):
@@ -13804,8 +13796,7 @@ class RunningAsTheOwnerTest(unittest.TestCase):
         self.assertEqual(self.run_command("usage", "--data", self.data_dir), (
             2, "",
             "%s\noharness-sync: error: nobody, the owner of %s, cannot reach it: %s does not let "
-            "them in "
-            "(chmod o+x %s, or move the data dir)\n"
+            "them in (chmod o+x %s, or move the data dir)\n"
             % (self.running_as(), self.data_dir, top, top)))
 
     def test_usage_and_fsck_by_a_user_who_cannot_read_the_dir_are_one_line_and_exit_2(self):
@@ -14442,8 +14433,7 @@ class CheckCatchesFaultsTest(unittest.TestCase):
         self.assertEqual((result.returncode, result.stdout, result.stderr),
                          (1,
                           "check stopped: cannot connect to %s: connection refused (is the server "
-                          "running, on "
-                          "that port?)\n" % url, ""))  # nothing was written: no notice
+                          "running, on that port?)\n" % url, ""))  # nothing was written: no notice
 
     def test_a_server_gone_half_way_stops_the_checks_with_one_line(self):
         url = self.start_faulty_server(None)
@@ -14680,8 +14670,7 @@ class CheckTlsTest(ServerCase):
         self.assertEqual(sync.connect_failure("https://pi", error, ca_file="ca.crt"),
                          fault
                          + "no CA in --ca-file ca.crt signed it: give the certificate of the CA "
-                           "that did "
-                           "(openssl verify -CAfile FILE CERTIFICATE tells)")
+                           "that did (openssl verify -CAfile FILE CERTIFICATE tells)")
 
     def test_https_to_a_plain_http_server_says_to_try_http(self):
         lines = []  # (the plain server's log: its refusal of the TLS hello, kept off stderr)
@@ -15387,8 +15376,7 @@ class ReplicateCase(ServerCase):
 
     def summary(self, feeds, copied, had=0, created=0, updated=0, deleted=0, conflicts=0):
         return ("replicate: %s, %s copied, %d already on the target; notes: %d created, %d "
-                "updated, "
-                "%d deleted, %s kept; "
+                "updated, %d deleted, %s kept; "
                 % (sync.plural(feeds, "feed"), sync.plural(copied, "event"), had, created,
                    updated, deleted, sync.plural(conflicts, "conflict")))
 
@@ -16060,8 +16048,7 @@ class ReplicateRefusalsTest(ReplicateCase):
         self.assertEqual(code, 1)
         self.assertEqual(err.splitlines()[-1], (
             "replicate: source: GET /v1/projects: cannot connect to %s: connection refused (is "
-            "the "
-            "server running, on that port?) (gave up after 5 tries)" % self.source_url))
+            "the server running, on that port?) (gave up after 5 tries)" % self.source_url))
 
     def test_what_a_source_sends_is_printed_escaped(self):
         status = b"\x1b]0;owned\x07 HTTP/1.1 200 OK\r\n\r\n"
@@ -16072,8 +16059,7 @@ class ReplicateRefusalsTest(ReplicateCase):
         self.assertEqual(code, 1)
         self.assertEqual(err.splitlines()[-1], (
             "replicate: source: GET /v1/projects of %s: network error: \\x1b]0;owned\\x07 "
-            "HTTP/1.1 200 "
-            "OK\\r\\n (gave up after 5 tries)" % self.source_url))
+            "HTTP/1.1 200 OK\\r\\n (gave up after 5 tries)" % self.source_url))
         self.assertEqual(len(err.splitlines()), 5)
 
 
@@ -16100,8 +16086,7 @@ class ReplicateUsageTest(ReplicateCase):
         self.assertUsage([a.replace("127.0.0.1", "192.0.2.1") if a == self.target_url else a
                           for a in argv],
                          "--to is plain http to 192.0.2.1, not a loopback address: the token "
-                         "would cross "
-                         "the network in clear (use https, or --allow-plain-http)")
+                         "would cross the network in clear (use https, or --allow-plain-http)")
         self.assertUsage(self.argv()[:9] + ["--no-memory", "--project", "a/b"],
                          "--project must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
         self.assertUsage(self.argv(memory=False)[:-1],
@@ -16130,8 +16115,7 @@ class ReplicateUsageTest(ReplicateCase):
         self.assertUsage([self.target_url.replace("127.0.0.1", "localhost") if a == self.url else a
                           for a in argv],
                          "--from and --to name the same server (localhost port %d and 127.0.0.1 "
-                         "port %d "
-                         "are one address and port)" % (port, port))
+                         "port %d are one address and port)" % (port, port))
         self.assertEqual(self.target_pull()["cursor"], 0)
 
     def test_a_self_signed_certificate_needs_ca_file(self):
