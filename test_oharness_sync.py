@@ -7840,7 +7840,7 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
               "/v1/pull?project=proj": "GET"}
     METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD")
 
-    server_options = {"request_seconds": 1.0}  # a short total request time (--request-timeout)
+    server_options = {"request_seconds": 0.5}  # a short total request time (--request-timeout)
 
     def connection(self, timeout=5):
         host, port = self.server.server_address[:2]
@@ -7855,7 +7855,7 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
             sock.sendall(("GET /v1/pull?project=proj&since=0&wait=10 HTTP/1.1\r\nHost: "
                           "t\r\nContent-Length: 5\r\n"
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
-            time.sleep(1.6)  # past the 1 s request deadline, parked
+            time.sleep(0.8)  # past the 0.5 s request deadline, parked
             self.assertAnswer(self.push(self.alice, records=[record()]), 200)
             status, headers, body, _ = raw_exchange(sock)
             self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]),
@@ -7881,7 +7881,7 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         with open_raw(self.url) as sock:
             sock.sendall(health + b"\r\n")
             self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
-            time.sleep(1.6)  # past the 1 s request deadline
+            time.sleep(0.8)  # past the 0.5 s request deadline
             sock.sendall(health)
             self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
         self.assertEqual([line for line in self.log_lines if "did not arrive" in line], [])
@@ -8014,15 +8014,15 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
         response = conn.getresponse()
         self.assertEqual((response.status, response.read()), (200, b'{"ok":true}'))
         sock = conn.sock
-        time.sleep(1.3)   # longer than the (patched) request time: idle is not a slow request
+        time.sleep(0.7)   # longer than the (patched) request time: idle is not a slow request
         conn.request("GET", "/v1/projects", headers={"Authorization": "Bearer " + self.alice})
         response = conn.getresponse()
         self.assertEqual((response.status, response.read()), (200, b'{"projects":[]}'))
         self.assertIs(conn.sock, sock, "the idle connection was closed")
 
     def assertDisconnected(self, head, drip):
-        """Send head, then one byte a second: the server must close the connection within about 3
-        s."""
+        """Send head, then a byte every quarter of a second: the server must close the connection
+        within about 3 s."""
         with open_raw(self.url, timeout=5) as sock:
             sock.sendall(head)
             started = time.monotonic()
@@ -8030,7 +8030,7 @@ class HttpEdgesTest(SessionWireMixin, ServerCase):
             for byte in drip:
                 try:
                     sock.sendall(bytes([byte]))
-                    sock.settimeout(1.0)
+                    sock.settimeout(0.25)
                     data = sock.recv(65536)
                 except socket.timeout:
                     if time.monotonic() - started > 3.5:
@@ -9177,7 +9177,7 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
     """Contract 6: the idle limit, kept by the server's sweep of its connections. It closes
     a keep-alive connection nobody uses, and a connection whose client does not read its answer."""
 
-    server_options = {"idle_seconds": 1.0}
+    server_options = {"idle_seconds": 0.5}
 
     def wait_for_connections(self, count, seconds):
         deadline = time.monotonic() + seconds
@@ -9192,7 +9192,7 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
             started = time.monotonic()
             self.assertTrue(server_closed(sock, 4),
                             "an idle connection was kept past the idle limit")
-            self.assertGreater(time.monotonic() - started, 0.7)
+            self.assertGreater(time.monotonic() - started, 0.4)
         self.assertEqual(self.wait_for_connections(0, 2), 0)
         self.assertEqual([line for line in self.log_lines if "did not arrive" in line], [])
 
@@ -9205,8 +9205,8 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
         with open_raw(self.url) as sock:
             for request in range(4):
                 if request:
-                    # 1.2 s from first to last, more than the limit; each pause within it
-                    time.sleep(0.4)
+                    # 0.6 s from first to last, more than the limit; each pause within it
+                    time.sleep(0.2)
                 sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: test\r\n\r\n")
                 self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
 
@@ -9226,7 +9226,7 @@ class IdleLimitTest(SessionWireMixin, ServerCase):
             sock.sendall(("GET /v1/pull?project=proj&since=0&wait=10 HTTP/1.1\r\nHost: test\r\n"
                           "Authorization: Bearer %s\r\n\r\n" % self.alice).encode("ascii"))
             # parked longer than the idle limit: waiting for the feed is not idleness
-            time.sleep(1.1)
+            time.sleep(0.6)
             self.assertAnswer(self.push(self.alice, records=[record()]), 200)
             status, _, body, _ = raw_exchange(sock)  # answered when the push woke it
             self.assertEqual((status, [r["id"] for r in json.loads(body)["records"]]),
@@ -10462,7 +10462,7 @@ class TlsTest(ServerCase):
     def setUp(self):
         self.server_options = {"tls": sync.TlsFiles(os.path.join(TLS_DATA, "cert.pem"),
                                                     os.path.join(TLS_DATA, "key.pem")),
-                               "idle_seconds": 1.0, "request_seconds": 1.0}
+                               "idle_seconds": 0.5, "request_seconds": 0.5}
         super().setUp()
 
     def test_a_tls_long_poll_whose_client_stops_reading_is_cut_off_quietly(self):
@@ -10517,7 +10517,7 @@ class TlsTest(ServerCase):
             self.assertEqual(raw_exchange(sock)[::2], (200, b'{"ok":true}'))
             started = time.monotonic()
             self.assertTrue(server_closed(sock, 6), "the idle limit did not close the connection")
-            self.assertGreater(time.monotonic() - started, 0.7)
+            self.assertGreater(time.monotonic() - started, 0.4)
         self.assertEqual(https_health(self.url)[:2], (200, b'{"ok":true}'))
 
     def test_https_health_with_tls_1_2_at_least(self):
