@@ -6723,18 +6723,21 @@ class HealthAndAuthTest(ServerCase):
                 self.assertIsInstance(answer.json["error"], str)
         self.assertEqual(self.feed_files(), [])
 
-    def test_a_new_token_works_and_a_revoked_one_stops_within_two_seconds(self):
+    def test_a_new_token_works_and_a_revoked_one_stops_at_the_token_files_next_reload(self):
         self.assertAnswer(self.request("GET", "/v1/projects", token=self.alice), 200)
-        token, record_ = self.tokens.issue("erin")
-        deadline = time.monotonic() + 2.0
-        while self.request("GET", "/v1/projects", token=token).status != 200:
-            self.assertLess(time.monotonic(), deadline, "new token not honoured within 2 s")
-            time.sleep(0.1)
-        self.tokens.revoke(record_["id"])
-        deadline = time.monotonic() + 2.0
-        while self.request("GET", "/v1/projects", token=token).status != 401:
-            self.assertLess(time.monotonic(), deadline, "revoked token still honoured after 2 s")
-            time.sleep(0.1)
+        # (the file looked at every 0.2 s here, not every second: each wait below is shorter)
+        with mock.patch.object(sync, "TOKEN_RELOAD_SECONDS", 0.2):
+            token, record_ = self.tokens.issue("erin")
+            deadline = time.monotonic() + 2.0
+            while self.request("GET", "/v1/projects", token=token).status != 200:
+                self.assertLess(time.monotonic(), deadline, "new token not honoured within 2 s")
+                time.sleep(0.05)
+            self.tokens.revoke(record_["id"])
+            deadline = time.monotonic() + 2.0
+            while self.request("GET", "/v1/projects", token=token).status != 401:
+                self.assertLess(time.monotonic(), deadline,
+                                "revoked token still honoured after 2 s")
+                time.sleep(0.05)
 
     def test_the_access_log_names_the_principal_and_never_the_token(self):
         self.request("GET", "/v1/pull?project=p&since=0&secret=xyz", token=self.alice)
@@ -9474,6 +9477,14 @@ class RevokedParkedPullTest(ServerCase):
     """A long-poll parked before its token was revoked answers 401 as soon as the revoke takes
     effect, and never hands out what was pushed after."""
 
+    def setUp(self):
+        # The token file is looked at every 0.2 s here, not every second: each revoke below takes
+        # effect (and is waited for) sooner.
+        patcher = mock.patch.object(sync, "TOKEN_RELOAD_SECONDS", 0.2)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        super().setUp()
+
     def park(self, token, results, project="proj"):
         def run():
             answer = self.pull(token, project, wait=30)
@@ -10311,32 +10322,32 @@ class LongPollTest(ServerCase):
     def test_a_late_wake_never_answers_the_connections_next_pull(self):
         # From a review: the push that woke alice's pull was slow to reach it (a thousand others
         # first); her pull answered itself at its check, her connection (a proxy's, say) carried
-        # bob's pull next, and the late wake sent him alice's record. The wake is widened here to a
-        # second.
+        # bob's pull next, and the late wake sent him alice's record. The wake is widened here to
+        # 0.7 s, past her pull's check at 0.2 s and within bob's wait of a second.
         real_wake = sync.wake_waiters
 
         def slow_wake(pulls, log):
             if pulls:
-                time.sleep(1.0)
+                time.sleep(0.7)
             real_wake(pulls, log)
 
         with mock.patch.object(sync, "PARKED_CHECK_SECONDS",
-                               0.3), mock.patch.object(sync, "wake_waiters", slow_wake):
+                               0.2), mock.patch.object(sync, "wake_waiters", slow_wake):
             sock = self.raw_pull("a")
             self.wait_parked(1)
             pusher = threading.Thread(target=lambda: self.push(self.alice, "a", [record()]))
             pusher.start()
             self.addCleanup(pusher.join, 5)
-            # answered by its own thread, at its 0.3 s check
+            # answered by its own thread, at its 0.2 s check
             status, _, body, _ = raw_exchange(sock)
             self.assertEqual((status, json.loads(body)["records"]), (200, [record()]))
-            sock.sendall(b"GET /v1/pull?project=b&since=0&wait=2 HTTP/1.1\r\nHost: x\r\n"
+            sock.sendall(b"GET /v1/pull?project=b&since=0&wait=1 HTTP/1.1\r\nHost: x\r\n"
                          b"Authorization: Bearer " + self.bob.encode() + b"\r\n\r\n")
             started = time.monotonic()
             status, _, body, _ = raw_exchange(sock)
         self.assertEqual((status, json.loads(body)),
                          (200, {"cursor": 0, "records": [], "sessions": [], "more": False}))
-        self.assertGreaterEqual(time.monotonic() - started, 1.9)  # it waited out its own wait
+        self.assertGreaterEqual(time.monotonic() - started, 0.9)  # it waited out its own wait
 
     def test_an_unexpected_error_while_answering_a_woken_pull_early_loses_no_answer(self):
         # The pushing thread answers the pulls it wakes; when building one's answer fails there,
@@ -14232,7 +14243,14 @@ class CheckCommandTest(ServerCase):
         token, _ = sync.TokenStore(data_dir).issue("alice")
         server = SubprocessServer(data_dir)
         try:
-            result = run_module("check", "--url", server.url, "--token-file", token_file(token))
+            # (without the long-poll checks' second of waiting: test_every_check_passes_against_
+            # this_server runs them whole)
+            result = subprocess.run(
+                [sys.executable, "-c", "import sys, oharness_sync as m; m.CHECK_POLL_WAIT = 0; "
+                 "sys.exit(m.main(sys.argv[1:]))", "check", "--url", server.url, "--token-file",
+                 token_file(token)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+                timeout=60)
         finally:
             server.stop()
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
@@ -14527,32 +14545,33 @@ class CheckBoundsTest(unittest.TestCase):
     and in bytes, and what the server sends is printed escaped."""
 
     def check(self, url, *flags):
-        """The check command with a 1 s time-out: (exit code, stdout, stderr, seconds taken)."""
+        """The check command with a 0.5 s time-out: (exit code, stdout, stderr, seconds taken)."""
         started = time.monotonic()
-        with mock.patch.object(sync, "CHECK_TIMEOUT", 1):
+        with mock.patch.object(sync, "CHECK_TIMEOUT", 0.5):
             code, out, err = run_check_command("--url", url, "--token", "t0ken", *flags)
         return code, out, err, time.monotonic() - started
 
     def test_an_answer_dripped_a_byte_at_a_time_stops_within_twice_the_time_out(self):
-        # Before, the time-out was per read: a byte every 0.2 s kept check waiting for ever.
+        # Before, the time-out was per read: a byte every 0.1 s kept check waiting for ever.
         def drip_body(server, sock, head):
             server.send(sock, answer_head("200 OK", "Content-Length: 100"))
             for _ in range(100):
                 server.send(sock, b" ")
-                time.sleep(0.2)
+                time.sleep(0.1)
 
         def drip_head(server, sock, head):
             for byte in answer_head("200 OK", "Content-Length: 0"):
                 server.send(sock, bytes([byte]))
-                time.sleep(0.2)
+                time.sleep(0.1)
         for drip in (drip_body, drip_head):
             with self.subTest(drip=drip.__name__):
                 server = RawAnswerServer(self, drip)
                 code, out, err, seconds = self.check(server.url)
                 self.assertEqual((code, out, err), (1, (
-                    "check stopped: GET /v1/health of %s: no whole answer within 1 s (a server "
-                    "that answers too slowly, or never ends its answer)\n" % server.url), ""))
-                self.assertLess(seconds, 2)
+                    "check stopped: GET /v1/health of %s: no whole answer within 0.5 s (a "
+                    "server that answers too slowly, or never ends its answer)\n" % server.url),
+                    ""))
+                self.assertLess(seconds, 1)
 
     def test_a_tls_handshake_never_answered_stops_within_the_time_out(self):
         server = RawAnswerServer(self, lambda *args: None)  # a ClientHello is never a head
@@ -14560,7 +14579,7 @@ class CheckBoundsTest(unittest.TestCase):
         code, out, err, seconds = self.check(url)
         self.assertEqual((code, out), (1, "check stopped: cannot connect to %s: timed out (is it "
                                           "serving HTTPS on that port?)\n" % url))
-        self.assertLess(seconds, 2)
+        self.assertLess(seconds, 1)
 
     def test_an_endless_chunked_body_stops_at_the_byte_limit(self):
         # Before, check grew to 3 GB in 8 s reading one.
