@@ -201,7 +201,7 @@ PARKED_CHECK_SECONDS = 5.0          # how often a parked pull looks whether its 
 # Small stacks for the connection threads (1,000 parked pulls on a 32-bit Pi).
 THREAD_STACK_BYTES = 512 * 1024
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
-SIGNAL_POLL_SECONDS = 0.1           # how soon the main loop acts on a signal (SIGHUP, SIGTERM)
+ACCEPT_POLL_SECONDS = 0.05          # how often serve_forever looks whether to stop: a stop's delay
 STOP_GRACE_SECONDS = 10.0           # a stop's wait for the requests being answered
 
 LOCAL_TOKEN_PREFIX = "ohs_"
@@ -7316,21 +7316,26 @@ def run_until_signalled(server, ready):
     """Serve until SIGTERM or SIGINT, then stop gracefully: parked long-polls answer at once,
     in-flight pushes finish, and the process exits 0. ready() runs once the signals are handled:
     from then on, a SIGTERM is a graceful stop. A SIGHUP never stops it: it runs reload_files."""
-    # the handlers only append (an Event's set() could deadlock on a lock its wait holds)
+    # The handlers only append (an Event's set() could deadlock on a lock its wait holds); the
+    # byte each signal writes to wake_writer (set_wakeup_fd) ends the main thread's wait at once.
     signalled = []
     hangup = getattr(signal, "SIGHUP", None)  # none on Windows
+    wake_reader, wake_writer = socket.socketpair()
+    wake_writer.setblocking(False)
+    signal.set_wakeup_fd(wake_writer.fileno(), warn_on_full_buffer=False)
     for signum in (signal.SIGTERM, signal.SIGINT, hangup):
         if signum is not None:
             signal.signal(signum, lambda signum, frame: signalled.append(signum))
     threading.excepthook = lambda hook_args: server.log(
         "thread error: %s: %s" % (hook_args.exc_type.__name__, hook_args.exc_value))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                              name="accept")
+    thread = threading.Thread(target=server.serve_forever,
+                              kwargs={"poll_interval": ACCEPT_POLL_SECONDS}, name="accept")
     thread.start()
     ready()
     while True:  # the re-reads are done here, not in the handler, which may interrupt anything
         while not signalled:
-            time.sleep(SIGNAL_POLL_SECONDS)
+            select.select([wake_reader], [], [])
+            wake_reader.recv(512)
         if signalled.pop(0) != hangup:
             break
         reload_files(server)
