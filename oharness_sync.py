@@ -4318,6 +4318,15 @@ class Feed:
         self.version += 1
         self._last_page = None
 
+    def close(self):
+        """Close the file, and those a compaction replaced (no request uses the Feed: its store
+        evicts it)."""
+        with self.lock:
+            fds, self.fd, self._retired = [self.fd] + self._retired, None, []
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
+
     def _close_retired(self):
         """Close the fds a compaction replaced once no read uses them (not under the lock: closing
         the last fd of a replaced file frees it, which may take the disk a while)."""
@@ -4535,17 +4544,13 @@ class FeedStore:
         del self._feeds[key]
         with feed.lock:
             waiters, feed.waiters = feed.waiters, set()
-            fds, feed.fd = [feed.fd] + feed._retired, None
-            feed._retired = []
+        feed.close()
         if waiters:
             self.waiters_aside.setdefault(key, set()).update(waiters)
         if feed.damage is not None:
             self._damaged[key] = feed.damage
         self._evicted_counts[0] += feed.fsynced_pushes
         self._evicted_counts[1] += feed.fsyncs
-        for fd in fds:
-            if fd is not None:
-                os.close(fd)
 
     def highest_number(self):
         """The highest number any feed has used, purged ones and the last restore's jump too (a

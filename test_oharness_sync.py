@@ -1785,7 +1785,10 @@ class JwtAcceptTest(unittest.TestCase):
         verifier = JwtVerifier(secret=SECRET, clock=clock)
         token = hs256_token('{"sub":"u1","exp":1' + "0" * 400 + "}")
         self.assertEqual(verifier.verify(token), Identity("u1"))
-        self.assertEqual(verifier.cache._entries[TokenCache.digest(token)][1], NOW + 3600)
+        clock.advance(3599.9)  # kept an hour, as a token without exp
+        self.assertEqual(verifier.cached(token), Identity("u1"))
+        clock.advance(0.1)
+        self.assertIsNone(verifier.cached(token))
 
     def test_hs256_only_verifier(self):
         verifier = JwtVerifier(secret=SECRET, clock=FakeClock(NOW))
@@ -2094,8 +2097,11 @@ class VerifiedTokenCacheTest(unittest.TestCase):
         self.assertEqual(cache.get("a", 0), Identity("a"))
         self.assertEqual(cache.get("c", 0), Identity("c"))
         self.assertIsNone(cache.get("c", 100))
-        self.assertNotIn("a", [key for key in cache._entries])
-        self.assertIn(hashlib.sha256(b"a").digest(), cache._entries)
+        self.assertEqual(TokenCache.digest("a"), hashlib.sha256(b"a").digest())
+        # Entries are found by digest alone: two tokens of one digest share an entry.
+        with mock.patch.object(TokenCache, "digest", staticmethod(lambda token: b"one digest")):
+            cache.put("d", Identity("d"), 100)
+            self.assertEqual(cache.get("e", 0), Identity("d"))
 
     def test_default_bound(self):
         self.assertEqual(fixture_verifier().cache.max_entries, 10000)
@@ -2276,8 +2282,7 @@ class ForgedTokenTest(unittest.TestCase):
     def test_the_limits(self):
         self.assertEqual((sync.FAILED_CHECKS_PER_MINUTE, sync.FAILED_CHECKS_BURST), (20, 10))
         self.assertEqual((sync.FAILED_TOKEN_SECONDS, sync.FAILED_TOKENS), (600, 10000))
-        guarded = sync.Authenticator(None, server_config(jwt=fixture_verifier()),
-                                     sync.Metrics())._guarded_jwt
+        guarded = sync.GuardedVerifier(fixture_verifier(), self.failures)
         self.assertEqual(guarded.refused.max_entries, 10000)
         default = sync.Authenticator(None, server_config(), sync.Metrics()).failures
         self.assertEqual((default.rate, default.burst), (20 / 60.0, 10.0))
@@ -2327,11 +2332,12 @@ class ForgedTokenTest(unittest.TestCase):
         clock.now = YEAR_2100
         self.assertEqual(auth.identify("Bearer " + token, "198.51.100.7"),
                          Identity("user_rsa2048"))
-        # No key for its kid: the key may yet be added to the JWKS.
-        for _ in range(2):
-            self.assertEqual(self.refusal(TOKENS["rs256_unknown_kid"]),
-                             "no signing key for this token")
-        self.assertEqual(len(self.auth._guarded_jwt.refused), 0)
+        # No key for its kid: the key may yet be added to the JWKS (checked again each time).
+        with mock.patch.object(self.auth.jwt, "verify", wraps=self.auth.jwt.verify) as checks:
+            for _ in range(2):
+                self.assertEqual(self.refusal(TOKENS["rs256_unknown_kid"]),
+                                 "no signing key for this token")
+        self.assertEqual(checks.call_count, 2)
 
     def test_auth_unavailable_is_neither_remembered_nor_counted(self):
         # A JWKS file with the EC key only, then damaged: an RS256 token cannot be judged (503), 15
@@ -2346,11 +2352,13 @@ class ForgedTokenTest(unittest.TestCase):
         with open(path, "w") as handle:
             handle.write("{damaged")
         token = TOKENS["rs256_2048_valid_no_exp"]
-        for _ in range(15):
-            jwks_clock.advance(1)
-            with self.assertRaisesRegex(AuthUnavailable, "^its signing keys cannot be read$"):
-                auth.identify("Bearer " + token, "198.51.100.7")
-        self.assertEqual(len(auth._guarded_jwt.refused), 0)
+        with mock.patch.object(auth.jwt, "verify", wraps=auth.jwt.verify) as checks:
+            for _ in range(15):
+                jwks_clock.advance(1)
+                with self.assertRaisesRegex(AuthUnavailable,
+                                            "^its signing keys cannot be read$"):
+                    auth.identify("Bearer " + token, "198.51.100.7")
+        self.assertEqual(checks.call_count, 15)  # checked each time, never refused from memory
         # Readable again: the same token passes, and the client's bucket is still full.
         with open(path, "w") as handle:
             json.dump(JWKS, handle)
@@ -2799,7 +2807,7 @@ class FeedStoreTest(unittest.TestCase):
     def test_long_polls_on_projects_without_a_feed_leave_nothing_behind(self):
         for i in range(3):
             self.assertFalse(self.store.wait(self.owner, "made-up-%d" % i, 0, 0.01))
-        self.assertEqual(self.store._feeds, {})
+        self.assertEqual(self.store.feeds(), [])
         # A pull waiting on a project with no feed yet is woken by the push that makes it.
         woken = []
         waiter = threading.Thread(target=lambda: woken.append(self.store.wait(self.owner, "p", 0,
@@ -2838,11 +2846,11 @@ class FeedStoreTest(unittest.TestCase):
         store = self.store = feed_store(self.data_dir, self.log_lines.append, max_open=2)
         store.push(self.owner, "p", *validated([record("s", "a")]))
         thread, results = self.wait_in_thread("p", 1)
-        while not store._feeds[(self.owner, "p")].waiters:
+        while not store.feed(self.owner, "p").waiters:
             time.sleep(0.005)
         for project in ("q", "r"):
             store.push(self.owner, project, *validated([record()]))
-        self.assertNotIn((self.owner, "p"), store._feeds)
+        self.assertNotIn((self.owner, "p"), store.loaded())
         self.assertEqual(len(self.waiting_aside("p")), 1)
         self.assertEqual(store.push(self.owner, "p", *validated([record("s", "b")])), (2, 1))
         thread.join(5)
@@ -2857,10 +2865,11 @@ class FeedStoreTest(unittest.TestCase):
                 store.push(self.owner, "q", *validated([record()]))))
             pusher.start()
             pusher.join(0.3)
-            self.assertEqual((pusher.is_alive(), list(store._feeds.values())), (True, [held]))
+            self.assertEqual((pusher.is_alive(), store.feeds()), (True, [held]))
             self.assertEqual(held.fd is not None, True)
         pusher.join(5)
-        self.assertEqual((results, list(store._feeds)), ([(1, 1)], [(self.owner, "q")]))
+        self.assertEqual((results, store.loaded(), len(store.feeds())),
+                         ([(1, 1)], [(self.owner, "q")], 1))
 
     def test_a_damaged_feed_evicted_is_still_refused_and_counted_and_logged_once(self):
         store = self.store = feed_store(self.data_dir, self.log_lines.append, max_open=1)
@@ -3200,14 +3209,13 @@ class FeedStoreTest(unittest.TestCase):
                         *validated([record(record_id=str(i), body=big) for i in range(3)]))
         page = self.store.pull(self.owner, "p", 0, 500)
         self.assertEqual((page.cursor, len(page.records)), (4, 4))
-        # ~400 KiB: read once, not kept
-        self.assertIs(self.store.feed(self.owner, "p")._last_page[1], small)
+        # ~400 KiB: read once, not kept (a kept page is the one the same pull gets next)
         self.assertIsNot(self.store.pull(self.owner, "p", 0, 500), page)
 
     def test_empty_pushes_to_projects_without_a_feed_leave_nothing_behind(self):
         for i in range(3):
             self.assertEqual(self.store.push(self.owner, "made-up-%d" % i, *validated()), (0, 0))
-        self.assertEqual((self.store._feeds, self.feed_dirs()), ({}, []))
+        self.assertEqual((self.store.feeds(), self.feed_dirs()), ([], []))
         self.store.push(self.owner, "p", *validated([record()]))
         # the feed's cursor
         self.assertEqual(self.store.push(self.owner, "p", *validated()), (1, 0))
@@ -3256,10 +3264,7 @@ def apply_events(state, records, sessions):
 def close_store(store):
     """Close the files a FeedStore keeps open (one left behind for another on the same dir)."""
     for feed in store.feeds():
-        if feed.fd is not None:
-            os.close(feed.fd)
-            feed.fd = None
-        feed._close_retired()
+        feed.close()
 
 
 class FeedCompactionTest(unittest.TestCase):
@@ -3552,7 +3557,7 @@ class FeedCompactionTest(unittest.TestCase):
         # Records and metadata the compaction drops: read from the old file, at offsets the new one
         # has not.
         expected = store.pull(self.owner, "p", 1100, 300)
-        feed._last_page = None  # (so that the pull below reads the file)
+        store.pull(self.owner, "p", 0, 1)  # (one page is kept: the pull below reads the file)
         old_fd = feed.fd
         reading, swapped = threading.Event(), threading.Event()
         self.addCleanup(swapped.set)
@@ -3573,16 +3578,14 @@ class FeedCompactionTest(unittest.TestCase):
             self.assertTrue(reading.wait(10))
             feed.compact(0, 1)
             self.assertNotEqual(feed.fd, old_fd)
-            self.assertEqual(feed._retired, [old_fd])  # still being read: not closed
-            os.fstat(old_fd)
+            os.fstat(old_fd)  # still being read: not closed
             swapped.set()
             puller.join(10)
         page = pages[0]
         self.assertEqual((page.cursor, page.records, page.sessions, page.more),
                          (expected.cursor, expected.records, expected.sessions, expected.more))
         self.assertEqual((len(page.records), len(page.sessions), page.cursor), (100, 200, 1400))
-        self.assertEqual(feed._retired, [])  # closed once the read was over
-        with self.assertRaises(OSError):
+        with self.assertRaises(OSError):  # closed once the read was over
             os.fstat(old_fd)
 
 
@@ -3974,22 +3977,25 @@ class CompactorTest(unittest.TestCase):
         compactor = self.compactor
         real_pause = compactor.pause
 
-        # once the new file is being written aside, wait for the stop, then pause as usual
+        # once the new file is being written aside, pause until the stop ends the compaction
         def pause():
             if os.path.exists(feed.path + sync.COMPACT_SUFFIX):
                 entered.set()
                 deadline = time.monotonic() + 10
-                while not compactor._stopped.is_set() and time.monotonic() < deadline:
-                    time.sleep(0.005)
+                while time.monotonic() < deadline:
+                    real_pause()  # (raises CompactionStopped once stop() is called)
             real_pause()
 
         compactor.pause = pause
+        threads = set(threading.enumerate())
         with mock.patch.object(sync, "COMPACT_CHECK_SECONDS", 0.01):
             compactor.start()
             self.addCleanup(compactor.stop)
+            started = [thread for thread in set(threading.enumerate()) - threads
+                       if thread.name == "compactor"]
             self.assertTrue(entered.wait(10))
             compactor.stop()
-        self.assertFalse(compactor._thread.is_alive())
+        self.assertEqual([thread.is_alive() for thread in started], [False])
         self.assertEqual(self.contents(feed), before)
         self.assertFalse(os.path.exists(feed.path + sync.COMPACT_SUFFIX))
         self.assertEqual(self.log_lines, [])
@@ -4540,7 +4546,8 @@ class StoreTest(unittest.TestCase):
         docs = [memory_put("a", body="caf\u00e9 \U0001f600"),
                 memory_put("b", body='"quotes" \\ and \x01', type="project")]
         self.commit(docs + [memory_delete("c")])
-        manifest = self.store._manifest(self.files())
+        with open(self.files().manifest, "rb") as stream:  # (as the store reads it)
+            manifest = sync.Manifest.from_bytes(stream.read())
         entries = as_doc(self.store.snapshot(P, PROJECT))["entries"]
         self.assertEqual(manifest.entry_bytes, len(sync.encode_json(entries)))
 
