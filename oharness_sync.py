@@ -7047,25 +7047,38 @@ def is_loopback(host):
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def open_data_dir(path, log, create=True, deep=True):
-    """(absolute path, the directories made for it, outermost first) of a usable data dir, worked
-    on as its owner when root runs this (act_as_data_dir_owner, which says so to log); UsageError
-    when it cannot be used (check_data_dir_access, deep or not). A data dir is an existing
-    directory: only the server and `token issue` (create) make a missing one, so a mistyped --data
-    is not made by the other commands."""
+def open_data_dir(path, log, create=False, write=True, deep=True, tokens=False):
+    """(absolute path, the directories made for it, outermost first) of a data dir this command
+    may use, worked on as its owner when root runs it (act_as_data_dir_owner, which says so to
+    log); UsageError, worded alike for every command, when it cannot be used. A data dir is an
+    existing directory: only the server and `token issue` (create) make a missing one, so a
+    mistyped --data is made by no other command; they also make and remove a file in it (a
+    read-only file system, an ACL: what modes do not show), as they write at once. write: the
+    command may change the dir, else it only reads it; deep: every file's mode is checked, not
+    only the top's (check_data_dir_access); tokens: the token file must parse."""
     data_dir = os.path.abspath(path)
-    act_as_data_dir_owner(data_dir, log)
-    if not create and not os.path.isdir(data_dir):
-        raise UsageError("%s is not a data dir: %s" % (
-            data_dir, "not a directory" if os.path.exists(data_dir) else "no such directory"))
-    if os.path.isdir(data_dir):
-        check_data_dir_access(DataDir(data_dir), deep=deep)
     try:
-        created = make_dirs(os.path.realpath(data_dir))
-        probe = os.path.join(data_dir, ".write-test")
-        _remove(probe)  # (one a crash left, or a link: never followed)
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))
-        os.unlink(probe)
+        found = os.stat(data_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        found = None
+    except OSError as exc:
+        raise UsageError("cannot use data dir %s: %s" % (data_dir, reason(exc))) from None
+    if found is None and not create:
+        raise UsageError("%s is not a data dir: no such directory" % data_dir)
+    if found is not None and not stat.S_ISDIR(found.st_mode):
+        raise UsageError("%s is not a data dir: not a directory" % data_dir)
+    act_as_data_dir_owner(data_dir, log)
+    if found is not None:
+        check_data_dir_access(DataDir(data_dir), write=write, deep=deep)
+    created = []
+    try:
+        if found is None:
+            created = make_dirs(os.path.realpath(data_dir))
+        if create:
+            probe = os.path.join(data_dir, ".write-test")
+            _remove(probe)  # (one a crash left, or a link: never followed)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))
+            os.unlink(probe)
     except PermissionError as exc:
         owner = user_name(os.stat(data_dir).st_uid) if os.path.isdir(data_dir) else None
         raise UsageError("cannot use data dir %s: %s%s" % (
@@ -7073,12 +7086,14 @@ def open_data_dir(path, log, create=True, deep=True):
             "user, e.g. sudo -u %s python3 oharness_sync.py ..." % (owner, owner))) from None
     except OSError as exc:
         raise UsageError("cannot use data dir %s: %s" % (data_dir, reason(exc))) from None
-    tokens = TokenStore(data_dir)
-    try:
-        # the server starts with the tokens in force: a damaged file is the admin's to see now
-        tokens.read()
-    except (OSError, ValueError) as exc:
-        raise UsageError("cannot use the token file %s: %s" % (tokens.path, reason(exc))) from None
+    if tokens:
+        store = TokenStore(data_dir)
+        try:
+            # the tokens in force, before any work: a damaged file is the admin's to see now
+            store.read()
+        except (OSError, ValueError) as exc:
+            raise UsageError("cannot use the token file %s: %s"
+                             % (store.path, reason(exc))) from None
     return data_dir, created
 
 
@@ -7185,7 +7200,7 @@ def serve_command(argv, commands=()):
                          % (config.host, config.port, reason(exc))) from None
     created, lock = [], None
     try:
-        data_dir, created = open_data_dir(args.data, log)
+        data_dir, created = open_data_dir(args.data, log, create=True, tokens=True)
         lock = DataDirLock(data_dir)
         lock.acquire()
         raise_open_file_limit()
@@ -7947,7 +7962,7 @@ def token_command(argv):
     elif args.action == "revoke":
         token_id, hashed = revoked_token(args.token_id)
     data_dir, _ = open_data_dir(args.data, print_on_stderr, create=args.action == "issue",
-                                deep=False)
+                                write=args.action != "list", deep=False, tokens=True)
     tokens = TokenStore(data_dir)
     try:
         if args.action == "issue":
@@ -8276,7 +8291,7 @@ def fsck_command(argv):
                         help="cut torn last lines and remove unreferenced memory objects "
                              "(server stopped)")
     args = parser.parse_args(argv)
-    data_dir = existing_data_dir(args.data, write=args.repair)
+    data_dir, _ = open_data_dir(args.data, print_on_stderr, write=args.repair)
     lock = None
     if args.repair:  # a repair must not race the server's own appends
         lock = DataDirLock(data_dir, tool="fsck --repair")
@@ -10017,18 +10032,6 @@ def replicate_command(argv):
 # usage: what each owner stores
 # -------------------------------------------------------------------------------------------------
 
-def existing_data_dir(path, write=True):
-    """The absolute path of an existing data dir this command may read (and with write, change),
-    worked on as its owner when root runs it (act_as_data_dir_owner); UsageError otherwise
-    (nothing is created)."""
-    data_dir = os.path.abspath(path)
-    if not os.path.isdir(data_dir):
-        raise UsageError("%s is not a directory" % data_dir)
-    act_as_data_dir_owner(data_dir, print_on_stderr)
-    check_data_dir_access(DataDir(data_dir), write=write)
-    return data_dir
-
-
 def print_on_stderr(line):
     print(line, file=sys.stderr, flush=True)
 
@@ -10180,8 +10183,9 @@ def usage_command(argv):
     args = parser.parse_args(argv)
     retain_ms = check_retain(args.retain_deleted_days)
     principals = principals_from_flag(args.principals_file)
-    report = usage_report(existing_data_dir(args.data, write=False), int(time.time() * 1000),
-                          retain_ms, quotas=principals and principals.quotas)
+    data_dir, _ = open_data_dir(args.data, print_on_stderr, write=False)
+    report = usage_report(data_dir, int(time.time() * 1000), retain_ms,
+                          quotas=principals and principals.quotas)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
@@ -10201,7 +10205,7 @@ def compact_command(argv):
     retain_flag(parser)
     args = parser.parse_args(argv)
     retain_ms = check_retain(args.retain_deleted_days)
-    data_dir = existing_data_dir(args.data)
+    data_dir, _ = open_data_dir(args.data, print_on_stderr)
     lock = DataDirLock(data_dir, tool="compact")
     lock.acquire()
     failed, freed, compacted, unchanged = 0, 0, 0, 0
@@ -10261,7 +10265,7 @@ def purge_command(argv):
     args = parser.parse_args(argv)
     if not is_valid_id(args.principal):
         raise UsageError("--principal must be an id ([A-Za-z0-9_-], 1 to 128 characters)")
-    data_dir = existing_data_dir(args.data, write=not args.dry_run)
+    data_dir, _ = open_data_dir(args.data, print_on_stderr, write=not args.dry_run)
     lock = DataDirLock(data_dir, tool="purge")
     try:
         lock.acquire()
@@ -10393,7 +10397,7 @@ def backup_command(argv):
     where.add_argument("--mark-restored", action="store_true",
                        help="mark DIR, restored some other way, as a copy (server stopped)")
     args = parser.parse_args(argv)
-    data_dir = existing_data_dir(args.data, write=args.mark_restored)
+    data_dir, _ = open_data_dir(args.data, print_on_stderr, write=args.mark_restored)
     if args.mark_restored:
         return mark_restored(data_dir)
     if args.tar == "-":

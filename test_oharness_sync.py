@@ -6649,12 +6649,12 @@ class ToolsBadInputTest(DataDirToolCase):
                      ["compact", "--data", missing],
                      ["purge", "--data", missing, "--principal", "alice"],
                      ["purge", "--data", missing, "--principal", "alice", "--dry-run"]):
-            self.assertRefused(argv, "%s is not a directory" % missing)
+            self.assertRefused(argv, "%s is not a data dir: no such directory" % missing)
             self.assertFalse(os.path.exists(missing))
         a_file = self.layout.tokens
         for argv in (["usage", "--data", a_file], ["compact", "--data", a_file],
                      ["purge", "--data", a_file, "--principal", "alice"]):
-            self.assertRefused(argv, "%s is not a directory" % a_file)
+            self.assertRefused(argv, "%s is not a data dir: not a directory" % a_file)
 
     def test_negative_or_unreadable_retention_days(self):
         for command in ("usage", "compact"):
@@ -13291,7 +13291,8 @@ class CommandLineTest(unittest.TestCase):
             return real_open(path, *args, **kwargs)
         with mock.patch.object(sync.os, "open", refusing_open), \
                 mock.patch.object(sync, "user_name", lambda uid: "oharness"):
-            code, out, err = run_main("token", "list", "--data", self.data_dir)
+            code, out, err = run_main("token", "issue", "--data", self.data_dir,
+                                     "--principal", "alice")
         self.assertEqual((code, out), (2, ""))
         self.assertEqual(err,
                          "oharness-sync: error: cannot use data dir %s: Permission denied; it "
@@ -13450,18 +13451,26 @@ class CommandLineTest(unittest.TestCase):
             self.assertEqual(len([line for line in lines if line.startswith("  " + flag)]), 1,
                              flag)
 
-    def test_token_list_and_revoke_refuse_a_data_dir_that_is_not_there_and_make_none(self):
+    def test_every_data_dir_command_refuses_a_missing_dir_or_a_file_alike(self):
         missing = os.path.join(self.data_dir, "typo", "data")
-        blocker = os.path.join(self.data_dir, "file")
-        open(blocker, "w").close()
-        for path, why in ((missing, "no such directory"), (blocker, "not a directory")):
-            for args in (["token", "list", "--data", path],
-                         ["token", "revoke", "--data", path, "0123456789ab"]):
-                result = run_module(*args)
-                self.assertEqual((result.returncode, result.stdout, result.stderr),
+        a_file = os.path.join(self.data_dir, "file")
+        open(a_file, "w").close()
+        dest = os.path.join(self.data_dir, "copy")
+        making = (["token", "issue", "--principal", "alice"], ["--port", "0"])
+        commands = making + (["token", "list"], ["token", "revoke", "0123456789ab"], ["fsck"],
+                             ["fsck", "--repair"], ["usage"], ["compact"],
+                             ["purge", "--principal", "alice"],
+                             ["purge", "--principal", "alice", "--dry-run"],
+                             ["backup", "--to", dest], ["backup", "--mark-restored"])
+        # (a missing one the server and token issue make: the tests around this one say so)
+        for path, why, argvs in ((missing, "no such directory", commands[len(making):]),
+                                 (a_file, "not a directory", commands)):
+            for argv in argvs:
+                self.assertEqual(run_main(*argv + ["--data", path]),
                                  (2, "", "oharness-sync: error: %s is not a data dir: %s\n"
-                                  % (path, why)), args)
-        self.assertEqual(sorted(os.listdir(self.data_dir)), ["file"])
+                                  % (path, why)), argv)
+        self.assertEqual(os.listdir(self.data_dir), ["file"])
+        self.assertEqual(os.path.getsize(a_file), 0)
 
     def test_token_issue_with_a_bad_flag_makes_no_data_dir(self):
         new = os.path.join(self.data_dir, "new")
