@@ -5719,7 +5719,7 @@ class SyncApp:
             for method in methods:
                 self.metrics.expect(route, method)
         self.parked = {}                  # the requests of long-polls waiting now -> FeedWaiter
-        self._parked_by = {}              # principal -> the requests of its long-polls parked now
+        self.parked_by = {}               # principal -> the requests of its long-polls parked now
         self._parked_lock = threading.Lock()
         self._watching = False            # whether watch_tokens runs
         self.metrics.gauge("oharness_sync_long_polls_parked", "Long-polls parked now.",
@@ -5895,9 +5895,9 @@ class SyncApp:
         waiter = FeedWaiter(on_event)
         with self._parked_lock:  # (the counts and the adds, together)
             if (len(self.parked) >= self.max_parked
-                    or len(self._parked_by.get(principal, ())) >= max(1, self.max_parked // 2)):
+                    or len(self.parked_by.get(principal, ())) >= max(1, self.max_parked // 2)):
                 return make_response()
-            mine = self._parked_by.setdefault(principal, set())
+            mine = self.parked_by.setdefault(principal, set())
             self.parked[request] = waiter
             mine.add(request)
             watch, self._watching = not self._watching, True
@@ -5930,8 +5930,8 @@ class SyncApp:
         mine.discard(request)
         if not mine:
             with self._parked_lock:
-                if not mine and self._parked_by.get(principal) is mine:
-                    del self._parked_by[principal]
+                if not mine and self.parked_by.get(principal) is mine:
+                    del self.parked_by[principal]
 
     def start_watching(self):
         """Start watch_tokens in a thread of its own."""
@@ -6051,7 +6051,6 @@ _REQUEST_LINE = re.compile(r"(" + _TOKEN + r") ([\x21-\x7e]+) (HTTP/[0-9]\.[0-9]
 _FIELD_LINE = re.compile(r"(" + _TOKEN + r"):([\t\x20-\x7e\x80-\xff]*)\r\n")
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,8})(;[\t\x20-\x7e\x80-\xff]*)?\r\n")
 _QUERY = re.compile(r"\?.*?(?= HTTP/[0-9]\.[0-9]$|$)")  # to the version, spaces and all
-_DONT_WAIT = getattr(socket, "MSG_DONTWAIT", None)  # (not on Windows)
 LATE_REQUEST_NOTE = "closed a connection whose request did not arrive in time"
 HEAD_TOO_LARGE = "request head larger than %d bytes or with more than %d header fields" % (
     MAX_HEAD_BYTES, MAX_HEADERS - 1)
@@ -6217,11 +6216,12 @@ class Watchdog:
     def _run(self):
         while not self._stopped.wait(SWEEP_SECONDS):
             try:
-                self._end_late(time.monotonic())
+                self.end_late(time.monotonic())
             except Exception as exc:  # it must live on: without it no connection has a time limit
                 self.log("watchdog: %s: %s" % (type(exc).__name__, exc))
 
-    def _end_late(self, now, quiet=False):
+    def end_late(self, now, quiet=False):
+        """One sweep: end every socket late at now (quiet: without logging its note)."""
         # Ended under the lock (neither waits): a socket armed again or disarmed a moment ago is
         # not late.
         with self._lock:
@@ -6239,7 +6239,7 @@ class Watchdog:
     def stop(self):
         """Stop watching; the sockets still watched are ended now."""
         self._stopped.set()
-        self._end_late(float("inf"), quiet=True)
+        self.end_late(float("inf"), quiet=True)
 
 
 def shut_down(sock):
@@ -6263,6 +6263,9 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "oharness-sync/" + __version__
     disable_nagle_algorithm = True
+    # The flag of a send or a peek that does not wait; None where there is none (Windows): then no
+    # early answer and no look for a parked pull's client.
+    dont_wait = getattr(socket, "MSG_DONTWAIT", None)
 
     def setup(self):
         super().setup()
@@ -6444,13 +6447,13 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         request, sends nothing. Not under TLS: its records are not for two threads to write; there
         the connection's own thread answers."""
         with self.early_lock:
-            if self.held is not request or self.server.tls is not None or _DONT_WAIT is None:
+            if self.held is not request or self.server.tls is not None or self.dont_wait is None:
                 return
             response = make_response()
             self.held = None
             data = self.response_bytes(response, self.command)
             try:
-                sent = socket.socket.send(self.connection, data, _DONT_WAIT)
+                sent = socket.socket.send(self.connection, data, self.dont_wait)
             except OSError:  # the send buffer is full (or the client left): all for write_response
                 sent = 0
             self.early = (response, data[sent:])
@@ -6466,10 +6469,10 @@ class SyncRequestHandler(http.server.BaseHTTPRequestHandler):
         """True when the client has closed its side or reset the connection. Asked while a pull is
         parked: what it may have pipelined meanwhile stays unread. (Under TLS a closing client's
         last record is data to this look, so there it waits out the pull.)"""
-        if _DONT_WAIT is None:
+        if self.dont_wait is None:
             return False  # (no such look here: the pull waits out its time)
         try:
-            return not socket.socket.recv(self.connection, 1, socket.MSG_PEEK | _DONT_WAIT)
+            return not socket.socket.recv(self.connection, 1, socket.MSG_PEEK | self.dont_wait)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
