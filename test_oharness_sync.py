@@ -13913,6 +13913,31 @@ class RunningAsTheOwnerTest(unittest.TestCase):
                               "oharness-sync: error: cannot read %s: it is root's, mode 0700; %s\n"
                               % (self.data_dir, fix)), command)
 
+    def test_a_user_who_may_only_read_the_dir_can_run_what_only_reads_it(self):
+        give_tree(self.data_dir, 0)  # root's, and anyone may read it
+        for top, dirs, files in os.walk(self.data_dir):
+            os.chmod(top, 0o755)
+            for name in files:
+                os.chmod(os.path.join(top, name), 0o644)
+        copies = tempfile.mkdtemp(prefix="ohs-test-")
+        self.addCleanup(shutil.rmtree, copies, True)
+        os.chown(copies, self.NOBODY, self.NOBODY)
+        before = self.owners()
+        for argv in (["token", "list"], ["usage"], ["fsck"],
+                     ["purge", "--principal", "alice", "--dry-run"],
+                     ["backup", "--to", os.path.join(copies, "copy")]):
+            code, _, stderr = self.run_command(*argv + ["--data", self.data_dir],
+                                               user=self.NOBODY)
+            self.assertEqual((code, stderr), (0, ""), argv)
+        fix = "run this as root, the data dir's owner: sudo -u root python3 oharness_sync.py ..."
+        for argv in (["token", "revoke", self.token[4:16]], ["fsck", "--repair"], ["compact"],
+                     ["purge", "--principal", "alice"], ["backup", "--mark-restored"]):
+            self.assertEqual(self.run_command(*argv + ["--data", self.data_dir],
+                                              user=self.NOBODY),
+                             (2, "", "oharness-sync: error: cannot write %s: it is root's, mode "
+                                     "0755; %s\n" % (self.data_dir, fix)), argv)
+        self.assertEqual(self.owners(), before)  # nothing made, nothing given away
+
     def test_a_feed_the_server_cannot_read_answers_500_never_an_empty_200(self):
         server = SubprocessServer(self.data_dir)
         try:
