@@ -14444,6 +14444,19 @@ class FaultySyncHandler(BaseHTTPRequestHandler):
         self.answer(200, {"cursor": len(feed) + len(new), "accepted": len(new)})
 
 
+def serve_in_thread(case, server):
+    """Serve server (an http.server, or a SyncServer) from a thread of its own until case's cleanup
+    stops it. serve_forever looks for the stop every 10 ms: its default, half a second, would be
+    waited for at each stop."""
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01},
+                     daemon=True).start()
+    if isinstance(server, sync.SyncServer):
+        case.addCleanup(server.stop, 0)
+    else:
+        case.addCleanup(server.server_close)
+        case.addCleanup(server.shutdown)
+
+
 def start_faulty_server(case, fault, feeds=None):
     """A FaultySyncHandler server with this fault and these feeds, stopped at case's cleanup: its
     URL (and the server, which counts its pulls, as case.faulty)."""
@@ -14451,11 +14464,7 @@ def start_faulty_server(case, fault, feeds=None):
     server.fault, server.feeds, server.changed = fault, dict(feeds or {}), threading.Condition()
     server.pulls = 0
     case.faulty = server
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01},
-                              daemon=True)
-    thread.start()
-    case.addCleanup(server.server_close)
-    case.addCleanup(server.shutdown)
+    serve_in_thread(case, server)
     return "http://127.0.0.1:%d" % server.server_address[1]
 
 
@@ -14806,8 +14815,7 @@ class CheckTlsTest(ServerCase):
         lines = []  # (the plain server's log: its refusal of the TLS hello, kept off stderr)
         plain = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), server_config(),
                                   CapturingLog(lines))
-        threading.Thread(target=plain.serve_forever, daemon=True).start()
-        self.addCleanup(plain.stop, 0)
+        serve_in_thread(self, plain)
         url = plain.url.replace("http:", "https:")
         code, out, err = run_check_command("--url", url, "--token", self.alice)
         self.assertEqual((code, out),
@@ -14850,8 +14858,7 @@ class CheckUsageTest(unittest.TestCase):
     def test_a_token_on_the_command_line_works_with_a_warning_and_a_token_file_without(self):
         server = sync.build_server(tempfile.mkdtemp(prefix="ohs-test-"), server_config(),
                                    sync.Log(quiet=True))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        self.addCleanup(server.stop, 0)
+        serve_in_thread(self, server)
         token, _ = sync.TokenStore(server.app.feeds.layout.path).issue("alice")
         server.app.auth.local.reload()
         argv = ["check", "--url", server.url]
@@ -14879,9 +14886,7 @@ class CheckUsageTest(unittest.TestCase):
             def log_message(self, *args):
                 pass
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        self.addCleanup(httpd.server_close)
-        self.addCleanup(httpd.shutdown)
+        serve_in_thread(self, httpd)
         url = "http://127.0.0.1:%d" % httpd.server_address[1]
         code, out, err = run_check_command("--url", url, "--token", "a-token-for-this")
         self.assertEqual((code, out, err),
