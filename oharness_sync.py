@@ -3561,6 +3561,23 @@ class _Batch:
         self.outcome = None
         self.woken = None                      # its Condition, made when its push has to wait
 
+    def still_there(self, keys, meta):
+        """Whether every record and metadata entry its push found already there still is, in a
+        feed's keys and meta (its lock held)."""
+        return (all(key in keys for key in self.skipped_keys)
+                and not any(metadata_wins(stamp, meta.get(session_id))
+                            for session_id, stamp in self.skipped_meta))
+
+    def undo(self, keys, meta):
+        """Take its records' keys and its metadata wins out of a feed's keys and meta again (its
+        write failed; newer batches first)."""
+        for session_id, old in reversed(self.undo_meta):
+            if old is None:
+                del meta[session_id]
+            else:
+                meta[session_id] = old
+        keys.difference_update(self.keys)
+
 
 class FeedWaiter:
     """A wait for a feed's next durable event (a parked pull's): the Condition it waits on, and
@@ -3680,6 +3697,15 @@ class CompactionPlan:
         self.erase = erase
         self.stamp = stamp
         self.now_ms = now_ms
+
+    def restamp(self, winners):
+        """Give the winning lines it stamped their time in a feed's winners (session id -> (number,
+        size, deleted, stored)), where no later line has won since."""
+        for session_id in self.stamp:
+            number, size, deleted, _ = winners[session_id]
+            if number == self.summary.winners[session_id][0]:
+                winners[session_id] = (number, size + len(b',"t":%d' % self.now_ms), deleted,
+                                       self.now_ms)
 
     def drops(self):
         """Whether it drops or changes a line at all."""
@@ -4124,13 +4150,15 @@ class Feed:
         else:
             group += self.pending  # numbered after the failed events: they fail with them
             self.pending = []
-            self._undo(group)
+            for queued in reversed(group):
+                queued.undo(self.keys, self.meta)
+            self.next_number = self.index.end + 1
             self.log("push to %s failed: %s" % (self.path, reason(failure)))
             outcome = StorageError("storage failure: %s" % reason(failure))
             for queued in group:
                 # A push that added nothing fails only when what it found there was in the failed
                 # write.
-                held = not queued.lines and self._still_there(queued)
+                held = not queued.lines and queued.still_there(self.keys, self.meta)
                 queued.outcome = (self.index.end, 0) if held else outcome
         for queued in group:
             if queued.woken is not None:
@@ -4139,24 +4167,6 @@ class Feed:
             # Queued meanwhile (so waiting): its push flushes the next group.
             self.pending[0].woken.notify()
         return woken if failure is None and lines else ()
-
-    def _still_there(self, batch):
-        """Whether every record and metadata entry batch's push found already there still is (lock
-        held)."""
-        return (all(key in self.keys for key in batch.skipped_keys)
-                and not any(metadata_wins(stamp, self.meta.get(session_id))
-                            for session_id, stamp in batch.skipped_meta))
-
-    def _undo(self, batches):
-        """Forget queued batches whose write failed, newest first; they all fail (StorageError)."""
-        for queued in reversed(batches):
-            for session_id, old in reversed(queued.undo_meta):
-                if old is None:
-                    del self.meta[session_id]
-                else:
-                    self.meta[session_id] = old
-            self.keys.difference_update(queued.keys)
-        self.next_number = self.index.end + 1
 
     def _write(self, data):
         """Append data and fsync it; the seconds that took. On failure, cut the file back to its
@@ -4275,11 +4285,7 @@ class Feed:
                         size = self.index.offsets[-1]
                         self._swap(aside, index, lines, durable_end)
                         self.superseded_bytes -= plan.summary.superseded_bytes
-                        for session_id in plan.stamp:
-                            number, size_then, deleted, _ = self.winners[session_id]
-                            if number == plan.summary.winners[session_id][0]:  # (no later winner)
-                                self.winners[session_id] = (
-                                    number, size_then + len(b',"t":%d' % now_ms), deleted, now_ms)
+                        plan.restamp(self.winners)
                         self.erased |= plan.erase
                         # Still under the lock: no push is answered from the new file before its
                         # name is durable. Should this fail, the feed is on the new file already.

@@ -3277,6 +3277,19 @@ class FeedCompactionTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, path, True)
         return path
 
+    def test_a_plan_restamps_the_winners_it_stamped_unless_a_later_line_won(self):
+        summary = sync.FeedSummary()
+        summary.winners = {"old": (3, 40, True, None), "later": (4, 50, True, None),
+                           "kept": (5, 60, False, 1000), "gone": (6, 70, True, 1000)}
+        plan = sync.plan_compaction(summary, 1000 + self.retain_ms, self.retain_ms)
+        self.assertEqual((plan.stamp, plan.erase), ({"old", "later"}, {"gone"}))
+        winners = dict(summary.winners, later=(9, 55, True, 2000))  # won after the summary
+        plan.restamp(winners)
+        stamp = len(b',"t":%d' % (1000 + self.retain_ms))
+        self.assertEqual(winners, {"old": (3, 40 + stamp, True, 1000 + self.retain_ms),
+                                   "later": (9, 55, True, 2000), "kept": (5, 60, False, 1000),
+                                   "gone": (6, 70, True, 1000)})
+
     # -- the property: from every cursor handed out, a client pulling on ends where it would have
     # ---------
 
