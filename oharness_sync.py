@@ -201,7 +201,8 @@ PARKED_CHECK_SECONDS = 5.0          # how often a parked pull looks whether its 
 # Small stacks for the connection threads (1,000 parked pulls on a 32-bit Pi).
 THREAD_STACK_BYTES = 512 * 1024
 TOKEN_RELOAD_SECONDS = 1.0          # how often a running server looks at the token file
-ACCEPT_POLL_SECONDS = 0.05          # how often serve_forever looks whether to stop: a stop's delay
+ACCEPT_POLL_SECONDS = 0.5           # how often serve_forever looks whether to stop (a stop wakes
+# it at once where shutting its socket ends a poll, as on Linux)
 STOP_GRACE_SECONDS = 10.0           # a stop's wait for the requests being answered
 
 LOCAL_TOKEN_PREFIX = "ohs_"
@@ -6758,6 +6759,10 @@ class SyncServer(http.server.ThreadingHTTPServer):
         connection, answer parked long-polls at once, give the requests being answered up to grace
         seconds (in-flight pushes finish), then end every connection."""
         self.stopping.set()                    # responses close their connections
+        try:  # ends serve_forever's wait for a connection at once (Linux), not at its next look
+            self.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.shutdown()                        # serve_forever returns: no new connection
         self.socket.close()
         self.app.feeds.stop()
