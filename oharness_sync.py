@@ -7356,23 +7356,28 @@ def run_until_signalled(server, ready):
     hangup = getattr(signal, "SIGHUP", None)  # none on Windows
     wake_reader, wake_writer = socket.socketpair()
     wake_writer.setblocking(False)
-    signal.set_wakeup_fd(wake_writer.fileno(), warn_on_full_buffer=False)
-    for signum in (signal.SIGTERM, signal.SIGINT, hangup):
-        if signum is not None:
-            signal.signal(signum, lambda signum, frame: signalled.append(signum))
-    threading.excepthook = lambda hook_args: server.log(
-        "thread error: %s: %s" % (hook_args.exc_type.__name__, hook_args.exc_value))
-    thread = threading.Thread(target=server.serve_forever,
-                              kwargs={"poll_interval": ACCEPT_POLL_SECONDS}, name="accept")
-    thread.start()
-    ready()
-    while True:  # the re-reads are done here, not in the handler, which may interrupt anything
-        while not signalled:
-            select.select([wake_reader], [], [])
-            wake_reader.recv(512)
-        if signalled.pop(0) != hangup:
-            break
-        reload_files(server)
+    previous = signal.set_wakeup_fd(wake_writer.fileno(), warn_on_full_buffer=False)
+    try:
+        for signum in (signal.SIGTERM, signal.SIGINT, hangup):
+            if signum is not None:
+                signal.signal(signum, lambda signum, frame: signalled.append(signum))
+        threading.excepthook = lambda hook_args: server.log(
+            "thread error: %s: %s" % (hook_args.exc_type.__name__, hook_args.exc_value))
+        thread = threading.Thread(target=server.serve_forever,
+                                  kwargs={"poll_interval": ACCEPT_POLL_SECONDS}, name="accept")
+        thread.start()
+        ready()
+        while True:  # the re-reads are done here, not in the handler, which may interrupt anything
+            while not signalled:
+                select.select([wake_reader], [], [])
+                wake_reader.recv(512)
+            if signalled.pop(0) != hangup:
+                break
+            reload_files(server)
+    finally:  # (a closed socket's fd number is soon another file's: no signal may write to it)
+        signal.set_wakeup_fd(previous)
+        wake_reader.close()
+        wake_writer.close()
     server.stop(STOP_GRACE_SECONDS)
     pushes, fsyncs = server.app.feeds.commit_counts()
     server.log("stopped: %s made durable with %s"
