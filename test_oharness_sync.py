@@ -14486,8 +14486,9 @@ def sweep_often(case):
 
 def serve_in_thread(case, server):
     """Serve server (an http.server, or a SyncServer) from a thread of its own until case's cleanup
-    stops it. serve_forever looks for the stop every 10 ms: its default, half a second, would be
-    waited for at each stop."""
+    stops it. serve_forever looks for the stop every 10 ms: a plain http.server's shutdown would
+    wait out its default, half a second (a SyncServer's stop ends the wait at once on Linux only,
+    so the tests' servers poll often everywhere)."""
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01},
                      daemon=True).start()
     if isinstance(server, sync.SyncServer):
